@@ -1,0 +1,64 @@
+"""hf_dist: distributed fine-tuning for Hugging Face models, decided by memory math.
+
+The public API is imported lazily: ``import hf_dist`` imports neither torch-heavy modules nor
+deepspeed; each name is loaded from its module on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY = {
+    "ModelSpec": "hf_dist.modelinfo",
+    "model_spec": "hf_dist.modelinfo",
+    "MemoryEstimate": "hf_dist.memory",
+    "estimate_memory": "hf_dist.memory",
+    "STRATEGIES": "hf_dist.memory",
+    "Hardware": "hf_dist.hardware",
+    "detect_hardware": "hf_dist.hardware",
+    "Plan": "hf_dist.planner",
+    "Candidate": "hf_dist.planner",
+    "plan": "hf_dist.planner",
+    "fsdp_wrap_classes": "hf_dist.wrap",
+    "auto_args": "hf_dist.configs.training_args",
+    "fsdp_config": "hf_dist.configs.fsdp",
+    "deepspeed_config": "hf_dist.configs.deepspeed",
+    "accelerate_config": "hf_dist.configs.accelerate",
+    "convert": "hf_dist.checkpoint.convert",
+    "verify": "hf_dist.checkpoint.verify",
+    "auto_resume": "hf_dist.callbacks.resume",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hf_dist' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hf_dist.callbacks.resume import auto_resume
+    from hf_dist.checkpoint.convert import convert
+    from hf_dist.checkpoint.verify import verify
+    from hf_dist.configs.accelerate import accelerate_config
+    from hf_dist.configs.deepspeed import deepspeed_config
+    from hf_dist.configs.fsdp import fsdp_config
+    from hf_dist.configs.training_args import auto_args
+    from hf_dist.hardware import Hardware, detect_hardware
+    from hf_dist.memory import STRATEGIES, MemoryEstimate, estimate_memory
+    from hf_dist.modelinfo import ModelSpec, model_spec
+    from hf_dist.planner import Candidate, Plan, plan
+    from hf_dist.wrap import fsdp_wrap_classes

@@ -1,0 +1,70 @@
+"""`hf-dist` entry point. Registers one subcommand per module in ``hf_dist.cli``.
+
+Each subcommand module defines ``register(subparsers) -> argparse.ArgumentParser`` (which sets
+``func`` as the parser default) and keeps heavy imports inside the function that runs it, so
+``hf-dist --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand name -> module under hf_dist.cli
+SUBCOMMANDS = {
+    "plan": "plan",
+    "config": "config",
+    "env": "env",
+    "convert": "convert",
+    "verify": "verify",
+    "reshard": "reshard",
+    "bench": "bench",
+}
+
+EPILOG = """examples:
+  hf-dist plan meta-llama/Llama-3.1-8B --gpus 8 --gpu-memory 80
+  hf-dist config --strategy fsdp_full_shard --out fsdp.yaml
+  hf-dist convert out/checkpoint-500 out/hf-model
+  hf-dist verify out/checkpoint-500 out/hf-model --logits
+  hf-dist env
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-dist",
+        description="Distributed fine-tuning for Hugging Face models: plan, configure, convert checkpoints.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from hf_dist import __version__
+
+    parser.add_argument("--version", action="version", version=f"hf-dist {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in SUBCOMMANDS.values():
+        try:
+            module = importlib.import_module(f"hf_dist.cli.{module_name}")
+        except ModuleNotFoundError as exc:  # subcommand not built in this checkout
+            if exc.name != f"hf_dist.cli.{module_name}":
+                raise
+            continue
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as exc:
+        print(f"hf-dist {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Helpers for running real ranks on CPU over gloo, shared by tests, benchmarks and recipes' checks.
+
+Nothing here is needed at training time; it exists so every distributed test launches ranks
+the same way a user would (``torchrun`` / ``accelerate launch``) with a bounded time.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cpu_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for CPU ranks: one thread per rank, offline hub, quiet logs, repo importable."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+            "ACCELERATE_USE_CPU": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")])),
+        }
+    )
+    if extra:
+        env.update(extra)
+    return env
+
+
+def torchrun(
+    script: str | Path,
+    args: Sequence[str] = (),
+    *,
+    nproc: int = 2,
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+    cwd: str | Path | None = None,
+    extra_launcher_args: Sequence[str] = (),
+) -> subprocess.CompletedProcess:
+    """Run ``script`` on ``nproc`` CPU ranks with torchrun; raise with the output on failure."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        *extra_launcher_args,
+        str(script),
+        *map(str, args),
+    ]
+    return run_checked(cmd, env=cpu_env(env), timeout=timeout, cwd=cwd)
+
+
+def accelerate_launch(
+    script: str | Path,
+    args: Sequence[str] = (),
+    *,
+    config_file: str | Path | None = None,
+    nproc: int = 2,
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+    cwd: str | Path | None = None,
+) -> subprocess.CompletedProcess:
+    """Run ``script`` with ``accelerate launch`` on ``nproc`` CPU processes."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    if config_file is not None:
+        cmd += ["--config_file", str(config_file)]
+    cmd += ["--num_processes", str(nproc), "--main_process_port", str(free_port()), str(script), *map(str, args)]
+    return run_checked(cmd, env=cpu_env(env), timeout=timeout, cwd=cwd)
+
+
+def run_checked(cmd: Sequence[str], *, env: dict[str, str], timeout: float, cwd=None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(list(cmd), env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        tail = (proc.stdout[-4000:] + "\n--- stderr ---\n" + proc.stderr[-8000:]).strip()
+        raise RuntimeError(f"command failed with exit code {proc.returncode}: {' '.join(cmd)}\n{tail}")
+    return proc
+
+
+def tiny_llama_config(**overrides):
+    """A Llama config small enough for 2 CPU ranks to train in seconds."""
+    from transformers import LlamaConfig
+
+    kwargs = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)

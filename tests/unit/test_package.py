@@ -1,0 +1,27 @@
+import subprocess
+import sys
+
+
+def test_import_is_lazy():
+    """`import hf_dist` must not pull in deepspeed, transformers models or torch.distributed work."""
+    code = "import sys, hf_dist; bad = [m for m in ('deepspeed', 'transformers', 'peft') if m in sys.modules]; print(bad)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]"
+
+
+def test_unknown_attribute_raises():
+    import hf_dist
+
+    try:
+        hf_dist.no_such_thing  # noqa: B018
+    except AttributeError as exc:
+        assert "no_such_thing" in str(exc)
+    else:
+        raise AssertionError("expected AttributeError")
+
+
+def test_cli_help_lists_examples():
+    out = subprocess.run(
+        [sys.executable, "-m", "hf_dist", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "examples:" in out and "hf-dist plan" in out
