@@ -1,0 +1,21 @@
+"""Config factories: a strategy (usually from a :class:`hf_dist.planner.Plan`) becomes
+``TrainingArguments`` kwargs, an FSDP config, a DeepSpeed JSON or an accelerate YAML.
+
+Every factory is a pure function of its arguments (no environment, files or process groups),
+so the same inputs always give the same config and the shipped YAMLs can be regenerated.
+"""
+
+from __future__ import annotations
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op", "hsdp")
+FSDP_STRATEGIES = ("fsdp_full_shard", "fsdp_shard_grad_op", "hsdp")
+DEEPSPEED_STRATEGIES = ("zero1", "zero2", "zero3")
+OFFLOADS = ("none", "optimizer", "optimizer+params")
+MIXED_PRECISIONS = ("bf16", "fp16", "no")
+
+
+def check_choice(name: str, value: object, allowed: tuple[str, ...], hint: str = "") -> str:
+    """Return ``value`` if allowed, else raise a ValueError naming the allowed values."""
+    if value not in allowed:
+        raise ValueError(f"unknown {name} {value!r}; allowed: {', '.join(allowed)}.{(' ' + hint) if hint else ''}")
+    return value  # type: ignore[return-value]
