@@ -23,6 +23,7 @@ _LAZY = {
     "Plan": "hf_dist.planner",
     "Candidate": "hf_dist.planner",
     "plan": "hf_dist.planner",
+    "PlanError": "hf_dist.planner",
     "fsdp_wrap_classes": "hf_dist.wrap",
     "auto_args": "hf_dist.configs.training_args",
     "fsdp_config": "hf_dist.configs.fsdp",
@@ -31,6 +32,8 @@ _LAZY = {
     "convert": "hf_dist.checkpoint.convert",
     "verify": "hf_dist.checkpoint.verify",
     "auto_resume": "hf_dist.callbacks.resume",
+    "prepare_resume": "hf_dist.reshard",
+    "run_bench": "hf_dist.bench",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -1,0 +1,209 @@
+"""Measure per-rank training memory by component on CPU ranks (launched by planner_accuracy.py).
+
+Usage: torchrun --nproc_per_node=2 benchmarks/_measure_memory.py STRATEGY OUT.json NAME:HIDDEN:INTER:LAYERS:HEADS:KV:VOCAB ...
+
+For each model: one warm-up step (creates the optimizer state), then a measured step:
+- tensor walk (storages de-duplicated): parameters (local shards; ZeRO-3 ``ds_tensor``), optimizer state
+  (+ DeepSpeed's fp32 master partitions), gradients (``.grad`` of the local params, or the ZeRO
+  engine's gradient partitions) read between backward and step;
+- peak: torch.profiler(profile_memory=True) records every CPU tensor allocation/free from model creation
+  on; the running sum is the live tensor memory, its maximum inside the measured step is the peak.
+Training is fp32 (no mixed precision on CPU), AdamW, seq 128, micro-batch 2.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+SEQ, MICRO = 128, 2
+
+
+def build(spec: str):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    name, h, inter, layers, heads, kv, vocab = spec.split(":")
+    config = LlamaConfig(
+        hidden_size=int(h), intermediate_size=int(inter), num_hidden_layers=int(layers),
+        num_attention_heads=int(heads), num_key_value_heads=int(kv), vocab_size=int(vocab),
+        max_position_embeddings=SEQ, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return name, config, AutoModelForCausalLM.from_config(config)
+
+
+def storage_key(t: torch.Tensor):
+    if hasattr(t, "to_local"):  # DTensor (FSDP2): the local shard is what this rank holds
+        t = t.to_local()
+    s = t.untyped_storage()
+    return (s.data_ptr(), s.nbytes()) if s.nbytes() else None
+
+
+def keys(tensors) -> set:
+    return {k for t in tensors if isinstance(t, torch.Tensor) and (k := storage_key(t)) is not None}
+
+
+def nbytes(keyset: set) -> int:
+    return sum(size for _, size in keyset)
+
+
+def wrap(strategy: str, model):
+    """Returns (module, optimizer, step_fn(ids, probe)), probe called between backward and step."""
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        module = DistributedDataParallel(model)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    elif strategy == "fsdp_full_shard":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        module = fully_shard(model)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    else:
+        import deepspeed
+
+        stage = int(strategy[-1])
+        config = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": 1,
+            "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": stage},
+            "steps_per_print": 10**9,
+        }
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        engine, optimizer, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+
+        def ds_step(ids, probe):
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            probe()
+            engine.step()
+
+        return engine, optimizer, ds_step
+
+    def step(ids, probe):
+        loss = module(input_ids=ids, labels=ids).loss
+        loss.backward()
+        probe()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return module, optimizer, step
+
+
+def param_tensors(module) -> list:
+    out = []
+    for p in module.parameters():
+        out.append(getattr(p, "ds_tensor", p))  # ZeRO-3 keeps the local partition in ds_tensor
+    return out
+
+
+def optimizer_tensors(optimizer) -> list:
+    base = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed wraps the torch optimizer
+    out = [t for state in base.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    # DeepSpeed's fp32 master partitions are the torch optimizer's parameters
+    if base is not optimizer:
+        out += [p for group in base.param_groups for p in group["params"]]
+    return out
+
+
+def grad_tensors(module, optimizer) -> list:
+    out = [p.grad for p in module.parameters() if p.grad is not None]
+    for name in ("averaged_gradients", "grads_in_partition", "fp32_partitioned_groups_flat"):
+        value = getattr(optimizer, name, None)
+        if name == "fp32_partitioned_groups_flat":
+            out += [t.grad for t in value or [] if t.grad is not None]
+        elif isinstance(value, dict):
+            out += [t for ts in value.values() for t in (ts or [])]
+        elif isinstance(value, list):
+            out += [t for t in value if isinstance(t, torch.Tensor)]
+        elif isinstance(value, torch.Tensor):
+            out.append(value)
+    return out
+
+
+def memory_curve(prof) -> list[tuple[int, int]]:
+    """(time_ns, live bytes) after every CPU allocation/free the profiler recorded, in time order."""
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    live, curve = 0, []
+    for e in events:
+        live += e.nbytes()
+        curve.append((e.start_ns(), live))
+    return curve
+
+
+def measure(strategy: str, spec: str) -> dict:
+    """Everything from model creation on runs under the profiler, so its allocation stream is the absolute
+    tensor memory of this run (including C++-only tensors such as DDP buckets that a gc walk cannot see)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    seen = {}
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        name, config, model = build(spec)
+        module, optimizer, step = wrap(strategy, model)
+        generator = torch.Generator().manual_seed(dist.get_rank())
+        ids = torch.randint(0, config.vocab_size, (MICRO, SEQ), generator=generator)
+        step(ids, lambda: None)  # warm-up: optimizer state exists from now on
+        params = keys(param_tensors(module))
+        optim = keys(optimizer_tensors(optimizer)) - params
+        gc.collect()
+
+        def probe():
+            seen["grads"] = keys(grad_tensors(module, optimizer)) - params - optim
+
+        with record_function("measured_step"):
+            step(ids, probe)
+    curve = memory_curve(prof)
+    marker = next(e for e in prof.profiler.kineto_results.events() if e.name() == "measured_step")
+    start_ns, end_ns = marker.start_ns(), marker.end_ns()
+    before = [live for t, live in curve if t < start_ns]
+    resident = before[-1] if before else 0
+    in_step = [live for t, live in curve if start_ns <= t <= end_ns] or [resident]
+    result = {
+        "model": name,
+        "strategy": strategy,
+        "num_params": sum(p.numel() for p in model.parameters()) if strategy != "zero3" else None,
+        "params": nbytes(params),
+        "optimizer": nbytes(optim),
+        "grads": nbytes(seen["grads"]),
+        "resident_before_step": resident,
+        "peak": max(in_step),
+        "step_ms": (end_ns - start_ns) / 1e6,
+    }
+    return result
+
+
+def main() -> None:
+    strategy, out, *specs = sys.argv[1:]
+    if strategy in ("ddp", "fsdp_full_shard"):
+        dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    results = [measure(strategy, spec) for spec in specs]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    if dist.get_rank() == 0:
+        # report the larger of the two ranks per field (ranks can differ by a padding element)
+        merged = []
+        for per_rank in zip(*gathered, strict=True):
+            row = dict(per_rank[0])
+            for key in ("params", "optimizer", "grads", "resident_before_step", "peak"):
+                row[key] = max(r[key] for r in per_rank)
+            merged.append(row)
+        tmp = out + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(merged, fh, indent=1)
+        os.replace(tmp, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Planner accuracy: predicted vs measured per-rank memory on 2 CPU ranks, next to accelerate's and DeepSpeed's estimators.
+
+Usage:  python benchmarks/planner_accuracy.py [--strategies ddp,zero1,zero2,zero3,fsdp_full_shard] [--out results.json]
+
+For each small Llama config and strategy, ``_measure_memory.py`` trains one warm-up and one measured
+step (fp32, AdamW, seq 128, micro-batch 2) on 2 gloo ranks and reports, per rank:
+parameters / gradients / optimizer state by walking the tensors (storages de-duplicated) and the peak
+of live tensor memory from torch.profiler's allocation stream. Predictions for the same runs:
+- hf_dist: ``estimate_memory(..., param_bytes=4, grad_bytes=4, overhead=0)``; DeepSpeed ZeRO-1/2 keep
+  a separate fp32 master partition even in fp32 (master_weights=True), ZeRO-3's fp32 partitions are the
+  parameters themselves (master_weights=False), DDP/FSDP2 have no master copy.
+- accelerate ``estimate-memory`` (accelerate.commands.estimate.estimate_training_usage, "float32"):
+  model + gradients + 2x optimizer, not aware of sharding; its "Training using Adam" figure is the peak.
+- DeepSpeed ``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``
+  (the functions behind ``..._all_cold``), which assume 16-bit mixed precision.
+Targets: model states within 5% of measured, total peak within 15%. Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# name:hidden:intermediate:layers:heads:kv_heads:vocab
+MODELS = ("A:256:688:4:4:2:8000", "B:384:1024:6:6:2:8000", "C:512:1376:6:8:4:8000")
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp_full_shard")
+SEQ, MICRO, WORLD = 128, 2, 2
+MB = 1e6
+
+
+def llama_config(spec: str):
+    from transformers import LlamaConfig
+
+    _, h, inter, layers, heads, kv, vocab = spec.split(":")
+    return LlamaConfig(
+        hidden_size=int(h), intermediate_size=int(inter), num_hidden_layers=int(layers),
+        num_attention_heads=int(heads), num_key_value_heads=int(kv), vocab_size=int(vocab),
+        max_position_embeddings=SEQ, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def predictions(spec_text: str, strategy: str) -> dict:
+    from accelerate.commands.estimate import estimate_training_usage
+
+    from hf_dist.memory import estimate_memory
+    from hf_dist.modelinfo import model_spec
+
+    spec = model_spec(llama_config(spec_text))
+    n = spec.num_params
+    ours = estimate_memory(
+        spec, strategy, WORLD, param_bytes=4, grad_bytes=4, master_weights=strategy in ("zero1", "zero2"),
+        seq_len=SEQ, micro_batch_size=MICRO, overhead=0,
+    )  # fmt: skip
+    acc = estimate_training_usage(n * 4, "float32")
+    out = {
+        "num_params": n,
+        "hf_states": ours.model_states,
+        "hf_total": ours.total,
+        "accelerate_states": acc["model"] + acc["gradients"] + acc["optimizer"],
+        "accelerate_peak": max(acc.values()),
+        "deepspeed_states": None,
+    }
+    if strategy in ("zero1", "zero2", "zero3"):
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        if strategy == "zero3":
+            largest = max(spec.embedding_params, spec.layer_params)  # the embedding is the largest module here
+            _, gpu, _ = estimate_zero3_model_states_mem_needs(
+                n, largest, num_gpus_per_node=WORLD, cpu_offload=False, cpu_offload_params=False
+            )
+        else:  # DeepSpeed has no separate ZeRO-1 estimator
+            _, gpu = estimate_zero2_model_states_mem_needs(n, num_gpus_per_node=WORLD, cpu_offload=False)
+        out["deepspeed_states"] = gpu
+    return out
+
+
+def measure(strategy: str, models: tuple[str, ...]) -> list[dict]:
+    from hf_dist.testing import torchrun
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "measured.json")
+        torchrun(ROOT / "benchmarks" / "_measure_memory.py", [strategy, out, *models], timeout=1200)
+        with open(out) as fh:
+            return json.load(fh)
+
+
+def ratio(pred, measured) -> str:
+    return "-" if pred is None or not measured else f"{pred / measured:.3f}"
+
+
+def table(rows: list[dict]) -> str:
+    header = (
+        "model", "params", "strategy", "meas states MB", "hf_dist", "ratio", "DeepSpeed est", "ratio",
+        "accelerate est", "ratio", "meas peak MB", "hf_dist total", "ratio", "accel peak ratio",
+    )  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        states = r["params"] + r["grads"] + r["optimizer"]
+        ds = r["deepspeed_states"]
+        cells = (
+            r["model"], f"{r['num_params'] / 1e6:.1f}M", r["strategy"], f"{states / MB:.1f}",
+            f"{r['hf_states'] / MB:.1f}", ratio(r["hf_states"], states),
+            "-" if ds is None else f"{ds / MB:.1f}", ratio(ds, states),
+            f"{r['accelerate_states'] / MB:.1f}", ratio(r["accelerate_states"], states),
+            f"{r['peak'] / MB:.1f}", f"{r['hf_total'] / MB:.1f}", ratio(r["hf_total"], r["peak"]),
+            ratio(r["accelerate_peak"], r["peak"]),
+        )  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--out", help="also write the rows as JSON here")
+    args = parser.parse_args()
+    models = tuple(args.models.split(","))
+    rows = []
+    for strategy in args.strategies.split(","):
+        print(f"measuring {strategy} on {WORLD} CPU ranks ...", file=sys.stderr, flush=True)
+        for measured in measure(strategy, models):
+            spec_text = next(m for m in models if m.split(":")[0] == measured["model"])
+            rows.append({**measured, **predictions(spec_text, strategy)})
+    print(table(rows))
+    worst_states = max(abs(r["hf_states"] / (r["params"] + r["grads"] + r["optimizer"]) - 1) for r in rows)
+    worst_peak = max(abs(r["hf_total"] / r["peak"] - 1) for r in rows)
+    print(
+        f"\nhf_dist worst error: model states {worst_states:.1%} (target 5%), total peak {worst_peak:.1%} (target 15%)"
+    )
+    if args.out:
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(rows, fh, indent=1)
+        os.replace(tmp, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""`hf-dist env`: what hf_dist sees — library versions, devices, bf16, nodes and interconnect hints."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+
+EPILOG = """examples:
+  hf-dist env
+  hf-dist env --json
+"""
+
+PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "peft", "bitsandbytes", "hf_dist")
+NCCL_PREFIXES = ("NCCL_", "FI_", "UCX_", "TORCH_NCCL_")
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "env",
+        help="show versions, devices, bf16 support, nodes and interconnect hints",
+        description="Show what hf_dist sees on this machine; paste it into bug reports.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", action="store_true", help="print as JSON")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def versions() -> dict[str, str | None]:
+    # package metadata, not imports: importing deepspeed alone costs seconds and may compile ops
+    out = {}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def interconnect(env: dict[str, str] | None = None, sys_ib: str = "/sys/class/infiniband") -> dict:
+    env = os.environ if env is None else env
+    ib = sorted(os.listdir(sys_ib)) if os.path.isdir(sys_ib) else []
+    topo = None
+    if shutil.which("nvidia-smi"):
+        try:
+            done = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=10)
+            topo = done.stdout.strip() if done.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired):
+            topo = None
+    nccl = {k: v for k, v in sorted(env.items()) if k.startswith(NCCL_PREFIXES)}
+    return {"infiniband_devices": ib, "nccl_env": nccl, "nvidia_smi_topo": topo}
+
+
+def collect() -> dict:
+    from hf_dist.hardware import detect_hardware, nodes_from_env
+
+    hw = detect_hardware()
+    return {
+        "versions": versions(),
+        "hardware": hw.to_dict(),
+        "nodes_from_env": nodes_from_env(),
+        "interconnect": interconnect(),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    info = collect()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print("versions:")
+    for name, version in info["versions"].items():
+        print(f"  {name:13s} {version or 'not installed'}")
+    hw = info["hardware"]
+    print(f"device:        {hw['device']} x {hw['gpus_per_node']} per node, {hw['nodes']} node(s)")
+    print(f"memory:        {hw['gpu_memory_gib']:.1f} GiB per {'GPU' if hw['device'] == 'cuda' else 'process'}")
+    print(f"gpu name:      {hw['gpu_name'] or '-'} (peak bf16 {hw['peak_tflops'] or '?'} TFLOPs)")
+    print(f"bf16 / fp16:   {hw['bf16']} / {hw['fp16']}")
+    print(
+        f"nodes (env):   {info['nodes_from_env'] or 'not set (NNODES / WORLD_SIZE+LOCAL_WORLD_SIZE / SLURM_NNODES)'}"
+    )
+    net = info["interconnect"]
+    print(f"infiniband:    {', '.join(net['infiniband_devices']) or 'none found in /sys/class/infiniband'}")
+    print("nccl env:      " + (", ".join(f"{k}={v}" for k, v in net["nccl_env"].items()) or "none set"))
+    if net["nvidia_smi_topo"]:
+        print("nvidia-smi topo -m:\n" + net["nvidia_smi_topo"])
+    return 0

@@ -1,0 +1,64 @@
+"""`hf-dist plan`: which distributed strategy to use, and why, for a model on some hardware."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+EPILOG = """examples:
+  hf-dist plan meta-llama/Llama-3.1-8B --gpus 8 --gpu-memory 80
+  hf-dist plan ./my-model/config.json --gpus 16 --nodes 2 --gpu-memory 80 --global-batch 128
+  hf-dist plan ./my-model --gpus 1 --gpu-memory 24 --method lora --seq-len 4096
+  hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --json > plan.json
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "plan",
+        help="pick the fastest distributed strategy that fits, with per-rank memory by component",
+        description="Estimate per-rank memory for every strategy (DDP, ZeRO-1/2/3, FSDP2, HSDP, offload, "
+        "activation checkpointing) and pick the fastest that fits. Hardware is detected unless given.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model", metavar="MODEL", help="hub name, local model folder or config.json")
+    parser.add_argument("--gpus", type=int, help="total GPUs across all nodes (default: detected)")
+    parser.add_argument("--gpu-memory", type=float, dest="gpu_memory", help="GiB per GPU (default: detected)")
+    parser.add_argument("--nodes", type=int, help="number of nodes (default: from the launcher env, else 1)")
+    parser.add_argument("--host-memory", type=float, dest="host_memory", help="GiB of RAM per node for CPU offload")
+    parser.add_argument("--method", choices=("full", "lora", "qlora"), default="full")
+    parser.add_argument("--seq-len", type=int, default=2048, dest="seq_len")
+    parser.add_argument("--global-batch", type=int, dest="global_batch", help="sequences per optimizer step")
+    parser.add_argument("--micro-batch", type=int, dest="micro_batch", help="sequences per rank per forward")
+    parser.add_argument("--optimizer", choices=("adamw", "adamw_8bit", "sgd"), default="adamw")
+    parser.add_argument("--lora-rank", type=int, default=16, dest="lora_rank")
+    parser.add_argument("--safety-margin", type=float, default=0.1, dest="safety_margin")
+    parser.add_argument("--trust-remote-code", action="store_true", dest="trust_remote_code")
+    parser.add_argument("--json", action="store_true", help="print Plan.to_dict() as JSON")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from hf_dist.hardware import detect_hardware
+    from hf_dist.modelinfo import model_spec
+    from hf_dist.planner import plan
+
+    hardware = detect_hardware(
+        gpus=args.gpus, gpu_memory_gib=args.gpu_memory, nodes=args.nodes, host_memory_gib=args.host_memory
+    )
+    spec = model_spec(args.model, trust_remote_code=args.trust_remote_code)
+    result = plan(
+        spec,
+        hardware=hardware,
+        method=args.method,
+        seq_len=args.seq_len,
+        global_batch_size=args.global_batch,
+        micro_batch_size=args.micro_batch,
+        optimizer=args.optimizer,
+        lora_rank=args.lora_rank,
+        safety_margin=args.safety_margin,
+    )
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.explain())
+    return 0

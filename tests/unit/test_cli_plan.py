@@ -1,0 +1,60 @@
+"""`hf-dist plan` and `hf-dist env` through the real entry point."""
+
+import json
+
+from hf_dist.cli.main import main
+from hf_dist.testing import tiny_llama_config
+
+
+def test_plan_folder_table(tmp_path, capsys):
+    tiny_llama_config().save_pretrained(tmp_path)
+    assert main(["plan", str(tmp_path), "--gpus", "8", "--gpu-memory", "80", "--global-batch", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen: ddp" in out and "CHOSEN" in out  # a 0.1M-param model needs no sharding
+    assert "global_batch 64" in out and "zero3" in out and "fsdp_full_shard" in out
+
+
+def test_plan_config_json_as_json(tmp_path, capsys):
+    tiny_llama_config().save_pretrained(tmp_path)
+    args = ["plan", str(tmp_path / "config.json"), "--gpus", "2", "--gpu-memory", "24", "--method", "lora"]
+    assert main([*args, "--seq-len", "128", "--micro-batch", "2", "--global-batch", "8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["method"] == "lora" and data["seq_len"] == 128
+    assert (data["micro_batch_size"], data["gradient_accumulation_steps"], data["world_size"]) == (2, 2, 2)
+    assert data["hardware"]["gpu_memory_gib"] == 24.0 and data["mixed_precision"] == "bf16"
+
+
+def test_plan_two_nodes(tmp_path, capsys):
+    tiny_llama_config().save_pretrained(tmp_path)
+    assert main(["plan", str(tmp_path), "--gpus", "16", "--nodes", "2", "--gpu-memory", "80", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["nodes"] == 2 and any(c["strategy"] == "hsdp" for c in data["candidates"])
+
+
+def test_plan_errors_exit_1_with_message(tmp_path, capsys):
+    assert main(["plan", "no-such-org/no-such-model", "--gpus", "8", "--gpu-memory", "80"]) == 1
+    assert "could not be resolved" in capsys.readouterr().err
+    tiny_llama_config().save_pretrained(tmp_path)
+    assert main(["plan", str(tmp_path), "--gpus", "10", "--nodes", "4", "--gpu-memory", "80"]) == 1
+    assert "not divisible by nodes" in capsys.readouterr().err
+    assert main(["plan", str(tmp_path), "--gpus", "8", "--gpu-memory", "80", "--global-batch", "12"]) == 1
+    assert "not divisible by world size (8)" in capsys.readouterr().err
+
+
+def test_env_text_and_json(capsys, monkeypatch):
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "torch" in out and "transformers" in out and "bf16 / fp16" in out and "NCCL_DEBUG=INFO" in out
+    assert main(["env", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["versions"]["torch"] and data["hardware"]["device"] == "cpu"
+    assert data["interconnect"]["nccl_env"]["NCCL_DEBUG"] == "INFO"
+
+
+def test_env_infiniband_listing(tmp_path):
+    from hf_dist.cli.env import interconnect
+
+    (tmp_path / "mlx5_0").mkdir()
+    info = interconnect(env={"NCCL_IB_HCA": "mlx5", "PATH": "/bin"}, sys_ib=str(tmp_path))
+    assert info["infiniband_devices"] == ["mlx5_0"] and info["nccl_env"] == {"NCCL_IB_HCA": "mlx5"}
