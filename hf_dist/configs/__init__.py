@@ -7,11 +7,21 @@ so the same inputs always give the same config and the shipped YAMLs can be rege
 
 from __future__ import annotations
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op", "hsdp")
+from hf_dist.memory import ALLOWED_OFFLOADS, OFFLOADS, STRATEGIES
+
 FSDP_STRATEGIES = ("fsdp_full_shard", "fsdp_shard_grad_op", "hsdp")
 DEEPSPEED_STRATEGIES = ("zero1", "zero2", "zero3")
-OFFLOADS = ("none", "optimizer", "optimizer+params")
 MIXED_PRECISIONS = ("bf16", "fp16", "no")
+
+__all__ = [
+    "ALLOWED_OFFLOADS",
+    "DEEPSPEED_STRATEGIES",
+    "FSDP_STRATEGIES",
+    "MIXED_PRECISIONS",
+    "OFFLOADS",
+    "STRATEGIES",
+    "check_choice",
+]
 
 
 def check_choice(name: str, value: object, allowed: tuple[str, ...], hint: str = "") -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hf_dist.configs import FSDP_STRATEGIES, MIXED_PRECISIONS, OFFLOADS, check_choice
+from hf_dist.configs import ALLOWED_OFFLOADS, FSDP_STRATEGIES, MIXED_PRECISIONS, check_choice
 
 __all__ = [
     "fsdp_config",
@@ -98,7 +98,12 @@ def fsdp_config(
     ``mixed_precision`` is validated here but set through ``bf16``/``fp16`` on ``TrainingArguments``.
     """
     check_choice("FSDP strategy", strategy, FSDP_STRATEGIES, "DDP and ZeRO strategies are not FSDP.")
-    check_choice("offload", offload, OFFLOADS)
+    check_choice(
+        f"offload for {strategy}",
+        offload,
+        ALLOWED_OFFLOADS[strategy],
+        "FSDP offloads parameters, gradients and the optimizer step together; for optimizer-only offload use zero2/zero3.",
+    )
     check_choice("mixed_precision", mixed_precision, MIXED_PRECISIONS)
     version = installed_fsdp_version() if version is None else version
     if version not in (1, 2):

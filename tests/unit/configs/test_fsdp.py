@@ -25,9 +25,14 @@ def test_full_shard_fields():
 
 
 def test_shard_grad_op_keeps_params_after_forward_and_offload_maps_to_cpu_offload():
-    cfg = fsdp_config("fsdp_shard_grad_op", offload="optimizer+params")["fsdp_config"]
-    assert cfg["reshard_after_forward"] is False
-    assert cfg["cpu_offload"] is True
+    assert fsdp_config("fsdp_shard_grad_op")["fsdp_config"]["reshard_after_forward"] is False
+    assert fsdp_config("fsdp_full_shard", offload="optimizer+params")["fsdp_config"]["cpu_offload"] is True
+    # FSDP2 offloads params, grads and optimizer together: no optimizer-only offload, and none for
+    # shard_grad_op, which keeps the gathered parameters anyway (same rule as the memory model)
+    with pytest.raises(ValueError, match="allowed: none, optimizer\\+params.*zero2/zero3"):
+        fsdp_config("fsdp_full_shard", offload="optimizer")
+    with pytest.raises(ValueError, match="allowed: none\\."):
+        fsdp_config("fsdp_shard_grad_op", offload="optimizer+params")
 
 
 def test_hsdp_builds_replicate_by_shard_mesh():
@@ -47,7 +52,7 @@ def test_fsdp1_fallback_form():
     "kwargs, match",
     [
         ({"strategy": "zero3"}, "unknown FSDP strategy 'zero3'; allowed: fsdp_full_shard"),
-        ({"strategy": "fsdp_full_shard", "offload": "disk"}, "unknown offload 'disk'"),
+        ({"strategy": "fsdp_full_shard", "offload": "disk"}, "unknown offload for fsdp_full_shard 'disk'"),
         ({"strategy": "fsdp_full_shard", "mixed_precision": "fp8"}, "unknown mixed_precision 'fp8'"),
     ],
 )
