@@ -59,6 +59,8 @@ def ds_bucket_elements(spec) -> tuple[int, int]:
     if spec.hidden_size:
         return spec.hidden_size**2, int(0.9 * spec.hidden_size**2)
     return DS_REDUCE_BUCKET_ELEMENTS, DS_PREFETCH_BUCKET_ELEMENTS
+
+
 # CUDA context (~0.5 GiB on Hopper with CUDA 12) + NCCL communicator buffers (~0.5 GiB), measured
 # order of magnitude on H100; plus 5% of everything else for caching-allocator fragmentation.
 CUDA_FIXED_OVERHEAD_BYTES = 1 * GIB
