@@ -1,0 +1,74 @@
+"""Trainer callbacks that watch a run; each does one thing, with side effects on rank 0 only.
+
+    from hf_dist.callbacks import attach
+    trainer = Trainer(model=model, args=args, train_dataset=ds)
+    attach(trainer, plan=plan)          # plan from hf_dist.plan(...), optional
+    trainer.train(resume_from_checkpoint=hf_dist.auto_resume(args.output_dir, strategy=trainer))
+
+``Trainer(callbacks=default(plan))`` works too, but the Trainer calls user callbacks after its
+``report_to`` integrations, so the ``memory/*`` and ``perf/*`` keys then reach only
+``trainer.state.log_history``; ``attach`` puts them before the integrations.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import TrainerCallback
+
+_NAMES = {
+    "PlanCallback": "hf_dist.callbacks.plan",
+    "MemoryCallback": "hf_dist.callbacks.memory",
+    "ThroughputCallback": "hf_dist.callbacks.throughput",
+    "NanGuardCallback": "hf_dist.callbacks.nan_guard",
+    "ExportCallback": "hf_dist.callbacks.export",
+    "ProfilerCallback": "hf_dist.callbacks.profiler",
+    "CompleteCheckpointCallback": "hf_dist.callbacks.resume",
+    "auto_resume": "hf_dist.callbacks.resume",
+    "is_complete": "hf_dist.callbacks.resume",
+}
+
+__all__ = sorted(_NAMES) + ["attach", "default"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: importing transformers' Trainer machinery costs seconds.
+    import importlib
+
+    module = _NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hf_dist.callbacks' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+def default(plan: Any = None) -> list[TrainerCallback]:
+    """The recommended set: complete-checkpoint markers, NaN guard, throughput, memory, and the plan when given.
+
+    Export and profiling cost disk and time, so they are opt-in (``ExportCallback``, ``ProfilerCallback``).
+    """
+    from hf_dist.callbacks.memory import MemoryCallback
+    from hf_dist.callbacks.nan_guard import NanGuardCallback
+    from hf_dist.callbacks.plan import PlanCallback
+    from hf_dist.callbacks.resume import CompleteCheckpointCallback
+    from hf_dist.callbacks.throughput import ThroughputCallback
+
+    callbacks: list[TrainerCallback] = [PlanCallback(plan)] if plan is not None else []
+    callbacks += [CompleteCheckpointCallback(), NanGuardCallback(), ThroughputCallback(plan), MemoryCallback(plan)]
+    return callbacks
+
+
+def attach(trainer: Any, callbacks: list[TrainerCallback] | None = None, *, plan: Any = None) -> list[TrainerCallback]:
+    """Insert ``callbacks`` (default: ``default(plan)``) right after the Trainer's flow callback.
+
+    There they run before the ``report_to`` integrations and the console printer, so the keys they
+    add to the logs reach TensorBoard, W&B, etc. Returns the inserted callbacks.
+    """
+    from transformers.trainer_callback import DefaultFlowCallback
+
+    callbacks = default(plan) if callbacks is None else list(callbacks)
+    handler = trainer.callback_handler.callbacks
+    flow = [i for i, cb in enumerate(handler) if isinstance(cb, DefaultFlowCallback)]
+    position = flow[-1] + 1 if flow else 0
+    handler[position:position] = callbacks
+    return callbacks

@@ -1,0 +1,96 @@
+"""Small torch.distributed and accelerate helpers shared by the callbacks (no-ops in one process)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def is_distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier() -> None:
+    """Wait for every rank; a no-op when training in one process."""
+    if is_distributed():
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def world_size() -> int:
+    if is_distributed():
+        import torch.distributed as dist
+
+        return dist.get_world_size()
+    return 1
+
+
+def gather_floats(values: list[float]) -> list[list[float]]:
+    """All ranks' ``values`` (same length on every rank), indexed by rank; collective."""
+    if not is_distributed():
+        return [list(values)]
+    import torch
+    import torch.distributed as dist
+
+    # NCCL only moves CUDA tensors; gloo only CPU ones.
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    local = torch.tensor(values, dtype=torch.float64, device=device)
+    out = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, local)
+    return [t.tolist() for t in out]
+
+
+def accelerator_state() -> Any | None:
+    """accelerate's shared AcceleratorState when the Trainer has created one, else None."""
+    try:
+        from accelerate.state import AcceleratorState
+    except ImportError:  # pragma: no cover - accelerate ships with transformers' Trainer
+        return None
+    if not AcceleratorState._shared_state:
+        return None
+    return AcceleratorState()
+
+
+def live_strategy(args: Any = None) -> str:
+    """The strategy that is really running: 'ddp', 'zero1/2/3', 'fsdp_full_shard', 'fsdp_shard_grad_op'.
+
+    Read from accelerate's state (what the Trainer actually built), not from the arguments:
+    accelerate silently drops FSDP on CPU, so ``args.fsdp`` alone would lie.
+    """
+    state = accelerator_state()
+    if state is not None:
+        ds = getattr(state, "deepspeed_plugin", None)
+        if ds is not None:
+            return f"zero{int(ds.zero_stage)}"
+        fsdp = getattr(state, "fsdp_plugin", None)
+        if fsdp is not None:
+            return _fsdp_strategy_name(fsdp)
+        return "ddp"
+    ds_config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
+    if ds_config:  # before the Trainer built its accelerator
+        return f"zero{int(ds_config.get('zero_optimization', {}).get('stage', 0))}"
+    return "ddp"
+
+
+def _fsdp_strategy_name(plugin: Any) -> str:
+    reshard = getattr(plugin, "reshard_after_forward", None)
+    if isinstance(reshard, bool):  # FSDP2
+        return "fsdp_full_shard" if reshard else "fsdp_shard_grad_op"
+    name = str(getattr(plugin, "sharding_strategy", reshard)).upper()
+    if "HYBRID" in name:
+        return "hsdp"
+    if "SHARD_GRAD_OP" in name:
+        return "fsdp_shard_grad_op"
+    return "fsdp_full_shard"
+
+
+def live_wrap_classes() -> list[str] | None:
+    """FSDP auto-wrap class names of the running job, or None when FSDP is not active."""
+    state = accelerator_state()
+    fsdp = getattr(state, "fsdp_plugin", None) if state is not None else None
+    if fsdp is None:
+        return None
+    names = getattr(fsdp, "transformer_cls_names_to_wrap", None) or []
+    return sorted([names] if isinstance(names, str) else names)

@@ -1,0 +1,133 @@
+"""ThroughputCallback: step time, tokens/s per rank and in total, MFU and scaling efficiency."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from transformers import TrainerCallback
+
+from hf_dist.callbacks import _dist
+from hf_dist.callbacks.memory import _add_to_logs
+from hf_dist.flops import mfu, scaling_efficiency, training_flops_per_token
+
+
+def _count_tokens(args: tuple, kwargs: dict) -> tuple[int, int]:
+    """(tokens, sequence length) of one forward call's ``input_ids`` (or first tensor argument)."""
+    ids = kwargs.get("input_ids")
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+        ids = ids[..., 0] if ids is not None else (args[0] if args and hasattr(args[0], "numel") else None)
+    if ids is None:
+        return 0, 0
+    return int(ids.numel()), int(ids.shape[-1]) if ids.dim() else 1
+
+
+def flops_per_token_of(model: Any, seq_len: int, plan: Any = None) -> int | None:
+    """Training FLOPs per token for ``model`` at ``seq_len`` (PaLM appendix B); None when unknown."""
+    spec = getattr(plan, "model", None)
+    if spec is not None and getattr(spec, "num_layers", 0):
+        num_params, layers, hidden = spec.num_params, spec.num_layers, spec.hidden_size
+        embedding, tied = spec.embedding_params, spec.tie_word_embeddings
+    else:
+        config = getattr(model, "config", None)
+        layers = getattr(config, "num_hidden_layers", 0)
+        hidden = getattr(config, "hidden_size", 0)
+        if not layers or model is None:
+            return None
+        # Parameters are counted once even when shared (tied embeddings).
+        params = {id(p): p for p in model.parameters()}.values()
+        num_params = sum(_dist_numel(p) for p in params)
+        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        embedding = _dist_numel(embed.weight) if embed is not None else 0
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+    return training_flops_per_token(
+        num_params=num_params,
+        num_layers=layers,
+        hidden_size=hidden,
+        seq_len=seq_len,
+        embedding_params=embedding,
+        tie_word_embeddings=tied,
+    )
+
+
+def _dist_numel(p: Any) -> int:
+    # DTensor.numel() is the global size, which is what the FLOPs formula wants; DeepSpeed ZeRO-3
+    # leaves an empty local tensor and keeps the full size in ds_numel.
+    return int(getattr(p, "ds_numel", 0) or p.numel())
+
+
+class ThroughputCallback(TrainerCallback):
+    """Adds ``perf/*`` keys at every logging step.
+
+    - ``perf/step_time_s``: wall time per optimizer step since the previous log.
+    - ``perf/tokens_per_s_rank_max|min`` and ``perf/tokens_per_s``: per rank and summed over ranks,
+      counted from the ``input_ids`` each rank's model really received (padding included).
+    - ``perf/mfu``: when ``peak_tflops`` (dense, per device) is given or known from ``plan.hardware``.
+    - ``perf/scaling_efficiency``: tokens/s / (world size * ``baseline_tokens_per_s``), the
+      single-process figure measured on the same setup.
+    """
+
+    def __init__(
+        self, plan: Any = None, *, peak_tflops: float | None = None, baseline_tokens_per_s: float | None = None
+    ):
+        if peak_tflops is not None and peak_tflops <= 0:
+            raise ValueError(f"peak_tflops must be > 0 (dense TFLOP/s of one device), got {peak_tflops}")
+        hardware = getattr(plan, "hardware", None)
+        self.plan = plan
+        self.peak_tflops = peak_tflops or getattr(hardware, "peak_tflops", None)
+        self.baseline_tokens_per_s = baseline_tokens_per_s
+        self._tokens = 0
+        self._seq_len = 0
+        self._fpt: dict[int, int | None] = {}
+        self._handle = None
+        self._model = None
+        self._last_time = 0.0
+        self._last_step = 0
+
+    def _hook(self, module, args, kwargs):
+        if module.training:
+            tokens, seq_len = _count_tokens(args, kwargs)
+            self._tokens += tokens
+            self._seq_len = seq_len or self._seq_len
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is not None and self._handle is None:
+            self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+            self._model = model
+        self._last_time = time.perf_counter()
+        self._last_step = state.global_step
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or "loss" not in logs:
+            return
+        now = time.perf_counter()
+        steps = max(state.global_step - self._last_step, 1)
+        elapsed = max(now - self._last_time, 1e-9)
+        ranks = _dist.gather_floats([self._tokens / elapsed])
+        per_rank = [r[0] for r in ranks]
+        total = sum(per_rank)
+        metrics = {
+            "perf/step_time_s": round(elapsed / steps, 6),
+            "perf/tokens_per_s": round(total, 2),
+            "perf/tokens_per_s_rank_max": round(max(per_rank), 2),
+            "perf/tokens_per_s_rank_min": round(min(per_rank), 2),
+        }
+        if self._seq_len and self._seq_len not in self._fpt:  # counting parameters is not free: once per length
+            self._fpt[self._seq_len] = flops_per_token_of(self._model, self._seq_len, self.plan)
+        fpt = self._fpt.get(self._seq_len)
+        if fpt and self.peak_tflops:
+            metrics["perf/mfu"] = round(mfu(total, fpt, self.peak_tflops * 1e12 * len(per_rank)), 5)
+        if self.baseline_tokens_per_s:
+            metrics["perf/scaling_efficiency"] = round(
+                scaling_efficiency(total, len(per_rank), self.baseline_tokens_per_s), 4
+            )
+        _add_to_logs(state, logs, metrics)
+        self._tokens = 0
+        self._last_time = time.perf_counter()  # the gather above is not training time
+        self._last_step = state.global_step

@@ -1,0 +1,142 @@
+"""Tiny deterministic Trainer run used by the lifecycle tests (callbacks, auto-resume, kill -9 restarts).
+
+    torchrun --nproc_per_node=2 --max-restarts=2 tests/distributed/scripts/lifecycle_train.py \
+        --output-dir /tmp/run --max-steps 8 --save-steps 2 --kill 3:1 --kill-during-save 4:1
+
+``--kill STEP:RANK`` SIGKILLs RANK at the end of optimizer step STEP, once per job (a marker file
+in the output folder remembers it across restarts); ``--kill-during-save STEP:RANK`` does it in
+the middle of checkpoint-STEP's save, after the model and optimizer files, before the RNG state.
+Every attempt resumes with ``hf_dist.auto_resume`` and appends what it saw to ``attempts.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import signal
+from pathlib import Path
+
+import torch
+from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+import hf_dist
+from hf_dist.callbacks import ExportCallback, ProfilerCallback, attach, default
+from hf_dist.callbacks.resume import init_distributed_for_restarts
+from hf_dist.testing import tiny_llama_config
+
+RANK = int(os.environ.get("RANK", "0"))
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int = 64, seq: int = 16, vocab: int = 256) -> None:
+        gen = torch.Generator().manual_seed(1234)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def kill_once(out: Path, what: str, step: int) -> None:
+    marker = out / f"killed_{what}_{step}"
+    if marker.exists():
+        return
+    marker.write_text(str(ATTEMPT))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def parse_kill(text: str) -> tuple[int, int]:
+    step, rank = text.split(":")
+    return int(step), int(rank)
+
+
+class KillAtStep(TrainerCallback):
+    def __init__(self, out: Path, points: list[tuple[int, int]]) -> None:
+        self.out, self.points = out, points
+
+    def on_step_end(self, args, state, control, **kwargs):
+        for step, rank in self.points:
+            if state.global_step == step and rank == RANK:
+                kill_once(self.out, "step", step)
+
+
+class KillDuringSaveTrainer(Trainer):
+    kill_during_save: list[tuple[int, int]] = []
+
+    def _save_rng_state(self, output_dir):
+        for step, rank in self.kill_during_save:
+            if self.state.global_step == step and rank == RANK:
+                kill_once(Path(self.args.output_dir), "save", step)
+        super()._save_rng_state(output_dir)
+
+
+def main() -> None:
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where a hung rank is
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--max-steps", type=int, default=8)
+    parser.add_argument("--save-steps", type=int, default=2)
+    parser.add_argument("--kill", action="append", default=[], type=parse_kill)
+    parser.add_argument("--kill-during-save", action="append", default=[], type=parse_kill)
+    parser.add_argument("--export", action="store_true", help="add ExportCallback(on_save=True)")
+    parser.add_argument("--profile", action="store_true", help="add ProfilerCallback on steps 2..3 of every rank")
+    parser.add_argument(
+        "--fsdp", action="store_true", help="FSDP2 full shard on CPU (hf_dist.cpu_fsdp), DCP checkpoints"
+    )
+    opts = parser.parse_args()
+    out = Path(opts.output_dir)
+    init_distributed_for_restarts()  # before TrainingArguments, which would initialize it
+
+    strategy_kwargs = {}
+    if opts.fsdp:
+        from hf_dist.configs.fsdp import fsdp_config
+        from hf_dist.cpu_fsdp import enable_fsdp_on_cpu
+
+        enable_fsdp_on_cpu()  # accelerate would otherwise drop FSDP on CPU and train plain DDP
+        strategy_kwargs = fsdp_config("fsdp_full_shard", wrap_classes=["LlamaDecoderLayer"], mixed_precision="no")
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config())
+    args = TrainingArguments(
+        **strategy_kwargs,
+        output_dir=str(out),
+        max_steps=opts.max_steps,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_steps=opts.save_steps,
+        save_total_limit=3,
+        seed=0,
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        ddp_find_unused_parameters=False,
+    )
+    KillDuringSaveTrainer.kill_during_save = opts.kill_during_save
+    trainer = KillDuringSaveTrainer(model=model, args=args, train_dataset=TokenDataset())
+    extra = [ExportCallback(on_save=True)] if opts.export else []
+    extra += [ProfilerCallback(start_step=1, num_steps=2, ranks=(0, 1))] if opts.profile else []
+    attach(trainer, default() + extra)
+    trainer.add_callback(KillAtStep(out, opts.kill))
+
+    resume = hf_dist.auto_resume(out, strategy=trainer)
+    if RANK == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        seen = sorted(p.name for p in out.glob("checkpoint-*"))
+        with open(out / "attempts.jsonl", "a") as log:
+            log.write(json.dumps({"attempt": ATTEMPT, "resume": resume, "checkpoints": seen}) + "\n")
+    trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model(str(out / "final"))
+    if RANK == 0:
+        (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
+        (out / "facts.json").write_text(json.dumps({"model_class": type(trainer.model).__name__}))
+
+
+if __name__ == "__main__":
+    main()

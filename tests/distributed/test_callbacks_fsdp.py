@@ -1,0 +1,48 @@
+"""Callbacks under real FSDP2 (2 CPU ranks over gloo, hf_dist.cpu_fsdp): DCP checkpoints marked complete,
+the gathered export equals an independent conversion, and a DDP resume of them is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import hf_dist
+from hf_dist.callbacks.resume import MARKER_NAME, checkpoint_layout
+from hf_dist.testing import REPO_ROOT, torchrun
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = REPO_ROOT / "tests/distributed/scripts/lifecycle_train.py"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    torchrun(SCRIPT, ["--output-dir", out, "--max-steps", "4", "--save-steps", "2", "--fsdp", "--export"], timeout=300)
+    return out
+
+
+def test_fsdp_really_ran_and_its_dcp_checkpoints_are_marked(run_dir):
+    assert json.loads((run_dir / "facts.json").read_text())["model_class"] == "FSDPLlamaForCausalLM"
+    marker = json.loads((run_dir / "checkpoint-4" / MARKER_NAME).read_text())
+    assert (marker["strategy"], marker["layout"], marker["world_size"]) == ("fsdp_full_shard", "fsdp", 2)
+    assert {"pytorch_model_fsdp_0/__0_0.distcp", "pytorch_model_fsdp_0/__1_0.distcp"} <= set(marker["files"])
+    assert checkpoint_layout(run_dir / "checkpoint-4").world_size == 2
+    assert hf_dist.auto_resume(run_dir, strategy="fsdp_full_shard") == str(run_dir / "checkpoint-4")
+
+
+def test_export_of_sharded_model_equals_offline_conversion(run_dir, tmp_path):
+    hf_dist.convert(run_dir / "checkpoint-4", tmp_path / "ref", model_config=run_dir / "hf_model", progress=False)
+    reference = load_file(tmp_path / "ref" / "model.safetensors")
+    for exported in (run_dir / "hf_model", run_dir / "checkpoint-4" / "hf_model"):
+        got = load_file(exported / "model.safetensors")
+        assert got.keys() == reference.keys()
+        assert all(torch.equal(got[k], reference[k]) for k in reference)
+
+
+def test_resuming_fsdp_checkpoint_into_ddp_is_refused(run_dir):
+    with pytest.raises(RuntimeError, match=r"cannot resume a ddp run .*FSDP distributed checkpoint.*hf-dist convert"):
+        hf_dist.auto_resume(run_dir, strategy="ddp")

@@ -1,0 +1,185 @@
+"""Each callback with a real single-process Trainer on a tiny Llama (CPU)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import hf_dist
+from hf_dist.callbacks import (
+    ExportCallback,
+    MemoryCallback,
+    NanGuardCallback,
+    PlanCallback,
+    ProfilerCallback,
+    ThroughputCallback,
+    attach,
+    default,
+)
+from hf_dist.callbacks.plan import plan_mismatches
+from hf_dist.callbacks.profiler import comm_time_us
+from hf_dist.callbacks.resume import CompleteCheckpointCallback
+from hf_dist.testing import tiny_llama_config
+
+TOKENS_PER_STEP = 2 * 16  # batch 2 x 16 tokens
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+    return hf_dist.plan(
+        tiny_llama_config(), gpus=1, gpu_memory_gib=8, seq_len=16, micro_batch_size=2, global_batch_size=2
+    )
+
+
+def logged_steps(trainer):
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def test_plan_callback_logs_plan_and_flags_live_differences(make_trainer, tiny_plan, capsys, caplog):
+    cb = PlanCallback(tiny_plan)
+    with caplog.at_level(logging.WARNING):
+        make_trainer([cb], max_steps=1).train()
+    assert "hf_dist plan:" in capsys.readouterr().out
+    # The plan assumed a bf16 GPU; this CPU run is fp32 DDP on 1 process.
+    assert cb.mismatches == ["mixed precision: planned bf16, running no"]
+    assert "differs from the plan: mixed precision" in caplog.text
+    with pytest.raises(ValueError, match="needs an hf_dist.Plan"):
+        PlanCallback(None)
+
+
+def test_plan_mismatches_cover_strategy_world_and_wrap_classes(tiny_plan):
+    live = {"strategy": "ddp", "world_size": 8, "mixed_precision": "bf16", "wrap_classes": ["LlamaMLP"]}
+    tiny_plan.strategy = "fsdp_full_shard"
+    try:
+        got = plan_mismatches(tiny_plan, live, planned_wrap=["LlamaDecoderLayer"])
+    finally:
+        tiny_plan.strategy = "ddp"
+    assert got == [
+        "strategy: planned fsdp_full_shard, running ddp",
+        "world size: planned 1, running 8",
+        "FSDP wrap classes: planned ['LlamaDecoderLayer'], running ['LlamaMLP']",
+    ]
+
+
+def test_memory_and_throughput_reach_every_logging_backend(make_trainer, tiny_plan):
+    trainer = make_trainer(max_steps=3)
+    cbs = attach(
+        trainer, [MemoryCallback(tiny_plan), ThroughputCallback(tiny_plan, peak_tflops=1.0, baseline_tokens_per_s=1e3)]
+    )
+    names = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+    # Inserted before the console printer (and any report_to integration), after the flow callback.
+    assert names.index("MemoryCallback") == names.index("DefaultFlowCallback") + 1
+    assert names.index("MemoryCallback") < names.index("PrinterCallback")
+    trainer.train()
+    steps = logged_steps(trainer)
+    assert len(steps) == 3
+    for entry in steps:
+        assert entry["memory/peak_gib/rank_0"] == entry["memory/peak_gib_max"] > 0
+        assert entry["memory/predicted_gib"] == round(tiny_plan.memory.total / 1024**3, 6)
+        tps, step_time = entry["perf/tokens_per_s"], entry["perf/step_time_s"]
+        assert tps * step_time == pytest.approx(TOKENS_PER_STEP, rel=0.01)
+        fpt = hf_dist.flops.flops_per_token_from_spec(tiny_plan.model, 16)
+        assert entry["perf/mfu"] == pytest.approx(tps * fpt / 1e12, rel=0.01, abs=1e-5)
+        assert entry["perf/scaling_efficiency"] == pytest.approx(tps / 1e3, rel=0.01)
+    assert cbs[1]._handle is None  # the token-counting hook is removed at train end
+
+
+def _nan_loss_from(model, first_bad_step: int, last_bad_step: int = 10**9):
+    calls = {"n": 0}
+
+    def hook(module, args, kwargs, output):
+        calls["n"] += 1  # one forward per optimizer step here (no accumulation)
+        if module.training and first_bad_step <= calls["n"] <= last_bad_step:
+            output.loss = output.loss * float("nan")
+        return output
+
+    model.register_forward_hook(hook, with_kwargs=True)
+
+
+def test_nan_guard_skips_bad_updates_and_keeps_training(make_trainer):
+    from transformers import LlamaForCausalLM, TrainerCallback
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config())
+    _nan_loss_from(model, 3, 4)
+    snapshots = {}
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            snapshots[state.global_step] = [p.detach().clone() for p in model.parameters()]
+
+    guard = NanGuardCallback(patience=3)
+    trainer = make_trainer([guard, Snapshot()], model=model, max_steps=6)
+    trainer.train()
+    assert guard.bad_steps == [3, 4] and guard.skipped_steps == [3, 4] and guard.stopped_at is None
+    assert trainer.state.global_step == 6
+    assert all(torch.equal(a, b) for a, b in zip(snapshots[2], snapshots[4], strict=True))  # steps 3-4 changed nothing
+    assert not all(torch.equal(a, b) for a, b in zip(snapshots[4], snapshots[5], strict=True))  # step 5 trained again
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_nan_guard_stops_after_patience_with_advice(make_trainer, caplog):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config())
+    _nan_loss_from(model, 2)
+    guard = NanGuardCallback(patience=2)
+    with caplog.at_level(logging.ERROR):
+        trainer = make_trainer([guard], model=model, max_steps=8)
+        trainer.train()
+    assert guard.stopped_at == 3 and trainer.state.global_step == 3
+    assert "steps 2..3" in caplog.text and "lower the learning rate" in caplog.text and "bf16" in caplog.text
+    with pytest.raises(ValueError, match="patience must be an int >= 1"):
+        NanGuardCallback(patience=0)
+
+
+def test_export_writes_a_loadable_hf_folder(make_trainer, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    trainer = make_trainer([ExportCallback()], max_steps=2)
+    trainer.train()
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "out" / "hf_model")
+    expected, got = trainer.model.state_dict(), loaded.state_dict()
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+    with pytest.raises(ValueError, match="not starting with 'checkpoint-'"):
+        ExportCallback(name="checkpoint-final")
+
+
+def test_export_writes_a_peft_adapter(make_trainer, tmp_path):
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaForCausalLM
+
+    model = peft.get_peft_model(
+        LlamaForCausalLM(tiny_llama_config()), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    )
+    make_trainer([ExportCallback()], model=model, max_steps=1).train()
+    files = {p.name for p in (tmp_path / "out" / "hf_model").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= files
+
+
+def test_profiler_writes_trace_for_the_window(make_trainer, tmp_path):
+    prof = ProfilerCallback(start_step=1, num_steps=2)
+    make_trainer([prof], max_steps=4).train()
+    assert prof.trace_path and prof.trace_path.endswith(".pt.trace.json")
+    assert prof.comm_share == 0.0  # one process: nothing to communicate
+
+
+def test_comm_time_counts_collectives_only():
+    class Event:
+        def __init__(self, key, cpu):
+            self.key, self.self_cpu_time_total, self.self_device_time_total = key, cpu, 0
+
+    events = [Event("gloo:all_reduce", 30.0), Event("c10d::allreduce_", 5.0), Event("aten::mm", 100.0)]
+    assert comm_time_us(events) == 35.0
+
+
+def test_default_set(tiny_plan):
+    kinds = [type(c) for c in default()]
+    assert kinds == [CompleteCheckpointCallback, NanGuardCallback, ThroughputCallback, MemoryCallback]
+    with_plan = default(tiny_plan)
+    assert isinstance(with_plan[0], PlanCallback) and with_plan[-1].plan is tiny_plan

@@ -1,0 +1,175 @@
+"""Complete-checkpoint markers, auto_resume, layout detection and the strategy-mismatch error."""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+
+from hf_dist.callbacks.resume import (
+    MARKER_NAME,
+    CompleteCheckpointCallback,
+    auto_resume,
+    check_resume_compatible,
+    checkpoint_layout,
+    incomplete_reasons,
+    is_complete,
+    missing_rank_files,
+    write_marker,
+)
+
+
+def fake_checkpoint(root: Path, step: int, files: dict[str, bytes]) -> Path:
+    folder = root / f"checkpoint-{step}"
+    for rel, data in files.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_bytes(data)
+    return folder
+
+
+DDP2 = {"model.safetensors": b"w" * 10, "optimizer.pt": b"o" * 7, "rng_state_0.pth": b"r", "rng_state_1.pth": b"r"}
+ZERO3 = {
+    "global_step4/zero_pp_rank_0_mp_rank_00_model_states.pt": b"m",
+    "global_step4/zero_pp_rank_1_mp_rank_00_model_states.pt": b"m",
+    "global_step4/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt": b"o",
+    "global_step4/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt": b"o",
+    "latest": b"global_step4",
+    "trainer_state.json": b"{}",
+}
+ZERO2 = {
+    "global_step4/mp_rank_00_model_states.pt": b"m",
+    "global_step4/zero_pp_rank_0_mp_rank_00_optim_states.pt": b"o",
+    "global_step4/zero_pp_rank_1_mp_rank_00_optim_states.pt": b"o",
+}
+FSDP = {
+    "pytorch_model_fsdp_0/__0_0.distcp": b"m",
+    "pytorch_model_fsdp_0/__1_0.distcp": b"m",
+    "pytorch_model_fsdp_0/.metadata": b"x",
+    "optimizer_0/__0_0.distcp": b"o",
+    "optimizer_0/__1_0.distcp": b"o",
+}
+
+
+def test_marker_lists_files_and_sizes_and_detects_changes(tmp_path):
+    ckpt = fake_checkpoint(tmp_path, 2, DDP2)
+    assert incomplete_reasons(ckpt) == [f"no {MARKER_NAME} (the save did not finish on every rank)"]
+    marker = write_marker(ckpt, world_size=2, strategy="ddp", step=2, checksums=True)
+    assert marker["files"]["model.safetensors"]["size"] == 10 and "sha256" in marker["files"]["optimizer.pt"]
+    assert json.loads((ckpt / MARKER_NAME).read_text())["layout"] == "full"
+    assert is_complete(ckpt) and is_complete(ckpt, checksums=True)
+    (ckpt / "optimizer.pt").write_bytes(b"O" * 7)  # same size, other content
+    assert is_complete(ckpt) and not is_complete(ckpt, checksums=True)
+    (ckpt / "model.safetensors").write_bytes(b"w" * 3)  # truncated
+    assert incomplete_reasons(ckpt) == ["model.safetensors has 3 bytes, the marker says 10"]
+    (ckpt / "rng_state_1.pth").unlink()
+    assert "rng_state_1.pth is missing" in incomplete_reasons(ckpt)
+    (ckpt / MARKER_NAME).write_text("{not json")
+    assert incomplete_reasons(ckpt)[0].startswith(f"unreadable {MARKER_NAME}")
+
+
+@pytest.mark.parametrize(
+    ("layout", "dropped"),
+    [
+        (DDP2, "rng_state_1.pth"),
+        (ZERO3, "global_step4/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+        (ZERO3, "global_step4/zero_pp_rank_1_mp_rank_00_model_states.pt"),
+        (FSDP, "optimizer_0/__1_0.distcp"),
+    ],
+)
+def test_a_checkpoint_missing_a_ranks_files_is_never_marked(tmp_path, layout, dropped):
+    files = dict(layout)
+    del files[dropped]
+    ckpt = fake_checkpoint(tmp_path, 4, files)
+    assert missing_rank_files(ckpt, world_size=2)
+    with pytest.raises(RuntimeError, match="not complete: missing .*rank 1"):
+        write_marker(ckpt, world_size=2)
+    assert not (ckpt / MARKER_NAME).exists()
+
+
+def test_auto_resume_returns_newest_complete_and_skips_partial(tmp_path):
+    assert auto_resume(tmp_path / "missing") is None
+    assert auto_resume(tmp_path) is None
+    for step in (2, 10):
+        write_marker(fake_checkpoint(tmp_path, step, DDP2), world_size=2)
+    fake_checkpoint(tmp_path, 12, DDP2)  # a save that never finished: no marker
+    (tmp_path / "checkpoint-11-hf").mkdir()  # not a checkpoint name
+    assert auto_resume(tmp_path) == str(tmp_path / "checkpoint-10")  # 10 > 2 numerically, 12 is partial
+    (tmp_path / "checkpoint-10" / "optimizer.pt").unlink()
+    assert auto_resume(tmp_path) == str(tmp_path / "checkpoint-2")
+
+
+@pytest.mark.parametrize(
+    ("files", "family", "world"), [(DDP2, "full", 2), (ZERO3, "zero3", 2), (ZERO2, "zero12", 2), (FSDP, "fsdp", 2)]
+)
+def test_layout_detection(tmp_path, files, family, world):
+    layout = checkpoint_layout(fake_checkpoint(tmp_path, 1, files))
+    assert (layout.family, layout.world_size) == (family, world)
+
+
+def test_resuming_zero3_checkpoint_into_fsdp_names_convert(tmp_path):
+    ckpt = fake_checkpoint(tmp_path, 4, ZERO3)
+    write_marker(ckpt, world_size=2)
+    with pytest.raises(RuntimeError, match=r"DeepSpeed ZeRO-3 shards.*FSDP.*hf-dist convert .*hf-dist reshard"):
+        auto_resume(tmp_path, strategy="fsdp_full_shard")
+    with pytest.raises(RuntimeError, match="hf-dist convert"):
+        check_resume_compatible(ckpt, "zero2")
+    check_resume_compatible(ckpt, "zero3", world_size=2)  # same layout, same world: fine
+    with pytest.raises(RuntimeError, match=r"on 4 ranks: .*written by 2 ranks.*`hf-dist reshard .*checkpoint-4`"):
+        check_resume_compatible(ckpt, "zero3", world_size=4)
+    (ckpt / "latest_universal").write_text("global_step4_universal")  # what `hf-dist reshard` adds
+    check_resume_compatible(ckpt, "zero3", world_size=4)
+    with pytest.raises(ValueError, match="unknown strategy 'zero4'"):
+        check_resume_compatible(ckpt, "zero4")
+
+
+def test_full_and_fsdp_checkpoints_resume_on_another_world_size(tmp_path):
+    check_resume_compatible(fake_checkpoint(tmp_path / "a", 4, DDP2), "ddp", world_size=3)  # replicated weights
+    check_resume_compatible(fake_checkpoint(tmp_path / "b", 4, FSDP), "fsdp_full_shard", world_size=3)  # DCP reshards
+
+
+def test_resume_check_uses_the_live_trainer(make_trainer, tmp_path):
+    write_marker(fake_checkpoint(tmp_path, 4, FSDP), world_size=2)
+    trainer = make_trainer()
+    with pytest.raises(RuntimeError, match=r"cannot resume a ddp run .*FSDP distributed checkpoint"):
+        auto_resume(tmp_path, strategy=trainer)
+
+
+def test_marker_write_is_atomic_when_the_disk_is_full(tmp_path, monkeypatch):
+    ckpt = fake_checkpoint(tmp_path, 2, DDP2)
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("hf_dist.callbacks.resume.json.dump", no_space)
+    with pytest.raises(OSError, match="No space left"):
+        write_marker(ckpt, world_size=2)
+    assert sorted(p.name for p in ckpt.iterdir()) == sorted(DDP2)  # no marker, no temporary file
+
+
+def test_disk_full_during_save_keeps_previous_checkpoint_usable(make_trainer, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    trainer = make_trainer([CompleteCheckpointCallback()], output_dir=str(out), save_strategy="steps", save_steps=2)
+    original = trainer._save_optimizer_and_scheduler
+
+    def fill_disk_at_step_4(output_dir):
+        if trainer.state.global_step == 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        original(output_dir)
+
+    monkeypatch.setattr(trainer, "_save_optimizer_and_scheduler", fill_disk_at_step_4)
+    with pytest.raises(OSError, match="No space left"):
+        trainer.train()
+    assert (out / "checkpoint-4" / "model.safetensors").exists()  # half-written
+    assert auto_resume(out) == str(out / "checkpoint-2")
+    # The previous complete checkpoint really resumes (space freed: the save works again).
+    monkeypatch.setattr(trainer, "_save_optimizer_and_scheduler", original)
+    trainer.train(resume_from_checkpoint=auto_resume(out))
+    assert trainer.state.global_step == 4 and is_complete(out / "checkpoint-4")
+
+
+def test_callback_warns_when_rotation_can_delete_the_last_complete_checkpoint(make_trainer, caplog):
+    trainer = make_trainer([CompleteCheckpointCallback()], max_steps=1, save_total_limit=1)
+    trainer.train()
+    assert "save_total_limit=1" in caplog.text
