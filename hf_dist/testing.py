@@ -7,6 +7,7 @@ the same way a user would (``torchrun`` / ``accelerate launch``) with a bounded 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -88,7 +89,19 @@ def accelerate_launch(
 
 
 def run_checked(cmd: Sequence[str], *, env: dict[str, str], timeout: float, cwd=None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(list(cmd), env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    """Run ``cmd`` in its own process group; on timeout kill the whole group (launcher and ranks)."""
+    with subprocess.Popen(
+        list(cmd), env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as popen:
+        try:
+            stdout, stderr = popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            stdout, stderr = popen.communicate()
+            raise RuntimeError(
+                f"command timed out after {timeout:.0f}s: {' '.join(cmd)}\n{stdout[-4000:]}\n--- stderr ---\n{stderr[-8000:]}"
+            ) from None
+    proc = subprocess.CompletedProcess(list(cmd), popen.returncode, stdout, stderr)
     if proc.returncode != 0:
         tail = (proc.stdout[-4000:] + "\n--- stderr ---\n" + proc.stderr[-8000:]).strip()
         raise RuntimeError(f"command failed with exit code {proc.returncode}: {' '.join(cmd)}\n{tail}")

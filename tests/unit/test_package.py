@@ -4,7 +4,9 @@ import sys
 
 def test_import_is_lazy():
     """`import hf_dist` must not pull in deepspeed, transformers models or torch.distributed work."""
-    code = "import sys, hf_dist; bad = [m for m in ('deepspeed', 'transformers', 'peft') if m in sys.modules]; print(bad)"
+    code = (
+        "import sys, hf_dist; bad = [m for m in ('deepspeed', 'transformers', 'peft') if m in sys.modules]; print(bad)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
 
