@@ -1,0 +1,148 @@
+"""Launch helpers shared by the distributed tests: every configuration is launched once per session.
+
+A launch costs seconds (imports, process group, a few steps), so tests that check different facts
+of the same run (what wrapped the model, the checkpoint files, the loss curve) share one launch
+through a session-scoped :class:`LaunchCache`. A failed launch is cached too: every test that
+needs it fails with the launcher's output instead of relaunching.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from hf_dist.testing import REPO_ROOT, cpu_env, free_port, run_checked, torchrun
+
+SCRIPTS = Path(__file__).parent / "scripts"
+CONFIG_DIR = REPO_ROOT / "accelerate_configs"
+NPROC = 2
+TRAIN_STEPS = 6  # optimizer steps per Trainer run (strategies_train.py)
+# Generous per launch: a cold DeepSpeed start JIT-builds its shared-memory comm op once (~20 s).
+LAUNCH_TIMEOUT_S = 300
+
+
+def launch_env(strategy: str) -> dict[str, str]:
+    """Extra environment for CPU ranks of one strategy (on top of hf_dist.testing.cpu_env)."""
+    if strategy.startswith("zero"):
+        # accelerate takes its DeepSpeed branch only when not forced onto CPU; DeepSpeed then runs on
+        # its CPU accelerator over gloo by itself.
+        return {"ACCELERATE_USE_CPU": "false"}
+    if strategy.startswith("fsdp"):
+        return {"HF_DIST_FSDP_ON_CPU": "1"}  # see hf_dist/cpu_fsdp.py
+    return {}
+
+
+@dataclass(frozen=True)
+class StrategyCase:
+    """One Trainer run of tests/distributed/scripts/strategies_train.py."""
+
+    name: str
+    strategy: str  # "none" = single process, no distributed wrapper
+    offload: str = "none"
+
+    @property
+    def nproc(self) -> int:
+        return 1 if self.strategy == "none" else NPROC
+
+
+BASELINE = StrategyCase("baseline", "none")
+# Each 2-rank configuration is compared with BASELINE (1 process, gradient accumulation 2).
+CASES = {
+    case.name: case
+    for case in (
+        BASELINE,
+        StrategyCase("ddp", "ddp"),
+        StrategyCase("fsdp_full_shard", "fsdp_full_shard"),
+        StrategyCase("zero1", "zero1"),
+        StrategyCase("zero2", "zero2"),
+        StrategyCase("zero3", "zero3"),
+        StrategyCase("zero3_offload", "zero3", offload="optimizer"),
+    )
+}
+
+
+class LaunchCache:
+    """Runs each keyed launch at most once per session and returns its JSON report."""
+
+    def __init__(self, root: Path, launch: Callable[[str, Path, Path], None]) -> None:
+        self.root = root
+        self._launch = launch
+        self._results: dict[str, dict | BaseException] = {}
+
+    def get(self, key: str) -> dict:
+        if key not in self._results:
+            workdir = self.root / key
+            workdir.mkdir(parents=True)
+            out = workdir / "report.json"
+            start = time.perf_counter()
+            try:
+                self._launch(key, workdir, out)
+                report = json.loads(out.read_text())
+                report["launch_seconds"] = round(time.perf_counter() - start, 1)
+                report["workdir"] = str(workdir)
+                self._results[key] = report
+            except Exception as exc:  # cached so dependent tests fail fast with the same output
+                self._results[key] = exc
+        result = self._results[key]
+        if isinstance(result, BaseException):
+            raise RuntimeError(f"launch {key!r} failed (cached): {result}") from result
+        return result
+
+
+def launch_strategy(case: StrategyCase, workdir: Path, out: Path) -> None:
+    script = SCRIPTS / "strategies_train.py"
+    args = ["--strategy", case.strategy, "--offload", case.offload, "--steps", TRAIN_STEPS]
+    args += ["--output-dir", workdir / "run", "--out", out]
+    if case.nproc == 1:
+        # One process, accumulation 2 == two ranks, accumulation 1 (same samples per optimizer step).
+        cmd = [sys.executable, str(script), *map(str, args), "--grad-accum", "2"]
+        run_checked(cmd, env=cpu_env(), timeout=LAUNCH_TIMEOUT_S)
+        return
+    torchrun(script, args, nproc=case.nproc, env=launch_env(case.strategy), timeout=LAUNCH_TIMEOUT_S)
+
+
+def launch_accelerate_config(config: str, out: Path) -> None:
+    """``accelerate launch --config_file accelerate_configs/<config>.yaml`` on 2 CPU ranks, fp32.
+
+    No ``--cpu``: with it accelerate picks its single-process/MPI launcher and never spawns ranks.
+    The CPU is selected by ``ACCELERATE_USE_CPU=1`` (cpu_env) for DDP/FSDP, and by DeepSpeed's own
+    CPU accelerator for ZeRO. ``--mixed_precision no`` overrides the YAMLs' bf16 (slow on CPU).
+    """
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(CONFIG_DIR / f"{config}.yaml"),
+        "--num_processes",
+        str(NPROC),
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        str(free_port()),
+        "--mixed_precision",
+        "no",
+        str(SCRIPTS / "strategies_minimal.py"),
+        "--out",
+        str(out),
+    ]
+    strategy = "zero" if config.startswith("zero") else config
+    run_checked(cmd, env=cpu_env(launch_env(strategy)), timeout=LAUNCH_TIMEOUT_S)
+
+
+@pytest.fixture(scope="session")
+def strategy_runs(tmp_path_factory: pytest.TempPathFactory) -> LaunchCache:
+    return LaunchCache(
+        tmp_path_factory.mktemp("strategies"), lambda key, wd, out: launch_strategy(CASES[key], wd, out)
+    )
+
+
+@pytest.fixture(scope="session")
+def accelerate_runs(tmp_path_factory: pytest.TempPathFactory) -> LaunchCache:
+    return LaunchCache(tmp_path_factory.mktemp("accelerate"), lambda key, wd, out: launch_accelerate_config(key, out))

@@ -1,0 +1,234 @@
+"""Train a tiny Llama with the HF Trainer under one strategy and record what really ran.
+
+Launched by tests/distributed/test_strategies.py, e.g.::
+
+    python tests/distributed/scripts/strategies_train.py --strategy none --grad-accum 2 --out base.json
+    HF_DIST_FSDP_ON_CPU=1 torchrun --nproc_per_node 2 tests/distributed/scripts/strategies_train.py \
+        --strategy fsdp_full_shard --out fsdp.json
+
+Everything is fp32 on CPU: bf16 autocast on CPU is slow and would blur the loss comparison.
+The data are fixed-length random token ids (no padding), fed in order, so one process with
+gradient accumulation 2 sees exactly the samples that 2 ranks with accumulation 1 see per step.
+Rank 0 writes a JSON report: per-step losses, the wrapper types, accelerate's distributed type,
+proof of sharding (DTensor shards for FSDP, ZeRO-3 partitioned numel) and the checkpoint files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from hf_dist.cpu_fsdp import enable_fsdp_on_cpu_from_env
+
+SEED = 1234
+SEQ_LEN = 32
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strategy", required=True, help="'none' (single process) or an hf_dist strategy")
+    parser.add_argument("--offload", default="none")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--out", required=True, help="JSON report written by rank 0")
+    return parser.parse_args()
+
+
+def build_model():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_dist.testing import tiny_llama_config
+
+    # Built before TrainingArguments so ZeRO-3 does not switch on zero.Init: every run starts from
+    # bit-identical weights, and the engine partitions them afterwards.
+    torch.manual_seed(SEED)
+    return AutoModelForCausalLM.from_config(tiny_llama_config(), dtype=torch.float32)
+
+
+def build_dataset(num_samples: int, vocab_size: int):
+    import torch
+
+    # Random arithmetic progressions mod vocab: learnable in a few steps, so the loss falls fast and
+    # a wrong gradient (missing all-reduce, double-counted shard) shows up in the trajectory.
+    generator = torch.Generator().manual_seed(SEED)
+    start = torch.randint(0, vocab_size, (num_samples, 1), generator=generator)
+    stride = torch.randint(1, 5, (num_samples, 1), generator=generator)
+    ids = (start + stride * torch.arange(SEQ_LEN)) % vocab_size
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def training_kwargs(model, args: argparse.Namespace, world_size: int) -> dict:
+    """TrainingArguments kwargs: the hf_dist path (auto_args) for a strategy, plain Trainer for 'none'."""
+    common = dict(
+        output_dir=args.output_dir,
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=args.steps,
+        save_only_model=False,
+        report_to=[],
+        seed=SEED,
+        data_seed=SEED,
+        train_sampling_strategy="sequential",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+    )
+    if args.strategy == "none":
+        return {
+            **common,
+            "per_device_train_batch_size": args.micro_batch,
+            "gradient_accumulation_steps": args.grad_accum,
+        }
+    import hf_dist
+
+    auto = hf_dist.auto_args(
+        model,
+        strategy=args.strategy,
+        seq_len=SEQ_LEN,
+        per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=args.grad_accum,
+        bf16=False,
+        fp16=False,
+        **hardware_kwargs(args.offload, world_size),
+    )
+    merged = {**auto, **common}
+    if "deepspeed" in auto:
+        merged.update(cpu_deepspeed_state())
+    return merged
+
+
+def hardware_kwargs(offload: str, world_size: int) -> dict:
+    """Planner keywords: this CPU, except for offload, which the planner refuses on CPU hardware.
+
+    Offload moves states to host RAM, which is pointless when training already runs there, so
+    ``plan()`` rejects it for ``device="cpu"``. To exercise the offload code path the plan is made
+    for GPUs (without bf16: the run is fp32) and the resulting DeepSpeed config is run on CPU ranks,
+    with a torch optimizer (``cpu_adam=False``) so DeepSpeedCPUAdam is not JIT-compiled.
+    """
+    if offload == "none":
+        return {"gpus": world_size, "offload": "none"}
+    from hf_dist.hardware import Hardware
+
+    hardware = Hardware(device="cuda", gpus_per_node=world_size, gpu_memory_gib=80.0, bf16=False)
+    return {"hardware": hardware, "offload": offload, "cpu_adam": False}
+
+
+def cpu_deepspeed_state() -> dict:
+    """Build accelerate's PartialState for DeepSpeed on CPU ranks; return the TrainingArguments that reuse it.
+
+    accelerate takes its DeepSpeed branch only when ``cpu`` is False, and then (no GPU found) leaves
+    the backend unset, so PartialState reports world size 1 and DeepSpeed's batch check fails
+    (``train_batch_size 2 != 2 * 1 * 2``). TrainingArguments does not forward ``ddp_backend`` for
+    DeepSpeed, so the state is built here with gloo and the Trainer told to use it as configured.
+    """
+    from accelerate import PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    PartialState(backend="gloo")
+    return {"use_cpu": False, "accelerator_config": {"use_configured_state": True}}
+
+
+class LossRecorder:
+    """Collects the loss the Trainer logs at each optimizer step (already averaged over ranks)."""
+
+    def __init__(self) -> None:
+        from transformers import TrainerCallback
+
+        recorder = self
+
+        class _Callback(TrainerCallback):
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "loss" in logs:
+                    recorder.losses.append(float(logs["loss"]))
+
+        self.losses: list[float] = []
+        self.callback = _Callback()
+
+
+def sharding_facts(trainer) -> dict:
+    """What the parameters look like after wrapping: DTensor shards (FSDP2) or ZeRO-3 partitions."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(trainer.model_wrapped.parameters())
+    facts: dict = {"num_param_tensors": len(params)}
+    dtensors = [p for p in params if isinstance(p, DTensor)]
+    facts["dtensor_params"] = len(dtensors)
+    if dtensors:
+        facts["dtensor_placements"] = sorted({str(p.placements) for p in dtensors})
+        facts["dtensor_global_numel"] = sum(p.numel() for p in dtensors)
+        facts["dtensor_local_numel"] = sum(p.to_local().numel() for p in dtensors)
+    zero3 = [p for p in params if hasattr(p, "ds_numel")]
+    facts["zero3_params"] = len(zero3)
+    if zero3:
+        facts["ds_numel"] = sum(p.ds_numel for p in zero3)
+        facts["ds_partition_numel"] = sum(p.ds_tensor.numel() for p in zero3)
+        facts["local_numel"] = sum(p.numel() for p in zero3)
+    return facts
+
+
+def engine_facts(trainer) -> dict:
+    wrapped = trainer.model_wrapped
+    facts = {"model_wrapped": type(wrapped).__name__, "model": type(trainer.model).__name__}
+    if hasattr(wrapped, "zero_optimization_stage"):
+        facts["zero_stage"] = int(wrapped.zero_optimization_stage())
+        device = getattr(wrapped.zero_offload_optimizer(), "device", None)
+        facts["zero_offload_optimizer"] = str(getattr(device, "value", device) or "none")
+        facts["optimizer"] = type(wrapped.optimizer).__name__
+    return facts
+
+
+def checkpoint_layout(output_dir: str) -> list[str]:
+    root = Path(output_dir)
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def main() -> None:
+    args = parse_args()
+    enable_fsdp_on_cpu_from_env()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    model = build_model()
+    kwargs = training_kwargs(model, args, world_size)
+
+    from transformers import Trainer, TrainingArguments
+
+    training_args = TrainingArguments(**kwargs)
+    global_batch = args.micro_batch * args.grad_accum * world_size
+    dataset = build_dataset(global_batch * args.steps, model.config.vocab_size)
+    recorder = LossRecorder()
+    trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=[recorder.callback])
+    trainer.train()
+    facts = {**engine_facts(trainer), **sharding_facts(trainer)}
+    state = trainer.accelerator.state
+    report = {
+        "strategy": args.strategy,
+        "losses": recorder.losses,
+        "world_size": state.num_processes,
+        "distributed_type": str(state.distributed_type).split(".")[-1],
+        "fsdp_version": getattr(getattr(state, "fsdp_plugin", None), "fsdp_version", None),
+        "global_batch": global_batch,
+        "training_args": {k: v for k, v in kwargs.items() if isinstance(v, str | int | float | bool)},
+        **facts,
+    }
+    trainer.accelerator.wait_for_everyone()
+    if trainer.is_world_process_zero():
+        report["checkpoint_files"] = checkpoint_layout(args.output_dir)
+        tmp = Path(args.out).with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=2))
+        os.replace(tmp, args.out)
+
+
+if __name__ == "__main__":
+    main()
