@@ -1,0 +1,383 @@
+"""Measure training throughput of each feasible strategy at 1 and N processes, next to the planner's pick.
+
+Each (strategy, process count) runs a few ``Trainer`` steps in fresh processes launched with torchrun (the
+same code path a user's run takes), timed after warm-up steps. The report prints samples/s, tokens/s and the
+scaling efficiency ``throughput_N / (N * throughput_1)`` (weak scaling: the per-device batch is fixed), and
+says where the planner's pick is not the fastest measured. ``write_autotune`` writes the accelerate config
+of the fastest one.
+
+    from hf_dist.bench import BenchConfig, run_bench
+    report = run_bench(BenchConfig(nproc=8, model="meta-llama/Llama-3.1-8B", seq_len=2048))
+    print(report.format())
+
+The worker half of this module runs inside the launched processes (``python -m hf_dist.bench --worker``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# strategies a single node can run; hsdp needs >= 2 nodes, which one bench run does not launch
+SINGLE_NODE_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op")
+PRECISIONS = ("auto", "bf16", "fp16", "no")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure. ``model=None`` is a tiny Llama (hidden 64, 2 layers) that runs anywhere."""
+
+    nproc: int = 2  # N: processes of the scaled run (GPUs on a GPU node)
+    model: str | None = None  # local folder / config.json / hub name; only its config is used (random init)
+    strategies: tuple[str, ...] | None = None  # None: the planner's fitting candidates
+    steps: int = 5  # timed steps
+    warmup: int = 2  # untimed steps first (allocation, autotuning, first all-gather)
+    micro_batch_size: int = 4
+    seq_len: int = 64
+    mixed_precision: str = "auto"  # auto: bf16 on GPU, no (fp32) on CPU
+    gpu_memory_gib: float | None = None  # for the planner; detected on GPU, 80 assumed on CPU
+    timeout_s: float = 600.0  # per launch
+
+    def __post_init__(self) -> None:
+        if self.nproc < 2:
+            raise ValueError(f"nproc must be >= 2 to measure scaling (1 is always measured too), got {self.nproc}")
+        for name in ("steps", "micro_batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.mixed_precision not in PRECISIONS:
+            raise ValueError(f"mixed_precision {self.mixed_precision!r} is not one of {PRECISIONS}")
+        unknown = [s for s in self.strategies or () if s not in SINGLE_NODE_STRATEGIES]
+        if unknown:
+            raise ValueError(
+                f"cannot benchmark strategies {unknown} on one node; choose from {', '.join(SINGLE_NODE_STRATEGIES)}"
+            )
+
+
+@dataclass(frozen=True)
+class Measurement:
+    strategy: str
+    nproc: int
+    samples_per_s: float = 0.0
+    tokens_per_s: float = 0.0
+    step_s: float = 0.0
+    error: str | None = None  # why the run failed (then the figures are 0)
+    wrapped: str = ""  # the model class the Trainer trained (proves the strategy ran: FSDP..., DeepSpeedEngine)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class BenchReport:
+    config: BenchConfig
+    device: str
+    measurements: list[Measurement] = field(default_factory=list)
+    planner_pick: str | None = None
+    planner_note: str = ""
+
+    def get(self, strategy: str, nproc: int) -> Measurement | None:
+        return next((m for m in self.measurements if m.strategy == strategy and m.nproc == nproc), None)
+
+    def efficiency(self, strategy: str) -> float | None:
+        """throughput_N / (N * throughput_1) for ``strategy``; None when either run failed."""
+        one, many = self.get(strategy, 1), self.get(strategy, self.config.nproc)
+        if not (one and many and one.ok and many.ok and one.samples_per_s > 0):
+            return None
+        return many.samples_per_s / (self.config.nproc * one.samples_per_s)
+
+    def fastest(self, nproc: int | None = None) -> Measurement | None:
+        runs = [m for m in self.measurements if m.ok and m.nproc == (nproc or self.config.nproc)]
+        return max(runs, key=lambda m: m.samples_per_s, default=None)
+
+    def notes(self) -> list[str]:
+        best = self.fastest()
+        if best is None:
+            return [f"no strategy ran at {self.config.nproc} processes"]
+        if self.planner_pick is None:
+            return [f"fastest at {self.config.nproc} processes: {best.strategy} ({self.planner_note})"]
+        pick = self.get(self.planner_pick, self.config.nproc)
+        if pick is None or not pick.ok:
+            return [f"planner's pick {self.planner_pick} was not measured or failed; fastest is {best.strategy}"]
+        if pick.strategy == best.strategy:
+            return [f"planner's pick {pick.strategy} is the fastest measured"]
+        gap = best.samples_per_s / pick.samples_per_s - 1
+        return [
+            f"planner's pick {pick.strategy} is not the fastest measured: {best.strategy} is {gap:.0%} faster "
+            f"({best.samples_per_s:.1f} vs {pick.samples_per_s:.1f} samples/s); --autotune writes {best.strategy}"
+        ]
+
+    def format(self) -> str:
+        n = self.config.nproc
+        head = f"{'strategy':<20} {'procs':>5} {'samples/s':>10} {'tokens/s':>10} {'step s':>8} {'scaling':>8}  trained as"
+        lines = [f"device: {self.device}  model: {self.config.model or 'tiny-llama'}  "
+                 f"micro batch {self.config.micro_batch_size} x seq {self.config.seq_len}, "
+                 f"{self.config.steps} timed steps after {self.config.warmup} warm-up", head, "-" * len(head)]  # fmt: skip
+        for m in self.measurements:
+            mark = " *" if m.strategy == self.planner_pick and m.nproc == n else ""
+            if not m.ok:
+                lines.append(f"{m.strategy:<20} {m.nproc:>5}  failed: {m.error}")
+                continue
+            eff = self.efficiency(m.strategy) if m.nproc == n else None
+            eff_text = f"{eff:.0%}" if eff is not None else ""
+            lines.append(
+                f"{m.strategy:<20} {m.nproc:>5} {m.samples_per_s:>10.2f} {m.tokens_per_s:>10.0f} {m.step_s:>8.3f} "
+                f"{eff_text:>8}  {m.wrapped}{mark}"
+            )
+        lines.append("scaling = throughput_N / (N * throughput_1);  * = planner's pick")
+        return "\n".join(lines + self.notes())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": asdict(self.config),
+            "device": self.device,
+            "planner_pick": self.planner_pick,
+            "measurements": [asdict(m) for m in self.measurements],
+            "efficiency": {s: self.efficiency(s) for s in dict.fromkeys(m.strategy for m in self.measurements)},
+            "fastest": self.fastest().strategy if self.fastest() else None,
+            "notes": self.notes(),
+        }
+
+
+def run_bench(config: BenchConfig, *, progress: bool = True) -> BenchReport:
+    """Plan, then measure every chosen strategy at 1 and ``config.nproc`` processes."""
+    device = _device()
+    pick, note, strategies = _planned_strategies(config, device)
+    report = BenchReport(config, device, planner_pick=pick, planner_note=note)
+    runs = [(s, n) for s in strategies for n in (1, config.nproc)]
+    from tqdm.auto import tqdm
+
+    bar = tqdm(runs, desc="hf-dist bench", disable=not progress or not sys.stderr.isatty())
+    for strategy, nproc in bar:
+        bar.set_postfix_str(f"{strategy} x{nproc}")
+        report.measurements.append(measure(config, strategy, nproc, device))
+    return report
+
+
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _planned_strategies(config: BenchConfig, device: str) -> tuple[str | None, str, list[str]]:
+    """(planner's pick, a note, strategies to run): fitting candidates without offload, in planner order."""
+    from hf_dist.planner import plan
+
+    memory = config.gpu_memory_gib or (None if device == "cuda" else 80.0)
+    try:
+        result = plan(
+            _model_config(config.model),
+            gpus=config.nproc,
+            gpu_memory_gib=memory,
+            seq_len=config.seq_len,
+            micro_batch_size=config.micro_batch_size,
+        )
+    except ValueError as exc:  # PlanError: nothing fits; the user's explicit list may still be measured
+        if not config.strategies:
+            raise ValueError(
+                f"the planner found no feasible strategy ({exc}); pass --strategies to force some"
+            ) from exc
+        return None, f"planner: {exc}", list(config.strategies)
+    fitting = [c.strategy for c in result.candidates if c.fits and c.offload == "none"]
+    ordered = list(dict.fromkeys(fitting))
+    if config.strategies:
+        ordered = [s for s in config.strategies if s in ordered] + [s for s in config.strategies if s not in ordered]
+    return result.strategy, f"planner picked {result.strategy}", [s for s in ordered if s in SINGLE_NODE_STRATEGIES]
+
+
+def _model_config(model: str | None) -> Any:
+    if model is None:
+        from hf_dist.testing import tiny_llama_config
+
+        return tiny_llama_config()
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model)
+
+
+def measure(config: BenchConfig, strategy: str, nproc: int, device: str) -> Measurement:
+    """Launch ``nproc`` processes with torchrun running the worker; return its figures or the failure."""
+    from hf_dist.testing import cpu_env, free_port
+
+    with tempfile.TemporaryDirectory(prefix="hf-dist-bench-") as tmp:
+        result = Path(tmp) / "result.json"
+        worker = ["--worker", "--strategy", strategy, "--out", str(result), "--config", json.dumps(asdict(config))]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "hf_dist.bench", *worker]  # fmt: skip
+        env = _launch_env(strategy, device, cpu_env if device == "cpu" else None)
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=config.timeout_s, cwd=tmp)
+        except subprocess.TimeoutExpired:
+            return Measurement(strategy, nproc, error=f"timed out after {config.timeout_s:.0f}s")
+        if proc.returncode != 0 or not result.is_file():
+            return Measurement(strategy, nproc, error=_last_error(proc.stderr + proc.stdout))
+        return Measurement(strategy, nproc, **json.loads(result.read_text()))
+
+
+def _launch_env(strategy: str, device: str, cpu_env: Any) -> dict[str, str]:
+    env = cpu_env() if cpu_env else dict(os.environ)
+    if strategy.startswith("zero"):
+        env["ACCELERATE_USE_CPU"] = "0"  # accelerate drops DeepSpeed when forced onto CPU; DS falls back to gloo
+    return env
+
+
+def _last_error(log: str) -> str:
+    lines = [ln.strip() for ln in log.splitlines() if "Error" in ln or "error" in ln]
+    return (lines[-1] if lines else log.strip().splitlines()[-1] if log.strip() else "no output")[:300]
+
+
+def write_autotune(report: BenchReport, path: str | Path, *, force: bool = False) -> Path:
+    """Write the accelerate config of the fastest measured strategy at N processes (atomically)."""
+    from hf_dist.configs.accelerate import accelerate_config, write_yaml
+
+    best = report.fastest()
+    if best is None:
+        raise RuntimeError(f"no strategy ran at {report.config.nproc} processes; nothing to write to {path}")
+    precision = _precision(report.config.mixed_precision, report.device)
+    cfg = accelerate_config(best.strategy, num_processes=report.config.nproc, mixed_precision=precision)
+    header = (
+        f"{Path(path).name}: fastest strategy measured by `hf-dist bench --autotune`: {best.strategy}, "
+        f"{best.samples_per_s:.2f} samples/s on {report.config.nproc} x {report.device}\n"
+        f"Launch: accelerate launch --config_file {path} train.py"
+    )
+    return write_yaml(cfg, path, header=header, force=force)
+
+
+def _precision(requested: str, device: str) -> str:
+    if requested != "auto":
+        return requested
+    return "bf16" if device == "cuda" else "no"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# worker: runs inside each launched process
+
+
+def enable_deepspeed_on_cpu() -> None:
+    """accelerate finds no backend for DeepSpeed on CPU and records 1 process; count the real ranks.
+
+    Without this the Trainer believes the world size is 1 (every rank reads the whole batch) while
+    DeepSpeed averages gradients over all ranks. For CPU tests and benchmarks only.
+    """
+    import torch.distributed as dist
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    original = PartialState.__init__
+    if getattr(original, "_hf_dist_patched", False):
+        return
+
+    def patched(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if self.distributed_type == DistributedType.DEEPSPEED and dist.is_initialized():
+            self.num_processes = dist.get_world_size()
+            self.process_index = dist.get_rank()
+            self.local_process_index = int(os.environ.get("LOCAL_RANK", "0"))
+
+    patched._hf_dist_patched = True
+    PartialState.__init__ = patched
+
+
+def strategy_kwargs(strategy: str, model: Any, precision: str, device: str) -> dict[str, Any]:
+    """TrainingArguments kwargs for ``strategy`` built by the shared config factories."""
+    if strategy == "ddp":
+        return {}
+    if strategy.startswith("zero"):
+        from hf_dist.configs.deepspeed import deepspeed_config
+
+        return {"deepspeed": deepspeed_config(strategy, mixed_precision=precision)}
+    from hf_dist.configs.fsdp import fsdp_config
+    from hf_dist.wrap import fsdp_wrap_classes
+
+    kwargs = fsdp_config(strategy, wrap_classes=fsdp_wrap_classes(model), mixed_precision=precision)
+    if device == "cpu":
+        kwargs["fsdp_config"]["cpu_ram_efficient_loading"] = False  # needs a device to broadcast from
+    return kwargs
+
+
+def _worker(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="hf_dist.bench --worker")
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--strategy", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--config", required=True)
+    args = parser.parse_args(argv)
+    raw = json.loads(args.config)
+    raw["strategies"] = tuple(raw["strategies"]) if raw.get("strategies") else None
+    config = BenchConfig(**raw)
+
+    import torch
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    device = _device()
+    if device == "cpu":
+        from hf_dist.cpu_fsdp import enable_fsdp_on_cpu
+
+        enable_fsdp_on_cpu()
+        enable_deepspeed_on_cpu()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    precision = _precision(config.mixed_precision, device)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_model_config(config.model))
+    steps = config.warmup + config.steps
+    data = torch.randint(0, model.config.vocab_size, (config.micro_batch_size * world * steps, config.seq_len))
+    dataset = [{"input_ids": row, "labels": row} for row in data]
+    marks: dict[str, float] = {}
+
+    class Timer(TrainerCallback):
+        def _now(self) -> float:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            return time.perf_counter()
+
+        def on_step_begin(self, a, state, control, **kw):
+            if state.global_step == config.warmup:
+                marks["start"] = self._now()
+
+        def on_step_end(self, a, state, control, **kw):
+            if state.global_step == steps:
+                marks["end"] = self._now()
+
+    training_args = TrainingArguments(
+        output_dir=str(Path(args.out).parent / "trainer"),
+        per_device_train_batch_size=config.micro_batch_size,
+        max_steps=steps,
+        save_strategy="no",
+        logging_strategy="no",
+        report_to=[],
+        use_cpu=device == "cpu" and not args.strategy.startswith("zero"),
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        **strategy_kwargs(args.strategy, model, precision, device),
+    )
+    trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=[Timer()])
+    trainer.train()
+    if trainer.is_world_process_zero():
+        elapsed = marks["end"] - marks["start"]
+        samples = config.steps * config.micro_batch_size * world
+        result = {
+            "samples_per_s": samples / elapsed,
+            "tokens_per_s": samples * config.seq_len / elapsed,
+            "step_s": elapsed / config.steps,
+            "wrapped": type(trainer.model_wrapped).__name__,
+        }
+        Path(args.out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    if "--worker" not in sys.argv[1:]:
+        raise SystemExit("hf_dist.bench is run by `hf-dist bench`; this entry point is its per-process worker")
+    _worker(sys.argv[1:])

@@ -1,0 +1,64 @@
+"""`hf-dist reshard`: make a Trainer checkpoint resumable on a different number of ranks."""
+
+from __future__ import annotations
+
+import argparse
+
+EPILOG = """examples:
+  hf-dist reshard out/checkpoint-500                      # ZeRO: add the universal conversion in place
+  hf-dist reshard out/checkpoint-500 out/ckpt-any-world   # ... into a copy, the original untouched
+  hf-dist reshard out/checkpoint-500 --check 16           # only report what resuming on 16 ranks needs
+
+then resume with "checkpoint": {"load_universal": true} in the DeepSpeed config, or call
+hf_dist.reshard.prepare_resume(ckpt, training_args=args) in the training script (it does both steps).
+FSDP2 (DCP) checkpoints need nothing: accelerate reshards them on load.
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "reshard",
+        help="make a ZeRO/FSDP Trainer checkpoint resumable on a different number of GPUs",
+        description="Convert a DeepSpeed ZeRO-1/2/3 Trainer checkpoint to DeepSpeed's universal format (fixes "
+        "'The checkpoint being loaded used a DP world size of X but the current world size is Y'); FSDP2/DCP "
+        "checkpoints are reported as already reshardable.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("src", metavar="SRC", help="a Trainer checkpoint-N folder")
+    parser.add_argument("dst", metavar="DST", nargs="?", help="write a converted copy here (default: in place)")
+    parser.add_argument("--check", type=int, metavar="WORLD_SIZE", help="report only; convert nothing")
+    parser.add_argument("--workers", type=int, default=1, help="processes for DeepSpeed's conversion (default 1)")
+    parser.add_argument("--overwrite", action="store_true", help="redo an existing conversion / replace DST")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from hf_dist.reshard import inspect_checkpoint, reshard
+
+    topo = inspect_checkpoint(args.src)
+    print(f"found: {topo.describe()}")
+    if args.check is not None:
+        print(resume_advice(topo, args.check))
+        return 0
+    if topo.kind != "deepspeed":
+        print("nothing to convert: FSDP/DCP and unsharded checkpoints reshard on load")
+    out = reshard(args.src, args.dst, workers=args.workers, overwrite=args.overwrite)
+    if topo.kind == "deepspeed":
+        done = inspect_checkpoint(out)
+        print(f"wrote {out / str(done.universal_tag)} and {out / 'latest_universal'}")
+        print('resume with "checkpoint": {"load_universal": true} in the DeepSpeed config')
+    return 0
+
+
+def resume_advice(topo, world_size: int) -> str:
+    if world_size < 1:
+        raise ValueError(f"--check needs a world size >= 1, got {world_size}")
+    if topo.kind != "deepspeed":
+        return f"resumable on {world_size} rank(s) as is (reshards on load)"
+    if topo.world_size == world_size:
+        return f"resumable on {world_size} rank(s) as is (same DP world size)"
+    if topo.universal_tag:
+        return f"resumable on {world_size} rank(s) with load_universal (already converted: {topo.universal_tag})"
+    return f"needs `hf-dist reshard {topo.path}` (saved by {topo.world_size} ranks, resuming on {world_size})"

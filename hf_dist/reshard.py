@@ -1,0 +1,319 @@
+"""Resume a Trainer checkpoint on a different number of ranks.
+
+- **FSDP2** checkpoints (``checkpoint-N/pytorch_model_fsdp_0/`` + ``optimizer_0/``) are DCP folders. accelerate
+  loads them with ``torch.distributed.checkpoint.load`` into the live DTensor state dict, which reshards to
+  whatever mesh the new run has, model and optimizer alike. Nothing to convert.
+- **DeepSpeed ZeRO** checkpoints store one optimizer partition per data-parallel rank, and DeepSpeed refuses a
+  different count ("The checkpoint being loaded used a DP world size of X but the current world size is Y").
+  :func:`prepare_resume` converts such a checkpoint once to DeepSpeed's *universal* format
+  (``deepspeed.checkpoint.ds_to_universal``: one fp32 file per parameter with its Adam moments), writes it next
+  to the original as ``<tag>_universal/`` + ``latest_universal``, and switches ``checkpoint.load_universal`` on
+  in the run's DeepSpeed config so ``trainer.train(resume_from_checkpoint=...)`` loads it.
+
+Usage, before building the Trainer (all ranks call it; global rank 0 converts, the others wait)::
+
+    args = TrainingArguments(..., deepspeed=ds_config)
+    ckpt = hf_dist.reshard.prepare_resume("out/checkpoint-500", training_args=args)
+    Trainer(model, args, ...).train(resume_from_checkpoint=ckpt)
+
+or offline: ``hf-dist reshard out/checkpoint-500`` (then set ``"checkpoint": {"load_universal": true}``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+KINDS = ("deepspeed", "dcp", "full")
+UNIVERSAL_SUFFIX = "_universal"
+LATEST_UNIVERSAL = "latest_universal"
+# zero_pp_rank_{dp}_mp_rank_{tp}_optim_states.pt, with a bf16_ prefix when bf16 master weights are sharded
+_ZERO_OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$")
+_DCP_SHARD_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+@dataclass(frozen=True)
+class CheckpointTopology:
+    """How a Trainer checkpoint was sharded when it was saved."""
+
+    path: Path
+    kind: str  # "deepspeed" | "dcp" | "full"
+    world_size: int | None = None  # data-parallel ranks that wrote it; None for a full (unsharded) checkpoint
+    stage: int | None = None  # ZeRO stage (2 stands for 1 or 2: their files are the same)
+    tag: str | None = None  # DeepSpeed tag folder, e.g. "global_step500"
+    universal_tag: str | None = None  # converted universal folder, when one exists
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown checkpoint kind {self.kind!r}; expected one of {KINDS}")
+        if self.world_size is not None and self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+
+    def describe(self) -> str:
+        what = f"DeepSpeed ZeRO-{self.stage}" if self.kind == "deepspeed" else self.kind.upper()
+        ranks = f"saved by {self.world_size} rank(s)" if self.world_size else "unsharded"
+        return f"{what} checkpoint {self.path} ({ranks})"
+
+
+def inspect_checkpoint(checkpoint_dir: str | Path) -> CheckpointTopology:
+    """Find how ``checkpoint_dir`` (a Trainer ``checkpoint-N`` folder) is sharded and by how many ranks."""
+    path = Path(checkpoint_dir).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint folder {path} does not exist; pass a Trainer checkpoint-N folder")
+    tag = _latest_tag(path)
+    if tag is not None:
+        return _inspect_deepspeed(path, tag)
+    dcp_dirs = sorted(path.glob("pytorch_model_fsdp_*"))
+    if dcp_dirs and dcp_dirs[0].is_dir():
+        ranks = {int(m.group(1)) for f in dcp_dirs[0].iterdir() if (m := _DCP_SHARD_FILE.match(f.name))}
+        return CheckpointTopology(path, "dcp", world_size=len(ranks) or None)
+    if any(
+        (path / name).exists() for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+    ):
+        return CheckpointTopology(path, "full")
+    raise ValueError(
+        f"{path} is not a Trainer checkpoint: expected a DeepSpeed 'latest' file + tag folder, a "
+        "pytorch_model_fsdp_0/ DCP folder, or model.safetensors; pass the checkpoint-N folder itself"
+    )
+
+
+def _latest_tag(path: Path) -> str | None:
+    latest = path / "latest"
+    if latest.is_file():
+        return latest.read_text().strip()
+    tags = sorted(p.name for p in path.glob("global_step*") if p.is_dir() and not p.name.endswith(UNIVERSAL_SUFFIX))
+    return tags[-1] if tags else None
+
+
+def _inspect_deepspeed(path: Path, tag: str) -> CheckpointTopology:
+    folder = path / tag
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{path / 'latest'} names tag {tag!r} but {folder} does not exist")
+    names = [f.name for f in folder.iterdir()]
+    dp_ranks = {int(m.group(1)) for n in names if (m := _ZERO_OPTIM_FILE.match(n))}
+    if not dp_ranks:
+        raise ValueError(
+            f"{folder} holds no ZeRO optimizer files (zero_pp_rank_*_optim_states.pt); it was saved without "
+            "optimizer state, so it can only be resumed as weights (hf-dist convert)"
+        )
+    stage = 3 if any(_ZERO3_MODEL_FILE.match(n) for n in names) else 2
+    universal = (path / LATEST_UNIVERSAL).read_text().strip() if (path / LATEST_UNIVERSAL).is_file() else None
+    if universal is not None and not (path / universal).is_dir():
+        universal = None
+    return CheckpointTopology(path, "deepspeed", len(dp_ranks), stage, tag, universal)
+
+
+def to_universal(checkpoint_dir: str | Path, *, workers: int = 1, overwrite: bool = False) -> Path:
+    """Convert a DeepSpeed ZeRO checkpoint folder to DeepSpeed's universal format, in place.
+
+    Writes ``<tag>_universal/`` and ``latest_universal`` inside ``checkpoint_dir`` (the original files are
+    kept) and returns the universal folder. The folder appears atomically: it is built under a temporary name
+    and renamed, and ``latest_universal`` is written last, so a crash leaves no half-converted checkpoint.
+    """
+    topo = inspect_checkpoint(checkpoint_dir)
+    if topo.kind != "deepspeed":
+        raise ValueError(
+            f"{topo.describe()} is not a DeepSpeed ZeRO checkpoint; only those need a universal conversion "
+            "(FSDP/DCP checkpoints reshard on load as they are)"
+        )
+    if topo.universal_tag and not overwrite:
+        return topo.path / topo.universal_tag
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    final = topo.path / f"{topo.tag}{UNIVERSAL_SUFFIX}"
+    tmp = topo.path / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _run_ds_to_universal(topo.path / topo.tag, tmp, workers)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _atomic_write_text(topo.path / LATEST_UNIVERSAL, final.name)
+    return final
+
+
+def reshard(src: str | Path, dst: str | Path | None = None, *, workers: int = 1, overwrite: bool = False) -> Path:
+    """Make the checkpoint folder ``src`` resumable on any world size; return the folder to resume from.
+
+    DeepSpeed ZeRO: adds the universal conversion (in place, or in a copy at ``dst`` when given, leaving
+    ``src`` untouched). FSDP/DCP and unsharded checkpoints already reshard on load: returned (or copied) as is.
+    """
+    src_path = Path(src).expanduser()
+    topo = inspect_checkpoint(src_path)
+    if dst is None:
+        if topo.kind == "deepspeed":
+            to_universal(src_path, workers=workers, overwrite=overwrite)
+        return src_path
+    dst_path = Path(dst).expanduser()
+    if dst_path.exists() and not overwrite:
+        raise FileExistsError(f"{dst_path} exists; pass overwrite=True (--overwrite) or choose another folder")
+    tmp = dst_path.with_name(f".{dst_path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        shutil.copytree(src_path, tmp, ignore=shutil.ignore_patterns(".*.tmp-*"))
+        if topo.kind == "deepspeed":
+            to_universal(tmp, workers=workers, overwrite=overwrite)
+        if dst_path.exists():
+            shutil.rmtree(dst_path)
+        os.replace(tmp, dst_path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dst_path
+
+
+def _run_ds_to_universal(src: Path, dst: Path, workers: int) -> None:
+    from argparse import Namespace
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = Namespace(
+        input_folder=str(src),
+        output_folder=str(dst),
+        num_extract_workers=workers,
+        num_merge_workers=max(1, workers // 2),
+        keep_temp_folder=False,
+        strict=True,
+        # HF models carry no UNIVERSAL_CHECKPOINT_INFO (a Megatron notion); the defaults are right for them
+        inject_missing_state=True,
+    )
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log):
+            ds_to_universal.main(args)
+    except Exception as exc:
+        raise RuntimeError(
+            f"DeepSpeed's universal conversion of {src} failed ({type(exc).__name__}: {exc}); its log:\n"
+            f"{log.getvalue()[-2000:]}"
+        ) from exc
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def prepare_resume(
+    checkpoint_dir: str | Path,
+    world_size: int | None = None,
+    *,
+    training_args: Any = None,
+    deepspeed_config: dict | None = None,
+    timeout_s: float = 3600.0,
+) -> str:
+    """Make ``checkpoint_dir`` resumable at ``world_size`` ranks and return the path to resume from.
+
+    ``world_size`` defaults to ``$WORLD_SIZE``. FSDP/DCP and unsharded checkpoints are returned as they are
+    (they reshard on load). A DeepSpeed checkpoint saved by a different number of ranks is converted to the
+    universal format (global rank 0 converts; other ranks wait for ``latest_universal``), and
+    ``checkpoint.load_universal`` is switched on in ``training_args``' DeepSpeed config and/or the
+    ``deepspeed_config`` dict, in place. Call it before constructing the ``Trainer``.
+    """
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    topo = inspect_checkpoint(checkpoint_dir)
+    _check_strategy_matches(topo, training_args)
+    if topo.kind != "deepspeed" or topo.world_size == world_size:
+        return str(topo.path)
+    if training_args is None and deepspeed_config is None:
+        raise ValueError(
+            f"{topo.describe()} is resumed on {world_size} rank(s): pass training_args= (or deepspeed_config=) "
+            "so prepare_resume can switch on DeepSpeed's universal checkpoint loading"
+        )
+    if int(os.environ.get("RANK", "0")) == 0:
+        to_universal(topo.path)
+    else:
+        _wait_for(topo.path / LATEST_UNIVERSAL, timeout_s)
+    for config in _deepspeed_config_dicts(training_args, deepspeed_config):
+        config.setdefault("checkpoint", {})["load_universal"] = True
+    return str(topo.path)
+
+
+def _check_strategy_matches(topo: CheckpointTopology, training_args: Any) -> None:
+    if training_args is None or topo.kind == "full":
+        return
+    running = "deepspeed" if getattr(training_args, "deepspeed", None) else "fsdp" if training_args.fsdp else "ddp"
+    saved = "deepspeed" if topo.kind == "deepspeed" else "fsdp"
+    if running != saved:
+        raise ValueError(
+            f"{topo.describe()} cannot be resumed by a {running} run: optimizer state is laid out per strategy. "
+            f"Resume with the {saved} strategy it was saved with, or export the weights with "
+            f"`hf-dist convert {topo.path} OUT` and start a new run from OUT"
+        )
+
+
+def _deepspeed_config_dicts(training_args: Any, deepspeed_config: dict | None) -> list[dict]:
+    """Every live copy of the DeepSpeed config the Trainer will read (TrainingArguments keeps two)."""
+    found: list[dict] = [deepspeed_config] if deepspeed_config is not None else []
+    if training_args is not None:
+        hf_config = getattr(training_args, "hf_deepspeed_config", None)
+        plugin = getattr(training_args, "deepspeed_plugin", None)
+        if hf_config is None:
+            raise ValueError(
+                "training_args has no DeepSpeed config (TrainingArguments(deepspeed=...) was not set) but the "
+                "checkpoint is a DeepSpeed one; pass the same deepspeed= config the checkpoint was trained with"
+            )
+        found.append(hf_config.config)
+        if plugin is not None:
+            found += [plugin.deepspeed_config, plugin.hf_ds_config.config]
+    unique: dict[int, dict] = {id(c): c for c in found}
+    return list(unique.values())
+
+
+def _wait_for(path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.is_file():
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"waited {timeout_s:.0f}s for rank 0 to write {path}; check rank 0's log, and that all nodes "
+                "see the same checkpoint folder (a shared filesystem)"
+            )
+        time.sleep(0.5)
+
+
+def untie_optimizer_steps(optimizer: Any) -> int:
+    """Give every optimizer state its own ``step`` tensor; return how many were shared.
+
+    DeepSpeed's ZeRO-3 universal loader assigns one ``step`` tensor object to every parameter sub-group, and
+    torch's Adam increments ``step`` in place, so after resuming each step counted once per sub-group and
+    Adam's bias correction drifted (measured: counter 9 instead of 6 after 3 steps with 2 sub-groups).
+    """
+    import torch
+
+    while hasattr(optimizer, "optimizer"):  # accelerate / DeepSpeed wrappers hold the torch optimizer
+        optimizer = optimizer.optimizer
+    seen: set[int] = set()
+    shared = 0
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            if id(step) in seen:
+                state["step"] = step.clone()
+                shared += 1
+            seen.add(id(step))
+    return shared
+
+
+def reshard_callback() -> Any:
+    """A ``TrainerCallback`` that repairs what resharded loads leave behind; add it when resuming.
+
+    ``Trainer(..., callbacks=[hf_dist.reshard.reshard_callback()])``. It runs once at train start, after the
+    checkpoint was loaded, and calls :func:`untie_optimizer_steps`.
+    """
+    from transformers import TrainerCallback
+
+    class ReshardCallback(TrainerCallback):
+        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+            if optimizer is not None:
+                untie_optimizer_steps(optimizer)
+
+    return ReshardCallback()
