@@ -74,12 +74,7 @@ def wrap(strategy: str, model):
             "train_micro_batch_size_per_gpu": MICRO,
             "gradient_accumulation_steps": 1,
             "zero_allow_untested_optimizer": True,
-            # bucket sizes as the Trainer fills the "auto" values of hf_dist's DeepSpeed JSON
-            "zero_optimization": {
-                "stage": stage,
-                "reduce_bucket_size": model.config.hidden_size**2,
-                "stage3_prefetch_bucket_size": int(0.9 * model.config.hidden_size**2),
-            },
+            "zero_optimization": {"stage": stage},
             "steps_per_print": 10**9,
         }
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

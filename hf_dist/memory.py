@@ -47,20 +47,6 @@ DDP_BUCKET_CAP_BYTES = 25 * 1024**2
 # whatever the model size (measured: +2.0 GB for a 7M-param fp32 model, benchmarks/planner_accuracy.py).
 DS_REDUCE_BUCKET_ELEMENTS = int(5e8)
 DS_PREFETCH_BUCKET_ELEMENTS = int(5e7)
-
-
-def ds_bucket_elements(spec) -> tuple[int, int]:
-    """(reduce bucket, stage-3 prefetch bucket) in elements for the DeepSpeed JSON hf_dist emits.
-
-    Its bucket sizes are ``"auto"``, which the Trainer fills with hidden**2 and 0.9*hidden**2
-    (transformers/integrations/deepspeed.py, ``trainer_config_process``); without a hidden size
-    (a bare parameter count) DeepSpeed's own defaults apply.
-    """
-    if spec.hidden_size:
-        return spec.hidden_size**2, int(0.9 * spec.hidden_size**2)
-    return DS_REDUCE_BUCKET_ELEMENTS, DS_PREFETCH_BUCKET_ELEMENTS
-
-
 # CUDA context (~0.5 GiB on Hopper with CUDA 12) + NCCL communicator buffers (~0.5 GiB), measured
 # order of magnitude on H100; plus 5% of everything else for caching-allocator fragmentation.
 CUDA_FIXED_OVERHEAD_BYTES = 1 * GIB
@@ -295,15 +281,14 @@ def buffer_bytes(spec, strategy, trainable, offload, param_bytes, grad_bytes) ->
     if strategy == "ddp":
         # DDP Reducer's flat buckets hold a full gradient copy (gradient_as_bucket_view=False)
         return trainable * grad_bytes
-    reduce_bucket, prefetch_bucket = ds_bucket_elements(spec)
     if strategy in ("zero1", "zero2"):
-        return reduce_bucket * grad_bytes
+        return DS_REDUCE_BUCKET_ELEMENTS * grad_bytes
     if strategy == "zero3":
         # the module being run + the prefetch bucket are gathered; the largest module may be the
         # (untied) lm_head or the embedding rather than a decoder layer
         largest = max(unit, spec.embedding_params)
-        live = largest + min(prefetch_bucket, spec.num_params)
-        return live * param_bytes + reduce_bucket * grad_bytes
+        live = largest + min(DS_PREFETCH_BUCKET_ELEMENTS, spec.num_params)
+        return live * param_bytes + DS_REDUCE_BUCKET_ELEMENTS * grad_bytes
     # FSDP2: the root unit (embedding, final norm, lm_head) stays gathered from forward to backward
     # (FSDP2 sets reshard_after_forward=False on the root), plus the current and the prefetched
     # decoder layer, plus one layer's unsharded gradients before reduce-scatter.

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from hf_dist.configs import DEEPSPEED_STRATEGIES, MIXED_PRECISIONS, OFFLOADS, check_choice
+from hf_dist.memory import DS_PREFETCH_BUCKET_ELEMENTS, DS_REDUCE_BUCKET_ELEMENTS
 
 __all__ = ["deepspeed_config", "zero_stage"]
 
@@ -95,7 +96,10 @@ def _zero_section(stage: int, offload: str) -> dict[str, Any]:
         "overlap_comm": stage >= 2,  # overlap the gradient reduce with backward once gradients are partitioned
         "contiguous_gradients": True,
         "reduce_scatter": True,
-        "reduce_bucket_size": "auto",  # Trainer fills hidden_size**2
+        # DeepSpeed's own defaults, written out (the Trainer's "auto" would substitute hidden**2):
+        # the planner's memory model counts exactly these buffers (hf_dist.memory, measured in
+        # benchmarks/planner_accuracy.py), so the plan and the config agree
+        "reduce_bucket_size": DS_REDUCE_BUCKET_ELEMENTS,
     }
     if stage in (1, 2):
         zero["allgather_partitions"] = True
@@ -103,7 +107,7 @@ def _zero_section(stage: int, offload: str) -> dict[str, Any]:
     if stage == 3:
         zero.update(
             {
-                "stage3_prefetch_bucket_size": "auto",  # 0.9 * hidden_size**2
+                "stage3_prefetch_bucket_size": DS_PREFETCH_BUCKET_ELEMENTS,
                 "stage3_param_persistence_threshold": "auto",  # 10 * hidden_size: tiny params stay gathered
                 "stage3_max_live_parameters": 1_000_000_000,
                 "stage3_max_reuse_distance": 1_000_000_000,

@@ -29,7 +29,8 @@ def test_zero3_offload_optimizer_and_params():
     assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert zero["offload_param"] == {"device": "cpu", "pin_memory": True}
     assert zero["stage3_gather_16bit_weights_on_model_save"] is True
-    assert zero["stage3_prefetch_bucket_size"] == "auto"
+    # explicit DeepSpeed defaults, the same numbers the memory model counts
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"]) == (int(5e8), int(5e7))
 
 
 def test_zero2_offload_optimizer_only_and_cpu_adam_switch():
