@@ -7,7 +7,7 @@ deepspeed; each name is loaded from its module on first use.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 __version__ = "0.1.0"
 
@@ -50,18 +50,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
-
-
-if TYPE_CHECKING:  # pragma: no cover
-    from hf_dist.callbacks.resume import auto_resume
-    from hf_dist.checkpoint.convert import convert
-    from hf_dist.checkpoint.verify import verify
-    from hf_dist.configs.accelerate import accelerate_config
-    from hf_dist.configs.deepspeed import deepspeed_config
-    from hf_dist.configs.fsdp import fsdp_config
-    from hf_dist.configs.training_args import auto_args
-    from hf_dist.hardware import Hardware, detect_hardware
-    from hf_dist.memory import STRATEGIES, MemoryEstimate, estimate_memory
-    from hf_dist.modelinfo import ModelSpec, model_spec
-    from hf_dist.planner import Candidate, Plan, plan
-    from hf_dist.wrap import fsdp_wrap_classes

@@ -27,3 +27,10 @@ def test_cli_help_lists_examples():
         [sys.executable, "-m", "hf_dist", "--help"], capture_output=True, text=True, check=True
     ).stdout
     assert "examples:" in out and "hf-dist plan" in out
+
+
+def test_every_public_name_resolves():
+    import hf_dist
+
+    for name in hf_dist.__all__:
+        assert getattr(hf_dist, name) is not None, name
