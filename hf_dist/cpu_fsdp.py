@@ -117,3 +117,25 @@ def _promote_to_fsdp(state: Any, fsdp_plugin: Any) -> None:
         fsdp_plugin.set_mixed_precision(state._mixed_precision)
     state.fsdp_plugin = fsdp_plugin
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+def cpu_deepspeed_training_kwargs() -> dict[str, Any]:
+    """Make DeepSpeed under the Trainer count every CPU rank; return the TrainingArguments kwargs it needs.
+
+    accelerate takes its DeepSpeed branch only when not forced onto CPU, and then (no GPU found)
+    leaves the backend unset, so its state reports world size 1 and DeepSpeed's batch check fails
+    (``train_batch_size 2 != 2 * 1 * 2``). ``TrainingArguments`` does not forward ``ddp_backend`` for
+    DeepSpeed, so the state is built here over gloo and the Trainer told to reuse it. Returns ``{}``
+    on a GPU machine or a single process, where none of this is needed. Call it before
+    ``TrainingArguments`` is created. For tests and CPU development only.
+    """
+    import torch
+
+    if torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return {}
+    from accelerate import PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    os.environ["ACCELERATE_USE_CPU"] = "false"
+    PartialState(backend="gloo")
+    return {"use_cpu": False, "accelerator_config": {"use_configured_state": True}}

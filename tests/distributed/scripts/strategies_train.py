@@ -20,7 +20,7 @@ import json
 import os
 from pathlib import Path
 
-from hf_dist.cpu_fsdp import enable_fsdp_on_cpu_from_env
+from hf_dist.cpu_fsdp import cpu_deepspeed_training_kwargs, enable_fsdp_on_cpu_from_env
 
 SEED = 1234
 SEQ_LEN = 32
@@ -106,7 +106,7 @@ def training_kwargs(model, args: argparse.Namespace, world_size: int) -> dict:
     )
     merged = {**auto, **common}
     if "deepspeed" in auto:
-        merged.update(cpu_deepspeed_state())
+        merged.update(cpu_deepspeed_training_kwargs())
     return merged
 
 
@@ -124,21 +124,6 @@ def hardware_kwargs(offload: str, world_size: int) -> dict:
 
     hardware = Hardware(device="cuda", gpus_per_node=world_size, gpu_memory_gib=80.0, bf16=False)
     return {"hardware": hardware, "offload": offload, "cpu_adam": False}
-
-
-def cpu_deepspeed_state() -> dict:
-    """Build accelerate's PartialState for DeepSpeed on CPU ranks; return the TrainingArguments that reuse it.
-
-    accelerate takes its DeepSpeed branch only when ``cpu`` is False, and then (no GPU found) leaves
-    the backend unset, so PartialState reports world size 1 and DeepSpeed's batch check fails
-    (``train_batch_size 2 != 2 * 1 * 2``). TrainingArguments does not forward ``ddp_backend`` for
-    DeepSpeed, so the state is built here with gloo and the Trainer told to use it as configured.
-    """
-    from accelerate import PartialState
-
-    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    PartialState(backend="gloo")
-    return {"use_cpu": False, "accelerator_config": {"use_configured_state": True}}
 
 
 class LossRecorder:
