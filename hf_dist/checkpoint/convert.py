@@ -1,0 +1,253 @@
+"""``hf_dist.convert``: any supported training checkpoint -> an HF folder, a PEFT adapter folder or DCP.
+
+Flow: detect -> reader (specs, then tensors in bounded batches) -> plan (names, merges, checks
+against the config) -> writer (shard by shard into a temporary folder renamed at the end).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hf_dist.checkpoint import plan as planning
+from hf_dist.checkpoint import transform
+from hf_dist.checkpoint.detect import CheckpointInfo, detect_format
+from hf_dist.checkpoint.reader import Reader, TensorSpec
+
+TARGETS = ("hf", "dcp")
+# Bytes of source tensors read per batch: bounds resident memory independently of --max-shard-size.
+BATCH_BYTES = 64 * 1024**2
+
+
+@dataclass
+class ConversionReport:
+    """What was read and what was written."""
+
+    source: CheckpointInfo
+    dst: Path
+    to: str
+    kind: str
+    dtype: str
+    num_tensors: int
+    num_params: int
+    total_bytes: int
+    files: list[str] = field(default_factory=list)
+    dropped_tied: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        lines = [
+            f"read:  {self.source.describe()}",
+            f"wrote: {self.kind} {self.to.upper()} folder {self.dst}: {self.num_tensors} tensors, "
+            f"{self.num_params:,} parameters, {self.total_bytes / 1e9:.3f} GB {self.dtype}, "
+            f"{len(self.files)} file(s) in {self.seconds:.1f} s",
+        ]
+        if self.dropped_tied:
+            lines.append(f"tied:  {', '.join(self.dropped_tied)} written once (tied to its source)")
+        return "\n".join(lines)
+
+
+def open_reader(info: CheckpointInfo, *, trust_pickles: bool = False) -> Reader:
+    if info.format == "deepspeed":
+        from hf_dist.checkpoint.deepspeed_reader import DeepSpeedReader
+
+        return DeepSpeedReader(info, trust_pickles=trust_pickles)
+    if info.format == "dcp":
+        from hf_dist.checkpoint.dcp_reader import DCPReader
+
+        return DCPReader(info, trust_pickles=trust_pickles)
+    from hf_dist.checkpoint.hf_io import HFReader, TorchFileReader
+
+    cls = TorchFileReader if info.format == "fsdp_full" else HFReader
+    return cls(info, trust_pickles=trust_pickles)
+
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    dtype: str = "auto",
+    max_shard_size: int | str = "5GB",
+    model_config: str | Path | None = None,
+    tokenizer: str | Path | None = None,
+    tag: str | None = None,
+    adapter: bool = False,
+    merge_adapter: bool = False,
+    overwrite: bool = False,
+    to: str = "hf",
+    trust_pickles: bool = False,
+    progress: bool = True,
+) -> ConversionReport:
+    """Convert the checkpoint at ``src`` into ``dst`` (see ``hf-dist convert --help``)."""
+    start = time.perf_counter()
+    dst = Path(dst)
+    _check_arguments(dtype, to, adapter, merge_adapter, dst, overwrite)
+    info = detect_format(src, tag=tag)
+    if model_config is not None:
+        info.config_dir = _config_dir(model_config)
+    reader = open_reader(info, trust_pickles=trust_pickles)
+    try:
+        specs = reader.specs()
+        info.num_params = sum(s.numel for s in specs.values())
+        conversion = _plan(info, specs, adapter=adapter, merge_adapter=merge_adapter)
+        out_specs = {
+            name: TensorSpec(t.shape, transform.output_dtype(dtype, reader.train_dtype, t.stored_dtype)
+                             if _is_float(t.stored_dtype) else t.stored_dtype)
+            for name, t in conversion.tensors.items()
+        }  # fmt: skip
+        if to == "dcp":
+            from hf_dist.checkpoint.dcp_writer import write_dcp
+
+            files = write_dcp(dst, out_specs, _tensor_stream(reader, conversion, out_specs), overwrite=overwrite)
+        else:
+            files = _write_hf(info, reader, conversion, out_specs, dst, max_shard_size, tokenizer, overwrite, progress)
+    finally:
+        reader.close()
+    out_dtypes = sorted({str(s.dtype).replace("torch.", "") for s in out_specs.values()})
+    return ConversionReport(
+        source=info,
+        dst=dst,
+        to=to,
+        kind=conversion.kind,
+        dtype="/".join(out_dtypes),
+        num_tensors=len(out_specs),
+        num_params=sum(s.numel for s in out_specs.values()),
+        total_bytes=sum(s.nbytes for s in out_specs.values()),
+        files=files,
+        dropped_tied=conversion.dropped_tied,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _check_arguments(dtype: str, to: str, adapter: bool, merge_adapter: bool, dst: Path, overwrite: bool) -> None:
+    if dtype not in transform.DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {transform.DTYPES}")
+    if to not in TARGETS:
+        raise ValueError(f"to={to!r} is not supported; use one of {TARGETS}")
+    if adapter and merge_adapter:
+        raise ValueError("--adapter and --merge-adapter exclude each other: write the adapter or the merged model")
+    if to == "dcp" and adapter:
+        raise ValueError("--to dcp writes a full model; drop --adapter (or use --merge-adapter)")
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"destination {dst} already exists; pass --overwrite (overwrite=True) or another DST")
+
+
+def _config_dir(model_config: str | Path) -> Path:
+    path = Path(model_config)
+    path = path.parent if path.name == "config.json" else path
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--model-config {model_config}: no config.json there")
+    return path
+
+
+def _is_float(dtype: Any) -> bool:
+    return dtype.is_floating_point
+
+
+def _plan(info: CheckpointInfo, specs: dict[str, TensorSpec], *, adapter: bool, merge_adapter: bool):
+    peft = planning.is_peft(specs)
+    if (adapter or merge_adapter) and not peft:
+        raise ValueError(f"--adapter/--merge-adapter given but {info.path} holds no PEFT/LoRA tensors")
+    if peft and not (adapter or merge_adapter):
+        raise ValueError(
+            f"{info.path} holds a PEFT (LoRA) model; pass --adapter to write the adapter folder or "
+            "--merge-adapter to write the merged full model"
+        )
+    if adapter:
+        return planning.adapter_plan(specs)
+    if info.config_dir is None:
+        raise ValueError(
+            f"no config.json found in or next to {info.path}; pass --model-config DIR (a folder with the "
+            "trained model's config.json)"
+        )
+    expected, tied = planning.expected_specs(info.config_dir)
+    if merge_adapter:
+        return planning.merged_plan(specs, expected, tied, _adapter_config(info))
+    return planning.model_plan(specs, expected, tied)
+
+
+def _adapter_config(info: CheckpointInfo) -> dict:
+    path = _find_adapter_config(info)
+    if path is None:
+        raise ValueError(f"no adapter_config.json found next to {info.path}; copy the run's adapter_config.json there")
+    return json.loads(path.read_text())
+
+
+def _find_adapter_config(info: CheckpointInfo) -> Path | None:
+    for directory in (info.path if info.path.is_dir() else info.path.parent, info.root, info.root.parent):
+        if (directory / "adapter_config.json").is_file():
+            return directory / "adapter_config.json"
+    return None
+
+
+def _tensor_stream(reader: Reader, conversion, out_specs: dict[str, TensorSpec], names: list[str] | None = None
+                   ) -> Iterator[tuple[str, Any]]:  # fmt: skip
+    """Output tensors in ``names`` order, read in batches of at most BATCH_BYTES, cast to the output dtype."""
+    names = list(out_specs) if names is None else names
+    batch: list[str] = []
+    size = 0
+    for name in names:
+        batch.append(name)
+        size += sum(reader.specs()[s].nbytes for s in conversion.tensors[name].sources)
+        if size >= BATCH_BYTES:
+            yield from _read_batch(reader, conversion, out_specs, batch)
+            batch, size = [], 0
+    if batch:
+        yield from _read_batch(reader, conversion, out_specs, batch)
+
+
+def _read_batch(reader: Reader, conversion, out_specs, batch: list[str]) -> Iterator[tuple[str, Any]]:
+    sources = [s for name in batch for s in conversion.tensors[name].sources]
+    tensors = reader.read(sources)
+    reader.release()
+    for name in batch:
+        out = conversion.tensors[name]
+        if out.merge is not None:
+            value = out.merge.merge(*(tensors.pop(s) for s in out.sources))
+        else:
+            value = tensors.pop(out.sources[0])
+        yield name, transform.cast(value, out_specs[name].dtype)
+
+
+def _write_hf(info, reader, conversion, out_specs, dst, max_shard_size, tokenizer, overwrite, progress) -> list[str]:
+    from hf_dist.checkpoint.hf_io import copy_side_files
+    from hf_dist.checkpoint.writer import atomic_output_dir, write_hf_weights
+
+    total = sum(s.nbytes for s in out_specs.values())
+    weights_name = "adapter_model.safetensors" if conversion.kind == "adapter" else "model.safetensors"
+    bar = _progress_bar(total, progress, f"writing {dst.name}")
+    tokenizer_dir = Path(tokenizer) if tokenizer is not None else (info.config_dir or info.root)
+    if tokenizer is not None and not tokenizer_dir.is_dir():
+        raise FileNotFoundError(f"--tokenizer {tokenizer} is not a folder")
+    with atomic_output_dir(dst, overwrite=overwrite, needed_bytes=total) as tmp:
+        files = write_hf_weights(
+            tmp,
+            out_specs,
+            lambda names: _tensor_stream(reader, conversion, out_specs, names),
+            max_shard_size=max_shard_size,
+            weights_name=weights_name,
+            progress=bar.update if bar else None,
+        )
+        if conversion.kind == "adapter":
+            (tmp / "adapter_config.json").write_text(json.dumps(_adapter_config(info), indent=2) + "\n")
+            files.append("adapter_config.json")
+            files += copy_side_files(tmp, None, tokenizer_dir, None)
+        else:
+            dtype = next((s.dtype for s in out_specs.values() if s.dtype.is_floating_point), None)
+            files += copy_side_files(tmp, info.config_dir, tokenizer_dir, dtype)
+    if bar:
+        bar.close()
+    return files
+
+
+def _progress_bar(total: int, enabled: bool, desc: str):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not sys.stderr.isatty())

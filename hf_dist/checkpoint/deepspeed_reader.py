@@ -1,0 +1,242 @@
+"""Stream parameters out of a DeepSpeed ZeRO-1/2/3 checkpoint without consolidating it in memory.
+
+Layout (deepspeed 0.19, ``deepspeed/utils/zero_to_fp32.py`` is the reference decoder):
+
+* ZeRO-1/2: per param group, the fp32 master weights are one flat vector split into equal
+  partitions, rank R's partition in ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt``
+  (``single_partition_of_fp32_groups``). Params follow each other in ``param_shapes`` order,
+  each followed by ``param_alignment_paddings`` elements when present.
+* ZeRO-3: every param is split on its own: ``ceil(numel / world)`` elements per rank (the last
+  rank zero-padded), laid out in ``param_shapes`` order in the rank's ``fp32_flat_groups``.
+* Frozen params (e.g. a LoRA base model) have no master copy: ZeRO-1/2 keep them whole in
+  ``mp_rank_00_model_states.pt``; ZeRO-3 keeps per-rank fragments in each rank's model states.
+
+Each parameter is described once as a list of pieces ``(rank, group, start, length)``; reading it
+slices those pieces out of memory-mapped files. :meth:`release` unmaps the files between batches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hf_dist.checkpoint.detect import OPTIM_FILE_RE, ZERO3_MODEL_FILE_RE, CheckpointInfo
+from hf_dist.checkpoint.reader import Reader, TensorSpec
+from hf_dist.checkpoint.safe_pickle import safe_load
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``length`` elements from ``start`` of the flat fp32 group ``group`` of rank ``rank``'s optimizer file."""
+
+    rank: int
+    group: int
+    start: int
+    length: int
+
+
+@dataclass
+class ParamSource:
+    shape: tuple[int, ...]
+    pieces: list[Piece] | None = None  # fp32 master weights in optimizer files
+    frozen: bool = False  # 16-bit value in model-states files
+
+
+class DeepSpeedReader(Reader):
+    def __init__(self, info: CheckpointInfo, *, trust_pickles: bool = False) -> None:
+        super().__init__()
+        self.info = info
+        self.trust_pickles = trust_pickles
+        self._cache: dict[Path, Any] = {}
+        tag_dir = info.path
+        self.optim_files = self._optim_files(tag_dir)
+        model_files = sorted(p for p in tag_dir.iterdir() if ZERO3_MODEL_FILE_RE.match(p.name))
+        self.model_file0 = model_files[0] if model_files else tag_dir / "mp_rank_00_model_states.pt"
+        model_states = self._load(self.model_file0)
+        for key in ("param_shapes", "module"):
+            if key not in model_states:
+                raise ValueError(f"{self.model_file0} is not a DeepSpeed model-states file (no {key!r} entry)")
+        self.world_size = int(model_states.get("dp_world_size") or len(self.optim_files))
+        self._check_ranks(tag_dir, model_files)
+        optim0 = self._optim(0)
+        self.stage = int(optim0["zero_stage"])
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"{self.optim_files[0]}: ZeRO stage {self.stage} cannot be read; supported: 1, 2, 3")
+        self.train_dtype = _train_dtype(model_states.get("ds_config") or {}, info.train_dtype)
+        self.model_files = model_files
+        self._frozen_shapes = dict(model_states.get("frozen_param_shapes") or {})
+        self._buffer_names = list(model_states.get("buffer_names") or [])
+        self._index_params([dict(group) for group in model_states["param_shapes"]])
+        for name in self._buffer_names:
+            tensor = model_states["module"][name]
+            self._specs[name] = TensorSpec(tuple(tensor.shape), tensor.dtype)
+        self.aliases = dict(model_states.get("shared_params") or {})
+        info.stage, info.world_size = self.stage, self.world_size
+        info.train_dtype = self.train_dtype
+        self.release()
+
+    # -- layout -------------------------------------------------------------------------------
+    def _optim_files(self, tag_dir: Path) -> list[Path]:
+        files = [p for p in tag_dir.iterdir() if OPTIM_FILE_RE.match(p.name)]
+        if not files:
+            raise FileNotFoundError(
+                f"no *_optim_states.pt files in {tag_dir}: the fp32 master weights are missing "
+                "(was the checkpoint saved with save_checkpoint on every rank?)"
+            )
+        model_parallel = sorted({OPTIM_FILE_RE.match(p.name).group(3) for p in files} - {"00"})
+        if model_parallel or any(tag_dir.glob("layer_*")):
+            raise ValueError(
+                f"{tag_dir} is a tensor/pipeline-parallel DeepSpeed checkpoint (mp ranks {model_parallel or '00'}, "
+                "layer_* files); only data-parallel ZeRO-1/2/3 can be read. Use DeepSpeed's ds_to_universal.py"
+            )
+        return sorted(files, key=lambda p: int(OPTIM_FILE_RE.match(p.name).group(2)))
+
+    def _check_ranks(self, tag_dir: Path, model_files: list[Path]) -> None:
+        ranks = [int(OPTIM_FILE_RE.match(p.name).group(2)) for p in self.optim_files]
+        expected = list(range(self.world_size))
+        if ranks != expected:
+            missing = sorted(set(expected) - set(ranks))
+            extra = sorted(set(ranks) - set(expected))
+            raise ValueError(
+                f"{tag_dir} was saved by {self.world_size} ranks but has optimizer files for ranks {ranks}"
+                + (f"; missing rank(s) {missing}" if missing else "")
+                + (f"; unexpected rank(s) {extra} (files from a run with another world size?)" if extra else "")
+                + ". Copy the complete checkpoint folder (all rank files of one save)"
+            )
+        if model_files and len(model_files) != self.world_size:
+            raise ValueError(
+                f"{tag_dir} was saved by {self.world_size} ranks but has {len(model_files)} ZeRO-3 model-states "
+                "files; copy the complete checkpoint folder"
+            )
+
+    def _index_params(self, groups: list[dict]) -> None:
+        self._sources: dict[str, ParamSource] = {}
+        group_sizes = [[int(t.numel()) for t in self._flat_groups(r)] for r in range(self.world_size)]
+        if any(sizes != group_sizes[0] for sizes in group_sizes):
+            raise ValueError(f"rank files in {self.info.path} disagree on partition sizes {group_sizes}")
+        if self.stage == 3:
+            self._index_zero3(groups, group_sizes[0])
+        else:
+            self._index_zero12(groups, group_sizes[0])
+        for name, shape in self._frozen_shapes.items():
+            self._sources[name] = ParamSource(tuple(shape), frozen=True)
+        # stored dtype: fp32 masters for trained params, the module's dtype for frozen ones
+        import torch
+
+        frozen_dtype = self._frozen_dtype()
+        for name, source in self._sources.items():
+            dtype = frozen_dtype if source.frozen else torch.float32
+            self._specs[name] = TensorSpec(source.shape, dtype)
+
+    def _index_zero12(self, groups: list[dict], partition_sizes: list[int]) -> None:
+        paddings = self._optim(0).get("param_alignment_paddings")
+        for g, shapes in enumerate(groups):
+            size = partition_sizes[g]
+            offset = 0
+            for i, (name, shape) in enumerate(shapes.items()):
+                numel = math.prod(shape)
+                pieces = []
+                pos = offset
+                while pos < offset + numel:
+                    rank, start = divmod(pos, size)
+                    length = min(size - start, offset + numel - pos)
+                    pieces.append(Piece(rank, g, start, length))
+                    pos += length
+                self._sources[name] = ParamSource(tuple(shape), pieces)
+                offset += numel + (paddings[g][i] if paddings else 0)
+            if offset > size * self.world_size:
+                raise ValueError(
+                    f"param group {g} needs {offset} elements but the rank files hold {size * self.world_size}"
+                )
+
+    def _index_zero3(self, groups: list[dict], group_sizes: list[int]) -> None:
+        bounds = [0]
+        for size in group_sizes:
+            bounds.append(bounds[-1] + size)
+        offset = 0
+        for shapes in groups:
+            for name, shape in shapes.items():
+                per_rank = math.ceil(math.prod(shape) / self.world_size)
+                pieces = [p for r in range(self.world_size) for p in _split_range(r, offset, per_rank, bounds)]
+                self._sources[name] = ParamSource(tuple(shape), pieces)
+                offset += per_rank
+        if offset != bounds[-1]:
+            raise ValueError(
+                f"ZeRO-3 partitions in {self.info.path} hold {bounds[-1]} elements per rank but param_shapes need "
+                f"{offset}; the model-states and optimizer files do not belong together"
+            )
+
+    def _frozen_dtype(self):
+        import torch
+
+        for name in self._frozen_shapes:
+            fragments = self._load(self.model_file0).get("frozen_param_fragments") or {}
+            if name in fragments:
+                return fragments[name].dtype
+        return torch.float32
+
+    # -- file access --------------------------------------------------------------------------
+    def _load(self, path: Path) -> Any:
+        if path not in self._cache:
+            self._cache[path] = safe_load(path, trust_pickles=self.trust_pickles)
+        return self._cache[path]
+
+    def _optim(self, rank: int) -> dict:
+        state = self._load(self.optim_files[rank])
+        if "optimizer_state_dict" not in state or "zero_stage" not in state["optimizer_state_dict"]:
+            raise ValueError(f"{self.optim_files[rank]} is not a ZeRO optimizer-states file (no zero_stage)")
+        return state["optimizer_state_dict"]
+
+    def _flat_groups(self, rank: int) -> list:
+        optim = self._optim(rank)
+        key = "fp32_flat_groups" if int(optim["zero_stage"]) == 3 else "single_partition_of_fp32_groups"
+        return optim[key]
+
+    def release(self) -> None:
+        self._cache.clear()
+
+    # -- reading ------------------------------------------------------------------------------
+    def read(self, names: list[str]) -> dict[str, Any]:
+        return {name: self._read_one(name) for name in names}
+
+    def _read_one(self, name: str):
+        import torch
+
+        if name in self._buffer_names:
+            return self._load(self.model_file0)["module"][name].clone()
+        source = self._sources[name]
+        numel = math.prod(source.shape)
+        if source.frozen:
+            return self._read_frozen(name, source, numel)
+        parts = [self._flat_groups(p.rank)[p.group].narrow(0, p.start, p.length) for p in source.pieces]
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        return flat[:numel].view(source.shape)
+
+    def _read_frozen(self, name: str, source: ParamSource, numel: int):
+        import torch
+
+        if self.stage < 3:
+            return self._load(self.model_file0)["frozen_param_fragments"][name].clone().view(source.shape)
+        parts = [self._load(f)["frozen_param_fragments"][name].reshape(-1) for f in self.model_files]
+        return torch.cat(parts)[:numel].view(source.shape)
+
+
+def _split_range(rank: int, start: int, length: int, bounds: list[int]) -> list[Piece]:
+    """Pieces of ``[start, start+length)`` of one rank's concatenated groups (a param may straddle two)."""
+    pieces = []
+    pos, end = start, start + length
+    for g in range(len(bounds) - 1):
+        lo, hi = max(pos, bounds[g]), min(end, bounds[g + 1])
+        if lo < hi:
+            pieces.append(Piece(rank, g, lo - bounds[g], hi - lo))
+    return pieces
+
+
+def _train_dtype(ds_config: dict, from_file_prefix: str | None) -> str:
+    if (ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled"):
+        return "bf16"
+    if (ds_config.get("fp16") or {}).get("enabled"):
+        return "fp16"
+    return from_file_prefix or "fp32"

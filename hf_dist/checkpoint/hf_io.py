@@ -1,0 +1,139 @@
+"""HF folders and single torch files as sources, and the non-weight files an HF folder carries."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from hf_dist.checkpoint.detect import CheckpointInfo
+from hf_dist.checkpoint.reader import Reader, TensorSpec
+from hf_dist.checkpoint.safe_pickle import CorruptCheckpointError, safe_load
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+MODEL_FILES = ("generation_config.json",)
+
+
+class HFReader(Reader):
+    """Safetensors (single or sharded, read lazily with ``safe_open``) or ``pytorch_model*.bin``."""
+
+    def __init__(self, info: CheckpointInfo, *, trust_pickles: bool = False) -> None:
+        super().__init__()
+        self.folder = info.path
+        self.trust_pickles = trust_pickles
+        self._file_of: dict[str, Path] = {}
+        for path in self._weight_files(info):
+            for name, spec in self._file_specs(path).items():
+                self._file_of[name] = path
+                self._specs[name] = spec
+        self.train_dtype = None
+
+    def _weight_files(self, info: CheckpointInfo) -> list[Path]:
+        given = info.files[0]
+        if given.name.endswith(".index.json"):
+            weight_map = json.loads(given.read_text())["weight_map"]
+            files = sorted({self.folder / f for f in weight_map.values()})
+            missing = [str(f) for f in files if not f.is_file()]
+            if missing:
+                raise FileNotFoundError(f"{given} lists shard files that are missing: {missing}")
+            return files
+        return [given]
+
+    def _file_specs(self, path: Path) -> dict[str, TensorSpec]:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            try:
+                with safe_open(path, framework="pt") as handle:
+                    specs = {}
+                    for name in handle.keys():  # noqa: SIM118 - safe_open is not iterable
+                        sl = handle.get_slice(name)
+                        specs[name] = TensorSpec(tuple(sl.get_shape()), _torch_dtype(sl.get_dtype()))
+                    return specs
+            except Exception as exc:  # safetensors raises its own error types
+                raise CorruptCheckpointError(f"cannot read {path}: {exc}") from None
+        state = self._torch_state(path)
+        return {name: TensorSpec(tuple(t.shape), t.dtype) for name, t in state.items()}
+
+    def _torch_state(self, path: Path) -> dict:
+        state = safe_load(path, trust_pickles=self.trust_pickles)
+        if not isinstance(state, dict):
+            raise ValueError(f"{path} holds a {type(state).__name__}, expected a state dict of tensors")
+        return state
+
+    def read(self, names: list[str]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self._file_of[name], []).append(name)
+        for path, file_names in by_file.items():
+            if path.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                with safe_open(path, framework="pt") as handle:
+                    for name in file_names:
+                        out[name] = handle.get_tensor(name)
+            else:
+                state = self._torch_state(path)
+                for name in file_names:
+                    out[name] = state[name].clone()
+        return {name: out[name] for name in names}
+
+
+class TorchFileReader(HFReader):
+    """An FSDP full state dict (``pytorch_model_fsdp.bin``): one torch pickle, memory-mapped."""
+
+    def __init__(self, info: CheckpointInfo, *, trust_pickles: bool = False) -> None:
+        Reader.__init__(self)
+        self.folder = info.path.parent
+        self.trust_pickles = trust_pickles
+        self._file_of = {}
+        for name, spec in self._file_specs(info.path).items():
+            self._file_of[name] = info.path
+            self._specs[name] = spec
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    table = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+             "BOOL": torch.bool}  # fmt: skip
+    return table[name]
+
+
+def load_config_dict(config_dir: Path) -> dict:
+    return json.loads((config_dir / "config.json").read_text())
+
+
+def copy_side_files(out_dir: Path, config_dir: Path | None, tokenizer_dir: Path | None, dtype: Any) -> list[str]:
+    """config.json (dtype updated), generation config and tokenizer files; returns the names copied."""
+    copied = []
+    if config_dir is not None:
+        config = load_config_dict(config_dir)
+        config["dtype"] = str(dtype).replace("torch.", "")
+        config.pop("torch_dtype", None)
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        copied.append("config.json")
+        for name in MODEL_FILES:
+            if (config_dir / name).is_file():
+                shutil.copy2(config_dir / name, out_dir / name)
+                copied.append(name)
+    for name in TOKENIZER_FILES:
+        source = tokenizer_dir / name if tokenizer_dir is not None else None
+        if source is not None and source.is_file():
+            shutil.copy2(source, out_dir / name)
+            copied.append(name)
+    return copied

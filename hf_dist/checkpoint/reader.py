@@ -1,0 +1,53 @@
+"""The interface every checkpoint reader implements: tensor specs first, then tensors in batches.
+
+A converter plans the output (shards, validation) from :meth:`Reader.specs` alone and then asks
+for a few tensors at a time, calling :meth:`Reader.release` between batches so memory-mapped
+source pages are unmapped and resident memory stays bounded by one batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and stored dtype of one tensor of the source checkpoint."""
+
+    shape: tuple[int, ...]
+    dtype: Any  # torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for dim in self.shape:
+            n *= dim
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+class Reader:
+    """Base class: subclasses fill ``_specs`` (ordered) and implement :meth:`read`."""
+
+    train_dtype: str | None = None  # "bf16" | "fp16" | "fp32" when the checkpoint says so
+    aliases: dict[str, str]  # tied/shared names -> the name that holds the data
+
+    def __init__(self) -> None:
+        self._specs: dict[str, TensorSpec] = {}
+        self.aliases = {}
+
+    def specs(self) -> dict[str, TensorSpec]:
+        return self._specs
+
+    def read(self, names: list[str]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Drop cached file handles / memory maps (called between output shards)."""
+
+    def close(self) -> None:
+        self.release()

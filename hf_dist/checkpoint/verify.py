@@ -1,0 +1,165 @@
+"""``hf_dist.verify``: compare two checkpoints of any supported format, tensor by tensor.
+
+Names are mapped the way the converter maps them (wrapper prefixes removed, tied copies dropped
+when a config is known), values compared in fp32 in bounded batches. ``logits=True`` also builds
+both models from the config and compares their logits on a fixed input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hf_dist.checkpoint import plan as planning
+from hf_dist.checkpoint import transform
+from hf_dist.checkpoint.convert import BATCH_BYTES, open_reader
+from hf_dist.checkpoint.detect import CheckpointInfo, detect_format
+from hf_dist.checkpoint.reader import Reader
+
+
+@dataclass
+class VerifyReport:
+    a: str
+    b: str
+    atol: float
+    only_in_a: list[str] = field(default_factory=list)
+    only_in_b: list[str] = field(default_factory=list)
+    shape_mismatches: list[str] = field(default_factory=list)
+    diffs: dict[str, float] = field(default_factory=dict)  # name -> max abs diff (fp32)
+    logits_max_diff: float | None = None
+
+    @property
+    def max_abs_diff(self) -> float:
+        return max(self.diffs.values(), default=0.0)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            not self.only_in_a
+            and not self.only_in_b
+            and not self.shape_mismatches
+            and self.max_abs_diff <= self.atol
+            and (self.logits_max_diff is None or self.logits_max_diff <= self.atol)
+        )
+
+    def summary(self) -> str:
+        lines = [f"{'OK' if self.ok else 'MISMATCH'}: {self.a} vs {self.b} ({len(self.diffs)} tensors compared)"]
+        if self.only_in_a:
+            lines.append(f"  only in A ({len(self.only_in_a)}): {self.only_in_a[:10]}")
+        if self.only_in_b:
+            lines.append(f"  only in B ({len(self.only_in_b)}): {self.only_in_b[:10]}")
+        lines += [f"  shape: {m}" for m in self.shape_mismatches[:10]]
+        worst = sorted(self.diffs.items(), key=lambda kv: -kv[1])[:5]
+        lines.append(f"  max abs diff {self.max_abs_diff:.3g} (atol {self.atol:g}); worst: "
+                     + ", ".join(f"{k}={v:.3g}" for k, v in worst))  # fmt: skip
+        if self.logits_max_diff is not None:
+            lines.append(f"  logits max abs diff {self.logits_max_diff:.3g}")
+        return "\n".join(lines)
+
+
+class _Side:
+    """One checkpoint: its reader and the mapping HF name -> source name."""
+
+    def __init__(self, path: str | Path, model_config: Path | None, trust_pickles: bool) -> None:
+        self.info: CheckpointInfo = detect_format(path)
+        if model_config is not None:
+            self.info.config_dir = Path(model_config)
+        self.reader: Reader = open_reader(self.info, trust_pickles=trust_pickles)
+        specs = self.reader.specs()
+        if self.info.config_dir is not None and not planning.is_peft(specs):
+            expected, tied = planning.expected_specs(self.info.config_dir)
+            conversion = planning.model_plan(specs, expected, tied)
+            self.names = {out: t.sources[0] for out, t in conversion.tensors.items()}
+        else:
+            self.names = {transform.strip_wrappers(n): n for n in specs}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.reader.specs()[self.names[name]].shape
+
+    def read(self, names: list[str]) -> dict[str, Any]:
+        tensors = self.reader.read([self.names[n] for n in names])
+        self.reader.release()
+        return {n: tensors[self.names[n]] for n in names}
+
+
+def verify(
+    a: str | Path,
+    b: str | Path,
+    *,
+    logits: bool = False,
+    atol: float = 0.0,
+    model_config: str | Path | None = None,
+    trust_pickles: bool = False,
+) -> VerifyReport:
+    """Compare checkpoints ``a`` and ``b``; ``report.ok`` is False on any missing key, shape or diff > atol."""
+    config = Path(model_config) if model_config is not None else None
+    side_a, side_b = _Side(a, config, trust_pickles), _Side(b, config, trust_pickles)
+    report = VerifyReport(str(a), str(b), atol)
+    report.only_in_a = sorted(set(side_a.names) - set(side_b.names))
+    report.only_in_b = sorted(set(side_b.names) - set(side_a.names))
+    common = [n for n in side_a.names if n in side_b.names]
+    for name in common:
+        if side_a.shape(name) != side_b.shape(name):
+            report.shape_mismatches.append(f"{name}: {side_a.shape(name)} vs {side_b.shape(name)}")
+    comparable = [n for n in common if side_a.shape(n) == side_b.shape(n)]
+    for batch in _batches(comparable, side_a):
+        ta, tb = side_a.read(batch), side_b.read(batch)
+        for name in batch:
+            report.diffs[name] = _max_abs_diff(ta.pop(name), tb.pop(name))
+    if logits:
+        report.logits_max_diff = _logits_diff(side_a, side_b)
+    side_a.reader.close()
+    side_b.reader.close()
+    return report
+
+
+def _batches(names: list[str], side: _Side) -> list[list[str]]:
+    batches, batch, size = [], [], 0
+    for name in names:
+        batch.append(name)
+        size += side.reader.specs()[side.names[name]].nbytes
+        if size >= BATCH_BYTES:
+            batches.append(batch)
+            batch, size = [], 0
+    return batches + ([batch] if batch else [])
+
+
+def _max_abs_diff(x: Any, y: Any) -> float:
+    if not x.is_floating_point() and not y.is_floating_point():
+        return 0.0 if bool((x == y).all()) else float("inf")
+    diff = (x.detach().float() - y.detach().float()).abs()
+    return float(diff.max()) if diff.numel() else 0.0
+
+
+def _logits_diff(side_a: _Side, side_b: _Side) -> float:
+    import torch
+
+    config_dir = side_a.info.config_dir or side_b.info.config_dir
+    if config_dir is None:
+        raise ValueError("--logits needs a config.json in A or B; pass --model-config DIR")
+    out = []
+    for side in (side_a, side_b):
+        model = _build_model(config_dir, side)
+        vocab = model.config.get_text_config().vocab_size
+        ids = torch.Generator().manual_seed(0)
+        input_ids = torch.randint(0, vocab, (2, 16), generator=ids)
+        with torch.no_grad():
+            out.append(model(input_ids=input_ids).logits.float())
+    return float((out[0] - out[1]).abs().max())
+
+
+def _build_model(config_dir: Path, side: _Side):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(config_dir)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    state = {name: t.float() if t.is_floating_point() else t for name, t in side.read(list(side.names)).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    if [m for m in missing if m not in tied] or unexpected:
+        raise ValueError(f"{side.info.path} does not load into the config's model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")  # fmt: skip
+    if tied:
+        model.tie_weights()
+    return model

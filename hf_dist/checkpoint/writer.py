@@ -1,0 +1,162 @@
+"""Write an HF folder shard by shard, tensor by tensor, into a temporary folder renamed at the end.
+
+The shard plan comes from ``huggingface_hub``'s sharding helper (same file names and index as
+``save_pretrained``). Each shard is written as a safetensors file whose header is computed up
+front from shapes and dtypes, then each tensor's bytes are appended as soon as it is read, so no
+more than one tensor (plus the reader's batch) is in memory at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from hf_dist.checkpoint.reader import TensorSpec
+
+SAFETENSORS_DTYPES = {
+    "torch.float32": "F32",
+    "torch.bfloat16": "BF16",
+    "torch.float16": "F16",
+    "torch.float64": "F64",
+    "torch.int64": "I64",
+    "torch.int32": "I32",
+    "torch.int16": "I16",
+    "torch.int8": "I8",
+    "torch.uint8": "U8",
+    "torch.bool": "BOOL",
+}
+
+
+def plan_shards(specs: dict[str, TensorSpec], max_shard_size: int | str, *, weights_name: str = "model.safetensors"):
+    """huggingface_hub's shard split over specs (no tensors needed); returns its StateDictSplit."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    pattern = weights_name.replace(".safetensors", "{suffix}.safetensors")
+    return split_state_dict_into_shards_factory(
+        specs,
+        max_shard_size=max_shard_size,
+        filename_pattern=pattern,
+        get_storage_size=lambda spec: spec.nbytes,
+        get_storage_id=lambda spec: None,
+    )
+
+
+class SafetensorsStreamWriter:
+    """One safetensors file; tensors must be written in the order given to the constructor."""
+
+    def __init__(self, path: Path, specs: dict[str, TensorSpec]) -> None:
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, spec in specs.items():
+            header[name] = {
+                "dtype": SAFETENSORS_DTYPES[str(spec.dtype)],
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + spec.nbytes],
+            }
+            offset += spec.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the format asks for 8-byte aligned data
+        self._order = list(specs)
+        self._specs = specs
+        self._next = 0
+        self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._file.write(struct.pack("<Q", len(raw)) + raw)
+
+    def write(self, name: str, tensor: Any) -> None:
+        expected = self._order[self._next]
+        spec = self._specs[name]
+        if name != expected or tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+            raise RuntimeError(f"internal: got {name} {tuple(tensor.shape)} {tensor.dtype}, planned {expected} {spec}")
+        data = tensor.detach().contiguous().reshape(-1).view(_byte_dtype())
+        self._file.write(memoryview(data.numpy()))
+        self._next += 1
+
+    def close(self) -> None:
+        if self._next != len(self._order):
+            raise RuntimeError(f"internal: wrote {self._next} of {len(self._order)} tensors to {self._file.name}")
+        self._file.close()
+
+
+def _byte_dtype():
+    import torch
+
+    return torch.uint8
+
+
+def write_hf_weights(
+    out_dir: Path,
+    specs: dict[str, TensorSpec],
+    read_batch: Callable[[list[str]], Iterator[tuple[str, Any]]],
+    *,
+    max_shard_size: int | str,
+    weights_name: str = "model.safetensors",
+    progress: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Write all shards; ``read_batch(names)`` yields the tensors of one shard in order, already cast."""
+    split = plan_shards(specs, max_shard_size, weights_name=weights_name)
+    files = []
+    for filename, names in split.filename_to_tensors.items():
+        shard_specs = {name: specs[name] for name in names}
+        writer = SafetensorsStreamWriter(out_dir / filename, shard_specs)
+        for name, tensor in read_batch(list(names)):
+            writer.write(name, tensor)
+            if progress is not None:
+                progress(specs[name].nbytes)
+        writer.close()
+        files.append(filename)
+    if split.is_sharded:
+        index = {
+            "metadata": {"total_size": sum(s.nbytes for s in specs.values())},
+            "weight_map": split.tensor_to_filename,
+        }
+        (out_dir / f"{weights_name}.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return files
+
+
+@contextlib.contextmanager
+def atomic_output_dir(dst: Path, *, overwrite: bool, needed_bytes: int = 0) -> Iterator[Path]:
+    """Yield a temporary sibling of ``dst``; on success it replaces ``dst``, on any error it is removed."""
+    dst = Path(dst)
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"destination {dst} already exists; pass --overwrite (overwrite=True) or another DST")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(dst.parent).free
+    if needed_bytes and free < needed_bytes:
+        raise RuntimeError(
+            f"not enough disk space in {dst.parent}: the output needs {needed_bytes / 1e9:.2f} GB, "
+            f"{free / 1e9:.2f} GB free; free space or choose another DST"
+        )
+    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        _replace_dir(tmp, dst)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno == errno.ENOSPC:
+            raise RuntimeError(f"disk full while writing {dst}; nothing was written, free space and retry") from exc
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _replace_dir(tmp: Path, dst: Path) -> None:
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+        os.replace(dst, old)
+        os.replace(tmp, dst)
+        if old.is_dir():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+    else:
+        os.replace(tmp, dst)

@@ -1,0 +1,105 @@
+"""Small DeepSpeed-layout checkpoints built in-process (no deepspeed, no ranks) for fast unit tests.
+
+The layout mirrors what deepspeed 0.19 writes (checked against real checkpoints in
+tests/distributed/test_convert.py): ZeRO-1/2 split each param group's flat fp32 vector into equal
+per-rank partitions (padded to a multiple of 2*world); ZeRO-3 splits every param on its own into
+``ceil(numel/world)`` elements per rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+
+def tiny_model_state(tied: bool = False, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    from hf_dist.testing import tiny_llama_config
+
+    torch.manual_seed(seed)
+    config = tiny_llama_config(tie_word_embeddings=tied, num_hidden_layers=1, hidden_size=32, intermediate_size=48,
+                               vocab_size=67, num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    state = OrderedDict((k, v.detach().clone()) for k, v in model.state_dict().items())
+    if tied:
+        state.pop("lm_head.weight")
+    return config, state
+
+
+def make_zero_checkpoint(
+    root: Path,
+    config,
+    state: dict[str, torch.Tensor],
+    *,
+    stage: int,
+    world_size: int = 2,
+    num_groups: int = 2,
+    bf16: bool = True,
+    tag: str = "global_step3",
+    shared: dict[str, str] | None = None,
+) -> Path:
+    """Write ``root/{latest, config.json, tag/*}`` as deepspeed would; returns the tag folder."""
+    tag_dir = Path(root) / tag
+    tag_dir.mkdir(parents=True, exist_ok=True)
+    (Path(root) / "latest").write_text(tag)
+    config.save_pretrained(root)
+    names = list(state)
+    per_group = math.ceil(len(names) / num_groups)
+    groups = [names[i : i + per_group] for i in range(0, len(names), per_group)]
+    param_shapes = [OrderedDict((n, state[n].shape) for n in group) for group in groups]
+    half = torch.bfloat16 if bf16 else torch.float16
+    model_states = {
+        "module": OrderedDict((n, t.to(half) if stage < 3 else torch.empty(0, dtype=half)) for n, t in state.items()),
+        "buffer_names": [],
+        "param_shapes": param_shapes,
+        "frozen_param_shapes": None,
+        "shared_params": shared or {},
+        "frozen_param_fragments": None,
+        "dp_world_size": world_size,
+        "ds_config": {"bf16": {"enabled": bf16}, "zero_optimization": {"stage": stage}},
+        "ds_version": "0.19.8",
+    }
+    prefix = "bf16_" if bf16 else ""
+    flats = _zero3_flats(state, groups, world_size) if stage == 3 else _zero12_flats(state, groups, world_size)
+    for rank in range(world_size):
+        key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
+        optim = {"zero_stage": stage, "partition_count": world_size if stage == 3 else [world_size] * len(groups),
+                 key: flats[rank], "loss_scale": 1.0}  # fmt: skip
+        torch.save(
+            {"optimizer_state_dict": optim}, tag_dir / f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+        )
+        if stage == 3:
+            torch.save(model_states, tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+    if stage < 3:
+        torch.save(model_states, tag_dir / "mp_rank_00_model_states.pt")
+    return tag_dir
+
+
+def _zero12_flats(state, groups, world_size):
+    per_rank = [[] for _ in range(world_size)]
+    for group in groups:
+        flat = torch.cat([state[n].float().reshape(-1) for n in group])
+        align = 2 * world_size
+        flat = torch.cat([flat, torch.zeros(-flat.numel() % align)])
+        for rank, part in enumerate(flat.chunk(world_size)):
+            per_rank[rank].append(part.clone())
+    return per_rank
+
+
+def _zero3_flats(state, groups, world_size):
+    per_rank = [[] for _ in range(world_size)]
+    for group in groups:
+        slices = [[] for _ in range(world_size)]
+        for name in group:
+            flat = state[name].float().reshape(-1)
+            size = math.ceil(flat.numel() / world_size)
+            flat = torch.cat([flat, torch.zeros(size * world_size - flat.numel())])
+            for rank in range(world_size):
+                slices[rank].append(flat[rank * size : (rank + 1) * size])
+        for rank in range(world_size):
+            per_rank[rank].append(torch.cat(slices[rank]).clone())
+    return per_rank

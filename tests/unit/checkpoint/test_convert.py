@@ -1,0 +1,114 @@
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hf_dist.checkpoint.convert import convert
+from hf_dist.checkpoint.verify import verify
+from hf_dist.cli.main import main
+
+
+def write_hf(folder, config, state):
+    folder.mkdir(parents=True)
+    config.save_pretrained(folder)
+    save_file({k: v.contiguous() for k, v in state.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "tokenizer_config.json").write_text("{}")
+    return folder
+
+
+def test_existing_dst_is_refused_before_reading(zero_ckpt, tmp_path):
+    root, _ = zero_ckpt
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"destination .*out already exists; pass --overwrite"):
+        convert(root, tmp_path / "out", progress=False)
+    assert os.listdir(tmp_path / "out") == ["keep.txt"]
+    convert(root, tmp_path / "out", overwrite=True, progress=False)
+    assert "keep.txt" not in os.listdir(tmp_path / "out") and (tmp_path / "out" / "config.json").is_file()
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []
+
+
+def test_no_config_says_which_flag(zero_ckpt, tmp_path):
+    root, _ = zero_ckpt
+    (tmp_path / "cfg").mkdir()
+    (root / "config.json").rename(tmp_path / "cfg" / "config.json")
+    with pytest.raises(ValueError, match=r"no config.json found .*pass --model-config DIR"):
+        convert(root, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+    convert(root, tmp_path / "out", model_config=tmp_path / "cfg", progress=False)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_config_that_does_not_match_the_weights(zero_ckpt, tmp_path):
+    root, _ = zero_ckpt
+    config = json.loads((root / "config.json").read_text())
+    config["num_hidden_layers"] = 2
+    (root / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"parameters missing from the checkpoint: \['model.layers.1"):
+        convert(root, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_hf_to_dcp_to_hf_is_bit_exact_and_dcp_loads_without_ranks(tiny_state, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    config, state = tiny_state
+    src = write_hf(tmp_path / "hf", config, state)
+    convert(src, tmp_path / "dcp", to="dcp", progress=False)
+    target = {"model": {k: torch.zeros_like(v) for k, v in state.items()}}
+    dcp.load(target, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)  # world size 1, torch's own loader
+    assert all(torch.equal(target["model"][k], v) for k, v in state.items())
+    convert(tmp_path / "dcp", tmp_path / "back", model_config=src, tokenizer=src, progress=False)
+    assert (tmp_path / "back" / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    assert (tmp_path / "back" / "tokenizer_config.json").is_file()
+
+
+def test_verify_reports_diffs_and_missing_keys(tiny_state, tmp_path):
+    config, state = tiny_state
+    a = write_hf(tmp_path / "a", config, state)
+    changed = dict(state)
+    changed["model.norm.weight"] = state["model.norm.weight"] + 0.5
+    b = write_hf(tmp_path / "b", config, changed)
+    report = verify(a, b)
+    assert not report.ok and report.diffs["model.norm.weight"] == pytest.approx(0.5)
+    assert verify(a, b, atol=0.6).ok
+    assert main(["verify", str(a), str(b)]) == 1
+    assert main(["verify", str(a), str(a)]) == 0
+
+
+def test_cli_convert_reports_and_errors(zero_ckpt, tmp_path, capsys):
+    root, state = zero_ckpt
+    assert main(["convert", str(root), str(tmp_path / "out"), "--dtype", "fp32", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "deepspeed ZeRO-3, world size 2" in out and "parameters" in out
+    assert torch.equal(
+        load_file(tmp_path / "out" / "model.safetensors")["model.norm.weight"], state["model.norm.weight"]
+    )
+    assert main(["convert", str(root), str(tmp_path / "out")]) == 1
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_peft_flags_need_a_peft_checkpoint(zero_ckpt, tmp_path):
+    root, _ = zero_ckpt
+    with pytest.raises(ValueError, match="holds no PEFT/LoRA tensors"):
+        convert(root, tmp_path / "out", adapter=True, progress=False)
+    with pytest.raises(ValueError, match="exclude each other"):
+        convert(root, tmp_path / "out", adapter=True, merge_adapter=True, progress=False)
+
+
+def test_fsdp_full_state_dict_with_wrapper_prefixes(tiny_state, tmp_path):
+    config, state = tiny_state
+    ckpt = tmp_path / "checkpoint-5"
+    ckpt.mkdir()
+    config.save_pretrained(ckpt)
+    # FSDP1/accelerate wrappers leave these segments in the names; the converter removes them
+    wrapped = {
+        "_forward_module." + k.replace("layers.0.", "layers.0._fsdp_wrapped_module."): v for k, v in state.items()
+    }
+    torch.save(wrapped, ckpt / "pytorch_model_fsdp.bin")
+    report = convert(ckpt, tmp_path / "out", progress=False)
+    assert (report.source.format, report.source.step) == ("fsdp_full", 5)
+    out = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(out) == set(state) and all(torch.equal(out[k], v) for k, v in state.items())
