@@ -264,31 +264,6 @@ def _precision(requested: str, device: str) -> str:
 # worker: runs inside each launched process
 
 
-def enable_deepspeed_on_cpu() -> None:
-    """accelerate finds no backend for DeepSpeed on CPU and records 1 process; count the real ranks.
-
-    Without this the Trainer believes the world size is 1 (every rank reads the whole batch) while
-    DeepSpeed averages gradients over all ranks. For CPU tests and benchmarks only.
-    """
-    import torch.distributed as dist
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType
-
-    original = PartialState.__init__
-    if getattr(original, "_hf_dist_patched", False):
-        return
-
-    def patched(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        if self.distributed_type == DistributedType.DEEPSPEED and dist.is_initialized():
-            self.num_processes = dist.get_world_size()
-            self.process_index = dist.get_rank()
-            self.local_process_index = int(os.environ.get("LOCAL_RANK", "0"))
-
-    patched._hf_dist_patched = True
-    PartialState.__init__ = patched
-
-
 def strategy_kwargs(strategy: str, model: Any, precision: str, device: str) -> dict[str, Any]:
     """TrainingArguments kwargs for ``strategy`` built by the shared config factories."""
     if strategy == "ddp":
@@ -322,10 +297,14 @@ def _worker(argv: list[str]) -> None:
 
     device = _device()
     if device == "cpu":
-        from hf_dist.cpu_fsdp import enable_fsdp_on_cpu
+        from hf_dist.cpu_fsdp import cpu_deepspeed_training_kwargs, enable_fsdp_on_cpu
 
         enable_fsdp_on_cpu()
-        enable_deepspeed_on_cpu()
+    if device == "cpu" and args.strategy.startswith("zero"):
+        cpu_kwargs = cpu_deepspeed_training_kwargs()  # accelerate drops DeepSpeed when cpu=True
+        cpu_kwargs.setdefault("use_cpu", False)
+    else:
+        cpu_kwargs = {"use_cpu": device == "cpu"}
     world = int(os.environ.get("WORLD_SIZE", "1"))
     precision = _precision(config.mixed_precision, device)
     torch.manual_seed(0)
@@ -356,7 +335,7 @@ def _worker(argv: list[str]) -> None:
         save_strategy="no",
         logging_strategy="no",
         report_to=[],
-        use_cpu=device == "cpu" and not args.strategy.startswith("zero"),
+        **cpu_kwargs,
         bf16=precision == "bf16",
         fp16=precision == "fp16",
         dataloader_num_workers=0,

@@ -57,10 +57,12 @@ def main() -> None:
         from hf_dist.cpu_fsdp import enable_fsdp_on_cpu
 
         enable_fsdp_on_cpu()  # accelerate would otherwise silently train plain DDP on CPU
+        cpu_kwargs = {"use_cpu": True}
     else:
-        from hf_dist.bench import enable_deepspeed_on_cpu
+        from hf_dist.cpu_fsdp import cpu_deepspeed_training_kwargs
 
-        enable_deepspeed_on_cpu()  # accelerate would otherwise count 1 process under DeepSpeed on CPU
+        # accelerate drops DeepSpeed when cpu=True and would otherwise count 1 process on CPU
+        cpu_kwargs = {"use_cpu": False, **cpu_deepspeed_training_kwargs()}
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config())
@@ -91,7 +93,7 @@ def main() -> None:
         warmup_steps=1,
         max_grad_norm=1.0,
         report_to=[],
-        use_cpu=args.backend == "fsdp",  # accelerate drops DeepSpeed when cpu=True; it falls back to gloo itself
+        **cpu_kwargs,
         dataloader_num_workers=0,
         seed=0,
         save_only_model=False,
