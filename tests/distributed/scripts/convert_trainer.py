@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from hf_dist.cpu_fsdp import enable_fsdp_on_cpu_from_env
+from hf_dist.cpu_fsdp import cpu_deepspeed_training_kwargs, enable_fsdp_on_cpu_from_env
 
 
 def deepspeed_config(stage: int) -> dict:
@@ -31,16 +31,6 @@ def deepspeed_config(stage: int) -> dict:
         "bf16": {"enabled": "auto"},
         "steps_per_print": 1000,
     }
-
-
-def cpu_deepspeed_state() -> dict:
-    """accelerate needs a gloo PartialState built up front for DeepSpeed on CPU ranks (see strategies_train.py)."""
-    from accelerate import PartialState
-
-    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    os.environ.pop("ACCELERATE_USE_CPU", None)  # set by hf_dist.testing.cpu_env; it bypasses the DeepSpeed branch
-    PartialState(backend="gloo")
-    return {"use_cpu": False, "accelerator_config": {"use_configured_state": True}}
 
 
 def reference_state(trainer, mode: str) -> dict:
@@ -75,7 +65,7 @@ def main() -> None:
     )  # fmt: skip
     if args.mode.startswith("zero"):
         kwargs["deepspeed"] = deepspeed_config(int(args.mode[-1]))
-        kwargs.update(cpu_deepspeed_state())
+        kwargs.update(cpu_deepspeed_training_kwargs())
     else:
         kwargs["fsdp"] = True
         kwargs["fsdp_config"] = {
