@@ -43,13 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hf-dist {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in SUBCOMMANDS.values():
-        try:
-            module = importlib.import_module(f"hf_dist.cli.{module_name}")
-        except ModuleNotFoundError as exc:  # subcommand not built in this checkout
-            if exc.name != f"hf_dist.cli.{module_name}":
-                raise
-            continue
-        module.register(subparsers)
+        importlib.import_module(f"hf_dist.cli.{module_name}").register(subparsers)
     return parser
 
 

@@ -34,3 +34,13 @@ def test_every_public_name_resolves():
 
     for name in hf_dist.__all__:
         assert getattr(hf_dist, name) is not None, name
+
+
+def test_every_subcommand_has_help_with_examples():
+    from hf_dist.cli.main import SUBCOMMANDS
+
+    for name in SUBCOMMANDS:
+        out = subprocess.run(
+            [sys.executable, "-m", "hf_dist", name, "--help"], capture_output=True, text=True, check=True
+        ).stdout
+        assert "example" in out.lower(), f"hf-dist {name} --help has no examples"
