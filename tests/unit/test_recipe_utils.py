@@ -1,0 +1,116 @@
+"""hf_dist.recipe_utils: argument handling, input validation before training, QLoRA config, CPU error."""
+
+import importlib.util
+import json
+
+import pytest
+
+from hf_dist import recipe_utils as ru
+from hf_dist.data import DEFAULT_CHAT_TEMPLATE, build_tokenizer
+from hf_dist.testing import REPO_ROOT, tiny_llama_config
+
+EMBEDDED = {"output_dir": "out/embedded", "learning_rate": 3e-3, "max_steps": 7}
+REAL = {"output_dir": "out/real", "learning_rate": 2e-5}
+
+
+def parse(argv, types=(ru.ModelArguments, ru.DataArguments)):
+    return ru.parse_recipe_args(types, argv, embedded_defaults=EMBEDDED, real_defaults=REAL)
+
+
+def test_recipe_defaults_apply_only_where_no_flag_was_given():
+    model_args, data_args, kwargs, explicit = parse(["--learning_rate", "1e-4", "--max_seq_length", "32"])
+    assert model_args.embedded and data_args.max_seq_length == 32
+    assert kwargs["learning_rate"] == 1e-4 and kwargs["max_steps"] == 7 and kwargs["output_dir"] == "out/embedded"
+    assert explicit == {"learning_rate", "max_seq_length"}
+
+
+def test_real_model_gets_real_defaults_and_every_training_flag_works():
+    _, _, kwargs, explicit = parse(["--model_name_or_path", "some/model", "--gradient_accumulation_steps", "4"])
+    assert kwargs["learning_rate"] == 2e-5 and kwargs["output_dir"] == "out/real"
+    assert kwargs["gradient_accumulation_steps"] == 4 and "gradient_accumulation_steps" in explicit
+
+
+def test_lora_target_modules_parse_as_a_list():
+    *_, lora_args, _, _ = parse(["--lora_target_modules", "q_proj", "v_proj"], (ru.LoraArguments,))
+    assert lora_args.lora_target_modules == ["q_proj", "v_proj"]
+    assert ru.LoraArguments().lora_target_modules == list(ru.LLAMA_LORA_TARGETS)
+
+
+def test_invalid_arguments_are_rejected_with_the_allowed_values():
+    with pytest.raises(ValueError, match="not one of"):
+        ru.ModelArguments(strategy="zero4")
+    with pytest.raises(ValueError, match="lora_r"):
+        ru.LoraArguments(lora_r=0)
+    with pytest.raises(ValueError, match="nf4, fp4"):
+        ru.QuantArguments(bnb_4bit_quant_type="int3")
+
+
+def test_sequence_length_beyond_positions_is_rejected():
+    config = tiny_llama_config(max_position_embeddings=128)
+    assert ru.resolve_seq_len(None, config, embedded=True) == 64
+    assert ru.resolve_seq_len(None, config, embedded=False) == 128
+    with pytest.raises(ValueError, match=r"exceeds the model's max_position_embeddings=128"):
+        ru.resolve_seq_len(4096, config, embedded=False)
+
+
+def test_unknown_lora_target_lists_the_available_modules():
+    config = tiny_llama_config()
+    lora = ru.check_lora_targets(ru.LoraArguments(), config)
+    assert set(lora.target_modules) == set(ru.LLAMA_LORA_TARGETS)
+    with pytest.raises(ValueError, match=r"\['qkv_proj'\] not found.*available linear modules: \[.*'q_proj'"):
+        ru.check_lora_targets(ru.LoraArguments(lora_target_modules=["q_proj", "qkv_proj"]), config)
+
+
+def test_bitsandbytes_config_is_nf4_double_quant_with_matching_storage():
+    import torch
+
+    cfg = ru.bnb_config(ru.QuantArguments(bnb_4bit_compute_dtype="float16"))
+    assert cfg.load_in_4bit and not cfg.load_in_8bit
+    assert cfg.bnb_4bit_quant_type == "nf4" and cfg.bnb_4bit_use_double_quant
+    assert cfg.bnb_4bit_compute_dtype == torch.float16 and cfg.bnb_4bit_quant_storage == torch.float16
+
+
+def load_recipe(name):
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", REPO_ROOT / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_qlora_without_gpu_fails_before_loading_anything(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    loaded = []
+    monkeypatch.setattr(ru, "load_tokenizer", lambda *a, **k: loaded.append("tokenizer"))
+    missing = tmp_path / "missing.jsonl"  # would be a FileNotFoundError if data were read first
+    with pytest.raises(RuntimeError, match=r"recipes/qlora.py needs a CUDA GPU.*use recipes/lora.py"):
+        load_recipe("qlora").main(["--dataset", str(missing), "--output_dir", str(tmp_path / "out")])
+    assert loaded == [] and not (tmp_path / "out").exists()
+
+
+def test_tokenizer_without_chat_template_gets_the_default(tmp_path, capsys):
+    tok = build_tokenizer()
+    tok.chat_template = None
+    tok.save_pretrained(tmp_path / "tok")
+    (tmp_path / "tok" / "chat_template.jinja").unlink(missing_ok=True)
+    args = ru.ModelArguments(model_name_or_path="unused", tokenizer_name_or_path=str(tmp_path / "tok"))
+    loaded = ru.load_tokenizer(args, chat=True)
+    assert loaded.chat_template == DEFAULT_CHAT_TEMPLATE
+    assert "has no chat template: using hf_dist.data.DEFAULT_CHAT_TEMPLATE" in capsys.readouterr().out
+
+
+def test_sft_bad_inputs_fail_before_the_model_is_built(tmp_path, monkeypatch):
+    built = []
+    monkeypatch.setattr(ru, "build_model", lambda *a, **k: built.append(1))
+    sft = load_recipe("sft")
+    out = ["--output_dir", str(tmp_path / "out"), "--use_cpu"]
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    with pytest.raises(ValueError, match=r"columns \['answer', 'question'\]; this recipe expects \['messages'\]"):
+        sft.main([*out, "--dataset", str(wrong)])
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        sft.main([*out, "--dataset", str(tmp_path / "missing.jsonl")])
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings=256"):
+        sft.main([*out, "--max_seq_length", "100000"])
+    assert built == []
