@@ -154,9 +154,15 @@ _COUNT_CACHE: dict[tuple[str, str], tuple[int, int, int]] = {}
 def _meta_counts(config: Any) -> tuple[int, int, int]:
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=bool(getattr(config, "auto_map", None)))
+        if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+            # the class itself, not from_config: under an active ZeRO-3 config from_config wraps the
+            # build in deepspeed.zero.Init, a collective that hangs when only one rank plans
+            model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
+        else:  # remote code (auto_map)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=bool(getattr(config, "auto_map", None)))
     return _module_counts(model)
 
 

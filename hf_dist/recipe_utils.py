@@ -33,10 +33,10 @@ from hf_dist.data import (
     train_eval_examples,
     validate_messages,
 )
+from hf_dist.memory import STRATEGIES
 
 LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# mirrors hf_dist.memory.STRATEGIES (shared contract); kept here so `--help` needs no torch import
-STRATEGY_CHOICES = ("ddp", "zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op", "hsdp")
+STRATEGY_CHOICES = STRATEGIES
 STRATEGY_FLAGS = ("fsdp", "fsdp_config", "deepspeed")  # TrainingArguments flags that choose a strategy
 
 
@@ -214,27 +214,13 @@ def training_arguments(
         planned = hf_dist.auto_args(model, **plan_kwargs)
         kwargs.update({k: v for k, v in planned.items() if k not in explicit})
     if kwargs.get("deepspeed"):
-        kwargs.update(_cpu_deepspeed_state())
-    return TrainingArguments(**kwargs)
+        from hf_dist.cpu_fsdp import cpu_deepspeed_training_kwargs
 
+        kwargs.update(cpu_deepspeed_training_kwargs())
+    from hf_dist.configs.fsdp import apply_fp32_reduce
 
-def _cpu_deepspeed_state() -> dict[str, Any]:
-    """On a machine without CUDA, build accelerate's DeepSpeed state over gloo and have the Trainer reuse it.
-
-    accelerate takes its DeepSpeed branch only when not forced onto CPU, and then (no GPU) leaves
-    the backend unset, so it reports world size 1 and DeepSpeed's batch check fails. GPU machines
-    need none of this.
-    """
-    import torch
-
-    if torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
-        return {}
-    from accelerate import PartialState
-
-    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    os.environ["ACCELERATE_USE_CPU"] = "false"
-    PartialState(backend="gloo")
-    return {"use_cpu": False, "accelerator_config": {"use_configured_state": True}}
+    # FSDP2 + bf16/fp16: reduce gradients in fp32 (a no-op for every other setup)
+    return apply_fp32_reduce(TrainingArguments(**kwargs))
 
 
 def _accelerate_config_strategy() -> bool:
@@ -559,20 +545,12 @@ def describe_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy
         f"{args.per_device_train_batch_size} x grad accum {args.gradient_accumulation_steps} x world {world} "
         f"= global batch {batch} sequences of <= {seq_len} tokens"
     ]
-    try:
-        from hf_dist.planner import plan
+    from hf_dist.planner import plan
 
-        # rank 0 only: the planner's meta-model must not be built under zero.Init (a collective)
-        with _outside_zero3():
-            explained = plan(
-                config, method=method, seq_len=seq_len, global_batch_size=batch, strategy=strategy
-            ).explain()
+    try:
+        explained = plan(config, method=method, seq_len=seq_len, global_batch_size=batch, strategy=strategy).explain()
         # model / hardware / chosen / why; `hf-dist plan` prints the full per-strategy table
         lines += ["[hf_dist] plan: " + line for line in explained.splitlines()[:4]]
-    except ModuleNotFoundError as exc:
-        if not exc.name or not exc.name.startswith("hf_dist"):
-            raise
-        lines.append("[hf_dist] planner not installed in this checkout; strategy from the command line")
     except ValueError as exc:  # PlanError: e.g. no strategy fits the detected hardware
         lines.append(f"[hf_dist] planner: {exc}")
     return "\n".join(lines)

@@ -58,13 +58,20 @@ def is_lora_name(name: str) -> bool:
     return any(marker in name for marker in LORA_MARKERS)
 
 
+def peft_relative(name: str) -> str:
+    """Drop any container prefix before PEFT's root: accelerate's DCP saves ``model.base_model.model...``."""
+    start = name.find(PEFT_PREFIX)
+    return name[start:] if start > 0 and name[start - 1] == "." else name
+
+
 def adapter_key(name: str, adapter_name: str = "default") -> str:
-    """PEFT's saved form: ``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``."""
-    return name.replace(f".{adapter_name}.", ".").replace(f".{adapter_name}", "")
+    """PEFT's saved form: ``...q_proj.lora_A.default.weight`` -> ``base_model.model...q_proj.lora_A.weight``."""
+    return peft_relative(name).replace(f".{adapter_name}.", ".").replace(f".{adapter_name}", "")
 
 
 def base_key(name: str) -> str:
     """``base_model.model.model.layers.0.q_proj.base_layer.weight`` -> ``model.layers.0.q_proj.weight``."""
+    name = peft_relative(name)
     if name.startswith(PEFT_PREFIX):
         name = name[len(PEFT_PREFIX) :]
     return name.replace(".base_layer.", ".")
