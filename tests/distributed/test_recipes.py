@@ -33,6 +33,7 @@ LAUNCHES = {
     # Accelerator with a DeepSpeed plugin in one process, so each ZeRO-3 recipe gets its own launch
     "zero3": ("zero3", ("sft",), {"ACCELERATE_USE_CPU": "false"}),
     "zero3_lora": ("zero3", ("lora",), {"ACCELERATE_USE_CPU": "false"}),
+    "zero3_pretrain": ("zero3", ("pretrain",), {"ACCELERATE_USE_CPU": "false"}),
 }
 EXPECTED = {
     "ddp": ("ddp", "DistributedDataParallel"),
@@ -119,7 +120,10 @@ def test_export_reloads_and_generates(recipe_runs, strategy, recipe):
     assert isinstance(res["sample_output"], str) and "accuracy_after" in res  # in-run reload + generation
 
 
-@pytest.mark.parametrize("recipe, filename", [("sft", "model.safetensors"), ("lora", "adapter_model.safetensors")])
+@pytest.mark.parametrize(
+    "recipe, filename",
+    [("sft", "model.safetensors"), ("pretrain", "model.safetensors"), ("lora", "adapter_model.safetensors")],
+)
 def test_exported_weights_agree_across_strategies(recipe_runs, recipe, filename):
     from safetensors.torch import load_file
 
