@@ -10,17 +10,18 @@ Launch (1 CPU, embedded default)::
 
     accelerate launch --cpu --num_processes 1 recipes/lora.py
 
-One node, 8 GPUs, Llama-3.1-8B (``hf-dist plan meta-llama/Llama-3.1-8B --method lora --gpus 8
---gpu-memory 80``: plain DDP, ~16 GB bf16 weights per GPU plus adapters and their optimizer state,
-which fits, and DDP has the least communication)::
+One node, 8 GPUs, Llama-3.1-8B. ``hf-dist plan meta-llama/Llama-3.1-8B --method lora --gpus 8
+--gpu-memory 80`` prints ``chosen: ddp, offload=none, activation_checkpointing=False`` (34 GiB
+per GPU: ~16 GB of bf16 weights plus adapters and their optimizer state; DDP communicates least)::
 
     accelerate launch --num_processes 8 recipes/lora.py \\
         --model_name_or_path meta-llama/Llama-3.1-8B-Instruct --dataset chat.jsonl \\
         --output_dir out/lora-8b --learning_rate 2e-4
 
-Two nodes x 8 GPUs, Llama-3.1-70B (the plan: 140 GB of bf16 weights do not fit one 80 GB GPU,
-so the frozen base is sharded with fsdp_full_shard; ``hf-dist plan meta-llama/Llama-3.1-70B
---method lora --gpus 8 --nodes 2 --gpu-memory 80``). On each node::
+Two nodes x 8 GPUs, Llama-3.1-70B. ``hf-dist plan meta-llama/Llama-3.1-70B --method lora --gpus 16
+--nodes 2 --gpu-memory 80`` prints ``chosen: hsdp, offload=none, activation_checkpointing=True``
+(140 GB of bf16 weights do not fit one GPU; HSDP shards them inside a node and replicates across the
+two, keeping the slow inter-node link to the small gradient all-reduce). On each node::
 
     accelerate launch --num_machines 2 --machine_rank $RANK --main_process_ip $MASTER \\
         --main_process_port 29500 --num_processes 16 recipes/lora.py \\

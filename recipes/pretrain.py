@@ -12,16 +12,16 @@ Launch (1 CPU, embedded default)::
     accelerate launch --cpu --num_processes 1 recipes/pretrain.py
 
 One node, 8 GPUs, Llama-3.1-8B (``hf-dist plan meta-llama/Llama-3.1-8B --gpus 8 --gpu-memory 80
---seq-len 4096`` chooses fsdp_full_shard: ~128 GB of model states for full training do not fit
-one GPU under DDP)::
+--seq-len 4096`` prints ``chosen: zero1, offload=none, activation_checkpointing=False``: ~128 GB of
+model states do not fit one GPU under DDP; sharding the optimizer is enough)::
 
     accelerate launch --num_processes 8 recipes/pretrain.py \\
         --model_name_or_path meta-llama/Llama-3.1-8B --dataset corpus/ --max_seq_length 4096 \\
         --output_dir out/cpt-8b --learning_rate 1e-5 --num_train_epochs 1
 
-Two nodes x 8 GPUs, Llama-3.1-70B (``hf-dist plan meta-llama/Llama-3.1-70B --gpus 8 --nodes 2
---gpu-memory 80``: full-shard across 16 GPUs with activation checkpointing, optimizer offload when
-the states do not fit). On each node::
+Two nodes x 8 GPUs, Llama-3.1-70B (``hf-dist plan meta-llama/Llama-3.1-70B --gpus 16 --nodes 2
+--gpu-memory 80 --seq-len 4096`` prints ``chosen: zero3, offload=optimizer,
+activation_checkpointing=True``). On each node::
 
     accelerate launch --num_machines 2 --machine_rank $RANK --main_process_ip $MASTER \\
         --main_process_port 29500 --num_processes 16 recipes/pretrain.py \\

@@ -6,19 +6,23 @@ is ``recipes/lora.py`` with the base loaded through ``BitsAndBytesConfig(load_in
 bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=bfloat16,
 bnb_4bit_quant_storage=bfloat16)`` (the storage dtype lets FSDP shard the quantized weights).
 
-One GPU, Llama-3.1-8B (``hf-dist plan meta-llama/Llama-3.1-8B --method qlora --gpus 1
---gpu-memory 24``: ~5 GB of 4-bit weights + adapters fit a 24 GB card)::
+One GPU, Llama-3.1-8B. ``hf-dist plan meta-llama/Llama-3.1-8B --method qlora --gpus 1 --gpu-memory 24``
+prints ``chosen: ddp, offload=none, activation_checkpointing=True`` (11 GiB: ~5 GB of 4-bit weights,
+adapters, and checkpointed activations; the 128k-vocab logits need checkpointing to fit 24 GB)::
 
     accelerate launch --num_processes 1 recipes/qlora.py \\
         --model_name_or_path meta-llama/Llama-3.1-8B-Instruct --dataset chat.jsonl --output_dir out/qlora-8b
 
-One node, 8 GPUs, Llama-3.1-8B (``hf-dist plan ... --method qlora --gpus 8 --gpu-memory 80``: DDP)::
+One node, 8 GPUs, Llama-3.1-8B (``hf-dist plan ... --method qlora --gpus 8 --gpu-memory 80`` prints
+``chosen: ddp, offload=none, activation_checkpointing=False``)::
 
     accelerate launch --num_processes 8 recipes/qlora.py \\
         --model_name_or_path meta-llama/Llama-3.1-8B-Instruct --dataset chat.jsonl --output_dir out/qlora-8b
 
-Two nodes x 8 GPUs, Llama-3.1-70B (~35 GB of 4-bit weights fit one 80 GB GPU, so the plan is DDP;
-``--strategy fsdp_full_shard`` shards them on smaller cards). On each node::
+Two nodes x 8 GPUs, Llama-3.1-70B (``hf-dist plan meta-llama/Llama-3.1-70B --method qlora --gpus 16
+--nodes 2 --gpu-memory 80`` prints ``chosen: ddp, offload=none, activation_checkpointing=True``: ~35 GB
+of 4-bit weights fit one 80 GB GPU; ``--strategy fsdp_full_shard`` shards them on smaller cards).
+On each node::
 
     accelerate launch --num_machines 2 --machine_rank $RANK --main_process_ip $MASTER \\
         --main_process_port 29500 --num_processes 16 recipes/qlora.py \\

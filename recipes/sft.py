@@ -14,18 +14,19 @@ Launch (1 CPU, embedded default)::
 
     accelerate launch --cpu --num_processes 1 recipes/sft.py
 
-One node, 8 GPUs, Llama-3.1-8B (``hf-dist plan meta-llama/Llama-3.1-8B --gpus 8 --gpu-memory 80
---seq-len 2048`` chooses fsdp_full_shard, no offload: full fine-tuning needs ~16 bytes/param of
-model states = 128 GB, which DDP cannot hold on one 80 GB GPU)::
+One node, 8 GPUs, Llama-3.1-8B. ``hf-dist plan meta-llama/Llama-3.1-8B --gpus 8 --gpu-memory 80
+--seq-len 2048`` prints ``chosen: zero1, offload=none, activation_checkpointing=False`` (46 GiB per
+GPU; DDP would need 159 GiB for ~16 bytes/param of model states, and ZeRO-1 shards only the
+optimizer, so it communicates the least of the strategies that fit)::
 
     accelerate launch --num_processes 8 recipes/sft.py \\
         --model_name_or_path meta-llama/Llama-3.1-8B-Instruct --dataset chat.jsonl \\
         --output_dir out/sft-8b --num_train_epochs 1 --learning_rate 2e-5
 
-Two nodes x 8 GPUs, Llama-3.1-70B (the plan: FSDP full-shard across 16 GPUs with activation
-checkpointing, ~1.1 TB of model states / 16 = ~70 GB per GPU is too much, so it offloads the
-optimizer (or pins ``--strategy zero3``); run ``hf-dist plan meta-llama/Llama-3.1-70B --gpus 8
---nodes 2 --gpu-memory 80`` for the exact choice on your hardware). On each node::
+Two nodes x 8 GPUs, Llama-3.1-70B. ``hf-dist plan meta-llama/Llama-3.1-70B --gpus 16 --nodes 2
+--gpu-memory 80`` prints ``chosen: zero3, offload=optimizer, activation_checkpointing=True``
+(~1.1 TB of model states do not fit 16 x 80 GB even fully sharded, and FSDP2 cannot offload only
+the optimizer). On each node::
 
     accelerate launch --num_machines 2 --machine_rank $RANK --main_process_ip $MASTER \\
         --main_process_port 29500 --num_processes 16 recipes/sft.py \\
