@@ -607,22 +607,16 @@ def finish_run(trainer: Any, tokenizer: Any, *, task: Any, mode: str, adapter: b
 def export_model(trainer: Any, tokenizer: Any, export_dir: Path, *, adapter: bool) -> str:
     """Write a consolidated HF folder (or PEFT adapter) to ``export_dir``; returns how it was made.
 
-    Sharded runs (FSDP, ZeRO) go through ``hf_dist.convert`` from the last checkpoint when it is
-    installed; otherwise (and for DDP) the Trainer gathers and saves full weights itself.
+    Sharded runs (FSDP, ZeRO) go through ``hf_dist.convert`` from the last checkpoint; without a
+    checkpoint (and for DDP) the full weights are gathered and saved in-process.
     """
     strategy = effective_strategy(trainer)
     checkpoint = _last_checkpoint(trainer.args.output_dir)
-    if strategy.startswith(("fsdp", "zero")) and checkpoint is not None and _convert_available():
+    if strategy.startswith(("fsdp", "zero")) and checkpoint is not None:
         if trainer.args.should_save:
             _convert_checkpoint(trainer, tokenizer, checkpoint, export_dir, adapter=adapter)
         trainer.accelerator.wait_for_everyone()
         return f"hf_dist.convert({checkpoint.name})"
-    if strategy.startswith("zero") and checkpoint is not None and (checkpoint / "config.json").exists():
-        # the Trainer's checkpoint already holds consolidated 16-bit weights
-        # (stage3_gather_16bit_weights_on_model_save); copy the HF files, no collective needed
-        if trainer.args.should_save:
-            _copy_hf_files(checkpoint, export_dir)
-        return f"copied from {checkpoint.name}"
     if strategy.startswith("fsdp"):
         # FSDP with a sharded state dict makes save_model a no-op; gather a full state dict instead
         state_dict = trainer.accelerator.get_state_dict(trainer.model_wrapped)
@@ -632,33 +626,6 @@ def export_model(trainer: Any, tokenizer: Any, export_dir: Path, *, adapter: boo
         return "accelerator.get_state_dict"
     trainer.save_model(str(export_dir))
     return "trainer.save_model"
-
-
-def _copy_hf_files(checkpoint: Path, export_dir: Path) -> None:
-    import shutil
-
-    keep = [
-        p for p in checkpoint.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors", ".jinja", ".model")
-    ]
-    if not any(p.suffix == ".safetensors" for p in keep):
-        raise RuntimeError(
-            f"{checkpoint} holds no consolidated weights (*.safetensors); set "
-            "stage3_gather_16bit_weights_on_model_save=true or convert it with `hf-dist convert`"
-        )
-    tmp = export_dir.with_name(export_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for path in keep:
-        if path.name not in ("trainer_state.json", "hf_dist_complete.json"):
-            shutil.copy2(path, tmp / path.name)
-    shutil.rmtree(export_dir, ignore_errors=True)
-    os.replace(tmp, export_dir)
-
-
-def _convert_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("hf_dist.checkpoint.convert") is not None
 
 
 def _convert_checkpoint(trainer: Any, tokenizer: Any, checkpoint: Path, export_dir: Path, *, adapter: bool) -> None:
