@@ -40,6 +40,21 @@ STRATEGY_CHOICES = STRATEGIES
 STRATEGY_FLAGS = ("fsdp", "fsdp_config", "deepspeed")  # TrainingArguments flags that choose a strategy
 
 
+# The schedule every recipe uses on the embedded tiny model and task (recipes override a few keys).
+EMBEDDED_TRAINING_DEFAULTS = dict(
+    max_steps=600,
+    per_device_train_batch_size=16,
+    learning_rate=3e-3,
+    warmup_steps=20,
+    lr_scheduler_type="linear",
+    weight_decay=0.0,
+    logging_steps=50,
+    save_strategy="no",
+    report_to="none",
+    seed=42,
+)
+
+
 @dataclass
 class ModelArguments:
     """Which model to train. Without ``--model_name_or_path`` a tiny Llama is built from a config."""

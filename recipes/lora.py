@@ -39,19 +39,7 @@ from pathlib import Path
 
 from hf_dist import recipe_utils as ru
 
-EMBEDDED_DEFAULTS = dict(
-    output_dir="outputs/lora",
-    max_steps=600,
-    per_device_train_batch_size=16,
-    learning_rate=5e-3,
-    warmup_steps=20,
-    lr_scheduler_type="linear",
-    weight_decay=0.0,
-    logging_steps=50,
-    save_strategy="no",
-    report_to="none",
-    seed=42,
-)
+EMBEDDED_DEFAULTS = dict(ru.EMBEDDED_TRAINING_DEFAULTS, output_dir="outputs/lora", learning_rate=5e-3)
 REAL_DEFAULTS = dict(
     output_dir="outputs/lora",
     num_train_epochs=1,

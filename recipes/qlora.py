@@ -38,17 +38,7 @@ from pathlib import Path
 
 from hf_dist import recipe_utils as ru
 
-EMBEDDED_DEFAULTS = dict(
-    output_dir="outputs/qlora",
-    max_steps=300,
-    per_device_train_batch_size=16,
-    learning_rate=5e-3,
-    warmup_steps=20,
-    logging_steps=50,
-    save_strategy="no",
-    report_to="none",
-    seed=42,
-)
+EMBEDDED_DEFAULTS = dict(ru.EMBEDDED_TRAINING_DEFAULTS, output_dir="outputs/qlora", max_steps=300, learning_rate=5e-3)
 REAL_DEFAULTS = dict(
     output_dir="outputs/qlora",
     num_train_epochs=1,

@@ -42,19 +42,7 @@ from __future__ import annotations
 from hf_dist import recipe_utils as ru
 
 # A tiny Llama on the embedded task: ~2-3 min on 2 CPU processes to high exact-match accuracy.
-EMBEDDED_DEFAULTS = dict(
-    output_dir="outputs/sft",
-    max_steps=600,
-    per_device_train_batch_size=16,
-    learning_rate=3e-3,
-    warmup_steps=20,
-    lr_scheduler_type="linear",
-    weight_decay=0.0,
-    logging_steps=50,
-    save_strategy="no",
-    report_to="none",
-    seed=42,
-)
+EMBEDDED_DEFAULTS = dict(ru.EMBEDDED_TRAINING_DEFAULTS, output_dir="outputs/sft")
 # Full fine-tuning of a pretrained model: small LR, one epoch, cosine decay.
 REAL_DEFAULTS = dict(
     output_dir="outputs/sft",
