@@ -4,19 +4,28 @@
 whatever the file names. :func:`load_metadata` unpickles it with only DCP's own metadata
 dataclasses, ``torch.Size``, dtypes/layouts and ``pathlib`` paths allowed; :class:`SafeFileSystemReader`
 uses it, so ``dcp.load`` (which already loads tensor payloads with ``weights_only=True``) never
-unpickles foreign code. Tensors are loaded with ``dcp.load(..., no_dist=True)`` a batch at a time:
-DCP reassembles each full tensor from however many rank chunks it was saved in.
+unpickles foreign code. The converter goes further and maps DCP's classes to inert stand-ins
+(``stand_ins=True``): no DCP code runs, and ``torch.distributed`` (about 1.8 s of imports) is never
+imported on the direct path.
+
+Tensors are read directly from the ``.distcp`` files, a batch at a time: each chunk is a small
+``torch.save`` archive at a known offset; its header is read with ``torch.load(weights_only=True,
+map_location="meta")`` (shape, stride, dtype and where its bytes start, no data), and the bytes are
+taken from a memory map of the whole file, then copied into the full tensor at the chunk's offsets.
+One copy from the page cache instead of ``dcp.load``'s read + unpickle + copy per chunk and its
+planning per call. Chunks stored with a transform (e.g. compression) go through ``dcp.load``.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 from pathlib import Path
 from typing import Any
 
 from hf_dist.checkpoint.detect import CheckpointInfo
 from hf_dist.checkpoint.reader import Reader, TensorSpec
-from hf_dist.checkpoint.safe_pickle import CorruptCheckpointError, UnsafePickleError
+from hf_dist.checkpoint.safe_pickle import CorruptCheckpointError, OpaqueObject, UnsafePickleError
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _DCP_NAMES = {
@@ -35,14 +44,33 @@ _OTHER_GLOBALS = {
 }
 
 
+class _TensorPropertiesStub(OpaqueObject):
+    """TensorProperties pickles as a tuple (dtype, layout, requires_grad, memory-format code, pin_memory)."""
+
+    def __setstate__(self, state: tuple) -> None:
+        self.dtype = state[0]
+
+
+def _stand_in(name: str) -> Any:
+    if name == "TensorProperties":
+        return _TensorPropertiesStub
+    if name == "_MEM_FORMAT_ENCODING":  # an Enum, pickled as _MEM_FORMAT_ENCODING(value)
+        return int
+    return type(f"{name}Stub", (OpaqueObject,), {})  # dataclasses: NEWOBJ + BUILD fill __dict__
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, file, path: Path) -> None:
+    def __init__(self, file, path: Path, stand_ins: bool) -> None:
         super().__init__(file)
         self.path = path
+        self.stand_ins = stand_ins
+        self._made: dict[str, Any] = {}
 
     def find_class(self, module: str, name: str) -> Any:
         import torch
 
+        if module in _DCP_MODULES and name in _DCP_NAMES and self.stand_ins:
+            return self._made.setdefault(name, _stand_in(name))
         if (module in _DCP_MODULES and name in _DCP_NAMES) or (module, name) in _OTHER_GLOBALS:
             return super().find_class(module, name)
         if module == "torch" and isinstance(
@@ -55,13 +83,14 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def load_metadata(folder: Path, *, trust_pickles: bool = False):
+def load_metadata(folder: Path, *, trust_pickles: bool = False, stand_ins: bool = False):
+    """The DCP ``Metadata`` of ``folder``; with ``stand_ins`` DCP's classes are inert records with the same fields."""
     path = Path(folder) / ".metadata"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: {folder} is not a complete DCP checkpoint")
     with open(path, "rb") as handle:
         try:
-            return pickle.load(handle) if trust_pickles else _MetadataUnpickler(handle, path).load()
+            return pickle.load(handle) if trust_pickles else _MetadataUnpickler(handle, path, stand_ins).load()
         except UnsafePickleError:
             raise
         except Exception as exc:
@@ -89,15 +118,13 @@ def _safe_reader_class():
 
 class DCPReader(Reader):
     def __init__(self, info: CheckpointInfo, *, trust_pickles: bool = False) -> None:
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
         super().__init__()
         self.folder = info.path
         self.trust_pickles = trust_pickles
-        metadata = load_metadata(self.folder, trust_pickles=trust_pickles)
+        metadata = load_metadata(self.folder, trust_pickles=trust_pickles, stand_ins=True)
         self._check_files(metadata)
         for name, item in metadata.state_dict_metadata.items():
-            if isinstance(item, TensorStorageMetadata):
+            if type(item).__name__.startswith("TensorStorageMetadata"):  # the class or its stand-in
                 self._specs[name] = TensorSpec(tuple(item.size), item.properties.dtype)
                 covered = sum(_numel(chunk.sizes) for chunk in item.chunks)
                 if covered < _numel(item.size):
@@ -105,6 +132,10 @@ class DCPReader(Reader):
                         f"{self.folder}: tensor {name} has chunks covering {covered} of {_numel(item.size)} elements"
                     )
         info.world_size = self._world_size(metadata)
+        self._chunks: dict[str, list] = {}  # name -> [(chunk offsets, _StorageInfo)]
+        for index, storage in (metadata.storage_data or {}).items():
+            self._chunks.setdefault(index.fqn, []).append((tuple(index.offset), storage))
+        self._maps: dict[str, Any] = {}
 
     def _check_files(self, metadata) -> None:
         files = {info.relative_path for info in (metadata.storage_data or {}).values()}
@@ -130,6 +161,59 @@ class DCPReader(Reader):
 
     def read(self, names: list[str]) -> dict[str, Any]:
         import torch
+
+        direct = [n for n in names if not any(getattr(s, "transform_descriptors", None) for _, s in self._chunks[n])]
+        state = self._read_with_dcp([n for n in names if n not in direct])
+        for name in direct:
+            spec = self._specs[name]
+            full = torch.empty(spec.shape, dtype=spec.dtype)
+            for offsets, storage in self._chunks[name]:
+                chunk = self._chunk(name, storage)
+                if chunk.dtype != spec.dtype or any(o + n > d for o, n, d in zip(offsets, chunk.shape, spec.shape)):
+                    raise CorruptCheckpointError(
+                        f"{self.folder / storage.relative_path}: chunk of {name} at {list(offsets)} is "
+                        f"{chunk.dtype} {list(chunk.shape)}, which does not fit {spec.dtype} {list(spec.shape)}"
+                    )
+                target = full
+                for dim, (start, length) in enumerate(zip(offsets, chunk.shape)):
+                    target = target.narrow(dim, start, length)
+                target.copy_(chunk)
+            state[name] = full
+        return state
+
+    def _chunk(self, name: str, storage) -> Any:
+        """One saved chunk as a tensor viewing the memory-mapped file (no copy)."""
+        import torch
+
+        path = self.folder / storage.relative_path
+        if storage.relative_path not in self._maps:
+            self._maps[storage.relative_path] = torch.UntypedStorage.from_file(str(path), False, path.stat().st_size)
+        try:
+            with open(path, "rb") as handle:
+                meta = torch.load(
+                    _FileSlice(handle, storage.offset, storage.length), map_location="meta", weights_only=True
+                )
+            if not isinstance(meta, torch.Tensor):
+                raise ValueError(f"the chunk holds a {type(meta).__name__}, not a tensor")
+            start = storage.offset + meta.untyped_storage()._checkpoint_offset
+            nbytes = meta.untyped_storage().nbytes()
+            if start + nbytes > storage.offset + storage.length:
+                raise ValueError("the chunk's data runs past its slice of the file")
+        except Exception as exc:
+            raise CorruptCheckpointError(
+                f"cannot read {name} from {path} at byte {storage.offset} ({type(exc).__name__}: {str(exc)[:200]}); "
+                "the file is corrupt or was written by an incompatible tool"
+            ) from None
+        data = self._maps[storage.relative_path][start : start + nbytes]
+        return torch.empty(0, dtype=meta.dtype).set_(data, meta.storage_offset(), meta.shape, meta.stride())
+
+    def release(self) -> None:
+        self._maps.clear()
+
+    def _read_with_dcp(self, names: list[str]) -> dict[str, Any]:
+        if not names:
+            return {}
+        import torch
         import torch.distributed.checkpoint as dcp
 
         state = {name: torch.empty(self._specs[name].shape, dtype=self._specs[name].dtype) for name in names}
@@ -140,6 +224,37 @@ class DCPReader(Reader):
         except (RuntimeError, EOFError, OSError, ValueError) as exc:
             raise CorruptCheckpointError(f"cannot read tensors from {self.folder}: {str(exc)[:300]}") from None
         return state
+
+
+class _FileSlice(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of an open file, as a seekable file of their own (for torch.load)."""
+
+    def __init__(self, handle, offset: int, length: int) -> None:
+        super().__init__()
+        self._handle, self._start, self._length, self._pos = handle, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = min(max(base + pos, 0), self._length)
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        size = min(len(buffer), self._length - self._pos)
+        if size <= 0:
+            return 0
+        self._handle.seek(self._start + self._pos)
+        got = self._handle.readinto(memoryview(buffer)[:size])
+        self._pos += got
+        return got
 
 
 def _numel(size) -> int:

@@ -2,7 +2,8 @@
 
 Names are mapped the way the converter maps them (wrapper prefixes removed, tied copies dropped
 when a config is known), values compared in fp32 in bounded batches. ``logits=True`` also builds
-both models from the config and compares their logits on a fixed input.
+both models from the config, one after the other (each filled batch by batch, so peak memory is one
+fp32 model plus one batch), and compares their logits on a fixed input.
 """
 
 from __future__ import annotations
@@ -146,18 +147,30 @@ def _logits_diff(side_a: _Side, side_b: _Side) -> float:
         input_ids = torch.randint(0, vocab, (2, 16), generator=ids)
         with torch.no_grad():
             out.append(model(input_ids=input_ids).logits.float())
+        del model
     return float((out[0] - out[1]).abs().max())
 
 
 def _build_model(config_dir: Path, side: _Side):
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(config_dir)
     model = AutoModelForCausalLM.from_config(config).float().eval()
-    state = {name: t.float() if t.is_floating_point() else t for name, t in side.read(list(side.names)).items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    expected = model.state_dict()
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for batch in _batches(list(side.names), side):
+        state = side.read(batch)
+        unexpected += [name for name in batch if name not in expected]
+        with torch.no_grad():
+            for name in batch:
+                if name in expected:
+                    expected[name].copy_(state.pop(name))
+                    loaded.add(name)
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-    if [m for m in missing if m not in tied] or unexpected:
+    missing = [name for name in expected if name not in loaded and name not in tied]
+    if missing or unexpected:
         raise ValueError(f"{side.info.path} does not load into the config's model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")  # fmt: skip
     if tied:

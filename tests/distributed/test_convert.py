@@ -40,10 +40,11 @@ def ds_runs(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
-def trainer_zero3(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("trainer_zero3")
-    torchrun(SCRIPTS / "convert_trainer.py", [out, "--mode", "zero3", "--bf16"], timeout=600)
+@pytest.fixture(scope="session", params=["zero1", "zero2", "zero3"])
+def trainer_zero(request, tmp_path_factory) -> Path:
+    """A Trainer-written bf16 checkpoint-2 for each ZeRO stage (one 2-rank launch per stage)."""
+    out = tmp_path_factory.mktemp(f"trainer_{request.param}")
+    torchrun(SCRIPTS / "convert_trainer.py", [out, "--mode", request.param, "--bf16"], timeout=600)
     return out
 
 
@@ -130,14 +131,20 @@ def test_lora_under_zero3_adapter_and_merge(ds_runs, tmp_path):
     assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"], q_ref)  # the merge changed it
 
 
-def test_trainer_zero3_bf16_checkpoint_and_inner_folder(trainer_zero3, tmp_path):
-    facts = json.loads((trainer_zero3 / "facts.json").read_text())
-    assert facts["distributed_type"] == "DEEPSPEED"
-    reference = load_file(trainer_zero3 / "reference.safetensors")
-    ckpt = trainer_zero3 / "checkpoint-2"
+def test_trainer_zero_bf16_checkpoint_and_inner_folder(trainer_zero, tmp_path):
+    facts = json.loads((trainer_zero / "facts.json").read_text())
+    stage = int(facts["mode"][-1])
+    assert (facts["distributed_type"], facts["zero_stage"], facts["bf16"]) == ("DEEPSPEED", stage, True)
+    reference = load_file(trainer_zero / "reference.safetensors")
+    assert {t.dtype for t in reference.values()} == {torch.bfloat16}
+    ckpt = trainer_zero / "checkpoint-2"
+    # the files are the ones ZeRO writes at this stage (stage 1/2: one model file + per-rank optimizer shards)
+    files = sorted(os.listdir(ckpt / "global_step2"))
+    assert ("zero_pp_rank_0_mp_rank_00_model_states.pt" in files) == (stage == 3), files
+    assert "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt" in files
     for i, src in enumerate((ckpt, ckpt / "global_step2")):
         report = convert(src, tmp_path / f"out{i}", progress=False)
-        assert (report.source.stage, report.source.step, report.dtype) == (3, 2, "bfloat16")
+        assert (report.source.stage, report.source.step, report.dtype) == (stage, 2, "bfloat16")
         assert "generation_config.json" in os.listdir(tmp_path / f"out{i}")
         assert_matches_reference(tmp_path / f"out{i}", reference)
     assert main(["verify", str(ckpt), str(tmp_path / "out0"), "--atol", "0.01", "--logits"]) == 0

@@ -96,7 +96,10 @@ def main() -> None:
         facts = {
             "distributed_type": str(trainer.accelerator.state.distributed_type).split(".")[-1],
             "model_class": type(trainer.model).__name__,
+            "mode": args.mode,
             "deepspeed": trainer.is_deepspeed_enabled,
+            "zero_stage": trainer.model_wrapped.zero_optimization_stage() if trainer.is_deepspeed_enabled else None,
+            "bf16": bool(trainer.model_wrapped.bfloat16_enabled()) if trainer.is_deepspeed_enabled else None,
         }
         with open(os.path.join(args.out, "facts.json"), "w") as handle:
             json.dump(facts, handle)
