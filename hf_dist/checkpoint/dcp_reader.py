@@ -169,13 +169,16 @@ class DCPReader(Reader):
             full = torch.empty(spec.shape, dtype=spec.dtype)
             for offsets, storage in self._chunks[name]:
                 chunk = self._chunk(name, storage)
-                if chunk.dtype != spec.dtype or any(o + n > d for o, n, d in zip(offsets, chunk.shape, spec.shape)):
+                fits = len(offsets) == chunk.dim() == len(spec.shape) and all(
+                    o + n <= d for o, n, d in zip(offsets, chunk.shape, spec.shape, strict=True)
+                )
+                if chunk.dtype != spec.dtype or not fits:
                     raise CorruptCheckpointError(
                         f"{self.folder / storage.relative_path}: chunk of {name} at {list(offsets)} is "
                         f"{chunk.dtype} {list(chunk.shape)}, which does not fit {spec.dtype} {list(spec.shape)}"
                     )
                 target = full
-                for dim, (start, length) in enumerate(zip(offsets, chunk.shape)):
+                for dim, (start, length) in enumerate(zip(offsets, chunk.shape, strict=True)):
                     target = target.narrow(dim, start, length)
                 target.copy_(chunk)
             state[name] = full

@@ -76,9 +76,13 @@ def test_stand_ins_carry_the_same_fields_as_dcp_classes(saved):
     for name, item in real.state_dict_metadata.items():
         stub = inert.state_dict_metadata[name]
         assert (stub.size, stub.properties.dtype) == (item.size, item.properties.dtype)
-    real_storage = {(k.fqn, tuple(k.offset)): (v.relative_path, v.offset, v.length) for k, v in real.storage_data.items()}
-    stub_storage = {(k.fqn, tuple(k.offset)): (v.relative_path, v.offset, v.length) for k, v in inert.storage_data.items()}
-    assert real_storage == stub_storage
+
+    def storage(metadata) -> dict:
+        return {
+            (k.fqn, tuple(k.offset)): (v.relative_path, v.offset, v.length) for k, v in metadata.storage_data.items()
+        }
+
+    assert storage(real) == storage(inert)
 
 
 def test_chunks_with_a_transform_go_through_dcp_load(saved, monkeypatch):
