@@ -1,9 +1,10 @@
 """Trainer callbacks that watch a run; each does one thing, with side effects on rank 0 only.
 
     from hf_dist.callbacks import attach
+    resume = hf_dist.auto_resume(args.output_dir, training_args=args)  # newest complete checkpoint, resharded
     trainer = Trainer(model=model, args=args, train_dataset=ds)
     attach(trainer, plan=plan)          # plan from hf_dist.plan(...), optional
-    trainer.train(resume_from_checkpoint=hf_dist.auto_resume(args.output_dir, strategy=trainer))
+    trainer.train(resume_from_checkpoint=resume)
 
 ``Trainer(callbacks=default(plan))`` works too, but the Trainer calls user callbacks after its
 ``report_to`` integrations, so the ``memory/*`` and ``perf/*`` keys then reach only
@@ -43,7 +44,8 @@ def __getattr__(name: str) -> Any:
 
 
 def default(plan: Any = None) -> list[TrainerCallback]:
-    """The recommended set: complete-checkpoint markers, NaN guard, throughput, memory, and the plan when given.
+    """The recommended set: complete-checkpoint markers, NaN guard, throughput, memory, the plan when given,
+    and the repair DeepSpeed's universal-checkpoint loads need (:func:`hf_dist.reshard.reshard_callback`).
 
     Export and profiling cost disk and time, so they are opt-in (``ExportCallback``, ``ProfilerCallback``).
     """
@@ -52,9 +54,11 @@ def default(plan: Any = None) -> list[TrainerCallback]:
     from hf_dist.callbacks.plan import PlanCallback
     from hf_dist.callbacks.resume import CompleteCheckpointCallback
     from hf_dist.callbacks.throughput import ThroughputCallback
+    from hf_dist.reshard import reshard_callback
 
     callbacks: list[TrainerCallback] = [PlanCallback(plan)] if plan is not None else []
     callbacks += [CompleteCheckpointCallback(), NanGuardCallback(), ThroughputCallback(plan), MemoryCallback(plan)]
+    callbacks.append(reshard_callback())
     return callbacks
 
 

@@ -214,12 +214,23 @@ def auto_resume(
     strategy: Any = None,
     world_size: int | None = None,
     checksums: bool = False,
+    training_args: Any = None,
 ) -> str | None:
     """The newest complete ``checkpoint-N`` in ``output_dir``, or None; partial checkpoints are skipped.
 
-    ``strategy`` (a strategy name such as ``"fsdp_full_shard"``, or the ``Trainer`` about to run)
-    makes it also check that the checkpoint can be loaded by that strategy and world size, and
-    raise a RuntimeError naming ``hf-dist convert`` / ``hf-dist reshard`` when it cannot::
+    ``training_args`` (the run's ``TrainingArguments``, before the Trainer is built) also prepares the
+    checkpoint for this run with :func:`hf_dist.reshard.prepare_resume`: a DeepSpeed ZeRO checkpoint saved
+    by another number of ranks is converted once to DeepSpeed's universal format and ``load_universal`` is
+    switched on in the run's DeepSpeed config; a checkpoint of another strategy raises, naming
+    ``hf-dist convert``. Call it on every rank (rank 0 converts, the others wait)::
+
+        args = TrainingArguments(...)
+        resume = hf_dist.auto_resume(args.output_dir, training_args=args)
+        Trainer(model, args, callbacks=hf_dist.callbacks.default(), ...).train(resume_from_checkpoint=resume)
+
+    ``strategy`` (a strategy name such as ``"fsdp_full_shard"``, or the ``Trainer`` about to run) only
+    checks, and raises a RuntimeError naming ``hf-dist convert`` / ``hf-dist reshard`` when the checkpoint
+    cannot be loaded by that strategy and world size::
 
         trainer.train(resume_from_checkpoint=hf_dist.auto_resume(args.output_dir, strategy=trainer))
     """
@@ -228,7 +239,11 @@ def auto_resume(
         if reasons:
             logger.warning("auto_resume: skipping %s: %s", path, "; ".join(reasons))
             continue
-        if strategy is not None:
+        if training_args is not None:
+            from hf_dist.reshard import prepare_resume
+
+            path = prepare_resume(path, world_size, training_args=training_args)
+        elif strategy is not None:
             name, live_world = _strategy_and_world(strategy, world_size)
             check_resume_compatible(path, name, world_size=live_world)
         logger.info("auto_resume: resuming from %s (step %d)", path, step)

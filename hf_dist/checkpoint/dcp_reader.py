@@ -10,10 +10,11 @@ imported on the direct path.
 
 Tensors are read directly from the ``.distcp`` files, a batch at a time: each chunk is a small
 ``torch.save`` archive at a known offset; its header is read with ``torch.load(weights_only=True,
-map_location="meta")`` (shape, stride, dtype and where its bytes start, no data), and the bytes are
-taken from a memory map of the whole file, then copied into the full tensor at the chunk's offsets.
-One copy from the page cache instead of ``dcp.load``'s read + unpickle + copy per chunk and its
-planning per call. Chunks stored with a transform (e.g. compression) go through ``dcp.load``.
+map_location="meta")`` (shape, stride, dtype and where its bytes start, no data). A contiguous chunk
+landing in a contiguous region of the full tensor (FSDP's row shards) is read straight into it with
+one ``readinto``; any other chunk is viewed through a memory map and copied. That is one copy from
+the page cache instead of ``dcp.load``'s read + unpickle + copy per chunk and its planning per call.
+Chunks stored with a transform (e.g. compression) go through ``dcp.load``.
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ class DCPReader(Reader):
         self._chunks: dict[str, list] = {}  # name -> [(chunk offsets, _StorageInfo)]
         for index, storage in (metadata.storage_data or {}).items():
             self._chunks.setdefault(index.fqn, []).append((tuple(index.offset), storage))
-        self._maps: dict[str, Any] = {}
+        self._maps: dict[str, Any] = {}  # relative path -> memory-mapped UntypedStorage
+        self._files: dict[str, Any] = {}  # relative path -> open file
 
     def _check_files(self, metadata) -> None:
         files = {info.relative_path for info in (metadata.storage_data or {}).values()}
@@ -168,50 +170,79 @@ class DCPReader(Reader):
             spec = self._specs[name]
             full = torch.empty(spec.shape, dtype=spec.dtype)
             for offsets, storage in self._chunks[name]:
-                chunk = self._chunk(name, storage)
-                fits = len(offsets) == chunk.dim() == len(spec.shape) and all(
-                    o + n <= d for o, n, d in zip(offsets, chunk.shape, spec.shape, strict=True)
+                meta, start = self._header(name, storage)
+                fits = len(offsets) == meta.dim() == len(spec.shape) and all(
+                    o + n <= d for o, n, d in zip(offsets, meta.shape, spec.shape, strict=True)
                 )
-                if chunk.dtype != spec.dtype or not fits:
+                if meta.dtype != spec.dtype or not fits:
                     raise CorruptCheckpointError(
                         f"{self.folder / storage.relative_path}: chunk of {name} at {list(offsets)} is "
-                        f"{chunk.dtype} {list(chunk.shape)}, which does not fit {spec.dtype} {list(spec.shape)}"
+                        f"{meta.dtype} {list(meta.shape)}, which does not fit {spec.dtype} {list(spec.shape)}"
                     )
                 target = full
-                for dim, (start, length) in enumerate(zip(offsets, chunk.shape, strict=True)):
-                    target = target.narrow(dim, start, length)
-                target.copy_(chunk)
+                for dim, (begin, length) in enumerate(zip(offsets, meta.shape, strict=True)):
+                    target = target.narrow(dim, begin, length)
+                if meta.is_contiguous() and target.is_contiguous():  # e.g. FSDP's row shards: one read, no map
+                    self._read_into(target, storage, start + meta.storage_offset() * meta.element_size())
+                else:
+                    target.copy_(self._mapped(storage, meta, start))
             state[name] = full
         return state
 
-    def _chunk(self, name: str, storage) -> Any:
-        """One saved chunk as a tensor viewing the memory-mapped file (no copy)."""
+    def _file(self, storage) -> Any:
+        if storage.relative_path not in self._files:
+            self._files[storage.relative_path] = open(self.folder / storage.relative_path, "rb")  # noqa: SIM115
+        return self._files[storage.relative_path]
+
+    def _header(self, name: str, storage) -> tuple[Any, int]:
+        """The chunk as a meta tensor (shape, strides, dtype) and the file offset where its storage starts."""
+        import torch
+
+        try:
+            view = _FileSlice(self._file(storage), storage.offset, storage.length)
+            meta = torch.load(view, map_location="meta", weights_only=True)
+            if not isinstance(meta, torch.Tensor):
+                raise ValueError(f"the chunk holds a {type(meta).__name__}, not a tensor")
+            start = storage.offset + meta.untyped_storage()._checkpoint_offset
+            if start + meta.untyped_storage().nbytes() > storage.offset + storage.length:
+                raise ValueError("the chunk's data runs past its slice of the file")
+        except Exception as exc:
+            raise CorruptCheckpointError(
+                f"cannot read {name} from {self.folder / storage.relative_path} at byte {storage.offset} "
+                f"({type(exc).__name__}: {str(exc)[:200]}); the file is corrupt or was written by an incompatible tool"
+            ) from None
+        return meta, start
+
+    def _read_into(self, target: Any, storage, position: int) -> None:
+        """Read the chunk's bytes straight into ``target`` (contiguous) from the file."""
+        import torch
+
+        buffer = memoryview(target.view(-1).view(torch.uint8).numpy())
+        handle = self._file(storage)
+        handle.seek(position)
+        if handle.readinto(buffer) != len(buffer):
+            raise CorruptCheckpointError(f"{handle.name} ends inside a tensor at byte {position}; re-copy it")
+
+    def _mapped(self, storage, meta: Any, start: int) -> Any:
+        """The chunk as a tensor viewing the memory-mapped file (no copy), with its saved strides."""
         import torch
 
         path = self.folder / storage.relative_path
         if storage.relative_path not in self._maps:
             self._maps[storage.relative_path] = torch.UntypedStorage.from_file(str(path), False, path.stat().st_size)
-        try:
-            with open(path, "rb") as handle:
-                meta = torch.load(
-                    _FileSlice(handle, storage.offset, storage.length), map_location="meta", weights_only=True
-                )
-            if not isinstance(meta, torch.Tensor):
-                raise ValueError(f"the chunk holds a {type(meta).__name__}, not a tensor")
-            start = storage.offset + meta.untyped_storage()._checkpoint_offset
-            nbytes = meta.untyped_storage().nbytes()
-            if start + nbytes > storage.offset + storage.length:
-                raise ValueError("the chunk's data runs past its slice of the file")
-        except Exception as exc:
-            raise CorruptCheckpointError(
-                f"cannot read {name} from {path} at byte {storage.offset} ({type(exc).__name__}: {str(exc)[:200]}); "
-                "the file is corrupt or was written by an incompatible tool"
-            ) from None
-        data = self._maps[storage.relative_path][start : start + nbytes]
+        data = self._maps[storage.relative_path][start : start + meta.untyped_storage().nbytes()]
         return torch.empty(0, dtype=meta.dtype).set_(data, meta.storage_offset(), meta.shape, meta.stride())
+
+    def _chunk(self, name: str, storage) -> Any:
+        """One saved chunk as a tensor (a view of the memory-mapped file)."""
+        meta, start = self._header(name, storage)
+        return self._mapped(storage, meta, start)
 
     def release(self) -> None:
         self._maps.clear()
+        for handle in self._files.values():
+            handle.close()
+        self._files.clear()
 
     def _read_with_dcp(self, names: list[str]) -> dict[str, Any]:
         if not names:

@@ -1,15 +1,20 @@
-"""Train on 2 CPU ranks, resume on 1 and on 3: FSDP2 (DCP resharding) and ZeRO-3 (universal checkpoint).
+"""Train on 2 CPU ranks, resume on 1 and on 3: FSDP2 (DCP resharding) and ZeRO-1/2/3 (universal checkpoint).
 
 The reference run trains 6 steps and saves at step 3; each resumed run loads checkpoint-3 at another world
 size and trains steps 4-6. The global batch is the same at every world size, so the resumed losses must equal
 the uninterrupted ones. Tolerance: 1e-4 relative (measured differences are <= 1e-6: only the order of the
 gradient reduction changes). Steps 5 and 6 depend on Adam's moments, and the recorded Adam step counter must
 read 6, so a resume that restarted the optimizer fails.
+
+Resumes on 3 ranks go through ``hf_dist.auto_resume(out, training_args=...)`` on a copy of checkpoint-3 without
+any universal folder (what a user restarting the job on another GPU count does); resumes on 1 rank through
+``prepare_resume(checkpoint-3)``. ZeRO-1 and ZeRO-2 write the same files; ZeRO-1 is resumed on 3 ranks only.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,26 +25,36 @@ from hf_dist.testing import torchrun
 SCRIPT = Path(__file__).parent / "scripts" / "reshard_train.py"
 RTOL = 1e-4
 # DeepSpeed takes its branch only when accelerate is not forced onto CPU; it falls back to gloo by itself
-LAUNCH_ENV = {"fsdp": {}, "zero3": {"ACCELERATE_USE_CPU": "0"}}
+LAUNCH_ENV = {"fsdp": {}, "zero1": {"ACCELERATE_USE_CPU": "0"}, "zero2": {"ACCELERATE_USE_CPU": "0"},
+              "zero3": {"ACCELERATE_USE_CPU": "0"}}  # fmt: skip
+CASES = [("fsdp", 1), ("fsdp", 3), ("zero3", 1), ("zero3", 3), ("zero2", 1), ("zero2", 3), ("zero1", 3)]
 
 pytestmark = pytest.mark.distributed
 
 
-def train(backend: str, out: Path, nproc: int, resume: Path | None = None) -> dict:
+def train(backend: str, out: Path, nproc: int, resume: Path | None = None, auto: bool = False) -> dict:
     loss_file = out / "result.json"
     args = ["--backend", backend, "--out", out, "--loss-file", loss_file, "--max-steps", 6, "--save-steps", 3]
     if resume is not None:
         args += ["--resume", resume]
+    if auto:
+        args += ["--auto-resume"]
     torchrun(SCRIPT, args, nproc=nproc, env=LAUNCH_ENV[backend], timeout=300)
     return json.loads(loss_file.read_text())
 
 
-@pytest.fixture(scope="module", params=["fsdp", "zero3"])
-def reference(request, tmp_path_factory):
-    backend = request.param
-    out = tmp_path_factory.mktemp(f"{backend}_ws2")
-    result = train(backend, out, nproc=2)
-    return backend, out / "checkpoint-3", result
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """backend -> (checkpoint-3 of a 6-step run on 2 ranks, its result); each trained once, on first use."""
+    cache: dict[str, tuple[Path, dict]] = {}
+
+    def get(backend: str) -> tuple[Path, dict]:
+        if backend not in cache:
+            out = tmp_path_factory.mktemp(f"{backend}_ws2")
+            cache[backend] = out / "checkpoint-3", train(backend, out, nproc=2)
+        return cache[backend]
+
+    return get
 
 
 def check_strategy_ran(backend: str, result: dict) -> None:
@@ -47,17 +62,23 @@ def check_strategy_ran(backend: str, result: dict) -> None:
         assert result["model_type"].startswith("FSDP"), result  # FSDP2 really wrapped the model
     else:
         assert result["wrapped"] == "DeepSpeedEngine", result
+        assert result["zero_stage"] == int(backend[-1]), result
 
 
-@pytest.mark.parametrize("new_world", [1, 3])
-def test_resume_on_other_world_size(reference, new_world, tmp_path):
-    backend, checkpoint, ref = reference
+@pytest.mark.parametrize(("backend", "new_world"), CASES, ids=[f"{b}-ws{w}" for b, w in CASES])
+def test_resume_on_other_world_size(references, backend, new_world, tmp_path):
+    checkpoint, ref = references(backend)
     check_strategy_ran(backend, ref)
     saved = inspect_checkpoint(checkpoint)
     assert saved.world_size == 2
     assert saved.kind == ("dcp" if backend == "fsdp" else "deepspeed")
 
-    resumed = train(backend, tmp_path, nproc=new_world, resume=checkpoint)
+    if new_world == 3:  # the job restarted in its own output dir on another GPU count
+        shutil.copytree(checkpoint, tmp_path / checkpoint.name, ignore=shutil.ignore_patterns("*_universal"))
+        resumed = train(backend, tmp_path, nproc=new_world, auto=True)
+        checkpoint = tmp_path / checkpoint.name
+    else:
+        resumed = train(backend, tmp_path, nproc=new_world, resume=checkpoint)
 
     check_strategy_ran(backend, resumed)
     assert resumed["world_size"] == new_world
@@ -65,14 +86,15 @@ def test_resume_on_other_world_size(reference, new_world, tmp_path):
     for step, loss in resumed["losses"].items():
         assert loss == pytest.approx(ref["losses"][step], rel=RTOL), f"step {step}: {loss} vs {ref['losses'][step]}"
     assert resumed["adam_step"] == ref["adam_step"] == 6  # optimizer state restored, not restarted
-    if backend == "zero3":
+    if backend != "fsdp":
         assert inspect_checkpoint(checkpoint).universal_tag == "global_step3_universal"
 
 
-def test_cli_reshard_into_copy(reference, tmp_path, capsys):
+@pytest.mark.parametrize("backend", ["fsdp", "zero3", "zero2"])
+def test_cli_reshard_into_copy(references, backend, tmp_path, capsys):
     from hf_dist.cli.main import main
 
-    backend, checkpoint, _ = reference
+    checkpoint, _ = references(backend)
     dst = tmp_path / "any-world"
     assert main(["reshard", str(checkpoint), str(dst), "--overwrite"]) == 0
     out = capsys.readouterr().out

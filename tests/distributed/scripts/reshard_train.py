@@ -5,6 +5,10 @@ same at every world size, so a resumed run sees the same samples per step as an 
 
     torchrun --nproc_per_node 2 reshard_train.py --backend fsdp --out OUT --max-steps 6 --save-steps 3
     torchrun --nproc_per_node 3 reshard_train.py --backend fsdp --out OUT --max-steps 6 --resume OUT/checkpoint-3
+    torchrun --nproc_per_node 3 reshard_train.py --backend zero2 --out OUT2 --max-steps 6 --auto-resume
+
+``--resume`` goes through ``hf_dist.reshard.prepare_resume``; ``--auto-resume`` through
+``hf_dist.auto_resume(OUT, training_args=...)``, which finds the newest complete checkpoint in OUT itself.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--max-steps", type=int, default=6)
     parser.add_argument("--save-steps", type=int, default=3)
-    parser.add_argument("--resume", default=None)
+    resume = parser.add_mutually_exclusive_group()
+    resume.add_argument("--resume", default=None)
+    resume.add_argument("--auto-resume", action="store_true")
     parser.add_argument("--loss-file", required=True)
     args = parser.parse_args()
 
@@ -104,9 +110,16 @@ def main() -> None:
 
         # converts a ZeRO checkpoint saved at another world size to universal and enables load_universal
         args.resume = prepare_resume(args.resume, world, training_args=training_args)
+    elif args.auto_resume:
+        from hf_dist import auto_resume
+
+        args.resume = auto_resume(args.out, training_args=training_args)
+        if args.resume is None:
+            raise SystemExit(f"--auto-resume: no complete checkpoint in {args.out}")
+    from hf_dist.callbacks import CompleteCheckpointCallback
     from hf_dist.reshard import reshard_callback
 
-    callbacks = [Record(), reshard_callback()]
+    callbacks = [Record(), CompleteCheckpointCallback(), reshard_callback()]
     trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=callbacks)
     trainer.train(resume_from_checkpoint=args.resume)
     if trainer.is_world_process_zero():
@@ -117,6 +130,7 @@ def main() -> None:
             "world_size": world,
             "model_type": type(trainer.model).__name__,
             "wrapped": wrapped,
+            "zero_stage": trainer.model_wrapped.zero_optimization_stage() if trainer.is_deepspeed_enabled else None,
         }
         with open(args.loss_file, "w") as f:
             json.dump(info, f)

@@ -180,6 +180,75 @@ def test_comm_time_counts_collectives_only():
 
 def test_default_set(tiny_plan):
     kinds = [type(c) for c in default()]
-    assert kinds == [CompleteCheckpointCallback, NanGuardCallback, ThroughputCallback, MemoryCallback]
+    assert kinds[:4] == [CompleteCheckpointCallback, NanGuardCallback, ThroughputCallback, MemoryCallback]
+    assert [k.__name__ for k in kinds[4:]] == ["ReshardCallback"]
     with_plan = default(tiny_plan)
-    assert isinstance(with_plan[0], PlanCallback) and with_plan[-1].plan is tiny_plan
+    assert isinstance(with_plan[0], PlanCallback) and with_plan[-2].plan is tiny_plan
+
+
+# --- CUDA code paths, with torch.cuda's statistics replaced (no GPU on this machine or in CI) ---
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda reporting one initialized device whose peaks are 3 GiB allocated / 4 GiB reserved."""
+    from hf_dist.callbacks.memory import GIB
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 3 * GIB)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 4 * GIB)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("sync"))
+    return calls
+
+
+def test_memory_callback_reports_cuda_peaks_and_resets_them(fake_cuda):
+    callback = MemoryCallback()
+    callback.on_train_begin(None, None, None)
+    assert fake_cuda == ["reset"]  # peaks count from the first step, not from model loading
+    model = torch.nn.Linear(4, 4)
+    figures = callback.measure(model)
+    assert figures["peak_gib"] == 3.0 and figures["reserved_gib"] == 4.0
+    assert figures["model_states_gib"] == pytest.approx((16 + 4) * 4 / 1024**3)
+    assert fake_cuda == ["reset", "reset"]  # each log reports the peak since the previous one
+
+
+def test_profiler_records_cuda_and_counts_device_time(fake_cuda, monkeypatch, tmp_path):
+    import types
+
+    import hf_dist.callbacks.profiler as profiler_module
+
+    class Event:
+        def __init__(self, key, cpu, device):
+            self.key, self.self_cpu_time_total, self.self_device_time_total = key, cpu, device
+
+    class FakeProfile:
+        def __init__(self, activities, record_shapes):
+            self.activities = activities
+            made.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def export_chrome_trace(self, path):
+            open(path, "w").write("{}")
+
+        def key_averages(self):
+            return [Event("ncclDevKernel_AllReduce_Sum_f32", 10.0, 2_000.0), Event("aten::mm", 50.0, 9_000.0)]
+
+    made: list[FakeProfile] = []
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    clock = [100.0, 100.01]  # a 10 ms window
+    monkeypatch.setattr(profiler_module.time, "perf_counter", lambda: clock.pop(0) if len(clock) > 1 else clock[0])
+    callback = ProfilerCallback(start_step=0, num_steps=1, output_dir=str(tmp_path))
+    args = types.SimpleNamespace(process_index=0, output_dir=str(tmp_path))
+    callback.on_step_begin(args, types.SimpleNamespace(global_step=0), None)
+    callback.on_step_end(args, types.SimpleNamespace(global_step=1), None)
+    assert torch.profiler.ProfilerActivity.CUDA in made[0].activities
+    assert "sync" in fake_cuda  # kernels finished before the window closed
+    assert callback.comm_share == pytest.approx(2_000.0 / 10_000.0)  # NCCL kernel device time / wall time
