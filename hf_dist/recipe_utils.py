@@ -520,6 +520,44 @@ def save_at_end_callback() -> Any:
     return SaveAtEnd()
 
 
+def resume_checkpoint(args: Any) -> str | None:
+    """What ``--resume_from_checkpoint`` names, made loadable by this run; call before the Trainer is built.
+
+    ``auto``: the newest complete checkpoint in ``--output_dir`` (:func:`hf_dist.auto_resume`; None, a fresh
+    start, when there is none); a path: that checkpoint. A DeepSpeed ZeRO checkpoint saved by another number
+    of ranks is converted to DeepSpeed's universal format first, and a checkpoint of another strategy is
+    refused (:func:`hf_dist.reshard.prepare_resume`).
+    """
+    value = args.resume_from_checkpoint
+    if not value:
+        return None
+    if value == "auto":
+        from hf_dist.callbacks.resume import auto_resume
+
+        found = auto_resume(args.output_dir, training_args=args)
+        if args.process_index == 0:
+            print(f"[hf_dist] resuming from {found}" if found else
+                  f"[hf_dist] no complete checkpoint in {args.output_dir}: starting from scratch", flush=True)  # fmt: skip
+        return found
+    from hf_dist.reshard import prepare_resume
+
+    return prepare_resume(value, training_args=args)
+
+
+def train(trainer: Any, resume: str | None) -> str:
+    """Check the strategy really runs, add hf_dist's callbacks, train (resuming from ``resume``); returns the strategy.
+
+    The callbacks (:func:`hf_dist.callbacks.default`) mark checkpoints complete for ``--resume_from_checkpoint
+    auto``, skip non-finite updates, and log memory and throughput per rank.
+    """
+    from hf_dist.callbacks import attach
+
+    strategy = check_strategy(trainer)
+    attach(trainer)
+    trainer.train(resume_from_checkpoint=resume)
+    return strategy
+
+
 def effective_strategy(trainer: Any) -> str:
     """What accelerate actually runs (not what was asked for): ddp, fsdp2, zero<stage> or single."""
     state = trainer.accelerator.state

@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     before = ru.baseline_accuracy(model, tokenizer, task, mode="chat", args=args)
     model = ru.apply_lora(model, lora_args)
 
+    resume = ru.resume_checkpoint(args)  # before the Trainer: may edit the DeepSpeed config
     trainer = Trainer(
         model=model,
         args=args,
@@ -103,8 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
         processing_class=tokenizer,
         callbacks=[ru.save_at_end_callback()],
     )
-    ru.check_strategy(trainer)
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    ru.train(trainer, resume)
     return ru.finish_run(trainer, tokenizer, task=task, mode="chat", adapter=True, before=before)
 
 

@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(ru.describe_plan(config, method="full", seq_len=seq_len, args=args, strategy=model_args.strategy))
     before = ru.baseline_accuracy(model, tokenizer, task, mode="text", args=args)
 
+    resume = ru.resume_checkpoint(args)  # before the Trainer: may edit the DeepSpeed config
     trainer = Trainer(
         model=model,
         args=args,
@@ -82,8 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
         processing_class=tokenizer,
         callbacks=[ru.save_at_end_callback()],
     )
-    ru.check_strategy(trainer)
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    ru.train(trainer, resume)
     return ru.finish_run(trainer, tokenizer, task=task, mode="text", adapter=False, before=before)
 
 

@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
     before = ru.baseline_accuracy(model, tokenizer, task, mode="chat", args=args)
 
+    resume = ru.resume_checkpoint(args)  # before the Trainer: may edit the DeepSpeed config
     trainer = Trainer(
         model=model,
         args=args,
@@ -95,8 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
         processing_class=tokenizer,
         callbacks=[ru.save_at_end_callback()],
     )
-    ru.check_strategy(trainer)
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    ru.train(trainer, resume)
     return ru.finish_run(trainer, tokenizer, task=task, mode="chat", adapter=False, before=before)
 
 

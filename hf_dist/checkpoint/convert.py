@@ -214,6 +214,54 @@ def _read_batch(reader: Reader, conversion, out_specs, batch: list[str]) -> Iter
         yield name, transform.cast(value, out_specs[name].dtype)
 
 
+def prefetch(items: Iterator[Any], depth: int = 2) -> Iterator[Any]:
+    """Yield ``items`` produced by a background thread up to ``depth`` items ahead.
+
+    Reading the next tensors (file reads, memcpy, casts: all release the GIL) then overlaps with
+    writing the current one, so the conversion costs about max(read, write) instead of their sum.
+    Memory grows by at most ``depth`` tensors. Errors are re-raised here; if the consumer stops
+    early, the producer stops at its next item.
+    """
+    import queue
+    import threading
+
+    slots: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                slots.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if not put((None, item)):
+                    return
+            put((None, done))
+        except BaseException as exc:  # handed to the consumer, raised there
+            put((exc, None))
+
+    thread = threading.Thread(target=produce, name="hf_dist-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            error, item = slots.get()
+            if error is not None:
+                raise error
+            if item is done:
+                return
+            yield item
+    finally:
+        stop.set()
+        thread.join()
+
+
 def _write_hf(info, reader, conversion, out_specs, dst, max_shard_size, tokenizer, overwrite, progress) -> list[str]:
     from hf_dist.checkpoint.hf_io import copy_side_files
     from hf_dist.checkpoint.writer import atomic_output_dir, write_hf_weights
@@ -228,7 +276,7 @@ def _write_hf(info, reader, conversion, out_specs, dst, max_shard_size, tokenize
         files = write_hf_weights(
             tmp,
             out_specs,
-            lambda names: _tensor_stream(reader, conversion, out_specs, names),
+            lambda names: prefetch(_tensor_stream(reader, conversion, out_specs, names)),
             max_shard_size=max_shard_size,
             weights_name=weights_name,
             progress=bar.update if bar else None,

@@ -1,7 +1,8 @@
 """Two nodes simulated on loopback: two launcher processes (node ranks 0 and 1) on this machine.
 
 Covers the torchrun rendezvous (--nnodes 2 --node_rank R --master_addr 127.0.0.1), accelerate launch with the
-shipped multi-node YAMLs (num_machines 2, --machine_rank R), and HSDP on 2 nodes x 2 processes: parameters
+shipped multi-node YAMLs (num_machines 2, --machine_rank R), DeepSpeed's launcher reading a hostfile (with
+--no_ssh each node is started on its own, as here; the default pdsh/ssh fan-out needs real hosts), and HSDP on 2 nodes x 2 processes: parameters
 sharded inside a node, replicated across nodes, i.e. a (dp_replicate=2, dp_shard=2) mesh [[0, 1], [2, 3]].
 """
 
@@ -113,3 +114,23 @@ def test_accelerate_two_nodes_ddp_template(tmp_path):
         (1, 1, 0, 2),
     ]
     assert [r["all_reduce_sum"] for r in reports] == [3.0, 3.0]  # 1 + 2 summed across the two nodes
+
+
+def test_deepspeed_hostfile_two_nodes_zero3(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")  # the names are never resolved with --no_ssh
+    port = free_port()
+
+    def cmd(node: int) -> list[str]:
+        return [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh",
+                f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
+                str(SCRIPT), "--mode", "deepspeed", "--out", str(tmp_path)]  # fmt: skip
+
+    reports = launch_two_nodes(cmd, tmp_path)
+    assert [(r["rank"], r["node_rank"], r["local_rank"], r["world_size"], r["nodes"]) for r in reports] == [
+        (0, 0, 0, 2, 2),
+        (1, 1, 0, 2, 2),
+    ]
+    assert [r["all_reduce_sum"] for r in reports] == [3.0, 3.0]  # one collective spanning both nodes
+    for r in reports:  # ZeRO-3 partitions each parameter across the two nodes
+        assert r["zero_stage"] == 3 and r["full_numel"] == 64 * 64 and r["partition_numel"] == 64 * 64 // 2

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from hf_dist.callbacks.resume import MARKER_NAME
 from hf_dist.testing import cpu_env, free_port
 
 pytestmark = pytest.mark.distributed
@@ -86,6 +87,9 @@ def test_recipe_trains_under_the_requested_strategy(recipe_runs, strategy, recip
     assert res["wrapped_model"].startswith(wrapper)  # e.g. FSDPLlamaForCausalLM proves FSDP2 really ran
     losses = res["train_losses"]
     assert len(losses) == STEPS and losses[-1] < losses[0] - 0.1
+    # hf_dist's callbacks ran: every checkpoint was marked complete, so --resume_from_checkpoint auto finds it
+    checkpoints = sorted((recipe_runs(strategy) / recipe).glob("checkpoint-*"))
+    assert checkpoints and all((c / MARKER_NAME).is_file() for c in checkpoints), checkpoints
     assert math.isfinite(res["eval_loss"]) and res["perplexity"] == pytest.approx(math.exp(res["eval_loss"]))
 
 

@@ -114,3 +114,27 @@ def test_sft_bad_inputs_fail_before_the_model_is_built(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings=256"):
         sft.main([*out, "--max_seq_length", "100000"])
     assert built == []
+
+
+def test_resume_checkpoint_auto_path_and_none(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from hf_dist.callbacks.resume import write_marker
+
+    args = SimpleNamespace(resume_from_checkpoint=None, output_dir=str(tmp_path), process_index=0,
+                           deepspeed=None, fsdp=[])  # fmt: skip
+    assert ru.resume_checkpoint(args) is None
+    args.resume_from_checkpoint = "auto"
+    assert ru.resume_checkpoint(args) is None  # nothing saved yet: a fresh start, said so
+    assert "starting from scratch" in capsys.readouterr().out
+    for step in (2, 4):  # a DDP-style checkpoint; checkpoint-4 is never marked complete
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"x")
+        (folder / "optimizer.pt").write_bytes(b"x")
+        if step == 2:
+            write_marker(folder, world_size=1, strategy="ddp", step=2)
+    assert ru.resume_checkpoint(args) == str(tmp_path / "checkpoint-2")
+    assert f"resuming from {tmp_path / 'checkpoint-2'}" in capsys.readouterr().out
+    args.resume_from_checkpoint = str(tmp_path / "checkpoint-4")  # an explicit path is taken as given
+    assert ru.resume_checkpoint(args) == str(tmp_path / "checkpoint-4")

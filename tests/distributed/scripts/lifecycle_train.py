@@ -85,20 +85,31 @@ def main() -> None:
     parser.add_argument("--kill-during-save", action="append", default=[], type=parse_kill)
     parser.add_argument("--export", action="store_true", help="add ExportCallback(on_save=True)")
     parser.add_argument("--profile", action="store_true", help="add ProfilerCallback on steps 2..3 of every rank")
-    parser.add_argument(
+    strategy = parser.add_mutually_exclusive_group()
+    strategy.add_argument(
         "--fsdp", action="store_true", help="FSDP2 full shard on CPU (hf_dist.cpu_fsdp), DCP checkpoints"
     )
+    strategy.add_argument("--deepspeed", choices=["zero2", "zero3"], help="DeepSpeed ZeRO (fp32 on CPU)")
     opts = parser.parse_args()
     out = Path(opts.output_dir)
     init_distributed_for_restarts()  # before TrainingArguments, which would initialize it
 
-    strategy_kwargs = {}
-    if opts.fsdp:
+    strategy_kwargs = {"use_cpu": True}
+    if opts.deepspeed:
+        from hf_dist.configs.deepspeed import deepspeed_config
+        from hf_dist.cpu_fsdp import cpu_deepspeed_training_kwargs
+
+        # accelerate drops DeepSpeed when use_cpu=True; the launcher sets ACCELERATE_USE_CPU=0 as well
+        strategy_kwargs = {"deepspeed": deepspeed_config(opts.deepspeed, mixed_precision="no"), "use_cpu": False}
+        strategy_kwargs.update(cpu_deepspeed_training_kwargs())
+    elif opts.fsdp:
         from hf_dist.configs.fsdp import fsdp_config
         from hf_dist.cpu_fsdp import enable_fsdp_on_cpu
 
         enable_fsdp_on_cpu()  # accelerate would otherwise drop FSDP on CPU and train plain DDP
-        strategy_kwargs = fsdp_config("fsdp_full_shard", wrap_classes=["LlamaDecoderLayer"], mixed_precision="no")
+        strategy_kwargs.update(
+            fsdp_config("fsdp_full_shard", wrap_classes=["LlamaDecoderLayer"], mixed_precision="no")
+        )
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config())
@@ -113,7 +124,6 @@ def main() -> None:
         save_total_limit=3,
         seed=0,
         report_to=[],
-        use_cpu=True,
         dataloader_num_workers=0,
         disable_tqdm=True,
         ddp_find_unused_parameters=False,
@@ -135,7 +145,10 @@ def main() -> None:
     trainer.save_model(str(out / "final"))
     if RANK == 0:
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
-        (out / "facts.json").write_text(json.dumps({"model_class": type(trainer.model).__name__}))
+        facts = {"model_class": type(trainer.model).__name__, "wrapped": type(trainer.model_wrapped).__name__}
+        if trainer.is_deepspeed_enabled:
+            facts["zero_stage"] = trainer.model_wrapped.zero_optimization_stage()
+        (out / "facts.json").write_text(json.dumps(facts))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,12 @@ Launched on loopback by tests/distributed/test_multinode.py as two "nodes" (two 
         --parallelism_config_dp_shard_size 2 --machine_rank 0 --main_process_ip 127.0.0.1 \
         multinode_hsdp.py --mode accelerate --out OUT      # and --machine_rank 1
 
+    deepspeed --hostfile HOSTFILE --no_ssh --node_rank 0 --master_addr 127.0.0.1 --master_port P \
+        multinode_hsdp.py --mode deepspeed --out OUT      # and --node_rank 1: DeepSpeed's hostfile launcher
+
 Each rank writes OUT/rank{R}.json: its node, its shard and replicate groups, the placements of a sharded
-parameter, and a checksum of its local shard after one optimizer step (equal within a replicate group).
+parameter, and a checksum of its local shard after one optimizer step (equal within a replicate group);
+with DeepSpeed, its ZeRO-3 partition instead.
 """
 
 from __future__ import annotations
@@ -86,17 +90,57 @@ def ddp_report(out: str, node_rank: int) -> None:
     accelerator.wait_for_everyone()
 
 
+def deepspeed_report(out: str) -> None:
+    """DeepSpeed's launcher: ZeRO-3 across the two nodes, one optimizer step, each rank's parameter partition."""
+    import deepspeed
+    import torch
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = tiny_model()
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3},
+        "zero_allow_untested_optimizer": True,
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    gen = torch.Generator().manual_seed(int(os.environ["RANK"]))
+    ids = torch.randint(0, 256, (2, 16), generator=gen)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    weight = engine.module.model.layers[0].self_attn.q_proj.weight
+    total = torch.tensor([engine.global_rank + 1.0])
+    torch.distributed.all_reduce(total)
+    report = {
+        "rank": engine.global_rank,
+        "world_size": engine.world_size,
+        "node_rank": int(os.environ["CROSS_RANK"]),
+        "nodes": int(os.environ["CROSS_SIZE"]),
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "zero_stage": engine.zero_optimization_stage(),
+        "full_numel": weight.ds_numel,
+        "partition_numel": weight.ds_tensor.numel(),
+        "all_reduce_sum": float(total.item()),
+    }
+    Path(out, f"rank{report['rank']}.json").write_text(json.dumps(report))
+    torch.distributed.barrier()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["torch", "accelerate", "ddp"], required=True)
+    parser.add_argument("--mode", choices=["torch", "accelerate", "ddp", "deepspeed"], required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--local_rank", type=int, help="passed by the deepspeed launcher (also in $LOCAL_RANK)")
     args = parser.parse_args()
 
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    if args.mode == "deepspeed":
+        return deepspeed_report(args.out)
     world = int(os.environ["WORLD_SIZE"])
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     node_rank = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "-1")))

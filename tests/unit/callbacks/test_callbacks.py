@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -236,7 +237,7 @@ def test_profiler_records_cuda_and_counts_device_time(fake_cuda, monkeypatch, tm
             return False
 
         def export_chrome_trace(self, path):
-            open(path, "w").write("{}")
+            Path(path).write_text("{}")
 
         def key_averages(self):
             return [Event("ncclDevKernel_AllReduce_Sum_f32", 10.0, 2_000.0), Event("aten::mm", 50.0, 9_000.0)]

@@ -112,3 +112,34 @@ def test_fsdp_full_state_dict_with_wrapper_prefixes(tiny_state, tmp_path):
     assert (report.source.format, report.source.step) == ("fsdp_full", 5)
     out = load_file(tmp_path / "out" / "model.safetensors")
     assert set(out) == set(state) and all(torch.equal(out[k], v) for k, v in state.items())
+
+
+def test_prefetch_keeps_order_raises_errors_and_stops_with_the_consumer():
+    import threading
+
+    from hf_dist.checkpoint.convert import prefetch
+
+    assert list(prefetch(iter(range(50)))) == list(range(50))
+
+    def failing():
+        yield 1
+        raise OSError("disk gone")
+
+    got = []
+    with pytest.raises(OSError, match="disk gone"):
+        for item in prefetch(failing()):
+            got.append(item)
+    assert got == [1]
+
+    produced = []
+
+    def endless():
+        for i in range(10**9):
+            produced.append(i)
+            yield i
+
+    stream = prefetch(endless(), depth=2)
+    assert next(stream) == 0
+    stream.close()  # the consumer stops: the producer must stop too, a few items ahead at most
+    assert len(produced) <= 5
+    assert not any(t.name == "hf_dist-prefetch" for t in threading.enumerate())
