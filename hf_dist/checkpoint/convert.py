@@ -185,13 +185,26 @@ def _find_adapter_config(info: CheckpointInfo) -> Path | None:
     return None
 
 
-def _tensor_stream(reader: Reader, conversion, out_specs: dict[str, TensorSpec], names: list[str] | None = None
-                   ) -> Iterator[tuple[str, Any]]:  # fmt: skip
-    """Output tensors in ``names`` order, read in batches of at most BATCH_BYTES, cast to the output dtype."""
+def _tensor_stream(reader: Reader, conversion, out_specs: dict[str, TensorSpec], names: list[str] | None = None,
+                   *, as_ranges: bool = False) -> Iterator[tuple[str, Any]]:  # fmt: skip
+    """Output tensors in ``names`` order, read in batches of at most BATCH_BYTES, cast to the output dtype.
+
+    With ``as_ranges``, a tensor written unchanged whose bytes the reader can locate comes as
+    :class:`~hf_dist.checkpoint.writer.FileRanges` instead (nothing read; the writer copies the bytes).
+    """
     names = list(out_specs) if names is None else names
     batch: list[str] = []
     size = 0
     for name in names:
+        ranges = _unchanged_ranges(reader, conversion.tensors[name], out_specs[name]) if as_ranges else None
+        if ranges is not None:
+            if batch:
+                yield from _read_batch(reader, conversion, out_specs, batch)
+                batch, size = [], 0
+            from hf_dist.checkpoint.writer import FileRanges
+
+            yield name, FileRanges(ranges)
+            continue
         batch.append(name)
         size += sum(reader.specs()[s].nbytes for s in conversion.tensors[name].sources)
         if size >= BATCH_BYTES:
@@ -199,6 +212,15 @@ def _tensor_stream(reader: Reader, conversion, out_specs: dict[str, TensorSpec],
             batch, size = [], 0
     if batch:
         yield from _read_batch(reader, conversion, out_specs, batch)
+
+
+def _unchanged_ranges(reader: Reader, out, spec: TensorSpec) -> list[tuple[str, int, int]] | None:
+    if out.merge is not None or len(out.sources) != 1:
+        return None
+    stored = reader.specs()[out.sources[0]]
+    if stored.dtype != spec.dtype or stored.shape != spec.shape:
+        return None
+    return reader.byte_ranges(out.sources[0])
 
 
 def _read_batch(reader: Reader, conversion, out_specs, batch: list[str]) -> Iterator[tuple[str, Any]]:
@@ -276,7 +298,7 @@ def _write_hf(info, reader, conversion, out_specs, dst, max_shard_size, tokenize
         files = write_hf_weights(
             tmp,
             out_specs,
-            lambda names: prefetch(_tensor_stream(reader, conversion, out_specs, names)),
+            lambda names: prefetch(_tensor_stream(reader, conversion, out_specs, names, as_ranges=True)),
             max_shard_size=max_shard_size,
             weights_name=weights_name,
             progress=bar.update if bar else None,

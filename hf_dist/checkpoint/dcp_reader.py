@@ -189,6 +189,24 @@ class DCPReader(Reader):
             state[name] = full
         return state
 
+    def byte_ranges(self, name: str) -> list[tuple[str, int, int]] | None:
+        """Row shards (chunks split along dim 0 only, contiguous, same dtype) are plain byte ranges in row order."""
+        spec = self._specs[name]
+        chunks = sorted(self._chunks[name], key=lambda chunk: chunk[0])
+        if not spec.shape or any(getattr(s, "transform_descriptors", None) for _, s in chunks):
+            return None
+        ranges, next_row = [], 0
+        for offsets, storage in chunks:
+            meta, start = self._header(name, storage)
+            whole_rows = len(offsets) == meta.dim() == len(spec.shape) and tuple(meta.shape[1:]) == spec.shape[1:]
+            whole_rows = whole_rows and not any(offsets[1:])
+            if meta.dtype != spec.dtype or not meta.is_contiguous() or not whole_rows or offsets[0] != next_row:
+                return None
+            next_row += meta.shape[0]
+            position = start + meta.storage_offset() * meta.element_size()
+            ranges.append((str(self.folder / storage.relative_path), position, meta.numel() * meta.element_size()))
+        return ranges if next_row == spec.shape[0] else None
+
     def _file(self, storage) -> Any:
         if storage.relative_path not in self._files:
             self._files[storage.relative_path] = open(self.folder / storage.relative_path, "rb")  # noqa: SIM115

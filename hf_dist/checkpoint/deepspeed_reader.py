@@ -50,6 +50,7 @@ class DeepSpeedReader(Reader):
         self.info = info
         self.trust_pickles = trust_pickles
         self._cache: dict[Path, Any] = {}
+        self._group_offsets: dict[int, list[int | None]] = {}
         tag_dir = info.path
         self.optim_files = self._optim_files(tag_dir)
         model_files = sorted(p for p in tag_dir.iterdir() if ZERO3_MODEL_FILE_RE.match(p.name))
@@ -193,6 +194,38 @@ class DeepSpeedReader(Reader):
         optim = self._optim(rank)
         key = "fp32_flat_groups" if int(optim["zero_stage"]) == 3 else "single_partition_of_fp32_groups"
         return optim[key]
+
+    def _flat_group_offsets(self, rank: int) -> list[int | None]:
+        """File offset of each flat fp32 group of ``rank`` (None: not stored as one contiguous fp32 run)."""
+        import torch
+
+        if rank not in self._group_offsets:
+            optim = safe_load(self.optim_files[rank], trust_pickles=self.trust_pickles, meta=True)[
+                "optimizer_state_dict"
+            ]
+            key = "fp32_flat_groups" if int(optim["zero_stage"]) == 3 else "single_partition_of_fp32_groups"
+            self._group_offsets[rank] = [
+                t.untyped_storage()._checkpoint_offset + t.storage_offset() * 4
+                if t.dtype == torch.float32 and t.is_contiguous() else None
+                for t in optim[key]
+            ]  # fmt: skip
+        return self._group_offsets[rank]
+
+    def byte_ranges(self, name: str) -> list[tuple[str, int, int]] | None:
+        source = self._sources.get(name)
+        if source is None or source.frozen:
+            return None
+        remaining = math.prod(source.shape) * 4  # fp32 master weights
+        ranges = []
+        for piece in source.pieces:
+            base = self._flat_group_offsets(piece.rank)[piece.group]
+            if base is None:
+                return None
+            length = min(piece.length * 4, remaining)  # ZeRO-3 pads the last rank's piece
+            if length > 0:
+                ranges.append((str(self.optim_files[piece.rank]), base + piece.start * 4, length))
+            remaining -= length
+        return ranges if remaining == 0 else None
 
     def release(self) -> None:
         self._cache.clear()

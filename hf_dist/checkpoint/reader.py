@@ -46,6 +46,14 @@ class Reader:
     def read(self, names: list[str]) -> dict[str, Any]:
         raise NotImplementedError
 
+    def byte_ranges(self, name: str) -> list[tuple[str, int, int]] | None:
+        """Where the stored bytes of ``name`` lie, in C order, as ``(file, offset, length)``; None when they don't.
+
+        A converter writing ``name`` unchanged (same dtype, no merge) copies these ranges file to file
+        (:func:`hf_dist.checkpoint.writer.copy_ranges`) instead of reading the tensor into memory.
+        """
+        return None
+
     def release(self) -> None:
         """Drop cached file handles / memory maps (called between output shards)."""
 

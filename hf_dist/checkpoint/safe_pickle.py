@@ -51,8 +51,12 @@ class CorruptCheckpointError(RuntimeError):
     """A checkpoint file cannot be read (truncated, not a torch archive)."""
 
 
-def safe_load(path: str | os.PathLike, *, trust_pickles: bool = False, mmap: bool = True) -> Any:
-    """``torch.load`` one file on CPU with the allowlist; mmap so tensors are paged in only when sliced."""
+def safe_load(path: str | os.PathLike, *, trust_pickles: bool = False, mmap: bool = True, meta: bool = False) -> Any:
+    """``torch.load`` one file on CPU with the allowlist; mmap so tensors are paged in only when sliced.
+
+    ``meta=True`` reads no tensor data: tensors come back on the meta device, each storage carrying
+    ``_checkpoint_offset``, the byte offset of its data in the file.
+    """
     import pickle
 
     import torch
@@ -63,10 +67,11 @@ def safe_load(path: str | os.PathLike, *, trust_pickles: bool = False, mmap: boo
     if path.stat().st_size == 0:
         raise CorruptCheckpointError(f"checkpoint file {path} is empty (0 bytes); the save was interrupted")
     try:
+        where = {"map_location": "meta"} if meta else {"map_location": "cpu", "mmap": mmap}
         if trust_pickles:
-            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+            return torch.load(path, weights_only=False, **where)
         with torch.serialization.safe_globals(DEEPSPEED_GLOBALS):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            return torch.load(path, weights_only=True, **where)
     except pickle.UnpicklingError as exc:
         if "weights_only" in str(exc) or "Unsupported global" in str(exc) or "allowlisted" in str(exc):
             raise UnsafePickleError(

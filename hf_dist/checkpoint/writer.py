@@ -3,7 +3,9 @@
 The shard plan comes from ``huggingface_hub``'s sharding helper (same file names and index as
 ``save_pretrained``). Each shard is written as a safetensors file whose header is computed up
 front from shapes and dtypes, then each tensor's bytes are appended as soon as it is read, so no
-more than one tensor (plus the reader's batch) is in memory at once.
+more than one tensor (plus the reader's batch) is in memory at once. A tensor the reader can
+describe as byte ranges of its files (:class:`FileRanges`: stored dtype = output dtype, no merge)
+is copied file to file by the kernel (``os.copy_file_range``) and never enters this process.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import shutil
 import struct
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,55 @@ SAFETENSORS_DTYPES = {
     "torch.uint8": "U8",
     "torch.bool": "BOOL",
 }
+
+
+@dataclass(frozen=True)
+class FileRanges:
+    """A tensor's bytes, in order, as ``(file, offset, length)`` ranges of source files."""
+
+    ranges: list[tuple[str, int, int]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(length for _, _, length in self.ranges)
+
+
+_KERNEL_COPY = hasattr(os, "copy_file_range")
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM, errno.EBADF}
+
+
+def copy_ranges(ranges: list[tuple[str, int, int]], dst_fd: int) -> None:
+    """Append the bytes of ``ranges`` to ``dst_fd`` at its current position.
+
+    ``os.copy_file_range`` copies inside the kernel (page cache to page cache, or server-side on
+    network filesystems); where it is missing or refused (other filesystem, old kernel) the bytes
+    go through a bounded buffer instead.
+    """
+    global _KERNEL_COPY
+    for path, offset, length in ranges:
+        with open(path, "rb", buffering=0) as src:
+            end = offset + length
+            while offset < end:
+                count = min(end - offset, 1 << 30)
+                copied = None
+                if _KERNEL_COPY:
+                    try:
+                        copied = os.copy_file_range(src.fileno(), dst_fd, count, offset)
+                    except OSError as exc:
+                        if exc.errno not in _NO_KERNEL_COPY:
+                            raise
+                        _KERNEL_COPY = False
+                if copied is None:
+                    data = os.pread(src.fileno(), min(count, 64 * 1024**2), offset)
+                    copied = len(data)
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(dst_fd, view) :]
+                if copied == 0:
+                    raise RuntimeError(
+                        f"{path} ends at byte {offset}, inside a tensor ({end - offset} bytes short); re-copy it"
+                    )
+                offset += copied
 
 
 def plan_shards(specs: dict[str, TensorSpec], max_shard_size: int | str, *, weights_name: str = "model.safetensors"):
@@ -66,16 +118,24 @@ class SafetensorsStreamWriter:
         self._order = list(specs)
         self._specs = specs
         self._next = 0
-        self._file = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in close(); unbuffered: see write()
         self._file.write(struct.pack("<Q", len(raw)) + raw)
 
     def write(self, name: str, tensor: Any) -> None:
         expected = self._order[self._next]
         spec = self._specs[name]
-        if name != expected or tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
-            raise RuntimeError(f"internal: got {name} {tuple(tensor.shape)} {tensor.dtype}, planned {expected} {spec}")
-        data = tensor.detach().contiguous().reshape(-1).view(_byte_dtype())
-        self._file.write(memoryview(data.numpy()))
+        if isinstance(tensor, FileRanges):  # copied by the kernel; the file position is the fd's own (unbuffered)
+            if name != expected or tensor.nbytes != spec.nbytes:
+                raise RuntimeError(f"internal: got {name} as {tensor.nbytes} bytes, planned {expected} {spec}")
+            copy_ranges(tensor.ranges, self._file.fileno())
+        else:
+            if name != expected or tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+                raise RuntimeError(
+                    f"internal: got {name} {tuple(tensor.shape)} {tensor.dtype}, planned {expected} {spec}"
+                )
+            data = memoryview(tensor.detach().contiguous().reshape(-1).view(_byte_dtype()).numpy())
+            while data:  # a raw file may write less than asked
+                data = data[self._file.write(data) :]
         self._next += 1
 
     def close(self) -> None:

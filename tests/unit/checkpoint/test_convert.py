@@ -143,3 +143,30 @@ def test_prefetch_keeps_order_raises_errors_and_stops_with_the_consumer():
     stream.close()  # the consumer stops: the producer must stop too, a few items ahead at most
     assert len(produced) <= 5
     assert not any(t.name == "hf_dist-prefetch" for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("kernel", ["copy_file_range", "refused", "missing"])
+def test_copy_ranges_by_kernel_or_buffer(tmp_path, monkeypatch, kernel):
+    import errno
+
+    import hf_dist.checkpoint.writer as writer
+
+    src = tmp_path / "src.bin"
+    src.write_bytes(bytes(range(256)) * 40)
+    if kernel == "refused":  # e.g. source and destination on different filesystems
+
+        def refuse(*args):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+        monkeypatch.setattr(writer.os, "copy_file_range", refuse, raising=False)
+    monkeypatch.setattr(writer, "_KERNEL_COPY", kernel != "missing")
+    with open(tmp_path / "dst.bin", "wb", buffering=0) as dst:
+        dst.write(b"head")
+        writer.copy_ranges([(str(src), 10, 300), (str(src), 5000, 100)], dst.fileno())
+    data = src.read_bytes()
+    assert (tmp_path / "dst.bin").read_bytes() == b"head" + data[10:310] + data[5000:5100]
+    with (
+        open(tmp_path / "dst2.bin", "wb", buffering=0) as dst,
+        pytest.raises(RuntimeError, match="ends at byte 10240"),
+    ):
+        writer.copy_ranges([(str(src), 10_000, 500)], dst.fileno())  # the source is 10240 bytes long
