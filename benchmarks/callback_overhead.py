@@ -9,11 +9,13 @@ Times are the training thread's CPU time by default (``--clock wall`` for wall t
 machine wall time mostly measures the neighbours.
 
 1. Direct: the time spent inside hf_dist's callback methods and the token-counting forward
-   hook, divided by the run's optimizer steps, over the median step time. Robust on a busy machine.
+   hook, divided by the run's optimizer steps, over the step time. Robust on a busy machine.
 2. A/B: a bare ``Trainer`` and the same Trainer with ``hf_dist.callbacks.attach(trainer)``
-   (complete checkpoints, NaN guard, throughput, memory), alternately, ``--repeats`` times each;
-   median step time (between consecutive ``on_step_end``, first 5 steps dropped). Noisy on a
-   shared machine: trust it only when the runs agree.
+   (complete checkpoints, NaN guard, throughput, memory, reshard repair), ``--repeats`` times each
+   in A B B A order; step time = mean of the fastest half of the steps (between consecutive
+   ``on_step_end``, first 5 dropped), since interference only ever adds time; the median over runs.
+   Catches costs outside the callback methods. (Plain alternation A B A B with median step times
+   read +9.7 % on an idle machine — the second run of each pair was slower whichever it was.)
 
 Logging every step is the worst case: memory and throughput work on logging steps only; the NaN
 guard's gradient check and the token-counting hook run every step.
@@ -70,8 +72,8 @@ def _instrument(callbacks: list, buckets: dict[str, list[float]]) -> None:
             cb._hook = _timed(cb._hook, bucket)
 
 
-def median_step_seconds(opts: argparse.Namespace, with_callbacks: bool) -> tuple[float, dict[str, float]]:
-    """(median step seconds, seconds per step spent inside each hf_dist callback)."""
+def step_seconds(opts: argparse.Namespace, with_callbacks: bool) -> tuple[float, dict[str, float]]:
+    """(step seconds: mean of the fastest half of the steps after the 5th, seconds per step inside each callback)."""
     import torch
     from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
@@ -104,8 +106,9 @@ def median_step_seconds(opts: argparse.Namespace, with_callbacks: bool) -> tuple
     if with_callbacks:
         _instrument(attach(trainer, default(nan_skip=opts.nan_skip)), inside)
     trainer.train()
-    deltas = [b - a for a, b in zip(times[5:], times[6:], strict=False)]
-    return statistics.median(deltas), {k: sum(v) / opts.steps for k, v in inside.items()}
+    deltas = sorted(b - a for a, b in zip(times[5:], times[6:], strict=False))
+    # the mean of the fastest half: interference from other processes only ever adds time
+    return statistics.fmean(deltas[: max(1, len(deltas) // 2)]), {k: sum(v) / opts.steps for k, v in inside.items()}
 
 
 def default(*, nan_skip: bool) -> list:
@@ -139,11 +142,12 @@ def main() -> None:
 
     trainer_callback.PrinterCallback.on_log = lambda self, *a, **k: None
     bare, hooked, inside = [], [], []
-    for _ in range(opts.repeats):  # alternate so machine load drifts hit both sides alike
-        bare.append(median_step_seconds(opts, with_callbacks=False)[0])
-        step, costs = median_step_seconds(opts, with_callbacks=True)
-        hooked.append(step)
-        inside.append(costs)
+    for i in range(opts.repeats):  # A B B A ...: drifts in machine state hit both sides alike
+        for with_callbacks in (False, True) if i % 2 == 0 else (True, False):
+            step, costs = step_seconds(opts, with_callbacks=with_callbacks)
+            (hooked if with_callbacks else bare).append(step)
+            if with_callbacks:
+                inside.append(costs)
     b, h = statistics.median(bare), statistics.median(hooked)
     per_callback = {k: statistics.median(run[k] for run in inside) for k in inside[0]}
     c = sum(per_callback.values())

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -71,6 +72,7 @@ class Measurement:
     tokens_per_s: float = 0.0
     step_s: float = 0.0
     error: str | None = None  # why the run failed (then the figures are 0)
+    log_tail: str | None = None  # the failed launch's last output lines (in --json)
     wrapped: str = ""  # the model class the Trainer trained (proves the strategy ran: FSDP..., DeepSpeedEngine)
 
     @property
@@ -221,7 +223,9 @@ def measure(config: BenchConfig, strategy: str, nproc: int, device: str) -> Meas
         except subprocess.TimeoutExpired:
             return Measurement(strategy, nproc, error=f"timed out after {config.timeout_s:.0f}s")
         if proc.returncode != 0 or not result.is_file():
-            return Measurement(strategy, nproc, error=_last_error(proc.stderr + proc.stdout))
+            log = proc.stdout + proc.stderr
+            tail = "\n".join(log.strip().splitlines()[-40:])
+            return Measurement(strategy, nproc, error=_last_error(log), log_tail=tail)
         return Measurement(strategy, nproc, **json.loads(result.read_text()))
 
 
@@ -233,8 +237,14 @@ def _launch_env(strategy: str, device: str, cpu_env: Any) -> dict[str, str]:
 
 
 def _last_error(log: str) -> str:
-    lines = [ln.strip() for ln in log.splitlines() if "Error" in ln or "error" in ln]
-    return (lines[-1] if lines else log.strip().splitlines()[-1] if log.strip() else "no output")[:300]
+    """The root cause in a failed launch's output: the last exception line (``RuntimeError: ...``), else the
+    last line mentioning an error, else the last line, skipping torchrun's own summary (``error_file: <N/A>``)."""
+    boilerplate = ("error_file:", "traceback :", "root cause", "failures:")
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not ln.startswith(boilerplate) and "ChildFailedError" not in ln] or lines
+    exceptions = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt): *\S", ln)]
+    mentions = [ln for ln in lines if "rror" in ln]
+    return ((exceptions or mentions or lines or ["no output"])[-1])[:300]
 
 
 def write_autotune(report: BenchReport, path: str | Path, *, force: bool = False) -> Path:

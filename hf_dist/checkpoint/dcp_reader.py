@@ -14,7 +14,9 @@ map_location="meta")`` (shape, stride, dtype and where its bytes start, no data)
 landing in a contiguous region of the full tensor (FSDP's row shards) is read straight into it with
 one ``readinto``; any other chunk is viewed through a memory map and copied. That is one copy from
 the page cache instead of ``dcp.load``'s read + unpickle + copy per chunk and its planning per call.
-Chunks stored with a transform (e.g. compression) go through ``dcp.load``.
+Chunks stored with a transform (e.g. compression) go through ``dcp.load``. When a tensor is written
+unchanged, :meth:`DCPReader.byte_ranges` hands the converter the file ranges of its row shards and
+nothing is read into memory at all.
 """
 
 from __future__ import annotations

@@ -84,3 +84,21 @@ def test_autotune_writes_fastest_accelerate_config(tmp_path):
 def test_cli_rejects_bad_input(capsys):
     assert main(["bench", "--nproc", "1"]) == 1
     assert "nproc must be >= 2" in capsys.readouterr().err
+
+
+def test_failed_launch_reports_the_root_cause_not_torchruns_summary():
+    from hf_dist.bench import _last_error
+
+    log = """[rank1]: Traceback (most recent call last):
+[rank1]:   File "x.py", line 3, in <module>
+[rank1]: RuntimeError: Connection reset by peer
+E1122 torch/distributed/elastic/multiprocessing/api.py] failed (exitcode: 1) local_rank: 1
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+error_file: <N/A>
+traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+"""
+    assert _last_error(log.replace("[rank1]: ", "")) == "RuntimeError: Connection reset by peer"
+    assert _last_error("") == "no output"
+    assert _last_error("something else went wrong: out of memory\nerror_file: <N/A>") == (
+        "something else went wrong: out of memory"
+    )

@@ -170,3 +170,32 @@ def test_copy_ranges_by_kernel_or_buffer(tmp_path, monkeypatch, kernel):
         pytest.raises(RuntimeError, match="ends at byte 10240"),
     ):
         writer.copy_ranges([(str(src), 10_000, 500)], dst.fileno())  # the source is 10240 bytes long
+
+
+def test_disk_full_up_front_and_while_writing_leave_nothing(zero_ckpt, tmp_path, monkeypatch):
+    import errno
+    from collections import namedtuple
+
+    import hf_dist.checkpoint.writer as writer
+
+    root, _ = zero_ckpt
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(writer.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(RuntimeError, match=r"not enough disk space in .*: the output needs .* GB, 0.00 GB free"):
+        convert(root, tmp_path / "out", progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-3"]
+    monkeypatch.undo()
+
+    calls = []
+
+    def fill_up(ranges, fd):  # fp32 output: tensors go file to file; the disk fills on the third
+        calls.append(ranges)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_copy(ranges, fd)
+
+    real_copy = writer.copy_ranges
+    monkeypatch.setattr(writer, "copy_ranges", fill_up)
+    with pytest.raises(RuntimeError, match=r"disk full while writing .*out; nothing was written, free space and retry"):
+        convert(root, tmp_path / "out", dtype="fp32", progress=False)
+    assert len(calls) == 3 and sorted(os.listdir(tmp_path)) == ["checkpoint-3"]  # no DST, no temp folder

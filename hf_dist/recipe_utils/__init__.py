@@ -1,0 +1,59 @@
+"""Shared logic of the recipes in ``recipes/``: arguments, model/tokenizer/data setup, evaluation, export.
+
+The recipes read top to bottom and call these functions (``from hf_dist import recipe_utils as ru``);
+nothing here is specific to one recipe. Everything that can reject user input (paths, columns,
+sequence length, LoRA targets, QLoRA without a GPU) runs before a model is built, so no accelerator
+time is spent on a bad command.
+
+- :mod:`~hf_dist.recipe_utils.args`: argument dataclasses, parsing, ``TrainingArguments`` + strategy;
+- :mod:`~hf_dist.recipe_utils.model`: tokenizer, config, model, LoRA/QLoRA;
+- :mod:`~hf_dist.recipe_utils.data`: chat and packed-text datasets, collators;
+- :mod:`~hf_dist.recipe_utils.run`: resume, callbacks, strategy check, training, export, results.
+"""
+
+from hf_dist.recipe_utils.args import (
+    EMBEDDED_TRAINING_DEFAULTS,
+    LLAMA_LORA_TARGETS,
+    STRATEGY_CHOICES,
+    STRATEGY_FLAGS,
+    DataArguments,
+    LoraArguments,
+    ModelArguments,
+    QuantArguments,
+    parse_recipe_args,
+    training_arguments,
+)
+from hf_dist.recipe_utils.data import chat_datasets, check_dataset, collator, text_datasets
+from hf_dist.recipe_utils.model import (
+    apply_lora,
+    bnb_config,
+    build_model,
+    check_lora_targets,
+    load_config,
+    load_tokenizer,
+    lora_config,
+    require_cuda,
+    resolve_seq_len,
+    save_base_model,
+)
+from hf_dist.recipe_utils.run import (
+    baseline_accuracy,
+    check_strategy,
+    describe_plan,
+    effective_strategy,
+    export_model,
+    finish_run,
+    format_results,
+    resume_checkpoint,
+    save_at_end_callback,
+    train,
+)
+
+__all__ = [
+    "EMBEDDED_TRAINING_DEFAULTS", "LLAMA_LORA_TARGETS", "STRATEGY_CHOICES", "STRATEGY_FLAGS", "DataArguments",
+    "LoraArguments", "ModelArguments", "QuantArguments", "apply_lora", "baseline_accuracy", "bnb_config",
+    "build_model", "chat_datasets", "check_dataset", "check_lora_targets", "check_strategy", "collator",
+    "describe_plan", "effective_strategy", "export_model", "finish_run", "format_results", "load_config",
+    "load_tokenizer", "lora_config", "parse_recipe_args", "require_cuda", "resolve_seq_len", "resume_checkpoint",
+    "save_at_end_callback", "save_base_model", "text_datasets", "train", "training_arguments",
+]  # fmt: skip

@@ -1,0 +1,218 @@
+"""Recipe arguments: the dataclasses behind the command line, parsing, and TrainingArguments with the strategy."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from hf_dist.memory import STRATEGIES
+
+LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+STRATEGY_CHOICES = STRATEGIES
+STRATEGY_FLAGS = ("fsdp", "fsdp_config", "deepspeed")  # TrainingArguments flags that choose a strategy
+
+
+# The schedule every recipe uses on the embedded tiny model and task (recipes override a few keys).
+EMBEDDED_TRAINING_DEFAULTS = dict(
+    max_steps=600,
+    per_device_train_batch_size=16,
+    learning_rate=3e-3,
+    warmup_steps=20,
+    lr_scheduler_type="linear",
+    weight_decay=0.0,
+    logging_steps=50,
+    save_strategy="no",
+    report_to="none",
+    seed=42,
+)
+
+
+@dataclass
+class ModelArguments:
+    """Which model to train. Without ``--model_name_or_path`` a tiny Llama is built from a config."""
+
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Hub name or local folder; omit to train the embedded tiny Llama."}
+    )
+    tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "Defaults to the model's."})
+    torch_dtype: str = field(default="auto", metadata={"help": "auto | bfloat16 | float16 | float32"})
+    attn_implementation: str | None = field(default=None, metadata={"help": "e.g. sdpa, flash_attention_2"})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom modelling code from the hub."})
+    tiny_hidden_size: int = field(default=128, metadata={"help": "Embedded model only: hidden size."})
+    tiny_num_layers: int = field(default=2, metadata={"help": "Embedded model only: decoder layers."})
+    strategy: str | None = field(
+        default=None,
+        metadata={"help": f"Force a strategy ({', '.join(STRATEGY_CHOICES)}); default: the plan's choice."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.torch_dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"--torch_dtype {self.torch_dtype!r} is not one of auto, bfloat16, float16, float32")
+        if self.strategy is not None and self.strategy not in STRATEGY_CHOICES:
+            raise ValueError(f"--strategy {self.strategy!r} is not one of {list(STRATEGY_CHOICES)}")
+        if self.tiny_hidden_size % 4 or self.tiny_hidden_size <= 0 or self.tiny_num_layers <= 0:
+            raise ValueError(
+                f"tiny model needs hidden size divisible by 4 heads and >= 1 layer, got "
+                f"--tiny_hidden_size {self.tiny_hidden_size} --tiny_num_layers {self.tiny_num_layers}"
+            )
+
+    @property
+    def embedded(self) -> bool:
+        return self.model_name_or_path is None
+
+
+@dataclass
+class DataArguments:
+    """Which data. Without ``--dataset`` the embedded string-operation task is generated."""
+
+    dataset: str | None = field(
+        default=None, metadata={"help": "Local .jsonl/.json/.parquet/.csv file, folder of them, or save_to_disk dir."}
+    )
+    eval_dataset: str | None = field(default=None, metadata={"help": "Held-out data; default: split --dataset."})
+    eval_fraction: float = field(default=0.02, metadata={"help": "Share of --dataset held out when no eval set."})
+    max_seq_length: int | None = field(
+        default=None, metadata={"help": "Tokens per example/block; default 64 embedded, else min(2048, positions)."}
+    )
+    num_train_examples: int = field(default=4000, metadata={"help": "Embedded task: training examples."})
+    num_eval_examples: int = field(default=100, metadata={"help": "Embedded task: eval examples (accuracy)."})
+
+    def __post_init__(self) -> None:
+        if self.max_seq_length is not None and self.max_seq_length < 8:
+            raise ValueError(f"--max_seq_length {self.max_seq_length} is too short; use >= 8")
+        if self.num_train_examples < 1 or self.num_eval_examples < 1:
+            raise ValueError(
+                f"--num_train_examples {self.num_train_examples} and --num_eval_examples "
+                f"{self.num_eval_examples} must both be >= 1"
+            )
+
+
+@dataclass
+class LoraArguments:
+    """PEFT LoRA adapter settings; the default targets every linear layer of a Llama block."""
+
+    lora_r: int = field(default=16, metadata={"help": "Adapter rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "Scaling numerator (scale = alpha / r)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the adapter input."})
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: list(LLAMA_LORA_TARGETS), metadata={"help": "Module names to adapt."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.lora_r <= 0 or self.lora_alpha <= 0 or not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(
+                f"need --lora_r > 0, --lora_alpha > 0 and 0 <= --lora_dropout < 1, got "
+                f"{self.lora_r}, {self.lora_alpha}, {self.lora_dropout}"
+            )
+
+
+@dataclass
+class QuantArguments:
+    """bitsandbytes 4-bit settings for QLoRA (defaults from the QLoRA paper: NF4, double quant)."""
+
+    bnb_4bit_quant_type: str = field(default="nf4", metadata={"help": "nf4 | fp4"})
+    bnb_4bit_use_double_quant: bool = field(default=True, metadata={"help": "Quantize the quantization constants."})
+    bnb_4bit_compute_dtype: str = field(default="bfloat16", metadata={"help": "bfloat16 | float16 | float32"})
+
+    def __post_init__(self) -> None:
+        if self.bnb_4bit_quant_type not in ("nf4", "fp4"):
+            raise ValueError(f"--bnb_4bit_quant_type {self.bnb_4bit_quant_type!r} is not one of nf4, fp4")
+        if self.bnb_4bit_compute_dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(
+                f"--bnb_4bit_compute_dtype {self.bnb_4bit_compute_dtype!r} is not one of bfloat16, float16, float32"
+            )
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def parse_recipe_args(
+    types: tuple[type, ...],
+    argv: list[str] | None,
+    *,
+    embedded_defaults: dict[str, Any],
+    real_defaults: dict[str, Any],
+):
+    """Parse recipe dataclasses plus every ``TrainingArguments`` flag.
+
+    Returns ``(*instances, training_kwargs, explicit)``: ``training_kwargs`` holds the
+    TrainingArguments values (the recipe's ``embedded_defaults`` without ``--model_name_or_path``,
+    else ``real_defaults``, applied where the user gave no flag) and
+    ``explicit`` the names the user set on the command line, which always win over the plan.
+    """
+    from transformers import HfArgumentParser, TrainingArguments
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = HfArgumentParser((*types, TrainingArguments))
+    namespace = vars(parser.parse_args(argv))
+    explicit = set(vars(_suppressed_parser(types).parse_args(argv)))
+    instances = []
+    for cls in types:
+        names = {f.name for f in fields(cls) if f.init}
+        instances.append(cls(**{k: v for k, v in namespace.items() if k in names}))
+    train_names = {f.name for f in fields(TrainingArguments) if f.init}
+    training_kwargs = {k: v for k, v in namespace.items() if k in train_names}
+    defaults = embedded_defaults if namespace.get("model_name_or_path") is None else real_defaults
+    training_kwargs.update({k: v for k, v in defaults.items() if k not in explicit})
+    return (*instances, training_kwargs, explicit)
+
+
+def _suppressed_parser(types: tuple[type, ...]) -> argparse.ArgumentParser:
+    """The same parser with every default suppressed: its namespace holds only flags given explicitly."""
+    from transformers import HfArgumentParser, TrainingArguments
+
+    parser = HfArgumentParser((*types, TrainingArguments))
+    for action in parser._actions:
+        if action.dest != "help":
+            action.default = argparse.SUPPRESS
+            action.required = False
+    return parser
+
+
+def training_arguments(
+    training_kwargs: dict[str, Any],
+    explicit: set[str],
+    model: Any,
+    *,
+    method: str,
+    seq_len: int,
+    strategy: str | None,
+    lora_rank: int = 16,
+):
+    """``TrainingArguments`` = recipe defaults < ``hf_dist.auto_args`` (the plan) < explicit user flags.
+
+    The plan is skipped when the user chose the strategy with ``--fsdp``/``--deepspeed`` or an
+    accelerate FSDP/DeepSpeed config; ``--strategy`` pins the plan's strategy instead.
+    """
+    from transformers import TrainingArguments
+
+    from hf_dist.cpu_fsdp import enable_fsdp_on_cpu_from_env
+
+    enable_fsdp_on_cpu_from_env()  # HF_DIST_FSDP_ON_CPU=1: tests of the FSDP2 path on CPU ranks
+    kwargs = dict(training_kwargs)
+    if not (explicit & set(STRATEGY_FLAGS)) and not _accelerate_config_strategy():
+        import hf_dist
+
+        plan_kwargs: dict[str, Any] = {"method": method, "seq_len": seq_len, "strategy": strategy}
+        if method != "full":
+            plan_kwargs["lora_rank"] = lora_rank
+        if "per_device_train_batch_size" in explicit or kwargs.get("per_device_train_batch_size") != 8:
+            # a user flag or a recipe default (transformers' own default is 8) pins the micro batch
+            plan_kwargs["micro_batch_size"] = kwargs["per_device_train_batch_size"]
+        planned = hf_dist.auto_args(model, **plan_kwargs)
+        kwargs.update({k: v for k, v in planned.items() if k not in explicit})
+    if kwargs.get("deepspeed"):
+        from hf_dist.cpu_fsdp import cpu_deepspeed_training_kwargs
+
+        kwargs.update(cpu_deepspeed_training_kwargs())
+    from hf_dist.configs.fsdp import apply_fp32_reduce
+
+    # FSDP2 + bf16/fp16: reduce gradients in fp32 (a no-op for every other setup)
+    return apply_fp32_reduce(TrainingArguments(**kwargs))
+
+
+def _accelerate_config_strategy() -> bool:
+    flags = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
+    return any(os.environ.get(k, "").lower() in ("1", "true") for k in flags)

@@ -1,0 +1,209 @@
+"""Tokenizer, config, model, LoRA/QLoRA setup for the recipes; every check runs before a model is built."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from hf_dist.data import (
+    build_tokenizer,
+    ensure_chat_template,
+    ensure_pad_token,
+)
+from hf_dist.recipe_utils.args import LoraArguments, ModelArguments, QuantArguments
+
+# ---------------------------------------------------------------- model and tokenizer
+
+
+def load_tokenizer(model_args: ModelArguments, *, chat: bool, max_length: int = 256) -> Any:
+    """The embedded character tokenizer, or the model's own (pad token and chat template ensured)."""
+    if model_args.embedded and model_args.tokenizer_name_or_path is None:
+        return build_tokenizer(model_max_length=max_length)
+    from transformers import AutoTokenizer
+
+    name = model_args.tokenizer_name_or_path or model_args.model_name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=model_args.trust_remote_code)
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"tokenizer {name!r} is a slow tokenizer; the recipes need a fast one (offset mappings)")
+    ensure_pad_token(tokenizer)
+    if chat and ensure_chat_template(tokenizer):
+        print(f"[hf_dist] tokenizer {name!r} has no chat template: using hf_dist.data.DEFAULT_CHAT_TEMPLATE")
+    return tokenizer
+
+
+def load_config(model_args: ModelArguments, tokenizer: Any) -> Any:
+    """The model config: a tiny Llama sized to the tokenizer, or the checkpoint's own config."""
+    if model_args.embedded:
+        from hf_dist.testing import tiny_llama_config
+
+        hidden = model_args.tiny_hidden_size
+        return tiny_llama_config(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=model_args.tiny_num_layers,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code)
+
+
+def resolve_seq_len(requested: int | None, config: Any, *, embedded: bool) -> int:
+    """The sequence length to train with; a ValueError when it exceeds the model's positions."""
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if requested is None:
+        default = 64 if embedded else 2048
+        return min(default, max_positions) if max_positions else default
+    if max_positions is not None and requested > max_positions:
+        raise ValueError(
+            f"--max_seq_length {requested} exceeds the model's max_position_embeddings={max_positions}; "
+            f"use --max_seq_length <= {max_positions} (or a model with longer context)"
+        )
+    return requested
+
+
+def build_model(model_args: ModelArguments, config: Any, *, seed: int, quantization_config: Any = None) -> Any:
+    """The model on CPU (the Trainer/accelerate move and shard it), seeded so every rank agrees.
+
+    Build the embedded tiny model *before* :func:`training_arguments`: it is then created whole and
+    ZeRO-3 partitions it when the engine starts, instead of inside ``deepspeed.zero.Init``, which
+    needs DeepSpeed's own communication backend that accelerate does not start on CPU ranks.
+    Pretrained models are loaded after it, under ``zero.Init`` when ZeRO-3 is on (GPU machines).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, set_seed
+
+    set_seed(seed)
+    extra = {"attn_implementation": model_args.attn_implementation} if model_args.attn_implementation else {}
+    if model_args.embedded:
+        with _outside_zero3():  # whole, even if a ZeRO-3 config is registered (see above)
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
+    dtype = model_args.torch_dtype if model_args.torch_dtype == "auto" else getattr(torch, model_args.torch_dtype)
+    return AutoModelForCausalLM.from_pretrained(
+        model_args.model_name_or_path,
+        config=config,
+        dtype=dtype,
+        quantization_config=quantization_config,
+        trust_remote_code=model_args.trust_remote_code,
+        **extra,
+    )
+
+
+# ---------------------------------------------------------------- LoRA / QLoRA
+
+
+def lora_config(lora_args: LoraArguments, model: Any) -> Any:
+    """A ``peft.LoraConfig``; unknown target names raise with the linear module names the model has."""
+    import torch
+    from peft import LoraConfig
+
+    available = sorted(
+        {name.rsplit(".", 1)[-1] for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
+    )
+    missing = [t for t in lora_args.lora_target_modules if t not in available]
+    if missing:
+        raise ValueError(
+            f"--lora_target_modules {missing} not found in {type(model).__name__}; "
+            f"available linear modules: {available}"
+        )
+    return LoraConfig(
+        r=lora_args.lora_r,
+        lora_alpha=lora_args.lora_alpha,
+        lora_dropout=lora_args.lora_dropout,
+        target_modules=list(lora_args.lora_target_modules),
+        task_type="CAUSAL_LM",
+    )
+
+
+def check_lora_targets(lora_args: LoraArguments, config: Any, *, trust_remote_code: bool = False) -> Any:
+    """Validate ``--lora_target_modules`` on a weightless (meta) copy of the model: no memory, no download."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with _outside_zero3(), init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return lora_config(lora_args, skeleton)
+
+
+def save_base_model(model: Any, tokenizer: Any, base_dir: Path, args: Any) -> None:
+    """Save the embedded (randomly initialised) base so the exported adapter can be loaded on top of it.
+
+    The model's ``name_or_path`` is pointed at the folder, which PEFT records in the adapter config
+    as ``base_model_name_or_path``.
+    """
+    if args.should_save:
+        # the model is still whole; outside ZeRO-3 save_pretrained does not gather (a collective
+        # only this rank would join)
+        with _outside_zero3():
+            model.save_pretrained(base_dir)
+        tokenizer.save_pretrained(base_dir)
+    model.name_or_path = str(base_dir)
+    model.config._name_or_path = str(base_dir)
+
+
+def apply_lora(model: Any, lora_args: LoraArguments, *, quantized: bool = False) -> Any:
+    """Wrap ``model`` with LoRA adapters (base frozen); print the trainable share on the main process."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    if quantized:
+        # fp32 norms/head and input grads so gradients flow through the frozen 4-bit layers
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    peft_model = get_peft_model(model, lora_config(lora_args, model))
+    trainable, total = peft_model.get_nb_trainable_parameters()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"[hf_dist] LoRA r={lora_args.lora_r} on {lora_args.lora_target_modules}: "
+            f"{trainable:,} of {total:,} parameters trainable ({trainable / total:.2%})",
+            flush=True,
+        )
+    return peft_model
+
+
+def require_cuda(recipe: str) -> None:
+    """QLoRA's 4-bit kernels (bitsandbytes) need a CUDA GPU: fail before any model or data is loaded."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{recipe} needs a CUDA GPU: bitsandbytes 4-bit weights have no CPU training kernels, and "
+            "torch.cuda.is_available() is False here. Run it on a GPU machine, or use recipes/lora.py "
+            "(same adapter, 16/32-bit base weights) on CPU"
+        )
+
+
+def bnb_config(quant_args: QuantArguments) -> Any:
+    """The ``BitsAndBytesConfig`` for a 4-bit base model; the storage dtype matches the compute dtype
+    so FSDP can shard the quantized weights (it needs one dtype per flat parameter)."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    compute = getattr(torch, quant_args.bnb_4bit_compute_dtype)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quant_args.bnb_4bit_quant_type,
+        bnb_4bit_use_double_quant=quant_args.bnb_4bit_use_double_quant,
+        bnb_4bit_compute_dtype=compute,
+        bnb_4bit_quant_storage=compute,
+    )
+
+
+@contextmanager
+def _outside_zero3():
+    """Load a model as a plain single-process user would, even inside a ZeRO-3 run.
+
+    transformers builds every model inside ``deepspeed.zero.Init`` while a ZeRO-3 config is
+    registered; the export check must load full, unpartitioned weights on one rank instead.
+    """
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved

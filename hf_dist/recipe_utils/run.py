@@ -1,0 +1,305 @@
+"""The run itself: resume, callbacks, strategy check, plan, baseline, training, export, reload and results."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from hf_dist.data import (
+    generation_prompt,
+)
+from hf_dist.recipe_utils.model import _outside_zero3
+
+# ---------------------------------------------------------------- the run
+
+
+def save_at_end_callback() -> Any:
+    """A callback that saves a checkpoint at the last step, so every run has one to export from."""
+    from transformers import TrainerCallback
+
+    class SaveAtEnd(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.max_steps and state.global_step >= state.max_steps:
+                control.should_save = True
+            return control
+
+    return SaveAtEnd()
+
+
+def resume_checkpoint(args: Any) -> str | None:
+    """What ``--resume_from_checkpoint`` names, made loadable by this run; call before the Trainer is built.
+
+    ``auto``: the newest complete checkpoint in ``--output_dir`` (:func:`hf_dist.auto_resume`; None, a fresh
+    start, when there is none); a path: that checkpoint. A DeepSpeed ZeRO checkpoint saved by another number
+    of ranks is converted to DeepSpeed's universal format first, and a checkpoint of another strategy is
+    refused (:func:`hf_dist.reshard.prepare_resume`).
+    """
+    value = args.resume_from_checkpoint
+    if not value:
+        return None
+    if value == "auto":
+        from hf_dist.callbacks.resume import auto_resume
+
+        found = auto_resume(args.output_dir, training_args=args)
+        if args.process_index == 0:
+            print(f"[hf_dist] resuming from {found}" if found else
+                  f"[hf_dist] no complete checkpoint in {args.output_dir}: starting from scratch", flush=True)  # fmt: skip
+        return found
+    from hf_dist.reshard import prepare_resume
+
+    return prepare_resume(value, training_args=args)
+
+
+def train(trainer: Any, resume: str | None) -> str:
+    """Check the strategy really runs, add hf_dist's callbacks, train (resuming from ``resume``); returns the strategy.
+
+    The callbacks (:func:`hf_dist.callbacks.default`) mark checkpoints complete for ``--resume_from_checkpoint
+    auto``, skip non-finite updates, and log memory and throughput per rank.
+    """
+    from hf_dist.callbacks import attach
+
+    strategy = check_strategy(trainer)
+    attach(trainer)
+    trainer.train(resume_from_checkpoint=resume)
+    return strategy
+
+
+def effective_strategy(trainer: Any) -> str:
+    """What accelerate actually runs (not what was asked for): ddp, fsdp2, zero<stage> or single."""
+    state = trainer.accelerator.state
+    kind = str(state.distributed_type).rsplit(".", 1)[-1]
+    if kind == "DEEPSPEED":
+        stage = trainer.accelerator.state.deepspeed_plugin.zero_stage
+        return f"zero{stage}"
+    if kind == "FSDP":
+        return f"fsdp{getattr(state.fsdp_plugin, 'fsdp_version', 1)}"
+    return "ddp" if state.num_processes > 1 else "single"
+
+
+def check_strategy(trainer: Any) -> str:
+    """The strategy accelerate actually runs; a RuntimeError when it silently dropped the requested one.
+
+    accelerate falls back to plain DDP on CPU for DeepSpeed when ``use_cpu``/``ACCELERATE_USE_CPU``
+    is set, and for FSDP unless ``HF_DIST_FSDP_ON_CPU=1``; training on would produce a run the user
+    did not ask for.
+    """
+    actual = effective_strategy(trainer)
+    wanted = "zero" if trainer.args.deepspeed else "fsdp" if trainer.args.fsdp else None
+    if wanted and not actual.startswith(wanted):
+        raise RuntimeError(
+            f"{wanted} was requested but accelerate runs {actual}: on CPU it drops DeepSpeed when use_cpu / "
+            "ACCELERATE_USE_CPU=1 is set (unset it) and FSDP unless HF_DIST_FSDP_ON_CPU=1 (tests only)"
+        )
+    if trainer.args.process_index == 0:
+        print(f"[hf_dist] running {actual} ({type(trainer.model).__name__})", flush=True)
+    return actual
+
+
+def describe_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy: str | None = None) -> str:
+    """The planner's explanation for this model/method on the detected hardware, plus the batch math."""
+    world = args.world_size
+    batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+    lines = [
+        f"[hf_dist] {method} training, {world} process(es) on {args.device.type}: micro batch "
+        f"{args.per_device_train_batch_size} x grad accum {args.gradient_accumulation_steps} x world {world} "
+        f"= global batch {batch} sequences of <= {seq_len} tokens"
+    ]
+    from hf_dist.planner import plan
+
+    try:
+        explained = plan(config, method=method, seq_len=seq_len, global_batch_size=batch, strategy=strategy).explain()
+        # model / hardware / chosen / why; `hf-dist plan` prints the full per-strategy table
+        lines += ["[hf_dist] plan: " + line for line in explained.splitlines()[:4]]
+    except ValueError as exc:  # PlanError: e.g. no strategy fits the detected hardware
+        lines.append(f"[hf_dist] planner: {exc}")
+    return "\n".join(lines)
+
+
+def baseline_accuracy(model: Any, tokenizer: Any, task: Any, *, mode: str, args: Any) -> float | None:
+    """Task accuracy before training, computed once on the main process (others wait)."""
+    from hf_dist.data.task_eval import exact_match
+
+    if task is None:
+        return None
+    accuracy = None
+    with args.main_process_first(desc="baseline accuracy"):
+        if args.process_index == 0:
+            accuracy = exact_match(model, tokenizer, task, mode=mode)
+            print(f"[hf_dist] task accuracy before training: {accuracy:.0%} ({len(task)} held-out examples)")
+    return accuracy
+
+
+def finish_run(trainer: Any, tokenizer: Any, *, task: Any, mode: str, adapter: bool, before: float | None) -> dict:
+    """Evaluate, export an HF folder (or adapter), reload it with from_pretrained, score and sample it.
+
+    Returns (and writes to ``<output_dir>/results.json`` on the main process) the run summary.
+    """
+    metrics = trainer.evaluate()
+    eval_loss = float(metrics["eval_loss"])
+    if trainer.args.process_index == 0:
+        print(f"[hf_dist] eval loss {eval_loss:.4f}; exporting", flush=True)
+    export_dir = Path(trainer.args.output_dir) / ("adapter" if adapter else "final")
+    how = export_model(trainer, tokenizer, export_dir, adapter=adapter)
+    trainer.accelerator.wait_for_everyone()
+    if not trainer.args.should_save:
+        return {}
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    results = {
+        "strategy": effective_strategy(trainer),
+        "wrapped_model": type(trainer.model_wrapped).__name__,
+        "model": type(trainer.model).__name__,
+        "world_size": trainer.args.world_size,
+        "steps": trainer.state.global_step,
+        "train_losses": losses,
+        "eval_loss": eval_loss,
+        "perplexity": math.exp(min(eval_loss, 50.0)),
+        "accuracy_before": before,
+        "export_dir": str(export_dir),
+        "exported_with": how,
+    }
+    results.update(_check_export(export_dir, tokenizer, task=task, mode=mode, adapter=adapter))
+    _write_json_atomic(Path(trainer.args.output_dir) / "results.json", results)
+    print(format_results(results))
+    return results
+
+
+def export_model(trainer: Any, tokenizer: Any, export_dir: Path, *, adapter: bool) -> str:
+    """Write a consolidated HF folder (or PEFT adapter) to ``export_dir``; returns how it was made.
+
+    Sharded runs (FSDP, ZeRO) go through ``hf_dist.convert`` from the last checkpoint; without a
+    checkpoint (and for DDP) the full weights are gathered and saved in-process.
+    """
+    strategy = effective_strategy(trainer)
+    checkpoint = _last_checkpoint(trainer.args.output_dir)
+    if strategy.startswith(("fsdp", "zero")) and checkpoint is not None:
+        if trainer.args.should_save:
+            _convert_checkpoint(trainer, tokenizer, checkpoint, export_dir, adapter=adapter)
+        trainer.accelerator.wait_for_everyone()
+        return f"hf_dist.convert({checkpoint.name})"
+    if strategy.startswith("fsdp"):
+        # FSDP with a sharded state dict makes save_model a no-op; gather a full state dict instead
+        state_dict = trainer.accelerator.get_state_dict(trainer.model_wrapped)
+        if trainer.args.should_save:
+            trainer.accelerator.unwrap_model(trainer.model).save_pretrained(export_dir, state_dict=state_dict)
+            tokenizer.save_pretrained(export_dir)
+        return "accelerator.get_state_dict"
+    trainer.save_model(str(export_dir))
+    return "trainer.save_model"
+
+
+def _convert_checkpoint(trainer: Any, tokenizer: Any, checkpoint: Path, export_dir: Path, *, adapter: bool) -> None:
+    """Run ``hf_dist.convert`` on the checkpoint in a fresh process, as ``hf-dist convert`` would.
+
+    A separate process keeps the converter away from this job's initialised process group (its
+    readers must not join collectives the other ranks are not in).
+    """
+    import subprocess
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    # sharded checkpoints hold tensors only; the config (and adapter config) make them loadable
+    base = model.get_base_model() if adapter else model
+    base.config.save_pretrained(checkpoint)
+    if adapter:
+        model.peft_config["default"].save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    code = (
+        "import sys, hf_dist; "
+        "hf_dist.convert(sys.argv[1], sys.argv[2], adapter=sys.argv[3] == '1', overwrite=True, progress=False)"
+    )
+    dist_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in dist_vars}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(checkpoint), str(export_dir), "1" if adapter else "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"hf_dist.convert({checkpoint} -> {export_dir}) failed:\n{proc.stderr[-4000:]}")
+
+
+def _last_checkpoint(output_dir: str) -> Path | None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    found = get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
+    return Path(found) if found else None
+
+
+def _check_export(export_dir: Path, tokenizer: Any, *, task: Any, mode: str, adapter: bool) -> dict:
+    """Reload the export the way a user would and run it: accuracy on the task and one sample."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_dist.data.task_eval import exact_match, generate, task_prompt
+
+    with _outside_zero3():
+        if adapter:
+            from peft import AutoPeftModelForCausalLM
+
+            model = AutoPeftModelForCausalLM.from_pretrained(export_dir)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(export_dir)
+    if adapter:
+        _check_adapter_loaded(model, export_dir)
+    model.to("cuda" if torch.cuda.is_available() else "cpu")
+    reloaded_tokenizer = AutoTokenizer.from_pretrained(export_dir)
+    out: dict[str, Any] = {"exported_params": sum(p.numel() for p in model.parameters())}
+    if task is not None:
+        out["accuracy_after"] = exact_match(model, reloaded_tokenizer, task, mode=mode)
+        prompt = task_prompt(reloaded_tokenizer, task[0], mode)
+        out["sample_expected"] = task[0].answer
+    else:
+        text = "Explain in one sentence what data parallel training is."
+        messages = [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+        prompt = generation_prompt(reloaded_tokenizer, messages) if mode == "chat" else text
+    out["sample_prompt"] = prompt
+    out["sample_output"] = generate(model, reloaded_tokenizer, [prompt], max_new_tokens=32)[0]
+    return out
+
+
+def _check_adapter_loaded(model: Any, export_dir: Path) -> None:
+    """LoRA B matrices start at zero, so all-zero B after loading means PEFT matched none of the
+    exported keys (it only warns) and the "fine-tuned" model is the bare base."""
+    from safetensors import safe_open
+
+    lora_b = [p for name, p in model.named_parameters() if "lora_B" in name]
+    if lora_b and all(float(p.abs().max()) == 0.0 for p in lora_b):
+        with safe_open(str(export_dir / "adapter_model.safetensors"), "pt") as fh:
+            keys = sorted(fh.keys())[:3]
+        raise RuntimeError(
+            f"the adapter exported to {export_dir} did not load: every lora_B is zero after from_pretrained. "
+            f"Its keys start {keys}; PEFT expects 'base_model.model.<module>.lora_B.weight'"
+        )
+
+
+def format_results(results: dict) -> str:
+    """The end-of-run summary printed by every recipe."""
+    losses = results["train_losses"]
+    lines = [
+        f"[hf_dist] strategy run: {results['strategy']} ({results['wrapped_model']}), "
+        f"{results['steps']} steps on {results['world_size']} process(es)",
+        f"[hf_dist] train loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "[hf_dist] no train loss logged",
+        f"[hf_dist] eval loss {results['eval_loss']:.4f}, perplexity {results['perplexity']:.2f}",
+        f"[hf_dist] exported {results['export_dir']} via {results['exported_with']}; reloaded with from_pretrained",
+    ]
+    if "accuracy_after" in results:
+        before = results["accuracy_before"]
+        before_txt = f"{before:.0%}" if before is not None else "n/a"
+        lines.append(
+            f"[hf_dist] task exact-match accuracy: {before_txt} before -> {results['accuracy_after']:.0%} after"
+        )
+    lines.append(f"[hf_dist] sample: {results['sample_prompt']!r} -> {results['sample_output']!r}")
+    return "\n".join(lines)
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(data, fh, indent=2)
+    os.replace(tmp, path)
