@@ -196,6 +196,8 @@ def test_disk_full_up_front_and_while_writing_leave_nothing(zero_ckpt, tmp_path,
 
     real_copy = writer.copy_ranges
     monkeypatch.setattr(writer, "copy_ranges", fill_up)
-    with pytest.raises(RuntimeError, match=r"disk full while writing .*out; nothing was written, free space and retry"):
+    with pytest.raises(
+        RuntimeError, match=r"disk full while writing .*out; nothing was written, free space and retry"
+    ):
         convert(root, tmp_path / "out", dtype="fp32", progress=False)
     assert len(calls) == 3 and sorted(os.listdir(tmp_path)) == ["checkpoint-3"]  # no DST, no temp folder
