@@ -76,14 +76,19 @@ def copy_ranges(ranges: list[tuple[str, int, int]], dst_fd: int) -> None:
                 if copied is None:
                     data = os.pread(src.fileno(), min(count, 64 * 1024**2), offset)
                     copied = len(data)
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(dst_fd, view) :]
+                    _write_all(dst_fd, data)
                 if copied == 0:
                     raise RuntimeError(
                         f"{path} ends at byte {offset}, inside a tensor ({end - offset} bytes short); re-copy it"
                     )
                 offset += copied
+
+
+def _write_all(fd: int, data: Any) -> None:
+    """``os.write`` until every byte is written (a single call may write fewer)."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def plan_shards(specs: dict[str, TensorSpec], max_shard_size: int | str, *, weights_name: str = "model.safetensors"):
@@ -119,7 +124,7 @@ class SafetensorsStreamWriter:
         self._specs = specs
         self._next = 0
         self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in close(); unbuffered: see write()
-        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        _write_all(self._file.fileno(), struct.pack("<Q", len(raw)) + raw)
 
     def write(self, name: str, tensor: Any) -> None:
         expected = self._order[self._next]
@@ -133,9 +138,7 @@ class SafetensorsStreamWriter:
                 raise RuntimeError(
                     f"internal: got {name} {tuple(tensor.shape)} {tensor.dtype}, planned {expected} {spec}"
                 )
-            data = memoryview(tensor.detach().contiguous().reshape(-1).view(_byte_dtype()).numpy())
-            while data:  # a raw file may write less than asked
-                data = data[self._file.write(data) :]
+            _write_all(self._file.fileno(), tensor.detach().contiguous().reshape(-1).view(_byte_dtype()).numpy())
         self._next += 1
 
     def close(self) -> None:
