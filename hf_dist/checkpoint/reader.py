@@ -7,7 +7,9 @@ source pages are unmapped and resident memory stays bounded by one batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 
@@ -18,14 +20,11 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: Any  # torch.dtype
 
-    @property
+    @cached_property  # specs are asked for their sizes many times while batches are planned
     def numel(self) -> int:
-        n = 1
-        for dim in self.shape:
-            n *= dim
-        return n
+        return math.prod(self.shape)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
