@@ -37,19 +37,6 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 CLOCK = time.thread_time
 
 
-class TokenDataset:
-    def __init__(self, n: int, seq: int, vocab: int) -> None:
-        import torch
-
-        self.ids = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def _timed(fn, bucket: list[float]):
     def wrapper(*args, **kwargs):
         start = CLOCK()
@@ -78,7 +65,7 @@ def step_seconds(opts: argparse.Namespace, with_callbacks: bool) -> tuple[float,
     from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     from hf_dist.callbacks import attach
-    from hf_dist.testing import tiny_llama_config
+    from hf_dist.testing import TokenDataset, tiny_llama_config
 
     times: list[float] = []
 
@@ -100,7 +87,7 @@ def step_seconds(opts: argparse.Namespace, with_callbacks: bool) -> tuple[float,
         use_cpu=True,
         disable_tqdm=True,
     )
-    data = TokenDataset(opts.steps * opts.batch, opts.seq, config.vocab_size)
+    data = TokenDataset(opts.steps * opts.batch, opts.seq, config.vocab_size, seed=0)
     trainer = Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=data, callbacks=[StepClock()])
     inside: dict[str, list[float]] = {}
     if with_callbacks:

@@ -126,3 +126,18 @@ def tiny_llama_config(**overrides):
     )
     kwargs.update(overrides)
     return LlamaConfig(**kwargs)
+
+
+class TokenDataset:
+    """``n`` fixed random sequences of ``seq`` token ids (labels = inputs) for tiny causal-LM runs."""
+
+    def __init__(self, n: int = 64, seq: int = 16, vocab: int = 256, *, seed: int = 1234) -> None:
+        import torch
+
+        self.ids = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}

@@ -192,6 +192,8 @@ def _tensor_stream(reader: Reader, conversion, out_specs: dict[str, TensorSpec],
     With ``as_ranges``, a tensor written unchanged whose bytes the reader can locate comes as
     :class:`~hf_dist.checkpoint.writer.FileRanges` instead (nothing read; the writer copies the bytes).
     """
+    from hf_dist.checkpoint.writer import FileRanges
+
     names = list(out_specs) if names is None else names
     batch: list[str] = []
     size = 0
@@ -201,8 +203,6 @@ def _tensor_stream(reader: Reader, conversion, out_specs: dict[str, TensorSpec],
             if batch:
                 yield from _read_batch(reader, conversion, out_specs, batch)
                 batch, size = [], 0
-            from hf_dist.checkpoint.writer import FileRanges
-
             yield name, FileRanges(ranges)
             continue
         batch.append(name)

@@ -140,6 +140,7 @@ class DCPReader(Reader):
             self._chunks.setdefault(index.fqn, []).append((tuple(index.offset), storage))
         self._maps: dict[str, Any] = {}  # relative path -> memory-mapped UntypedStorage
         self._files: dict[str, Any] = {}  # relative path -> open file
+        self._headers: dict[tuple[str, int], tuple[Any, int]] = {}  # (file, offset) -> (meta tensor, data start)
 
     def _check_files(self, metadata) -> None:
         files = {info.relative_path for info in (metadata.storage_data or {}).values()}
@@ -179,7 +180,8 @@ class DCPReader(Reader):
                 if meta.dtype != spec.dtype or not fits:
                     raise CorruptCheckpointError(
                         f"{self.folder / storage.relative_path}: chunk of {name} at {list(offsets)} is "
-                        f"{meta.dtype} {list(meta.shape)}, which does not fit {spec.dtype} {list(spec.shape)}"
+                        f"{meta.dtype} {list(meta.shape)}, which does not fit {spec.dtype} {list(spec.shape)} from "
+                        ".metadata: the data files and .metadata come from different saves; re-copy the whole folder"
                     )
                 target = full
                 for dim, (begin, length) in enumerate(zip(offsets, meta.shape, strict=True)):
@@ -215,9 +217,15 @@ class DCPReader(Reader):
         return self._files[storage.relative_path]
 
     def _header(self, name: str, storage) -> tuple[Any, int]:
-        """The chunk as a meta tensor (shape, strides, dtype) and the file offset where its storage starts."""
+        """The chunk as a meta tensor (shape, strides, dtype) and the file offset where its storage starts.
+
+        Parsed once per chunk (``byte_ranges`` and ``read`` both need it); a few hundred bytes each.
+        """
         import torch
 
+        key = (storage.relative_path, storage.offset)
+        if key in self._headers:
+            return self._headers[key]
         try:
             view = _FileSlice(self._file(storage), storage.offset, storage.length)
             meta = torch.load(view, map_location="meta", weights_only=True)
@@ -231,6 +239,7 @@ class DCPReader(Reader):
                 f"cannot read {name} from {self.folder / storage.relative_path} at byte {storage.offset} "
                 f"({type(exc).__name__}: {str(exc)[:200]}); the file is corrupt or was written by an incompatible tool"
             ) from None
+        self._headers[key] = meta, start
         return meta, start
 
     def _read_into(self, target: Any, storage, position: int) -> None:

@@ -24,22 +24,10 @@ from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArg
 import hf_dist
 from hf_dist.callbacks import ExportCallback, ProfilerCallback, attach, default
 from hf_dist.callbacks.resume import init_distributed_for_restarts
-from hf_dist.testing import tiny_llama_config
+from hf_dist.testing import TokenDataset, tiny_llama_config
 
 RANK = int(os.environ.get("RANK", "0"))
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-class TokenDataset(torch.utils.data.Dataset):
-    def __init__(self, n: int = 64, seq: int = 16, vocab: int = 256) -> None:
-        gen = torch.Generator().manual_seed(1234)
-        self.ids = torch.randint(0, vocab, (n, seq), generator=gen)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def kill_once(out: Path, what: str, step: int) -> None:

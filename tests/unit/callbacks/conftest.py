@@ -5,27 +5,13 @@ from __future__ import annotations
 import pytest
 
 
-class TokenDataset:
-    def __init__(self, n: int = 32, seq: int = 16, vocab: int = 256) -> None:
-        import torch
-
-        gen = torch.Generator().manual_seed(1234)
-        self.ids = torch.randint(0, vocab, (n, seq), generator=gen)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 @pytest.fixture
 def make_trainer(tmp_path):
     """``make_trainer(callbacks=[...], **training_args) -> Trainer`` with a 2-layer Llama, batch 2 x 16 tokens."""
     import torch
     from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
-    from hf_dist.testing import tiny_llama_config
+    from hf_dist.testing import TokenDataset, tiny_llama_config
 
     def build(callbacks=(), model=None, **overrides):
         torch.manual_seed(0)
@@ -44,7 +30,7 @@ def make_trainer(tmp_path):
         kwargs.update(overrides)
         model = model if model is not None else LlamaForCausalLM(tiny_llama_config())
         return Trainer(
-            model=model, args=TrainingArguments(**kwargs), train_dataset=TokenDataset(), callbacks=list(callbacks)
+            model=model, args=TrainingArguments(**kwargs), train_dataset=TokenDataset(32), callbacks=list(callbacks)
         )
 
     return build
