@@ -305,6 +305,8 @@ def _worker(argv: list[str]) -> None:
     import torch
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
+    from hf_dist.callbacks._dist import shutdown
+
     device = _device()
     if device == "cpu":
         from hf_dist.cpu_fsdp import cpu_deepspeed_training_kwargs, enable_fsdp_on_cpu
@@ -364,6 +366,7 @@ def _worker(argv: list[str]) -> None:
             "wrapped": type(trainer.model_wrapped).__name__,
         }
         Path(args.out).write_text(json.dumps(result))
+    shutdown()
 
 
 if __name__ == "__main__":

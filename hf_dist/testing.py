@@ -7,6 +7,7 @@ the same way a user would (``torchrun`` / ``accelerate launch``) with a bounded 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -37,6 +38,8 @@ def cpu_env(extra: dict[str, str] | None = None) -> dict[str, str]:
             "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
             "ACCELERATE_USE_CPU": "1",
             "CUDA_VISIBLE_DEVICES": "",
+            # a rank that dies on a signal (SIGABRT, SIGSEGV) prints every thread's Python stack first
+            "PYTHONFAULTHANDLER": "1",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")])),
         }
     )
@@ -100,14 +103,28 @@ def run_checked(cmd: Sequence[str], *, env: dict[str, str], timeout: float, cwd=
         except subprocess.TimeoutExpired:
             os.killpg(popen.pid, signal.SIGKILL)
             stdout, stderr = popen.communicate()
-            raise RuntimeError(
-                f"command timed out after {timeout:.0f}s: {' '.join(cmd)}\n{stdout[-4000:]}\n--- stderr ---\n{stderr[-8000:]}"
-            ) from None
+            raise RuntimeError(_failure(f"timed out after {timeout:.0f}s", cmd, stdout, stderr)) from None
     proc = subprocess.CompletedProcess(list(cmd), popen.returncode, stdout, stderr)
     if proc.returncode != 0:
-        tail = (proc.stdout[-4000:] + "\n--- stderr ---\n" + proc.stderr[-8000:]).strip()
-        raise RuntimeError(f"command failed with exit code {proc.returncode}: {' '.join(cmd)}\n{tail}")
+        raise RuntimeError(_failure(f"failed with exit code {proc.returncode}", cmd, stdout, stderr))
     return proc
+
+
+# lines that say why a rank died; launchers bury them under pages of other ranks' output
+_CAUSE = re.compile(
+    r"terminate called|what\(\):|Fatal Python error|Segmentation fault|Aborted|^\s*File \"|"
+    r"^\w+(Error|Exception|Exit)\b|^\[rank\d+\]:\s*\w+(Error|Exception)\b|exitcode\s*:|traceback\s*:"
+)
+
+
+def _failure(what: str, cmd: Sequence[str], stdout: str, stderr: str, max_causes: int = 40) -> str:
+    """The error text of a failed launch: the lines naming the cause first, then the output's tails."""
+    causes = list(dict.fromkeys(line.rstrip() for line in stderr.splitlines() if _CAUSE.search(line)))
+    summary = "\n".join(causes[-max_causes:])
+    return (
+        f"command {what}: {' '.join(cmd)}\n--- lines naming the cause ---\n{summary}\n"
+        f"--- stdout (tail) ---\n{stdout[-4000:]}\n--- stderr (tail) ---\n{stderr[-8000:]}"
+    ).strip()
 
 
 def tiny_llama_config(**overrides):

@@ -110,3 +110,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    ru.shutdown()  # every rank tears the process group down together, before exiting

@@ -19,6 +19,21 @@ def barrier() -> None:
         dist.barrier()
 
 
+def shutdown() -> None:
+    """End a distributed script: wait for every rank, then destroy the process group; a no-op in one process.
+
+    Call it last, on every rank. A rank that simply exits leaves its process group to be torn down during
+    interpreter shutdown, in whatever order Python and C++ destroy their objects, while the other ranks may
+    still be running; gloo can abort the process there (SIGABRT after a finished run, seen on CPU CI), and
+    the launcher then reports the whole job failed — and restarts it under ``--max-restarts``.
+    """
+    if is_distributed():
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def world_size() -> int:
     if is_distributed():
         import torch.distributed as dist

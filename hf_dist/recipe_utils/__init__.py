@@ -11,6 +11,7 @@ time is spent on a bad command.
 - :mod:`~hf_dist.recipe_utils.run`: resume, callbacks, strategy check, training, export, results.
 """
 
+from hf_dist.callbacks._dist import shutdown  # the recipes' last call, on every rank
 from hf_dist.recipe_utils.args import (
     EMBEDDED_TRAINING_DEFAULTS,
     LLAMA_LORA_TARGETS,
@@ -55,5 +56,5 @@ __all__ = [
     "build_model", "chat_datasets", "check_dataset", "check_lora_targets", "check_strategy", "collator",
     "describe_plan", "effective_strategy", "export_model", "finish_run", "format_results", "load_config",
     "load_tokenizer", "lora_config", "parse_recipe_args", "require_cuda", "resolve_seq_len", "resume_checkpoint",
-    "save_at_end_callback", "save_base_model", "text_datasets", "train", "training_arguments",
+    "save_at_end_callback", "save_base_model", "shutdown", "text_datasets", "train", "training_arguments",
 ]  # fmt: skip

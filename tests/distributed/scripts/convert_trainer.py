@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from hf_dist.callbacks._dist import shutdown
 from hf_dist.cpu_fsdp import cpu_deepspeed_training_kwargs, enable_fsdp_on_cpu_from_env
 
 
@@ -103,7 +104,7 @@ def main() -> None:
         }
         with open(os.path.join(args.out, "facts.json"), "w") as handle:
             json.dump(facts, handle)
-    trainer.accelerator.wait_for_everyone()
+    shutdown()
 
 
 if __name__ == "__main__":

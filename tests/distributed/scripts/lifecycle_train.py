@@ -23,6 +23,7 @@ from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArg
 
 import hf_dist
 from hf_dist.callbacks import ExportCallback, ProfilerCallback, attach, default
+from hf_dist.callbacks._dist import shutdown
 from hf_dist.callbacks.resume import init_distributed_for_restarts
 from hf_dist.testing import TokenDataset, tiny_llama_config
 
@@ -137,6 +138,7 @@ def main() -> None:
         if trainer.is_deepspeed_enabled:
             facts["zero_stage"] = trainer.model_wrapped.zero_optimization_stage()
         (out / "facts.json").write_text(json.dumps(facts))
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from hf_dist.callbacks._dist import shutdown
+
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 
 
@@ -38,6 +40,7 @@ def main() -> None:
         os.environ.update(saved)
     if failed:
         sys.exit(f"recipes failed: {failed}")
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -117,6 +117,7 @@ def main() -> None:
         if args.resume is None:
             raise SystemExit(f"--auto-resume: no complete checkpoint in {args.out}")
     from hf_dist.callbacks import CompleteCheckpointCallback
+    from hf_dist.callbacks._dist import shutdown
     from hf_dist.reshard import reshard_callback
 
     callbacks = [Record(), CompleteCheckpointCallback(), reshard_callback()]
@@ -134,6 +135,7 @@ def main() -> None:
         }
         with open(args.loss_file, "w") as f:
             json.dump(info, f)
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import json
 import os
 from pathlib import Path
 
+from hf_dist.callbacks._dist import shutdown
 from hf_dist.cpu_fsdp import cpu_deepspeed_training_kwargs, enable_fsdp_on_cpu_from_env
 
 SEED = 1234
@@ -213,6 +214,7 @@ def main() -> None:
         tmp = Path(args.out).with_suffix(".tmp")
         tmp.write_text(json.dumps(report, indent=2))
         os.replace(tmp, args.out)
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,40 @@
+"""hf_dist.testing: a failed launch says why a rank died in the first lines of the error."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from hf_dist.testing import cpu_env, run_checked
+
+
+def test_aborting_process_reports_the_signal_and_python_stack():
+    # what a rank dying in C++ looks like: libstdc++ prints the exception, then abort()
+    code = (
+        "import os, sys\n"
+        "def finalize():\n"
+        "    sys.stderr.write(\"terminate called after throwing an instance of 'gloo::IoException'\\n\")\n"
+        "    sys.stderr.write('  what():  Connection closed by peer\\n' + 'noise\\n' * 3000)\n"
+        "    sys.stderr.flush()\n"
+        "    os.abort()\n"
+        "finalize()\n"
+    )
+    with pytest.raises(RuntimeError) as err:
+        run_checked([sys.executable, "-c", code], env=cpu_env(), timeout=60)
+    message = str(err.value)
+    assert message.startswith("command failed with exit code -6")
+    head = message.split("--- lines naming the cause ---")[1].split("--- stdout (tail) ---")[0]
+    assert "terminate called after throwing an instance of 'gloo::IoException'" in head
+    assert "what():  Connection closed by peer" in head
+    # PYTHONFAULTHANDLER=1 (set by cpu_env) dumps the Python stack on SIGABRT
+    assert "Fatal Python error: Aborted" in head
+    assert "line 6 in finalize" in message
+    assert "noise" not in head
+
+
+def test_timeout_kills_the_process_group_and_reports_output():
+    code = "import time; print('started', flush=True); time.sleep(60)"
+    with pytest.raises(RuntimeError, match=r"timed out after 1s") as err:
+        run_checked([sys.executable, "-c", code], env=cpu_env(), timeout=1)
+    assert "started" in str(err.value)
