@@ -112,15 +112,17 @@ def run_checked(cmd: Sequence[str], *, env: dict[str, str], timeout: float, cwd=
 
 # lines that say why a rank died; launchers bury them under pages of other ranks' output
 _CAUSE = re.compile(
-    r"terminate called|what\(\):|Fatal Python error|Segmentation fault|Aborted|^\s*File \"|"
+    r"terminate called|what\(\):|Fatal Python error|Segmentation fault|Aborted|"
     r"^\w+(Error|Exception|Exit)\b|^\[rank\d+\]:\s*\w+(Error|Exception)\b|exitcode\s*:|traceback\s*:"
 )
 
 
-def _failure(what: str, cmd: Sequence[str], stdout: str, stderr: str, max_causes: int = 40) -> str:
+def _failure(what: str, cmd: Sequence[str], stdout: str, stderr: str, keep: int = 20) -> str:
     """The error text of a failed launch: the lines naming the cause first, then the output's tails."""
     causes = list(dict.fromkeys(line.rstrip() for line in stderr.splitlines() if _CAUSE.search(line)))
-    summary = "\n".join(causes[-max_causes:])
+    if len(causes) > 2 * keep:  # the ranks' own errors come first, the launcher's summary last
+        causes = [*causes[:keep], "[...]", *causes[-keep:]]
+    summary = "\n".join(causes)
     return (
         f"command {what}: {' '.join(cmd)}\n--- lines naming the cause ---\n{summary}\n"
         f"--- stdout (tail) ---\n{stdout[-4000:]}\n--- stderr (tail) ---\n{stderr[-8000:]}"

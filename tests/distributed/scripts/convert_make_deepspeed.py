@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from hf_dist.callbacks._dist import shutdown
+
 
 def ds_config(stage: int, dtype: str) -> dict:
     config = {
@@ -114,6 +116,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     for variant in args.variants:
         train_and_save(args, variant, os.path.join(args.out, variant.name))
+    shutdown()
 
 
 if __name__ == "__main__":

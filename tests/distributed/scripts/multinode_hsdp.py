@@ -23,6 +23,8 @@ import json
 import os
 from pathlib import Path
 
+from hf_dist.callbacks._dist import shutdown
+
 
 def tiny_model():
     import torch
@@ -87,7 +89,7 @@ def ddp_report(out: str, node_rank: int) -> None:
         "all_reduce_sum": float(total.item()),
     }
     Path(out, f"rank{report['rank']}.json").write_text(json.dumps(report))
-    accelerator.wait_for_everyone()
+    shutdown()
 
 
 def deepspeed_report(out: str) -> None:
@@ -124,7 +126,7 @@ def deepspeed_report(out: str) -> None:
         "all_reduce_sum": float(total.item()),
     }
     Path(out, f"rank{report['rank']}.json").write_text(json.dumps(report))
-    torch.distributed.barrier()
+    shutdown()
 
 
 def main() -> None:
@@ -175,8 +177,7 @@ def main() -> None:
         "local_shard_numel": weight.to_local().numel(),
     }
     Path(args.out, f"rank{report['rank']}.json").write_text(json.dumps(report))
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":
