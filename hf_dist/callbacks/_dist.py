@@ -1,4 +1,5 @@
-"""Small torch.distributed and accelerate helpers shared by the callbacks (no-ops in one process)."""
+"""Small torch.distributed and accelerate helpers (no-ops in one process): used by the callbacks, and
+shutdown() by the recipes and every launched script."""
 
 from __future__ import annotations
 
