@@ -12,6 +12,7 @@ the cause is printed (measured: ``terminate called without an active exception``
 Measured (torch 2.13, 2 cores, 3 ranks; this worker run from a shell loop, one variant after the other):
 1 abort in 100 plain launches, 0 in 150 with shutdown(); at 4 ranks 0 in 18 each. The rate is low: evidence,
 not proof.
+This script, `--runs 60 --nproc 3` (alternating): plain exit 1 failed of 60, shutdown() 0 of 60.
 """
 
 from __future__ import annotations
