@@ -25,7 +25,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hf_dist.testing import cpu_env, free_port
+from hf_dist.testing import cause_lines, cpu_env, torchrun_command
 
 
 def worker(teardown: bool) -> None:
@@ -49,14 +49,11 @@ def worker(teardown: bool) -> None:
 
 def launch(nproc: int, teardown: bool) -> str | None:
     """None when every rank exited 0, else the first line of the output naming why."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", __file__, "--worker", *(["--teardown"] if teardown else [])]  # fmt: skip
+    cmd = torchrun_command(__file__, ["--worker", *(["--teardown"] if teardown else [])], nproc=nproc)
     proc = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=300)
     if proc.returncode == 0:
         return None
-    lines = proc.stderr.splitlines()
-    causes = [line for line in lines if "terminate called" in line or "Fatal Python error" in line]
-    return (causes or lines[-1:] or [f"exit code {proc.returncode}"])[0]
+    return (cause_lines(proc.stderr) or [f"exit code {proc.returncode}"])[0]
 
 
 def main() -> None:

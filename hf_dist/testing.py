@@ -59,7 +59,15 @@ def torchrun(
     extra_launcher_args: Sequence[str] = (),
 ) -> subprocess.CompletedProcess:
     """Run ``script`` on ``nproc`` CPU ranks with torchrun; raise with the output on failure."""
-    cmd = [
+    cmd = torchrun_command(script, args, nproc=nproc, extra_launcher_args=extra_launcher_args)
+    return run_checked(cmd, env=cpu_env(env), timeout=timeout, cwd=cwd)
+
+
+def torchrun_command(
+    script: str | Path, args: Sequence[str] = (), *, nproc: int = 2, extra_launcher_args: Sequence[str] = ()
+) -> list[str]:
+    """The torchrun command line for ``script`` on ``nproc`` local ranks, on a free port of 127.0.0.1."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -70,7 +78,6 @@ def torchrun(
         str(script),
         *map(str, args),
     ]
-    return run_checked(cmd, env=cpu_env(env), timeout=timeout, cwd=cwd)
 
 
 def accelerate_launch(
@@ -117,9 +124,14 @@ _CAUSE = re.compile(
 )
 
 
+def cause_lines(stderr: str) -> list[str]:
+    """The distinct lines of a launch's stderr that say why a rank died, in order."""
+    return list(dict.fromkeys(line.rstrip() for line in stderr.splitlines() if _CAUSE.search(line)))
+
+
 def _failure(what: str, cmd: Sequence[str], stdout: str, stderr: str, keep: int = 20) -> str:
     """The error text of a failed launch: the lines naming the cause first, then the output's tails."""
-    causes = list(dict.fromkeys(line.rstrip() for line in stderr.splitlines() if _CAUSE.search(line)))
+    causes = cause_lines(stderr)
     if len(causes) > 2 * keep:  # the ranks' own errors come first, the launcher's summary last
         causes = [*causes[:keep], "[...]", *causes[-keep:]]
     summary = "\n".join(causes)

@@ -31,7 +31,7 @@ def shutdown() -> None:
     if is_distributed():
         import torch.distributed as dist
 
-        dist.barrier()
+        barrier()
         dist.destroy_process_group()
 
 
