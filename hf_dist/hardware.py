@@ -31,6 +31,28 @@ PEAK_BF16_TFLOPS = (
     ("MI300X", 1307.0),
     ("MI250X", 383.0),
 )
+# Memory bandwidth in GB/s per device from the same datasheets, matched the same way.
+PEAK_HBM_GBPS = (
+    ("GH200", 4000.0),
+    ("H200", 4800.0),
+    ("H100 PCIe", 2000.0),
+    ("H100", 3350.0),
+    ("H800", 3350.0),
+    ("B200", 8000.0),
+    ("A100-SXM4-40GB", 1555.0),
+    ("A100", 2039.0),
+    ("A800", 2039.0),
+    ("L40S", 864.0),
+    ("L40", 864.0),
+    ("L4", 300.0),
+    ("A10G", 600.0),
+    ("A10", 600.0),
+    ("A6000", 768.0),
+    ("RTX 4090", 1008.0),
+    ("RTX 3090", 936.0),
+    ("MI300X", 5300.0),
+    ("MI250X", 3200.0),
+)
 
 
 @dataclass(frozen=True)
@@ -48,6 +70,8 @@ class Hardware:
     inter_node_gbps: float | None = None  # GB/s per device across nodes, None = unknown
     peak_tflops: float | None = None  # dense bf16 per device, when known
     host_memory_gib: float | None = None  # RAM per node for CPU offload; None = unknown
+    memory_gbps: float | None = None  # device memory bandwidth, when known
+    liger_kernel: bool = False  # liger-kernel importable where the run happens (it needs CUDA + Triton)
 
     # assumed host RAM when unknown: 2x the node's GPU memory (a DGX H100 has 2 TiB for 640 GB of HBM)
     HOST_TO_GPU_MEMORY = 2.0
@@ -82,12 +106,27 @@ class Hardware:
 
 
 def peak_tflops_for(name: str | None) -> float | None:
+    return _lookup(PEAK_BF16_TFLOPS, name)
+
+
+def memory_gbps_for(name: str | None) -> float | None:
+    return _lookup(PEAK_HBM_GBPS, name)
+
+
+def _lookup(table: tuple[tuple[str, float], ...], name: str | None) -> float | None:
     if not name:
         return None
-    for key, tflops in PEAK_BF16_TFLOPS:
+    for key, value in table:
         if key.lower() in name.lower():
-            return tflops
+            return value
     return None
+
+
+def liger_kernel_installed() -> bool:
+    """True when the optional ``liger-kernel`` package is importable (``pip install hf_dist[liger]``)."""
+    import importlib.util
+
+    return importlib.util.find_spec("liger_kernel") is not None
 
 
 def nodes_from_env(env: dict[str, str] | None = None) -> int | None:
@@ -149,6 +188,7 @@ def detect_hardware(
     host_memory_gib: float | None = None,
     intra_node_gbps: float | None = None,
     inter_node_gbps: float | None = None,
+    liger_kernel: bool | None = None,
 ) -> Hardware:
     """Detect the local hardware; every argument given overrides what is detected.
 
@@ -156,6 +196,8 @@ def detect_hardware(
     without CUDA, the result describes hypothetical CUDA GPUs (bf16 assumed unless ``bf16=False``), so
     a cluster can be planned from a laptop; without it, ``gpus`` counts CPU processes sharing host RAM.
     bf16 on CPU is allowed (torch supports it); on a CUDA GPU without bf16 it is an error.
+    ``liger_kernel``: whether Liger kernels can be used there (default: CUDA GPUs, real or described,
+    with the package installed here; pass True to plan for a cluster that has it).
     """
     _check_optional_positive("gpus", gpus, int)
     _check_optional_positive("nodes", nodes, int)
@@ -187,11 +229,15 @@ def detect_hardware(
         detected["gpu_name"] = gpu_name
     if host_memory_gib is not None:
         detected["host_memory_gib"] = float(host_memory_gib)
+    if liger_kernel is None:
+        liger_kernel = detected["device"] == "cuda" and liger_kernel_installed()
     return Hardware(
         nodes=nodes,
         intra_node_gbps=intra_node_gbps,
         inter_node_gbps=inter_node_gbps,
         peak_tflops=peak_tflops_for(detected.get("gpu_name")),
+        memory_gbps=memory_gbps_for(detected.get("gpu_name")),
+        liger_kernel=bool(liger_kernel),
         **detected,
     )
 

@@ -1,15 +1,18 @@
 """Choose the distributed strategy: the fastest one that fits, with a reason for every alternative.
 
 Rules, in order (each candidate's ``reason`` says which one decided):
-1. A candidate fits when its per-rank total <= (1 - safety_margin) * GPU memory.
-2. Avoid CPU offload, then activation checkpointing, unless nothing fits without them.
-3. Among the rest, the lowest per-step communication time (``comm_seconds``).
+1. A candidate fits when its predicted device memory (hf_dist.memory: tensors, caching allocator,
+   CUDA context) <= (1 - safety_margin) * GPU memory.
+2. Avoid CPU offload unless nothing fits without it (it also needs host RAM and a CPU optimizer).
+3. Among the rest, the highest estimated tokens/s (hf_dist.throughput: compute with recompute when
+   checkpointing, activation traffic, per-op dispatch per micro-step, optimizer, communication).
+   Activation checkpointing and Liger kernels are chosen by that estimate, not by rule.
 4. Ties go to the simpler strategy (``PREFERENCE``). At the same sharding level FSDP2 comes before
    DeepSpeed: FSDP2 is native to the Trainer on transformers 5 (no extra dependency, DCP
    checkpoints). DeepSpeed ZeRO wins when it is cheaper (ZeRO-1/2 all-gather once per optimizer step)
    or when only the optimizer must be offloaded (FSDP2 offloads parameters and optimizer together).
-Each (strategy, offload, checkpointing) uses the largest micro-batch that fits; gradient accumulation
-keeps the global batch: global = micro * accumulation * world.
+Each (strategy, offload, checkpointing, Liger) uses the micro-batch that fits with the highest
+estimated tokens/s; gradient accumulation keeps the global batch: global = micro * accumulation * world.
 """
 
 from __future__ import annotations
@@ -21,16 +24,16 @@ from typing import Any
 from hf_dist.hardware import Hardware, detect_hardware
 from hf_dist.memory import ALLOWED_OFFLOADS, GIB, METHODS, OFFLOADS, STRATEGIES, MemoryEstimate, estimate_memory
 from hf_dist.modelinfo import ModelSpec, model_spec
+from hf_dist.throughput import StepTime, comm_seconds, step_time
 
-# simplest first; ties in communication time go to the earlier one
+__all__ = ["Plan", "PlanError", "Candidate", "plan", "comm_seconds", "micro_batch_options"]
+
+# simplest first; ties in estimated time go to the earlier one
 PREFERENCE = ("ddp", "zero1", "fsdp_shard_grad_op", "zero2", "fsdp_full_shard", "zero3", "hsdp")
-# Link bandwidths when the hardware does not say (GB/s per device, achieved bus bandwidth):
-# NVLink-class nodes reach ~150 GB/s in NCCL all-reduce bus bandwidth; a 200 Gb/s NIC per GPU
-# (InfiniBand / EFA) ~25 GB/s; PCIe 4.0 x16 host<->device ~25 GB/s.
-DEFAULT_INTRA_GBPS = 150.0
-DEFAULT_INTER_GBPS = 25.0
-PCIE_GBPS = 25.0
 MAX_MICRO_BATCH = 16
+# estimates closer than this are ties, which go to the simpler layout (the throughput model is not
+# more precise than that)
+TIE_FRACTION = 0.03
 
 
 def _fmt(num_bytes: float) -> str:
@@ -51,6 +54,16 @@ class Candidate:
     fits: bool
     reason: str
     comm_seconds: float | None
+    use_liger_kernel: bool = False
+    time: StepTime | None = None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return None if self.time is None else self.time.tokens_per_s
+
+    @property
+    def key(self) -> tuple[str, str, bool, bool]:
+        return (self.strategy, self.offload, self.activation_checkpointing, self.use_liger_kernel)
 
 
 @dataclass
@@ -75,6 +88,9 @@ class Plan:
     lora_rank: int
     reason: str = ""
     usable_gib: float = field(default=0.0)
+    use_liger_kernel: bool = False
+    tokens_per_s: float | None = None  # estimated, all ranks
+    liger_note: str = ""  # what Liger kernels would gain when they are not available
 
     def to_dict(self) -> dict:
         """JSON-serializable summary (the transformers config object is left out)."""
@@ -83,100 +99,65 @@ class Plan:
         out["hardware"] = self.hardware.to_dict()
         out["model"] = {k: v for k, v in asdict(self.model).items() if k != "config"}
         out["candidates"] = [
-            {**{k: v for k, v in asdict(c).items() if k != "memory"}, "memory": c.memory.to_dict()}
+            {
+                **{k: v for k, v in asdict(c).items() if k not in ("memory", "time")},
+                "memory": c.memory.to_dict(),
+                "tokens_per_s": c.tokens_per_s,
+            }
             for c in self.candidates
         ]
         json.dumps(out)  # fail here, not in the caller, if something is not serializable
         return out
 
     def explain(self) -> str:
-        """A readable table of every candidate by component (GiB per rank) with its verdict and reason."""
+        """A readable table of every candidate by component (per rank) with its verdict and reason."""
         hw = self.hardware
         size = f"{self.num_params / 1e9:.2f}B" if self.num_params >= 1e9 else f"{self.num_params / 1e6:.2f}M"
         # small models read better in MiB
         unit, div = ("GiB", GIB) if max(c.memory.total for c in self.candidates) >= GIB else ("MiB", 1024**2)
+        speed = f", ~{self.tokens_per_s:,.0f} tokens/s estimated" if self.tokens_per_s else ""
         lines = [
             f"model: {self.model.name or 'model'} ({size} params), method={self.method}, optimizer={self.optimizer}, "
             f"seq_len={self.seq_len}, precision={self.mixed_precision}",
             f"hardware: {hw.nodes} node(s) x {hw.gpus_per_node} {hw.gpu_name or hw.device} "
             f"({hw.gpu_memory_gib:.1f} GiB, usable {self.usable_gib:.1f} GiB after safety margin)",
             f"chosen: {self.strategy}, offload={self.offload}, activation_checkpointing={self.activation_checkpointing}, "
-            f"micro_batch={self.micro_batch_size} x accumulation={self.gradient_accumulation_steps} x world="
-            f"{self.world_size} = global_batch {self.global_batch_size}",
+            f"use_liger_kernel={self.use_liger_kernel}, micro_batch={self.micro_batch_size} x accumulation="
+            f"{self.gradient_accumulation_steps} x world={self.world_size} = global_batch {self.global_batch_size}{speed}",
             f"why: {self.reason}",
-            f"per-rank memory in {unit}:",
         ]
-        header = ("strategy", "offload", "ckpt", "mb", "params", "grads", "optim", "acts", "buffers", "overhead")
-        header += ("total", "comm_s", "verdict")
+        if self.liger_note:
+            lines.append(f"liger: {self.liger_note}")
+        lines.append(
+            f"per-rank memory in {unit} (total = device memory in use at the peak: allocated tensors + caching "
+            "allocator + CUDA context):"
+        )
+        terms = ("params", "grads", "optimizer", "activations", "logits", "buffers", "allocator", "overhead", "total")
+        header = ("strategy", "offload", "ckpt", "liger", "mb", "params", "grads", "optim", "acts", "logits")
+        header += ("buffers", "allocator", "overhead", "total", "tok/s", "verdict")
         rows = [header]
         for c in self.candidates:
-            m = c.memory
-            chosen = (c.strategy, c.offload, c.activation_checkpointing) == (
-                self.strategy,
-                self.offload,
-                self.activation_checkpointing,
-            )
-            verdict = "CHOSEN" if chosen else ("fits" if c.fits else "no fit")
-            gib = [f"{v / div:.2f}" for v in (m.params, m.grads, m.optimizer, m.activations, m.buffers, m.overhead)]
-            comm = "-" if c.comm_seconds is None else f"{c.comm_seconds:.3f}"
-            ckpt = "yes" if c.activation_checkpointing else "no"
-            rows.append(
-                (c.strategy, c.offload, ckpt, str(c.micro_batch_size), *gib, f"{m.total / div:.2f}", comm, verdict)
-            )
+            verdict = "CHOSEN" if c.key == self._chosen_key else ("fits" if c.fits else "no fit")
+            sizes = [f"{getattr(c.memory, t) / div:.2f}" for t in terms]
+            speed = "-" if c.tokens_per_s is None else f"{c.tokens_per_s:,.0f}"
+            flags = ("yes" if c.activation_checkpointing else "no", "yes" if c.use_liger_kernel else "no")
+            rows.append((c.strategy, c.offload, *flags, str(c.micro_batch_size), *sizes, speed, verdict))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         for row in rows:
             cells = [
-                cell.rjust(w) if i >= 3 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+                cell.rjust(w) if i >= 4 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
             ]
             lines.append("  ".join(cells))
         lines.append("")
         lines.append("reasons:")
         for c in self.candidates:
-            ckpt = "+ckpt" if c.activation_checkpointing else ""
-            lines.append(f"  {c.strategy}/{c.offload}{ckpt}: {c.reason}")
+            flags = ("+ckpt" if c.activation_checkpointing else "") + ("+liger" if c.use_liger_kernel else "")
+            lines.append(f"  {c.strategy}/{c.offload}{flags}: {c.reason}")
         return "\n".join(lines)
 
-
-# ---------------------------------------------------------------- communication model
-
-
-def comm_seconds(strategy, offload, spec, trainable, world, nodes, accum, pb, gb, hw: Hardware) -> float:
-    """Per optimizer step, per rank, seconds spent moving bytes (ring collectives, bandwidth-bound).
-
-    Ring all-reduce moves 2(N-1)/N of the buffer per rank, reduce-scatter and all-gather (N-1)/N each
-    (Patarasuk & Yuan 2009; NCCL performance docs). DDP and ZeRO-1 reduce once per optimizer step
-    (no_sync / local accumulation); ZeRO-2 reduce-scatters each micro-step; FSDP and ZeRO-3 gather
-    parameters in forward and backward (FSDP2 shard-grad-op only in forward) and reduce-scatter
-    gradients on every micro-step.
-    """
-    intra = (hw.intra_node_gbps or DEFAULT_INTRA_GBPS) * 1e9
-    inter = (hw.inter_node_gbps or DEFAULT_INTER_GBPS) * 1e9
-    link = inter if nodes > 1 else intra
-    params, grads = spec.num_params * pb, trainable * gb
-    seconds = 0.0
-    if world > 1:
-        f = (world - 1) / world
-        if strategy == "ddp":
-            seconds = 2 * f * grads / link
-        elif strategy == "zero1":
-            seconds = f * (grads + params) / link
-        elif strategy == "zero2":
-            seconds = (f * grads * accum + f * params) / link
-        elif strategy == "fsdp_shard_grad_op":
-            seconds = f * (params + grads) * accum / link
-        elif strategy in ("zero3", "fsdp_full_shard"):
-            seconds = f * (2 * params + grads) * accum / link
-        elif strategy == "hsdp":
-            g = world // nodes
-            fi, fo = (g - 1) / g, (nodes - 1) / nodes
-            seconds = (fi * (2 * params + grads) / intra + 2 * fo * grads / g / inter) * accum
-    if offload != "none":
-        # gradients to the host and updated parameters back, every optimizer step, over PCIe
-        degree = world // nodes if strategy == "hsdp" else world
-        seconds += (trainable * (gb + pb)) / degree / (PCIE_GBPS * 1e9)
-        if offload == "optimizer+params":
-            seconds += 2 * params / degree * accum / (PCIE_GBPS * 1e9)
-    return seconds
+    @property
+    def _chosen_key(self) -> tuple[str, str, bool, bool]:
+        return (self.strategy, self.offload, self.activation_checkpointing, self.use_liger_kernel)
 
 
 # ---------------------------------------------------------------- batch math
@@ -214,14 +195,16 @@ class _Setup:
     seq_len: int
     lora_rank: int
     pb: int
-    gb: int
     master: bool
     usable: float
     trainable: int
 
 
-def _estimate(s: _Setup, strategy, offload, ckpt, mb, world=None, nodes=None, accum=1) -> MemoryEstimate:
-    cpu = s.hw.device == "cpu"
+Combo = tuple[str, str, bool, bool]  # strategy, offload, activation checkpointing, Liger kernels
+
+
+def _estimate(s: _Setup, combo: Combo, mb, world=None, nodes=None, accum=1) -> MemoryEstimate:
+    strategy, offload, ckpt, liger = combo
     return estimate_memory(
         s.spec,
         strategy,
@@ -232,91 +215,126 @@ def _estimate(s: _Setup, strategy, offload, ckpt, mb, world=None, nodes=None, ac
         optimizer=s.optimizer,
         master_weights=s.master,
         param_bytes=s.pb,
-        grad_bytes=s.gb,
         seq_len=s.seq_len,
         micro_batch_size=mb,
         activation_checkpointing=ckpt,
         lora_rank=s.lora_rank,
-        overhead=0 if cpu else None,
         gradient_accumulation_steps=accum,
+        use_liger_kernel=liger,
+        device=s.hw.device,
     )
 
 
-def _combos(strategies, offloads, ckpts, nodes) -> list[tuple[str, str, bool]]:
+def _time(s: _Setup, combo: Combo, mb: int, accum: int, memory: MemoryEstimate) -> StepTime:
+    strategy, offload, ckpt, liger = combo
+    hw = s.hw
+    grad_bytes = 4 if s.pb == 4 else 2  # what the collectives move (DeepSpeed reduces in the compute dtype)
+    comm = comm_seconds(strategy, offload, s.spec, s.trainable, hw.world_size, hw.nodes, accum, s.pb, grad_bytes, hw)
+    return step_time(
+        s.spec, hw, memory, strategy=strategy, offload=offload, trainable=s.trainable, micro_batch_size=mb,
+        accumulation=accum, seq_len=s.seq_len, activation_checkpointing=ckpt, use_liger_kernel=liger, comm=comm,
+    )  # fmt: skip
+
+
+def _combos(strategies, offloads, ckpts, ligers, hw: Hardware, pinned: bool) -> list[Combo]:
+    """Every allowed combination. On one GPU there is nothing to shard: a sharding engine is only
+    searched with offload (it would add its overhead for nothing), unless the strategy is pinned."""
     out = []
-    for offload in offloads:
-        for ckpt in ckpts:
-            for strategy in strategies:
-                if strategy == "hsdp" and nodes < 2:
-                    continue
-                if offload in ALLOWED_OFFLOADS[strategy]:
-                    out.append((strategy, offload, ckpt))
+    for liger in ligers:
+        for offload in offloads:
+            for ckpt in ckpts:
+                for strategy in strategies:
+                    if strategy == "hsdp" and hw.nodes < 2:
+                        continue
+                    if hw.world_size == 1 and strategy != "ddp" and offload == "none" and not pinned:
+                        continue
+                    if offload in ALLOWED_OFFLOADS[strategy]:
+                        out.append((strategy, offload, ckpt, liger))
     return out
 
 
-def _candidate(s: _Setup, strategy, offload, ckpt, mbs, global_batch) -> Candidate:
-    world, nodes = s.hw.world_size, s.hw.nodes
-    host_need = _estimate(s, strategy, offload, ckpt, mbs[-1]).cpu * s.hw.gpus_per_node
+def _candidate(s: _Setup, combo: Combo, mbs, global_batch) -> Candidate:
+    world = s.hw.world_size
+    host_need = _estimate(s, combo, mbs[-1]).cpu * s.hw.gpus_per_node
     host_usable = s.usable / (s.hw.gpu_memory_gib * GIB) * s.hw.host_memory_limit_gib * GIB
+    strategy, offload, ckpt, liger = combo
     if host_need > host_usable:
-        mem = _estimate(s, strategy, offload, ckpt, mbs[-1])
+        mem = _estimate(s, combo, mbs[-1])
         reason = (
             f"offloaded states need {_fmt(host_need)} of host RAM per node, more than the usable {_fmt(host_usable)} "
             "(pass --host-memory / detect_hardware(host_memory_gib=...) if it is larger)"
         )
-        return Candidate(strategy, offload, ckpt, mbs[-1], mem, False, reason, None)
-    for mb in mbs:
+        return Candidate(strategy, offload, ckpt, mbs[-1], mem, False, reason, None, liger)
+    best = None
+    for mb in mbs:  # largest first; memory only grows with the micro-batch
         accum = (global_batch // (mb * world)) if global_batch else 1
-        mem = _estimate(s, strategy, offload, ckpt, mb, accum=accum)
-        if mem.total <= s.usable:
-            comm = comm_seconds(strategy, offload, s.spec, s.trainable, world, nodes, accum, s.pb, s.gb, s.hw)
-            return Candidate(strategy, offload, ckpt, mb, mem, True, "", comm)
+        mem = _estimate(s, combo, mb, accum=accum)
+        if mem.total > s.usable:
+            continue
+        time = _time(s, combo, mb, accum, mem)
+        if best is None or time.tokens_per_s > best.time.tokens_per_s * (1 + TIE_FRACTION):
+            best = Candidate(strategy, offload, ckpt, mb, mem, True, "", time.comm, liger, time)
+    if best is not None:
+        return best
     short = mem.total - s.usable
     reason = f"needs {_fmt(mem.total)} per rank at micro_batch {mbs[-1]}, {_fmt(short)} over the usable memory"
-    return Candidate(strategy, offload, ckpt, mbs[-1], mem, False, reason, None)
+    return Candidate(strategy, offload, ckpt, mbs[-1], mem, False, reason, None, liger)
 
 
-def _rank(c: Candidate) -> tuple:
-    return (
-        OFFLOADS.index(c.offload),
-        c.activation_checkpointing,
-        round(c.comm_seconds, 6),
-        PREFERENCE.index(c.strategy),
-    )
+def _best(fitting: list[Candidate]) -> Candidate:
+    """Least offload, then the fastest; estimates within TIE_FRACTION of it go to the simpler layout."""
+    level = min(OFFLOADS.index(c.offload) for c in fitting)
+    pool = [c for c in fitting if OFFLOADS.index(c.offload) == level]
+    fastest = max(c.tokens_per_s for c in pool)
+    close = [c for c in pool if c.tokens_per_s >= fastest * (1 - TIE_FRACTION)]
+    return min(close, key=lambda c: (c.activation_checkpointing, PREFERENCE.index(c.strategy), -c.tokens_per_s))
 
 
 def _reason_for(c: Candidate, best: Candidate) -> str:
     if c is best:
-        fsdp_note = ""
+        notes = []
         if c.strategy.startswith("fsdp") or c.strategy == "hsdp":
-            fsdp_note = "; FSDP2 is preferred at equal cost because it is native to the Trainer"
+            notes.append("FSDP2 is preferred at equal cost because it is native to the Trainer")
         if c.strategy.startswith("zero") and c.offload == "optimizer":
-            fsdp_note = "; DeepSpeed because FSDP2 cannot offload only the optimizer"
-        extras = []
+            notes.append("DeepSpeed because FSDP2 cannot offload only the optimizer")
         if c.offload != "none":
-            extras.append(f"offload={c.offload} because nothing fits without it")
+            notes.append(f"offload={c.offload} because nothing fits without it")
         if c.activation_checkpointing:
-            extras.append("activation checkpointing because nothing fits without it")
-        extra = ("; " + "; ".join(extras)) if extras else ""
-        return f"fits ({_fmt(c.memory.total)}) with the lowest communication time ({c.comm_seconds:.3f} s/step){extra}{fsdp_note}"
+            notes.append("activation checkpointing: its recompute costs less than the smaller micro-batch without it")
+        if c.use_liger_kernel:
+            notes.append("Liger kernels: fused RMSNorm/SwiGLU/RoPE/linear cross-entropy save memory and time")
+        t = c.time
+        extra = ("; " + "; ".join(notes)) if notes else ""
+        return (
+            f"fits ({_fmt(c.memory.total)}) with the highest estimated throughput (~{t.tokens_per_s:,.0f} tokens/s: "
+            f"{t.seconds:.3f} s/step, {t.comm:.3f} s communication){extra}"
+        )
     if not c.fits:
         return c.reason
     if c.offload != best.offload:
         return f"fits but uses CPU offload ({c.offload}), which the chosen plan avoids"
-    if c.activation_checkpointing != best.activation_checkpointing:
-        return "fits but recomputes activations, which the chosen plan avoids"
-    if c.comm_seconds > best.comm_seconds + 1e-6:
-        return f"fits but communicates more ({c.comm_seconds:.3f} s/step vs {best.comm_seconds:.3f})"
-    return f"fits with the same communication time; {best.strategy} is simpler"
+    if c.tokens_per_s < best.tokens_per_s * (1 - TIE_FRACTION):
+        why = []
+        if c.activation_checkpointing and not best.activation_checkpointing:
+            why.append("recomputes activations")
+        if c.micro_batch_size < best.micro_batch_size:
+            why.append(f"fits only micro_batch {c.micro_batch_size}")
+        if best.use_liger_kernel and not c.use_liger_kernel:
+            why.append("no Liger kernels")
+        if c.time.comm > best.time.comm * (1 + TIE_FRACTION):
+            why.append(f"communicates more ({c.time.comm:.3f} s/step vs {best.time.comm:.3f})")
+        because = f" ({', '.join(why)})" if why else ""
+        return f"fits but is slower: ~{c.tokens_per_s:,.0f} vs ~{best.tokens_per_s:,.0f} tokens/s{because}"
+    return f"fits at about the same speed; {best.strategy} is simpler"
 
 
-def _precision(hw: Hardware) -> tuple[str, int, int, bool]:
-    """(mixed_precision, param_bytes, grad_bytes, fp32 master weights)."""
+def _precision(hw: Hardware) -> tuple[str, int, bool]:
+    """(mixed_precision, compute bytes, fp32 master weights)."""
     if hw.bf16:
-        return "bf16", 2, 2, True
+        return "bf16", 2, True
     if hw.fp16:
-        return "fp16", 2, 2, True
-    return "no", 4, 4, False
+        return "fp16", 2, True
+    return "no", 4, False
 
 
 def _restrict(name: str, value, allowed: tuple) -> tuple:
@@ -325,6 +343,25 @@ def _restrict(name: str, value, allowed: tuple) -> tuple:
     if value not in allowed:
         raise ValueError(f"unknown {name} {value!r}; allowed: {', '.join(map(str, allowed))}")
     return (value,)
+
+
+def _liger_options(use_liger_kernel: bool | None, hw: Hardware) -> tuple[bool, ...]:
+    """Liger kernels need CUDA (Triton) and the package; they are considered wherever both are there."""
+    if use_liger_kernel is None:
+        return (False, True) if hw.device == "cuda" and hw.liger_kernel else (False,)
+    if not isinstance(use_liger_kernel, bool):
+        raise ValueError(f"use_liger_kernel must be True, False or None (decide), got {use_liger_kernel!r}")
+    if use_liger_kernel and hw.device != "cuda":
+        raise ValueError(
+            "use_liger_kernel=True needs CUDA GPUs (Liger's kernels are Triton), but this plan is for CPU ranks; "
+            "drop use_liger_kernel, or plan for GPUs with gpu_memory_gib=..."
+        )
+    if use_liger_kernel and not hw.liger_kernel:
+        raise ValueError(
+            "use_liger_kernel=True but liger-kernel is not installed here; install it (pip install 'hf_dist[liger]') "
+            "or pass detect_hardware(liger_kernel=True) when planning for a machine that has it"
+        )
+    return (use_liger_kernel,)
 
 
 def plan(
@@ -342,12 +379,14 @@ def plan(
     strategy: str | None = None,
     offload: str | None = None,
     activation_checkpointing: bool | None = None,
+    use_liger_kernel: bool | None = None,
     safety_margin: float = 0.1,
     hardware: Hardware | None = None,
 ) -> Plan:
     """Plan distributed training of ``model`` (count, config, module, folder, config.json or hub name).
 
-    ``strategy`` / ``offload`` / ``activation_checkpointing`` pin a choice instead of searching it.
+    ``strategy`` / ``offload`` / ``activation_checkpointing`` / ``use_liger_kernel`` pin a choice
+    instead of searching it (Liger kernels are searched on CUDA when liger-kernel is installed).
     Raises PlanError (a ValueError) naming the minimum hardware when nothing fits.
     """
     if method not in METHODS:
@@ -367,32 +406,36 @@ def plan(
     no_offload = (method == "qlora" or hw.device == "cpu") and offload is None
     offloads = _restrict("offload", offload, ("none",) if no_offload else OFFLOADS)
     ckpts = _restrict("activation_checkpointing", activation_checkpointing, (False, True))
+    ligers = _liger_options(use_liger_kernel, hw)
     if strategy == "hsdp" and hw.nodes < 2:
         raise ValueError("strategy 'hsdp' needs nodes >= 2 (it replicates across nodes); use fsdp_full_shard")
     spec = model_spec(model)
-    mp, pb, gb, master = _precision(hw)
+    mp, pb, master = _precision(hw)
     from hf_dist.memory import trainable_params
 
     setup = _Setup(
-        spec, hw, method, optimizer, seq_len, lora_rank, pb, gb, master,
+        spec, hw, method, optimizer, seq_len, lora_rank, pb, master,
         usable=(1 - safety_margin) * hw.gpu_memory_gib * GIB,
         trainable=trainable_params(spec, method, lora_rank),
     )  # fmt: skip
     world = hw.world_size
     mbs = micro_batch_options(global_batch_size, micro_batch_size, world)
-    combos = _combos(strategies, offloads, ckpts, hw.nodes)
+    combos = _combos(strategies, offloads, ckpts, ligers, hw, pinned=strategy is not None)
     if not combos:
         raise ValueError(
             f"strategy {strategy!r} cannot use offload {offload!r}; allowed: {ALLOWED_OFFLOADS[strategy]}"
         )
-    candidates = [_candidate(setup, s, o, c, mbs, global_batch_size) for s, o, c in combos]
+    candidates = [_candidate(setup, combo, mbs, global_batch_size) for combo in combos]
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         raise PlanError(_nothing_fits_message(setup, combos, candidates))
-    best = min(fitting, key=_rank)
+    best = _best(fitting)
     for c in candidates:
         c.reason = _reason_for(c, best)
     global_batch = global_batch_size or best.micro_batch_size * world
+    note = ""
+    if use_liger_kernel is None and hw.device == "cuda" and not hw.liger_kernel and spec.has_shape:
+        note = _liger_gain(setup, best, mbs, global_batch_size)
     return Plan(
         strategy=best.strategy,
         offload=best.offload,
@@ -414,6 +457,27 @@ def plan(
         lora_rank=lora_rank,
         reason=best.reason,
         usable_gib=setup.usable / GIB,
+        use_liger_kernel=best.use_liger_kernel,
+        tokens_per_s=best.tokens_per_s,
+        liger_note=note,
+    )
+
+
+def _liger_gain(s: _Setup, best: Candidate, mbs, global_batch) -> str:
+    """What Liger kernels would change for the chosen layout, when the package is missing."""
+    strategy, offload, _, _ = best.key
+    options = [_candidate(s, (strategy, offload, ckpt, True), mbs, global_batch) for ckpt in (False, True)]
+    fitting = [c for c in options if c.fits]
+    if not fitting:
+        return ""
+    alt = _best(fitting)
+    gain = alt.tokens_per_s / best.tokens_per_s - 1
+    if gain <= TIE_FRACTION:
+        return ""
+    return (
+        f"not installed; with liger-kernel (pip install 'hf_dist[liger]') {strategy} would fit micro_batch "
+        f"{alt.micro_batch_size}{' with checkpointing' if alt.activation_checkpointing else ''} at "
+        f"{_fmt(alt.memory.total)} and run ~{gain:.0%} faster (~{alt.tokens_per_s:,.0f} tokens/s)"
     )
 
 
@@ -441,7 +505,7 @@ def _nothing_fits_message(s: _Setup, combos, candidates: list[Candidate]) -> str
             f". A single decoder layer ({s.spec.layer_params / 1e6:.0f}M params) with its gradients and activations "
             "does not fit on one GPU even with full sharding: tensor parallelism is needed (not covered by hf_dist)"
         )
-    sharded = [(st, o, c) for st, o, c in combos if st in ("fsdp_full_shard", "zero3", "hsdp")] or combos
+    sharded = [combo for combo in combos if combo[0] in ("fsdp_full_shard", "zero3", "hsdp")] or combos
     found = _min_world(s, sharded)
     if found is None:
         return msg + "; no data-parallel world size up to 8192 GPUs fits: use tensor/pipeline parallelism"
@@ -457,9 +521,12 @@ def _needs_tensor_parallel(s: _Setup) -> bool:
 
     if not s.spec.has_shape:
         return False
+    from hf_dist.memory import layout
+
+    lay = layout("fsdp_full_shard", s.pb, s.master, s.method)
     trainable_layer = s.spec.layer_params if s.method == "full" else 0
-    layer = s.spec.layer_params * s.pb + trainable_layer * s.gb
-    acts = layer_activation_bytes(s.spec, s.seq_len, 1, s.pb)
+    layer = s.spec.layer_params * s.pb + trainable_layer * lay.grads
+    acts = layer_activation_bytes(s.spec, s.seq_len, 1, lay)
     return layer + acts > s.usable
 
 
@@ -488,8 +555,8 @@ def _min_world(s: _Setup, combos) -> tuple[int, int, tuple] | None:
     return None
 
 
-def _fits_at(s: _Setup, combo: tuple[str, str, bool], size: tuple[int, int]) -> bool:
-    (strategy, offload, ckpt), (world, nodes) = combo, size
-    if strategy == "hsdp" and nodes < 2:
+def _fits_at(s: _Setup, combo: Combo, size: tuple[int, int]) -> bool:
+    world, nodes = size
+    if combo[0] == "hsdp" and nodes < 2:
         return False
-    return _estimate(s, strategy, offload, ckpt, 1, world=world, nodes=nodes).total <= s.usable
+    return _estimate(s, combo, 1, world=world, nodes=nodes).total <= s.usable

@@ -1,0 +1,230 @@
+"""The memory model and the planner against training runs measured on real GPUs.
+
+Usage:  python benchmarks/gpu_ground_truth.py [DATA.json ...] [--json OUT]
+
+Each data file (default: every ``benchmarks/data/gpu/*.json``) holds runs of the HF Trainer with
+``hf_dist.auto_args()`` on one CUDA device, taken with ``../shared/gpu/gpu_memory.py``: what was asked
+(strategy, micro-batch, accumulation, checkpointing, Liger, the dtype the weights were loaded in) and
+what was measured (``device_used_gib`` = max over steps of ``total - free``, torch's allocated and
+reserved peaks, OOM, tokens/s). For every case this prints hf_dist's prediction of what ran (a
+16-bit-loaded model under one process trained in pure bf16 before hf_dist 0.2; the Adam state dtype
+in the data says which) next to the measurement, as ratios.
+
+Targets (issue 10): every case that ran with fp32 master weights within -5 % / +15 % of the device
+memory used; every case that ran out of memory predicted above the usable capacity. Then, per model
+in the data, the planner's choice for full fine-tuning at global batch 64 on that GPU (with and
+without Liger kernels) and how the data rates it: never a configuration that ran out of memory, and
+tokens/s within 10 % of the fastest configuration that ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+DATA = ROOT / "benchmarks" / "data" / "gpu"
+GIB = 1024**3
+LOW, HIGH = 0.95, 1.15
+
+
+def load(paths: list[str]) -> list[tuple[dict, dict, Path]]:
+    """(environment, case, config folder) for every case in the files."""
+    out = []
+    for path in paths:
+        with open(path) as fh:
+            data = json.load(fh)
+        for case in data["cases"]:
+            out.append((data["environment"], case, Path(path).parent / "configs" / case["model"]))
+    return out
+
+
+def capacity_gib(env: dict) -> float:
+    """Usable device memory from the environment line, e.g. '... (79.18 GiB usable by torch)'."""
+    text = env["gpu"]
+    return float(text.split("(")[1].split(" GiB")[0])
+
+
+def ran_pure_bf16(case: dict) -> bool:
+    return case["measured"].get("adam_state_dtype") == "torch.bfloat16"
+
+
+def predict(case: dict, config_dir: Path):
+    from hf_dist.memory import estimate_memory
+    from hf_dist.modelinfo import load_config, model_spec
+
+    spec = model_spec(load_config(str(config_dir / "config.json")))
+    return estimate_memory(
+        spec,
+        case["strategy"],
+        1,
+        method=case["method"],
+        master_weights=not ran_pure_bf16(case),
+        seq_len=case["seq_len"],
+        micro_batch_size=case["micro_batch_size"],
+        gradient_accumulation_steps=case["gradient_accumulation_steps"],
+        activation_checkpointing=case["activation_checkpointing"],
+        use_liger_kernel=case["use_liger_kernel"],
+    )
+
+
+def case_label(case: dict) -> str:
+    parts = [case["model"], case["method"], case["strategy"], f"mb{case['micro_batch_size']}"]
+    if case["gradient_accumulation_steps"] > 1:
+        parts.append(f"ga{case['gradient_accumulation_steps']}")
+    if case["activation_checkpointing"]:
+        parts.append("ckpt")
+    if case["use_liger_kernel"]:
+        parts.append("liger")
+    parts.append(f"load={case['weights_loaded_as']}")
+    return " ".join(parts)
+
+
+def memory_rows(cases) -> tuple[list[dict], list[str]]:
+    rows, failures = [], []
+    for env, case, config_dir in cases:
+        m, cap = case["measured"], capacity_gib(env)
+        est = predict(case, config_dir)
+        row = {
+            "case": case_label(case),
+            "precision": "pure bf16" if ran_pure_bf16(case) else "fp32 masters",
+            "predicted_gib": est.total / GIB,
+            "predicted_allocated_gib": est.allocated / GIB,
+            "measured_gib": m["device_used_gib"],
+            "measured_allocated_gib": m["max_memory_allocated_gib"],
+            "oom": bool(m["out_of_memory"]),
+            "capacity_gib": cap,
+            "v0.1_gib": case["hf_dist_prediction_at_0.1.0"]["total"],
+            "terms": est.gib(),
+        }
+        row["ratio"] = row["predicted_gib"] / row["measured_gib"]
+        if row["oom"]:
+            row["ok"] = row["predicted_gib"] > cap
+            if not row["ok"]:
+                failures.append(f"{row['case']}: ran out of memory but predicted {row['predicted_gib']:.2f} GiB")
+        elif row["precision"] == "fp32 masters":
+            row["ok"] = LOW <= row["ratio"] <= HIGH
+            if not row["ok"]:
+                failures.append(f"{row['case']}: ratio {row['ratio']:.3f} outside [{LOW}, {HIGH}]")
+        else:
+            row["ok"] = None  # pure bf16 runs are shown, not targeted
+        rows.append(row)
+    return rows, failures
+
+
+def memory_table(rows: list[dict]) -> str:
+    header = ("case", "precision", "predicted", "measured", "ratio", "alloc pred/meas", "v0.1 ratio", "target")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        if r["oom"]:
+            measured = f"OOM (> {r['capacity_gib']:.2f})"
+            ratio = "-"
+            target = f"> {r['capacity_gib']:.2f}: {'ok' if r['ok'] else 'MISS'}"
+        else:
+            measured, ratio = f"{r['measured_gib']:.2f}", f"{r['ratio']:.3f}"
+            target = "-" if r["ok"] is None else ("ok" if r["ok"] else "MISS")
+        alloc = f"{r['predicted_allocated_gib'] / r['measured_allocated_gib']:.3f}" if not r["oom"] else "-"
+        v01 = "-" if r["oom"] else f"{r['v0.1_gib'] / r['measured_gib']:.3f}"
+        cells = (r["case"], r["precision"], f"{r['predicted_gib']:.2f}", measured, ratio, alloc, v01, target)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def same_config(case: dict, plan) -> bool:
+    return (
+        case["strategy"] == plan.strategy
+        and case["micro_batch_size"] == plan.micro_batch_size
+        and case["gradient_accumulation_steps"] == plan.gradient_accumulation_steps
+        and case["activation_checkpointing"] == plan.activation_checkpointing
+        and case["use_liger_kernel"] == plan.use_liger_kernel
+        and not ran_pure_bf16(case)
+    )
+
+
+def planner_rows(cases) -> tuple[list[str], list[str]]:
+    """The planner's pick for each (model, GPU) in the data at global batch 64, rated by the data."""
+    import hf_dist
+    from hf_dist.hardware import Hardware
+
+    lines, failures = [], []
+    seen = set()
+    for env, case, config_dir in cases:
+        key = (case["model"], env["gpu"], case["seq_len"])
+        if key in seen or case["method"] != "full":
+            continue
+        seen.add(key)
+        group = [c for e, c, _ in cases if (c["model"], e["gpu"], c["seq_len"]) == key and not ran_pure_bf16(c)]
+        ran = [c for c in group if not c["measured"]["out_of_memory"]]
+        fastest = max(c["measured"]["tokens_per_s"] for c in ran)
+        name = env["gpu"].split(" (")[0]
+        for liger in (True, False):
+            hw = Hardware(
+                device="cuda", gpus_per_node=1, gpu_memory_gib=capacity_gib(env), gpu_name=name, bf16=True, fp16=True,
+                liger_kernel=liger,
+            )  # fmt: skip
+            plan = hf_dist.plan(str(config_dir / "config.json"), hardware=hw, seq_len=case["seq_len"], global_batch_size=64)
+            chosen = (
+                f"{plan.strategy} mb{plan.micro_batch_size} x ga{plan.gradient_accumulation_steps}"
+                f"{' ckpt' if plan.activation_checkpointing else ''}{' liger' if plan.use_liger_kernel else ''}"
+                f" (predicted {plan.memory.total / GIB:.2f} GiB)"
+            )
+            match = [c for c in group if same_config(c, plan)]
+            # the same layout measured at another accumulation count rates the pick (its speed per token
+            # and its memory, plus the gradients accumulation keeps)
+            near = [c for c in group if same_config({**c, "gradient_accumulation_steps": plan.gradient_accumulation_steps}, plan)]
+            label = f"{case['model']} on {name}, liger {'installed' if liger else 'absent'}: {chosen}"
+            if match or near:
+                c = (match or near)[0]
+                m = c["measured"]
+                how = "measured" if match else f"measured at ga{c['gradient_accumulation_steps']}"
+                if m["out_of_memory"]:
+                    failures.append(f"{label}: ran out of memory ({how})")
+                    lines.append(f"{label} -> OUT OF MEMORY ({how})")
+                    continue
+                pool = ran if liger else [c for c in ran if not c["use_liger_kernel"]]
+                best = max(c["measured"]["tokens_per_s"] for c in pool)
+                ratio = m["tokens_per_s"] / best
+                lines.append(
+                    f"{label} -> {how}: {m['tokens_per_s']} tok/s, {ratio:.3f} of the fastest that ran "
+                    f"({best} tok/s{'' if liger else ' without Liger'}; all: {fastest})"
+                )
+                if ratio < 0.9:
+                    failures.append(f"{label}: {ratio:.3f} of the fastest")
+            else:
+                lines.append(f"{label} -> not in the data")
+    return lines, failures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("data", nargs="*", help="ground-truth JSON files (default: benchmarks/data/gpu/*.json)")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+    paths = args.data or sorted(glob.glob(str(DATA / "*.json")))
+    if not paths:
+        parser.error(f"no ground-truth files given and none in {DATA}")
+    cases = load(paths)
+    rows, failures = memory_rows(cases)
+    print(memory_table(rows))
+    lines, plan_failures = planner_rows(cases)
+    print("\nplanner, full fine-tuning at global batch 64:")
+    print("\n".join(f"  {line}" for line in lines))
+    failures += plan_failures
+    targeted = [r for r in rows if r["ok"] is not None]
+    print(f"\n{sum(bool(r['ok']) for r in targeted)}/{len(targeted)} memory targets met; planner misses: {len(plan_failures)}")
+    for failure in failures:
+        print(f"MISS {failure}")
+    if args.json:
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(rows, fh, indent=1)
+        os.replace(tmp, args.json)
+
+
+if __name__ == "__main__":
+    main()
