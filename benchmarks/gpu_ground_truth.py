@@ -167,7 +167,9 @@ def planner_rows(cases) -> tuple[list[str], list[str]]:
                 device="cuda", gpus_per_node=1, gpu_memory_gib=capacity_gib(env), gpu_name=name, bf16=True, fp16=True,
                 liger_kernel=liger,
             )  # fmt: skip
-            plan = hf_dist.plan(str(config_dir / "config.json"), hardware=hw, seq_len=case["seq_len"], global_batch_size=64)
+            plan = hf_dist.plan(
+                str(config_dir / "config.json"), hardware=hw, seq_len=case["seq_len"], global_batch_size=64
+            )
             chosen = (
                 f"{plan.strategy} mb{plan.micro_batch_size} x ga{plan.gradient_accumulation_steps}"
                 f"{' ckpt' if plan.activation_checkpointing else ''}{' liger' if plan.use_liger_kernel else ''}"
@@ -176,7 +178,11 @@ def planner_rows(cases) -> tuple[list[str], list[str]]:
             match = [c for c in group if same_config(c, plan)]
             # the same layout measured at another accumulation count rates the pick (its speed per token
             # and its memory, plus the gradients accumulation keeps)
-            near = [c for c in group if same_config({**c, "gradient_accumulation_steps": plan.gradient_accumulation_steps}, plan)]
+            near = [
+                c
+                for c in group
+                if same_config({**c, "gradient_accumulation_steps": plan.gradient_accumulation_steps}, plan)
+            ]
             label = f"{case['model']} on {name}, liger {'installed' if liger else 'absent'}: {chosen}"
             if match or near:
                 c = (match or near)[0]
@@ -216,7 +222,9 @@ def main() -> None:
     print("\n".join(f"  {line}" for line in lines))
     failures += plan_failures
     targeted = [r for r in rows if r["ok"] is not None]
-    print(f"\n{sum(bool(r['ok']) for r in targeted)}/{len(targeted)} memory targets met; planner misses: {len(plan_failures)}")
+    print(
+        f"\n{sum(bool(r['ok']) for r in targeted)}/{len(targeted)} memory targets met; planner misses: {len(plan_failures)}"
+    )
     for failure in failures:
         print(f"MISS {failure}")
     if args.json:

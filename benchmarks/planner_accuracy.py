@@ -6,9 +6,10 @@ For each small Llama config and strategy, ``_measure_memory.py`` trains one warm
 step (fp32, AdamW, seq 128, micro-batch 2) on 2 gloo ranks and reports, per rank:
 parameters / gradients / optimizer state by walking the tensors (storages de-duplicated) and the peak
 of live tensor memory from torch.profiler's allocation stream. Predictions for the same runs:
-- hf_dist: ``estimate_memory(..., param_bytes=4, grad_bytes=4, overhead=0)``; DeepSpeed ZeRO-1/2 keep
-  a separate fp32 master partition even in fp32 (master_weights=True), ZeRO-3's fp32 partitions are the
-  parameters themselves (master_weights=False), DDP/FSDP2 have no master copy.
+- hf_dist: ``estimate_memory(..., param_bytes=4, device="cpu")`` (fp32, no CUDA context or caching
+  allocator); DeepSpeed ZeRO-1/2 keep a separate fp32 master partition even in fp32 (master_weights=True),
+  ZeRO-3's fp32 partitions are the parameters themselves (master_weights=False), DDP/FSDP2 have no
+  master copy. The prediction compared is ``allocated`` (live tensors), what the profiler measures.
 - accelerate ``estimate-memory`` (accelerate.commands.estimate.estimate_training_usage, "float32"):
   model + gradients + 2x optimizer, not aware of sharding; its "Training using Adam" figure is the peak.
 - DeepSpeed ``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``
@@ -55,14 +56,14 @@ def predictions(spec_text: str, strategy: str) -> dict:
     spec = model_spec(llama_config(spec_text))
     n = spec.num_params
     ours = estimate_memory(
-        spec, strategy, WORLD, param_bytes=4, grad_bytes=4, master_weights=strategy in ("zero1", "zero2"),
-        seq_len=SEQ, micro_batch_size=MICRO, overhead=0,
+        spec, strategy, WORLD, param_bytes=4, master_weights=strategy in ("zero1", "zero2"),
+        seq_len=SEQ, micro_batch_size=MICRO, device="cpu",
     )  # fmt: skip
     acc = estimate_training_usage(n * 4, "float32")
     out = {
         "num_params": n,
         "hf_states": ours.model_states,
-        "hf_total": ours.total,
+        "hf_total": ours.allocated,
         "accelerate_states": acc["model"] + acc["gradients"] + acc["optimizer"],
         "accelerate_peak": max(acc.values()),
         "deepspeed_states": None,

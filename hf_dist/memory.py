@@ -495,7 +495,9 @@ def buffer_bytes(spec, strategy, world_size, trainable, lay: Layout, ckpt: bool)
 # ---------------------------------------------------------------- allocator and overhead
 
 
-def allocator_bytes(spec, strategy, degree, trainable, lay: Layout, largest_transient: int, grads: int, ckpt: bool) -> int:
+def allocator_bytes(
+    spec, strategy, degree, trainable, lay: Layout, largest_transient: int, grads: int, ckpt: bool
+) -> int:
     """Reserved beyond the peak allocated: torch's caching allocator never moves or returns blocks.
 
     c10/cuda/CUDACachingAllocator.cpp caches freed blocks per stream (``get_free_block`` only returns
@@ -520,7 +522,9 @@ def allocator_bytes(spec, strategy, degree, trainable, lay: Layout, largest_tran
     if strategy in FSDP:
         out += _split(trainable * lay.grads, True, degree)
     elif strategy == "zero2":
-        out += _split(trainable * lay.grads, True, degree) + bucket * lay.compute + _split(largest * FP32, True, degree)
+        out += (
+            _split(trainable * lay.grads, True, degree) + bucket * lay.compute + _split(largest * FP32, True, degree)
+        )
     elif strategy == "zero3":
         out += bucket * lay.compute + _split(bucket * FP32, True, degree) + min(trainable, 2 * bucket) * lay.compute
     return out

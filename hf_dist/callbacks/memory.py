@@ -54,10 +54,16 @@ def model_state_bytes(model: Any = None, optimizer: Any = None) -> int:
 class MemoryCallback(TrainerCallback):
     """Adds ``memory/*`` keys (GiB) to the Trainer's logs at every logging step.
 
-    On CUDA: ``torch.cuda.max_memory_allocated`` (peak since the previous log) and reserved.
+    On CUDA, the same three figures the planner predicts: ``peak_gib`` = ``torch.cuda.max_memory_allocated``
+    (peak since the previous log; predicted: ``MemoryEstimate.allocated``), ``reserved_gib`` =
+    ``max_memory_reserved`` (predicted: ``reserved``, i.e. + the caching allocator term) and
+    ``device_used_gib`` = total - free from ``cudaMemGetInfo`` (predicted: ``total``, + the CUDA context).
     On CPU: the process peak RSS and the bytes of parameters + gradients + optimizer state.
     Values from every rank are gathered (``memory/peak_gib/rank_R``) with their max, so a
-    single rank running out of headroom is visible. ``memory/predicted_gib`` is ``plan.memory.total``.
+    single rank running out of headroom is visible. With a plan, ``memory/predicted_gib`` is
+    ``plan.memory.total``, ``memory/predicted/<term>_gib`` each term of the prediction (params, grads,
+    optimizer, activations, logits, buffers, allocator, overhead, ...) and ``memory/used_over_predicted``
+    the measured device memory (CUDA) over ``total``.
     Use ``hf_dist.callbacks.attach(trainer)`` so the keys reach ``report_to`` backends.
     """
 
@@ -86,9 +92,11 @@ class MemoryCallback(TrainerCallback):
         import torch
 
         if torch.cuda.is_available() and torch.cuda.is_initialized():
+            free, total = torch.cuda.mem_get_info()
             out = {
                 "peak_gib": torch.cuda.max_memory_allocated() / GIB,
                 "reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+                "device_used_gib": (total - free) / GIB,
             }
             torch.cuda.reset_peak_memory_stats()
         else:
@@ -113,6 +121,12 @@ class MemoryCallback(TrainerCallback):
         if memory is not None:
             metrics["memory/predicted_gib"] = round(memory.total / GIB, 6)
             metrics["memory/predicted_model_states_gib"] = round(memory.model_states / GIB, 6)
+            for term, value in memory.to_dict().items():
+                metrics[f"memory/predicted/{term}_gib"] = round(value / GIB, 6)
+            if "memory/device_used_gib_max" in metrics and memory.total:
+                metrics["memory/used_over_predicted"] = round(
+                    metrics["memory/device_used_gib_max"] * GIB / memory.total, 4
+                )
         _add_to_logs(state, logs, metrics)
 
 

@@ -10,6 +10,7 @@ EPILOG = """examples:
   hf-dist plan ./my-model/config.json --gpus 16 --nodes 2 --gpu-memory 80 --global-batch 128
   hf-dist plan ./my-model --gpus 1 --gpu-memory 24 --method lora --seq-len 4096
   hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --json > plan.json
+  hf-dist plan ./my-model --gpus 1 --gpu-memory 80 --global-batch 64 --liger off   # without Liger kernels
 """
 
 
@@ -33,6 +34,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--micro-batch", type=int, dest="micro_batch", help="sequences per rank per forward")
     parser.add_argument("--optimizer", choices=("adamw", "adamw_8bit", "sgd"), default="adamw")
     parser.add_argument("--lora-rank", type=int, default=16, dest="lora_rank")
+    parser.add_argument(
+        "--liger",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="Liger kernels (use_liger_kernel): auto = considered on CUDA when liger-kernel is installed",
+    )
     parser.add_argument("--safety-margin", type=float, default=0.1, dest="safety_margin")
     parser.add_argument("--trust-remote-code", action="store_true", dest="trust_remote_code")
     parser.add_argument("--json", action="store_true", help="print Plan.to_dict() as JSON")
@@ -59,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         lora_rank=args.lora_rank,
         safety_margin=args.safety_margin,
+        use_liger_kernel={"auto": None, "on": True, "off": False}[args.liger],
     )
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.explain())
     return 0

@@ -38,6 +38,7 @@ PLAN_KEYS = (
     "strategy",
     "offload",
     "activation_checkpointing",
+    "use_liger_kernel",
     "safety_margin",
     "hardware",
 )
@@ -58,7 +59,8 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
     ``model``: anything :func:`hf_dist.plan` accepts (name, folder, config, module, PEFT model, count).
     Plan keywords (``gpus, gpu_memory_gib, nodes, method, seq_len, global_batch_size,
     micro_batch_size, optimizer, lora_rank, strategy, offload, activation_checkpointing,
-    safety_margin, hardware``) go to the planner; ``plan=`` passes a ready :class:`~hf_dist.planner.Plan`
+    use_liger_kernel, safety_margin, hardware``) go to the planner (``use_liger_kernel`` pins the
+    TrainingArguments flag of the same name; by default the planner turns it on where it helps); ``plan=`` passes a ready :class:`~hf_dist.planner.Plan`
     instead. ``wrap_classes`` overrides FSDP wrap-class detection, ``cpu_adam=False`` keeps a torch
     optimizer with DeepSpeed offload. ``lr_scaling="linear"|"sqrt"`` with ``reference_batch_size``
     and ``learning_rate`` (the LR tuned at the reference batch) scales the LR to the global batch and
@@ -83,6 +85,8 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
 
     kwargs = _batch_args(plan, user, gbs_given="global_batch_size" in plan_kwargs)
     kwargs.update(_precision_args(plan))
+    if getattr(plan, "use_liger_kernel", False):
+        kwargs["use_liger_kernel"] = True  # the planner chose it: fused kernels, less memory, faster
     kwargs.update(_strategy_args(plan, model, own))
     kwargs["ddp_timeout"] = DEFAULT_DDP_TIMEOUT_S
     kwargs.update(

@@ -9,8 +9,8 @@ from transformers import LlamaConfig
 from hf_dist.hardware import detect_hardware
 from hf_dist.memory import GIB
 from hf_dist.planner import PlanError, micro_batch_options, plan
-from hf_dist.throughput import comm_seconds
 from hf_dist.testing import tiny_llama_config
+from hf_dist.throughput import comm_seconds
 
 LLAMA_8B = LlamaConfig(
     hidden_size=4096,

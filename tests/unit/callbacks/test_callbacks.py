@@ -79,6 +79,8 @@ def test_memory_and_throughput_reach_every_logging_backend(make_trainer, tiny_pl
     for entry in steps:
         assert entry["memory/peak_gib/rank_0"] == entry["memory/peak_gib_max"] > 0
         assert entry["memory/predicted_gib"] == round(tiny_plan.memory.total / 1024**3, 6)
+        assert entry["memory/predicted/activations_gib"] == round(tiny_plan.memory.activations / 1024**3, 6)
+        assert entry["memory/predicted/logits_gib"] == round(tiny_plan.memory.logits / 1024**3, 6)
         tps, step_time = entry["perf/tokens_per_s"], entry["perf/step_time_s"]
         assert tps * step_time == pytest.approx(TOKENS_PER_STEP, rel=0.01)
         fpt = hf_dist.flops.flops_per_token_from_spec(tiny_plan.model, 16)
@@ -200,6 +202,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 3 * GIB)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 4 * GIB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (75 * GIB, 80 * GIB))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: calls.append("reset"))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("sync"))
     return calls
@@ -212,6 +215,7 @@ def test_memory_callback_reports_cuda_peaks_and_resets_them(fake_cuda):
     model = torch.nn.Linear(4, 4)
     figures = callback.measure(model)
     assert figures["peak_gib"] == 3.0 and figures["reserved_gib"] == 4.0
+    assert figures["device_used_gib"] == 5.0  # total - free: the CUDA context and the allocator's reserve included
     assert figures["model_states_gib"] == pytest.approx((16 + 4) * 4 / 1024**3)
     assert fake_cuda == ["reset", "reset"]  # each log reports the peak since the previous one
 
