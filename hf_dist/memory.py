@@ -402,7 +402,10 @@ def layer_activation_bytes(
     """
     h, kv, a, c = spec.hidden_size, spec.num_key_value_heads * spec.head_dim, spec.num_attention_heads, lay.compute
     q = spec.num_attention_heads * spec.head_dim
-    norms = _norm_bytes(h, lay, 3, liger) + _norm_bytes(h, lay, 2, liger)
+    # the first norm feeds q, k, v and the second gate, up; extra norms (Gemma 2/3's post-attention and
+    # post-feed-forward norms) feed one consumer each
+    extra = max(spec.norms_per_layer - 2, 0)
+    norms = _norm_bytes(h, lay, 3, liger) + _norm_bytes(h, lay, 2, liger) + extra * _norm_bytes(h, lay, 1, liger)
     attn = c * (3 * q + 2 * kv)
     attn += (FP32 + c) * a * seq_len if attention == "eager" else FP32 * a
     mlp = (3 if liger else 4) * c * spec.intermediate_size
@@ -425,7 +428,9 @@ def logits_bytes(spec, seq_len: int, micro_batch_size: int, lay: Layout, *, lige
     tokens = seq_len * micro_batch_size
     final_norm = _norm_bytes(spec.hidden_size, lay, 1, liger) * tokens
     if not liger:
-        return final_norm + 3 * FP32 * spec.vocab_size * tokens
+        # Gemma 2's soft-capping (logits / cap, tanh, * cap) saves tanh's output in the compute dtype
+        capping = lay.compute * spec.vocab_size * tokens if spec.logit_softcapping else 0
+        return final_norm + 3 * FP32 * spec.vocab_size * tokens + capping
     h, v = spec.hidden_size, spec.vocab_size
     chunk = min(2 ** math.ceil(math.log2(max(1, math.ceil(tokens / math.ceil(v / h))))), tokens)
     weight_copy = lay.compute * v * h if lay.autocast else 0

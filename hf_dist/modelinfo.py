@@ -33,6 +33,8 @@ class ModelSpec:
     name: str | None = None
     config: Any = None  # the transformers PretrainedConfig when known
     head_dim: int = 0  # attention head size (hidden_size // heads unless the config says otherwise)
+    norms_per_layer: int = 2  # normalisation modules in one decoder layer (Gemma 2/3 have 4)
+    logit_softcapping: bool = False  # the LM head applies tanh soft-capping to the logits (Gemma 2)
 
     def __post_init__(self) -> None:
         for field in ("num_params", "num_layers", "hidden_size", "layer_params", "embedding_params"):
@@ -143,15 +145,15 @@ def spec_from_config(config: Any, *, name: str | None = None) -> ModelSpec:
     key = (type(config).__name__, config.to_json_string(use_diff=False))
     if key not in _COUNT_CACHE:
         _COUNT_CACHE[key] = _meta_counts(config)
-    total, layer, embedding = _COUNT_CACHE[key]
-    return _spec(config, total, layer, embedding, name=name or getattr(config, "_name_or_path", None) or None)
+    total, layer, embedding, norms = _COUNT_CACHE[key]
+    return _spec(config, total, layer, embedding, norms, name=name or getattr(config, "_name_or_path", None) or None)
 
 
 # keyed on the config JSON so repeated plans of the same config (CLI, tests) count once
-_COUNT_CACHE: dict[tuple[str, str], tuple[int, int, int]] = {}
+_COUNT_CACHE: dict[tuple[str, str], tuple[int, int, int, int]] = {}
 
 
-def _meta_counts(config: Any) -> tuple[int, int, int]:
+def _meta_counts(config: Any) -> tuple[int, int, int, int]:
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -170,16 +172,18 @@ def _meta_counts(config: Any) -> tuple[int, int, int]:
 _ADAPTER_MARKERS = ("lora_", "modules_to_save", "prompt_encoder", "ia3_")
 
 
-def _module_counts(model: Any) -> tuple[int, int, int]:
+def _module_counts(model: Any) -> tuple[int, int, int, int]:
+    """(total params, params of one decoder layer, input embedding params, norm modules per layer)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     total = sum(p.numel() for n, p in base.named_parameters() if not any(m in n for m in _ADAPTER_MARKERS))
     layers = _decoder_layers(base)
-    layer = 0
+    layer, norms = 0, 2
     if layers is not None and len(layers):
         layer = sum(p.numel() for n, p in layers[0].named_parameters() if not any(m in n for m in _ADAPTER_MARKERS))
+        norms = sum(1 for m in layers[0].modules() if "norm" in type(m).__name__.lower()) or 2
     embed = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
     embedding = embed.weight.numel() if embed is not None and hasattr(embed, "weight") else 0
-    return total, layer, embedding
+    return total, layer, embedding, norms
 
 
 def _decoder_layers(model: Any) -> Any:
@@ -195,16 +199,16 @@ def _decoder_layers(model: Any) -> Any:
 
 
 def spec_from_module(model: Any) -> ModelSpec:
-    total, layer, embedding = _module_counts(model)
+    total, layer, embedding, norms = _module_counts(model)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
     if config is None or not _is_config(config):
         layers = _decoder_layers(base)
         return ModelSpec(num_params=total, num_layers=len(layers) if layers is not None else 0, layer_params=layer)
-    return _spec(config, total, layer, embedding, name=getattr(config, "_name_or_path", None) or None)
+    return _spec(config, total, layer, embedding, norms, name=getattr(config, "_name_or_path", None) or None)
 
 
-def _spec(config: Any, total: int, layer: int, embedding: int, *, name: str | None) -> ModelSpec:
+def _spec(config: Any, total: int, layer: int, embedding: int, norms: int, *, name: str | None) -> ModelSpec:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = int(getattr(text, "hidden_size", 0) or 0)
     heads = int(getattr(text, "num_attention_heads", 0) or 0)
@@ -228,4 +232,6 @@ def _spec(config: Any, total: int, layer: int, embedding: int, *, name: str | No
         name=name,
         config=config,
         head_dim=int(head_dim),
+        norms_per_layer=norms,
+        logit_softcapping=bool(getattr(text, "final_logit_softcapping", None)),
     )

@@ -293,8 +293,6 @@ def _best(fitting: list[Candidate]) -> Candidate:
 def _reason_for(c: Candidate, best: Candidate) -> str:
     if c is best:
         notes = []
-        if c.strategy.startswith("fsdp") or c.strategy == "hsdp":
-            notes.append("FSDP2 is preferred at equal cost because it is native to the Trainer")
         if c.strategy.startswith("zero") and c.offload == "optimizer":
             notes.append("DeepSpeed because FSDP2 cannot offload only the optimizer")
         if c.offload != "none":

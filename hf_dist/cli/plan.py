@@ -52,8 +52,14 @@ def run(args: argparse.Namespace) -> int:
     from hf_dist.modelinfo import model_spec
     from hf_dist.planner import plan
 
+    # --liger on for GPUs described with --gpu-memory: the target machines have it, whatever this one has
+    described = args.gpu_memory is not None and args.liger == "on"
     hardware = detect_hardware(
-        gpus=args.gpus, gpu_memory_gib=args.gpu_memory, nodes=args.nodes, host_memory_gib=args.host_memory
+        gpus=args.gpus,
+        gpu_memory_gib=args.gpu_memory,
+        nodes=args.nodes,
+        host_memory_gib=args.host_memory,
+        liger_kernel=True if described else None,
     )
     spec = model_spec(args.model, trust_remote_code=args.trust_remote_code)
     result = plan(
