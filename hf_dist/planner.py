@@ -75,11 +75,26 @@ class Plan:
     lora_rank: int
     reason: str = ""
     usable_gib: float = field(default=0.0)
+    pure_bf16: bool = False  # bf16 weights and Adam state, no fp32 master weights (only when asked for)
+    model_dtype: str | None = None  # dtype the given module was loaded in; None for a name/config/count
+
+    @property
+    def optimizer_state_dtype(self) -> str:
+        """dtype of the master weights and Adam state: "bfloat16" under pure bf16, else "float32"."""
+        return "bfloat16" if self.pure_bf16 else "float32"
+
+    def _precision_text(self) -> str:
+        if self.pure_bf16:
+            return "bf16 (pure bf16: bf16 weights and Adam state, no fp32 master weights)"
+        if self.mixed_precision == "no":
+            return "fp32"
+        return f"{self.mixed_precision} mixed precision (fp32 master weights and Adam state)"
 
     def to_dict(self) -> dict:
         """JSON-serializable summary (the transformers config object is left out)."""
         out = {k: v for k, v in asdict(self).items() if k not in ("memory", "candidates", "hardware", "model")}
         out["memory"] = self.memory.to_dict()
+        out["optimizer_state_dtype"] = self.optimizer_state_dtype
         out["hardware"] = self.hardware.to_dict()
         out["model"] = {k: v for k, v in asdict(self.model).items() if k != "config"}
         out["candidates"] = [
@@ -97,7 +112,8 @@ class Plan:
         unit, div = ("GiB", GIB) if max(c.memory.total for c in self.candidates) >= GIB else ("MiB", 1024**2)
         lines = [
             f"model: {self.model.name or 'model'} ({size} params), method={self.method}, optimizer={self.optimizer}, "
-            f"seq_len={self.seq_len}, precision={self.mixed_precision}",
+            f"seq_len={self.seq_len}, precision={self._precision_text()}"
+            + (f", model loaded in {self.model_dtype}" if self.model_dtype else ""),
             f"hardware: {hw.nodes} node(s) x {hw.gpus_per_node} {hw.gpu_name or hw.device} "
             f"({hw.gpu_memory_gib:.1f} GiB, usable {self.usable_gib:.1f} GiB after safety margin)",
             f"chosen: {self.strategy}, offload={self.offload}, activation_checkpointing={self.activation_checkpointing}, "
@@ -344,10 +360,13 @@ def plan(
     activation_checkpointing: bool | None = None,
     safety_margin: float = 0.1,
     hardware: Hardware | None = None,
+    pure_bf16: bool = False,
 ) -> Plan:
     """Plan distributed training of ``model`` (count, config, module, folder, config.json or hub name).
 
     ``strategy`` / ``offload`` / ``activation_checkpointing`` pin a choice instead of searching it.
+    ``pure_bf16=True`` plans bf16 weights and bf16 Adam state without fp32 master weights (half the
+    optimizer memory, less accurate updates); by default mixed precision keeps fp32 masters.
     Raises PlanError (a ValueError) naming the minimum hardware when nothing fits.
     """
     if method not in METHODS:
@@ -369,8 +388,13 @@ def plan(
     ckpts = _restrict("activation_checkpointing", activation_checkpointing, (False, True))
     if strategy == "hsdp" and hw.nodes < 2:
         raise ValueError("strategy 'hsdp' needs nodes >= 2 (it replicates across nodes); use fsdp_full_shard")
+    from hf_dist.precision import check_pure_bf16_hardware, loaded_dtype
+
+    check_pure_bf16_hardware(pure_bf16, hw)
+    model_dtype = loaded_dtype(model)
     spec = model_spec(model)
     mp, pb, gb, master = _precision(hw)
+    master = master and not pure_bf16
     from hf_dist.memory import trainable_params
 
     setup = _Setup(
@@ -414,6 +438,8 @@ def plan(
         lora_rank=lora_rank,
         reason=best.reason,
         usable_gib=setup.usable / GIB,
+        pure_bf16=pure_bf16,
+        model_dtype=model_dtype,
     )
 
 
