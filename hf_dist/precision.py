@@ -13,7 +13,7 @@ with ``bf16=True`` (transformers 5.x, accelerate 1.x, DeepSpeed 0.19):
   ``bf16.bf16_optimizer_states`` are set.
 
 Pure bf16 (``pure_bf16=True``: bf16 weights and bf16 Adam state, no fp32 master copy) halves the
-optimizer memory at a known cost in accuracy: updates smaller than bf16's resolution (8 bits of
+Adam state and drops the master copy, at a known cost in accuracy: updates smaller than bf16's resolution (8 bits of
 mantissa, ~0.4% of the weight) are lost. It is only done when asked for.
 """
 
