@@ -365,8 +365,9 @@ def plan(
     """Plan distributed training of ``model`` (count, config, module, folder, config.json or hub name).
 
     ``strategy`` / ``offload`` / ``activation_checkpointing`` pin a choice instead of searching it.
-    ``pure_bf16=True`` plans bf16 weights and bf16 Adam state without fp32 master weights (half the
-    optimizer memory, less accurate updates); by default mixed precision keeps fp32 masters.
+    ``pure_bf16=True`` plans bf16 weights and bf16 Adam state without fp32 master weights (less memory,
+    less accurate updates); by default mixed precision keeps fp32 masters. A module's loaded dtype is
+    read (``Plan.model_dtype``); dtypes other than float32/bfloat16/float16 raise ValueError.
     Raises PlanError (a ValueError) naming the minimum hardware when nothing fits.
     """
     if method not in METHODS:

@@ -69,6 +69,19 @@ def loaded_dtype(model: Any) -> str | None:
     return max(counts, key=counts.get) if counts else None
 
 
+def trainer_mixed_precision(plan: Any) -> str:
+    """The precision ``TrainingArguments`` get for ``plan``: "no" for pure bf16 under FSDP2, else the plan's.
+
+    accelerate upcasts FSDP2 parameters to fp32 whenever mixed precision is on, so pure bf16 FSDP2 runs
+    with ``bf16=False``: the bf16 weights set the compute dtype.
+    """
+    from hf_dist.configs import FSDP_STRATEGIES
+
+    if getattr(plan, "pure_bf16", False) and plan.strategy in FSDP_STRATEGIES:
+        return "no"
+    return plan.mixed_precision
+
+
 def check_pure_bf16_hardware(pure_bf16: bool, hw: Any) -> None:
     """Refuse pure bf16 on hardware without bf16 before any training starts."""
     if not isinstance(pure_bf16, bool):

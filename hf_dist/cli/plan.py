@@ -39,8 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--pure-bf16",
         action="store_true",
         dest="pure_bf16",
-        help="plan bf16 weights and bf16 Adam state without fp32 master weights (half the optimizer memory, "
-        "less accurate updates); default: bf16 mixed precision with fp32 master weights",
+        help="plan bf16 weights and bf16 Adam state without fp32 master weights (less memory, less accurate "
+        "updates); default: bf16 mixed precision with fp32 master weights and Adam state",
     )
     parser.add_argument("--trust-remote-code", action="store_true", dest="trust_remote_code")
     parser.add_argument("--json", action="store_true", help="print Plan.to_dict() as JSON")

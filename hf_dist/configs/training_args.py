@@ -68,8 +68,8 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
     Precision: bf16/fp16 mixed precision keeps fp32 master weights and fp32 Adam state under every
     strategy. A ``model`` module loaded in bf16/fp16 and trained with DDP / one process has its
     trainable parameters upcast to fp32 in place (one warning says so); FSDP2 and DeepSpeed keep fp32
-    masters themselves. ``pure_bf16=True`` keeps bf16 weights and bf16 Adam state instead (half the
-    optimizer memory, less accurate updates). See :mod:`hf_dist.precision`.
+    masters themselves. ``pure_bf16=True`` keeps bf16 weights and bf16 Adam state instead (no fp32 master
+    copy, Adam state at half its size; less accurate updates). See :mod:`hf_dist.precision`.
     """
     plan_kwargs, own, user = _split(overrides)
     if "per_device_train_batch_size" in user:
@@ -156,13 +156,14 @@ def _batch_args(plan: Any, user: dict[str, Any], *, gbs_given: bool) -> dict[str
 
 
 def _precision_args(plan: Any) -> dict[str, Any]:
-    if getattr(plan, "pure_bf16", False) and plan.strategy in FSDP_STRATEGIES:
-        # accelerate upcasts FSDP2 parameters to fp32 whenever mixed_precision != "no"; without it the
-        # bf16-loaded parameters stay bf16 and so does the Adam state
+    from hf_dist.precision import trainer_mixed_precision
+
+    mixed_precision = trainer_mixed_precision(plan)  # pure bf16 FSDP2: "no" (accelerate would upcast to fp32)
+    if mixed_precision != plan.mixed_precision:
         return {"bf16": False}
-    if plan.mixed_precision == "bf16":
+    if mixed_precision == "bf16":
         return {"bf16": True}
-    if plan.mixed_precision == "fp16":
+    if mixed_precision == "fp16":
         return {"fp16": True}
     return {}
 

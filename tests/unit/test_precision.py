@@ -246,3 +246,12 @@ def test_cli_config_pure_bf16(tmp_path, capsys):
     assert "--format deepspeed --pure-bf16" in capsys.readouterr().err
     assert main(["config", "--strategy", "ddp", "--pure-bf16", "--mixed-precision", "fp16"]) == 1
     assert "needs --mixed-precision bf16" in capsys.readouterr().err
+
+
+def test_plan_callback_expects_bf16_false_for_pure_bf16_fsdp():
+    from hf_dist.callbacks.plan import plan_mismatches
+
+    p = plan(CFG, hardware=BF16_GPUS, strategy="fsdp_full_shard", seq_len=16, pure_bf16=True)
+    live = {"strategy": "fsdp_full_shard", "world_size": 2, "mixed_precision": "no", "wrap_classes": None}
+    assert plan_mismatches(p, live) == []
+    assert plan_mismatches(p, {**live, "mixed_precision": "bf16"}) == ["mixed precision: planned no, running bf16"]
