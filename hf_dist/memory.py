@@ -149,7 +149,7 @@ class Layout:
     autocast: bool
 
 
-def layout(strategy: str, param_bytes: int, master_weights: bool, method: str = "full") -> Layout:
+def layout(strategy: str, param_bytes: int, master_weights: bool, method: str = "full", base_bytes: int = 2) -> Layout:
     """What each engine keeps for a precision.
 
     ``param_bytes`` is the compute dtype (2: bf16/fp16, 4: fp32); ``master_weights`` asks for fp32
@@ -165,8 +165,9 @@ def layout(strategy: str, param_bytes: int, master_weights: bool, method: str = 
       (reduce_dtype fp32, ``hf_dist.configs.fsdp.apply_fp32_reduce``).
     - DeepSpeed, mixed: bf16 module weights, an fp32 master partition, and fp32 gradient partitions
       (hf_dist's JSON sets ``data_types.grad_accum_dtype = fp32``).
-    - LoRA / QLoRA: the frozen base stays in the dtype it was loaded in (16-bit), so compute and the
-      residual stream are 16-bit; only the adapters follow the rules above.
+    - LoRA / QLoRA: the frozen base stays in the dtype it was loaded in (``base_bytes``): 16-bit makes
+      compute and the residual stream 16-bit; an fp32 base runs under autocast like DDP. The adapters
+      follow the rules above.
     """
     if param_bytes == FP32:  # fp32 training: no autocast; ZeRO-1/2 still keep a separate fp32 partition
         master = FP32 if master_weights and strategy in ("zero1", "zero2") else 0
@@ -175,7 +176,7 @@ def layout(strategy: str, param_bytes: int, master_weights: bool, method: str = 
         return Layout(param_bytes, 0, param_bytes, param_bytes, param_bytes, param_bytes, False)
     if strategy in DEEPSPEED:
         return Layout(param_bytes, FP32, FP32, FP32, param_bytes, param_bytes, False)
-    frozen_base_16bit = method != "full"
+    frozen_base_16bit = method != "full" and base_bytes < FP32
     if strategy in FSDP or frozen_base_16bit:
         return Layout(FP32, 0, FP32, FP32, param_bytes, param_bytes, False)
     return Layout(FP32, 0, FP32, FP32, param_bytes, FP32, True)
@@ -280,7 +281,7 @@ def _split(full: float, sharded: bool, degree: int) -> int:
     return math.ceil(full / degree) if sharded else math.ceil(full)
 
 
-def param_bytes_per_rank(spec, strategy, degree, method, offload, lay: Layout, compute, lora_rank) -> int:
+def param_bytes_per_rank(spec, strategy, degree, method, offload, lay: Layout, base_bytes, lora_rank) -> int:
     """The weights each rank keeps between steps (gathered units and working copies are buffers).
 
     Shard-grad-op keeps its fp32 shards plus the bf16 units gathered for the whole step (buffers)."""
@@ -289,7 +290,7 @@ def param_bytes_per_rank(spec, strategy, degree, method, offload, lay: Layout, c
     if method == "full":
         full = spec.num_params * lay.weights
     else:
-        full = base_weight_bytes(spec, method, compute) + trainable_params(spec, method, lora_rank) * lay.weights
+        full = base_weight_bytes(spec, method, base_bytes) + trainable_params(spec, method, lora_rank) * lay.weights
     sharded = SHARDED[strategy][0] or strategy == "fsdp_shard_grad_op"
     return _split(full, sharded, degree)
 
@@ -573,6 +574,7 @@ def estimate_memory(
     use_liger_kernel: bool = False,
     attention: str = "sdpa",
     device: str = "cuda",
+    base_bytes: int | None = None,
 ) -> MemoryEstimate:
     """Per-rank memory of training ``model_or_num_params`` with ``strategy`` on ``world_size`` ranks.
 
@@ -583,7 +585,8 @@ def estimate_memory(
     overrides the gradient dtype the strategy keeps. ``use_liger_kernel``: Liger's fused RMSNorm,
     SwiGLU, RoPE and linear cross-entropy (the ``TrainingArguments`` flag). ``attention``: the
     ``attn_implementation``. ``device="cpu"``: no CUDA context or caching allocator (CPU ranks).
-    ``overhead`` overrides the context term. ``gradient_accumulation_steps`` > 1 keeps gradients
+    ``base_bytes``: bytes per element of a LoRA/QLoRA model's frozen base as loaded (default: the
+    compute dtype's; 4 for a model loaded in fp32). ``overhead`` overrides the context term. ``gradient_accumulation_steps`` > 1 keeps gradients
     alive next to activations (see MemoryEstimate).
     """
     from hf_dist.modelinfo import model_spec
@@ -595,14 +598,17 @@ def estimate_memory(
     _choice("attention", attention, ATTENTIONS)
     _choice("device", device, DEVICES)
     spec = model_spec(model_or_num_params)
-    lay = layout(strategy, param_bytes, master_weights, method)
+    base_bytes = param_bytes if base_bytes is None else base_bytes
+    if base_bytes not in (2, 4):
+        raise ValueError(f"base_bytes must be 2 (bf16/fp16 weights) or 4 (fp32), got {base_bytes!r}")
+    lay = layout(strategy, param_bytes, master_weights, method, base_bytes)
     if grad_bytes is not None:
         lay = Layout(lay.weights, lay.master, grad_bytes, lay.state, lay.compute, lay.residual, lay.autocast)
     degree = shard_degree(strategy, world_size, nodes)
     trainable = trainable_params(spec, method, lora_rank)
     ckpt = activation_checkpointing
     act_kw = {"attention": attention, "liger": use_liger_kernel}
-    params = param_bytes_per_rank(spec, strategy, degree, method, offload, lay, param_bytes, lora_rank)
+    params = param_bytes_per_rank(spec, strategy, degree, method, offload, lay, base_bytes, lora_rank)
     grads = grad_bytes_per_rank(strategy, degree, trainable, offload, lay, gradient_accumulation_steps)
     optim = optimizer_bytes_per_rank(strategy, degree, trainable, offload, optimizer, lay)
     acts = activation_bytes(spec, seq_len, micro_batch_size, ckpt, lay, **act_kw)

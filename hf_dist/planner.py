@@ -91,11 +91,26 @@ class Plan:
     use_liger_kernel: bool = False
     tokens_per_s: float | None = None  # estimated, all ranks
     liger_note: str = ""  # what Liger kernels would gain when they are not available
+    pure_bf16: bool = False  # bf16 weights and Adam state, no fp32 master weights (only when asked for)
+    model_dtype: str | None = None  # dtype the given module was loaded in; None for a name/config/count
+
+    @property
+    def optimizer_state_dtype(self) -> str:
+        """dtype of the master weights and Adam state: "bfloat16" under pure bf16, else "float32"."""
+        return "bfloat16" if self.pure_bf16 else "float32"
+
+    def _precision_text(self) -> str:
+        if self.pure_bf16:
+            return "bf16 (pure bf16: bf16 weights and Adam state, no fp32 master weights)"
+        if self.mixed_precision == "no":
+            return "fp32"
+        return f"{self.mixed_precision} mixed precision (fp32 master weights and Adam state)"
 
     def to_dict(self) -> dict:
         """JSON-serializable summary (the transformers config object is left out)."""
         out = {k: v for k, v in asdict(self).items() if k not in ("memory", "candidates", "hardware", "model")}
         out["memory"] = self.memory.to_dict()
+        out["optimizer_state_dtype"] = self.optimizer_state_dtype
         out["hardware"] = self.hardware.to_dict()
         out["model"] = {k: v for k, v in asdict(self.model).items() if k != "config"}
         out["candidates"] = [
@@ -118,7 +133,8 @@ class Plan:
         speed = f", ~{self.tokens_per_s:,.0f} tokens/s estimated" if self.tokens_per_s else ""
         lines = [
             f"model: {self.model.name or 'model'} ({size} params), method={self.method}, optimizer={self.optimizer}, "
-            f"seq_len={self.seq_len}, precision={self.mixed_precision}",
+            f"seq_len={self.seq_len}, precision={self._precision_text()}"
+            + (f", model loaded in {self.model_dtype}" if self.model_dtype else ""),
             f"hardware: {hw.nodes} node(s) x {hw.gpus_per_node} {hw.gpu_name or hw.device} "
             f"({hw.gpu_memory_gib:.1f} GiB, usable {self.usable_gib:.1f} GiB after safety margin)",
             f"chosen: {self.strategy}, offload={self.offload}, activation_checkpointing={self.activation_checkpointing}, "
@@ -196,6 +212,7 @@ class _Setup:
     lora_rank: int
     pb: int
     master: bool
+    base_bytes: int  # a LoRA model's frozen base as loaded: 4 for fp32, else 2
     usable: float
     trainable: int
 
@@ -214,6 +231,7 @@ def _estimate(s: _Setup, combo: Combo, mb, world=None, nodes=None, accum=1) -> M
         offload=offload,
         optimizer=s.optimizer,
         master_weights=s.master,
+        base_bytes=s.base_bytes,
         param_bytes=s.pb,
         seq_len=s.seq_len,
         micro_batch_size=mb,
@@ -380,11 +398,15 @@ def plan(
     use_liger_kernel: bool | None = None,
     safety_margin: float = 0.1,
     hardware: Hardware | None = None,
+    pure_bf16: bool = False,
 ) -> Plan:
     """Plan distributed training of ``model`` (count, config, module, folder, config.json or hub name).
 
     ``strategy`` / ``offload`` / ``activation_checkpointing`` / ``use_liger_kernel`` pin a choice
     instead of searching it (Liger kernels are searched on CUDA when liger-kernel is installed).
+    ``pure_bf16=True`` plans bf16 weights and bf16 Adam state without fp32 master weights (less memory,
+    less accurate updates); by default mixed precision keeps fp32 masters. A module's loaded dtype is
+    read (``Plan.model_dtype``); dtypes other than float32/bfloat16/float16 raise ValueError.
     Raises PlanError (a ValueError) naming the minimum hardware when nothing fits.
     """
     if method not in METHODS:
@@ -407,12 +429,17 @@ def plan(
     ligers = _liger_options(use_liger_kernel, hw)
     if strategy == "hsdp" and hw.nodes < 2:
         raise ValueError("strategy 'hsdp' needs nodes >= 2 (it replicates across nodes); use fsdp_full_shard")
+    from hf_dist.precision import check_pure_bf16_hardware, loaded_dtype
+
+    check_pure_bf16_hardware(pure_bf16, hw)
+    model_dtype = loaded_dtype(model)
     spec = model_spec(model)
     mp, pb, master = _precision(hw)
+    master = master and not pure_bf16
     from hf_dist.memory import trainable_params
 
     setup = _Setup(
-        spec, hw, method, optimizer, seq_len, lora_rank, pb, master,
+        spec, hw, method, optimizer, seq_len, lora_rank, pb, master, 4 if model_dtype == "float32" else pb,
         usable=(1 - safety_margin) * hw.gpu_memory_gib * GIB,
         trainable=trainable_params(spec, method, lora_rank),
     )  # fmt: skip
@@ -458,6 +485,8 @@ def plan(
         use_liger_kernel=best.use_liger_kernel,
         tokens_per_s=best.tokens_per_s,
         liger_note=note,
+        pure_bf16=pure_bf16,
+        model_dtype=model_dtype,
     )
 
 
@@ -521,7 +550,7 @@ def _needs_tensor_parallel(s: _Setup) -> bool:
         return False
     from hf_dist.memory import layout
 
-    lay = layout("fsdp_full_shard", s.pb, s.master, s.method)
+    lay = layout("fsdp_full_shard", s.pb, s.master, s.method, s.base_bytes)
     trainable_layer = s.spec.layer_params if s.method == "full" else 0
     layer = s.spec.layer_params * s.pb + trainable_layer * lay.grads
     acts = layer_activation_bytes(s.spec, s.seq_len, 1, lay)

@@ -46,8 +46,11 @@ def plan_mismatches(plan: Any, live: dict[str, Any], planned_wrap: list[str] | N
         out.append(f"strategy: planned {plan.strategy}, running {live['strategy']}")
     if live["world_size"] != plan.world_size:
         out.append(f"world size: planned {plan.world_size}, running {live['world_size']}")
-    if live["mixed_precision"] != plan.mixed_precision:
-        out.append(f"mixed precision: planned {plan.mixed_precision}, running {live['mixed_precision']}")
+    from hf_dist.precision import trainer_mixed_precision
+
+    expected = trainer_mixed_precision(plan)  # pure bf16 FSDP2 runs with bf16=False on purpose
+    if live["mixed_precision"] != expected:
+        out.append(f"mixed precision: planned {expected}, running {live['mixed_precision']}")
     if planned_wrap is not None and live["wrap_classes"] is not None and live["wrap_classes"] != planned_wrap:
         out.append(f"FSDP wrap classes: planned {planned_wrap}, running {live['wrap_classes']}")
     return out

@@ -11,6 +11,7 @@ EPILOG = """examples:
   hf-dist plan ./my-model --gpus 1 --gpu-memory 24 --method lora --seq-len 4096
   hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --json > plan.json
   hf-dist plan ./my-model --gpus 1 --gpu-memory 80 --global-batch 64 --liger off   # without Liger kernels
+  hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --pure-bf16   # bf16 weights and Adam state
 """
 
 
@@ -41,6 +42,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="Liger kernels (use_liger_kernel): auto = considered on CUDA when liger-kernel is installed",
     )
     parser.add_argument("--safety-margin", type=float, default=0.1, dest="safety_margin")
+    parser.add_argument(
+        "--pure-bf16",
+        action="store_true",
+        dest="pure_bf16",
+        help="plan bf16 weights and bf16 Adam state without fp32 master weights (less memory, less accurate "
+        "updates); default: bf16 mixed precision with fp32 master weights and Adam state",
+    )
     parser.add_argument("--trust-remote-code", action="store_true", dest="trust_remote_code")
     parser.add_argument("--json", action="store_true", help="print Plan.to_dict() as JSON")
     parser.set_defaults(func=run)
@@ -73,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         lora_rank=args.lora_rank,
         safety_margin=args.safety_margin,
         use_liger_kernel={"auto": None, "on": True, "off": False}[args.liger],
+        pure_bf16=args.pure_bf16,
     )
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.explain())
     return 0

@@ -34,13 +34,17 @@ def deepspeed_config(
     offload: str = "none",
     mixed_precision: str = "bf16",
     cpu_adam: bool = True,
+    pure_bf16: bool = False,
 ) -> dict[str, Any]:
     """DeepSpeed config dict for ``TrainingArguments(deepspeed=...)`` or a JSON file.
 
     ``offload``: ``"optimizer"`` puts optimizer states (and the optimizer step) on pinned CPU memory
     (ZeRO-Offload, stage >= 1 supported by DeepSpeed, most useful with 2/3); ``"optimizer+params"``
     also offloads parameters and needs ZeRO-3. ``cpu_adam``: see the module docstring. ``mixed_precision``: ``"bf16"`` (no loss scaling
-    needed), ``"fp16"`` (dynamic loss scaling, for GPUs without bf16) or ``"no"``.
+    needed), ``"fp16"`` (dynamic loss scaling, for GPUs without bf16) or ``"no"``. bf16 keeps an fp32
+    partition of the master weights with fp32 Adam state; ``pure_bf16=True`` keeps both in bf16
+    (``bf16_master_weights_and_grads`` + ``bf16_optimizer_states``, DeepSpeed >= 0.18.5) and accumulates
+    gradients in bf16: half the optimizer memory, less accurate updates.
     """
     stage = zero_stage(strategy)
     check_choice("offload", offload, OFFLOADS)
@@ -64,14 +68,26 @@ def deepspeed_config(
         "steps_per_print": 1_000_000,  # the Trainer logs; silence DeepSpeed's own step prints
         "wall_clock_breakdown": False,
     }
-    cfg.update(_precision_section(mixed_precision))
+    if pure_bf16 and mixed_precision != "bf16":
+        raise ValueError(
+            f"pure_bf16=True keeps bf16 weights and Adam state and needs mixed_precision='bf16', "
+            f"got {mixed_precision!r}; use mixed_precision='bf16' or drop pure_bf16."
+        )
+    cfg.update(_precision_section(mixed_precision, pure_bf16=pure_bf16))
+    if pure_bf16:
+        # ZeRO-1 with bf16 and fp32 accumulation switches to DeepSpeed's BF16_Optimizer, which always
+        # keeps fp32 masters (engine._do_optimizer_sanity_check); bf16 accumulation keeps the ZeRO optimizer
+        cfg["data_types"] = {"grad_accum_dtype": "bf16"}
     if offload != "none" and not cpu_adam:
         # Keep the Trainer's torch optimizer on CPU instead of swapping in DeepSpeedCPUAdam.
         cfg["zero_force_ds_cpu_optimizer"] = False
     return cfg
 
 
-def _precision_section(mixed_precision: str) -> dict[str, Any]:
+def _precision_section(mixed_precision: str, *, pure_bf16: bool = False) -> dict[str, Any]:
+    if mixed_precision == "bf16" and pure_bf16:
+        bf16 = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+        return {"bf16": bf16, "fp16": {"enabled": False}}
     if mixed_precision == "bf16":
         return {"bf16": {"enabled": True}, "fp16": {"enabled": False}}
     if mixed_precision == "fp16":

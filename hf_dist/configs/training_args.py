@@ -41,6 +41,7 @@ PLAN_KEYS = (
     "use_liger_kernel",
     "safety_margin",
     "hardware",
+    "pure_bf16",
 )
 # Keywords auto_args itself consumes.
 CONFIG_KEYS = ("plan", "wrap_classes", "lr_scaling", "reference_batch_size", "cpu_adam", "trust_remote_code")
@@ -59,12 +60,19 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
     ``model``: anything :func:`hf_dist.plan` accepts (name, folder, config, module, PEFT model, count).
     Plan keywords (``gpus, gpu_memory_gib, nodes, method, seq_len, global_batch_size,
     micro_batch_size, optimizer, lora_rank, strategy, offload, activation_checkpointing,
-    use_liger_kernel, safety_margin, hardware``) go to the planner (``use_liger_kernel`` pins the
-    TrainingArguments flag of the same name; by default the planner turns it on where it helps); ``plan=`` passes a ready :class:`~hf_dist.planner.Plan`
+    use_liger_kernel, safety_margin, hardware, pure_bf16``) go to the planner (``use_liger_kernel``
+    pins the TrainingArguments flag of the same name; by default the planner turns it on where it
+    helps); ``plan=`` passes a ready :class:`~hf_dist.planner.Plan`
     instead. ``wrap_classes`` overrides FSDP wrap-class detection, ``cpu_adam=False`` keeps a torch
     optimizer with DeepSpeed offload. ``lr_scaling="linear"|"sqrt"`` with ``reference_batch_size``
     and ``learning_rate`` (the LR tuned at the reference batch) scales the LR to the global batch and
     adds a 3% warmup unless one is given. Everything else is a ``TrainingArguments`` keyword.
+
+    Precision: bf16/fp16 mixed precision keeps fp32 master weights and fp32 Adam state under every
+    strategy. A ``model`` module loaded in bf16/fp16 and trained with DDP / one process has its
+    trainable parameters upcast to fp32 in place (one warning says so); FSDP2 and DeepSpeed keep fp32
+    masters themselves. ``pure_bf16=True`` keeps bf16 weights and bf16 Adam state instead (no fp32 master
+    copy, Adam state at half its size; less accurate updates). See :mod:`hf_dist.precision`.
     """
     plan_kwargs, own, user = _split(overrides)
     if "per_device_train_batch_size" in user:
@@ -97,8 +105,12 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
     ours_ds = kwargs.get("deepspeed")
     kwargs.update(user)
     if ours_ds is not None and kwargs.get("deepspeed") is ours_ds:
-        _sync_deepspeed_precision(kwargs)
+        _sync_deepspeed_precision(kwargs, pure_bf16=bool(getattr(plan, "pure_bf16", False)))
     _check_final(kwargs)
+    from hf_dist.precision import check_final_flags, prepare_model
+
+    check_final_flags(plan, kwargs)
+    prepare_model(model, plan, "bf16" if kwargs.get("bf16") else "fp16" if kwargs.get("fp16") else "no")
     return kwargs
 
 
@@ -149,9 +161,14 @@ def _batch_args(plan: Any, user: dict[str, Any], *, gbs_given: bool) -> dict[str
 
 
 def _precision_args(plan: Any) -> dict[str, Any]:
-    if plan.mixed_precision == "bf16":
+    from hf_dist.precision import trainer_mixed_precision
+
+    mixed_precision = trainer_mixed_precision(plan)  # pure bf16 FSDP2: "no" (accelerate would upcast to fp32)
+    if mixed_precision != plan.mixed_precision:
+        return {"bf16": False}
+    if mixed_precision == "bf16":
         return {"bf16": True}
-    if plan.mixed_precision == "fp16":
+    if mixed_precision == "fp16":
         return {"fp16": True}
     return {}
 
@@ -178,9 +195,16 @@ def _strategy_args(plan: Any, model: Any, own: dict[str, Any]) -> dict[str, Any]
         )
     if strategy in DEEPSPEED_STRATEGIES:
         from hf_dist.configs.deepspeed import deepspeed_config
+        from hf_dist.precision import deepspeed_pure_bf16_check
 
+        pure_bf16 = bool(getattr(plan, "pure_bf16", False))
+        deepspeed_pure_bf16_check(plan, own.get("cpu_adam", True))
         ds = deepspeed_config(
-            strategy, offload=plan.offload, mixed_precision=plan.mixed_precision, cpu_adam=own.get("cpu_adam", True)
+            strategy,
+            offload=plan.offload,
+            mixed_precision=plan.mixed_precision,
+            cpu_adam=own.get("cpu_adam", True),
+            pure_bf16=pure_bf16,
         )
         return {"deepspeed": ds, **checkpointing}
     check_choice("strategy", strategy, ("ddp",))
@@ -265,12 +289,12 @@ def _check_user_overrides(plan: Any, ours: dict[str, Any], user: dict[str, Any])
         )
 
 
-def _sync_deepspeed_precision(kwargs: dict[str, Any]) -> None:
+def _sync_deepspeed_precision(kwargs: dict[str, Any], *, pure_bf16: bool = False) -> None:
     """Keep our DeepSpeed JSON's precision equal to the final bf16/fp16 flags (the Trainer checks they match)."""
     from hf_dist.configs.deepspeed import _precision_section
 
     mp = "bf16" if kwargs.get("bf16") else "fp16" if kwargs.get("fp16") else "no"
-    kwargs["deepspeed"] = {**kwargs["deepspeed"], **_precision_section(mp)}
+    kwargs["deepspeed"] = {**kwargs["deepspeed"], **_precision_section(mp, pure_bf16=pure_bf16 and mp == "bf16")}
 
 
 def _check_final(kwargs: dict[str, Any]) -> None:

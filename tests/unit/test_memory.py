@@ -242,3 +242,15 @@ def test_peak_overlaps_grads_and_activations_only_without_accumulation():
     assert one.total == one.params + one.optimizer + one.buffers + one.activations + one.logits
     accum = estimate_memory(spec, "fsdp_full_shard", 2, gradient_accumulation_steps=4, **kw)
     assert accum.total == one.total + one.grads  # accumulated grads live through the next forward
+
+
+def test_lora_on_an_fp32_loaded_base_runs_under_autocast():
+    spec = model_spec(tiny_llama_config())
+    bf16 = estimate_memory(spec, "ddp", 1, method="lora", seq_len=8)
+    fp32 = estimate_memory(spec, "ddp", 1, method="lora", seq_len=8, base_bytes=4)
+    t = lora_trainable_params(spec, 16)
+    assert fp32.params == spec.num_params * 4 + t * 4  # the frozen base as loaded
+    assert fp32.buffers > 0 == bf16.buffers  # autocast's bf16 copies of the fp32 base weights
+    assert fp32.activations > bf16.activations  # fp32 residual stream
+    with pytest.raises(ValueError, match="base_bytes must be 2"):
+        estimate_memory(spec, "ddp", 1, method="lora", base_bytes=8)
