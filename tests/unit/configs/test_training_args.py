@@ -160,3 +160,13 @@ def test_deepspeed_launch_config_clash(monkeypatch):
     monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "zero_stage,offload_optimizer_device,mixed_precision")
     with pytest.raises(ValueError, match="launched with an accelerate DeepSpeed config"):
         auto_args(CFG, strategy="zero2", **GPU)
+
+
+def test_liger_kernel_follows_the_plan(tmp_path):
+    liger = Hardware(device="cuda", gpus_per_node=1, gpu_memory_gib=80, bf16=True, fp16=True, liger_kernel=True)
+    kwargs = auto_args(tiny_llama_config(), hardware=liger, output_dir=str(tmp_path))
+    assert kwargs["use_liger_kernel"] is True  # searched and chosen: smaller and faster
+    off = auto_args(tiny_llama_config(), hardware=liger, use_liger_kernel=False, output_dir=str(tmp_path))
+    assert "use_liger_kernel" not in off
+    with pytest.raises(ValueError, match="needs CUDA GPUs"):
+        auto_args(tiny_llama_config(), gpus=2, use_liger_kernel=True, output_dir=str(tmp_path))  # CPU ranks
