@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -19,13 +20,15 @@ from hf_dist.callbacks.resume import (
     missing_rank_files,
     write_marker,
 )
+from hf_dist.checkpoint.safe_pickle import is_pickle_file
 
 
 def fake_checkpoint(root: Path, step: int, files: dict[str, bytes]) -> Path:
+    """Files with the given bytes; pickle files hold those bytes pickled (auto_resume's loading gate reads them)."""
     folder = root / f"checkpoint-{step}"
     for rel, data in files.items():
         (folder / rel).parent.mkdir(parents=True, exist_ok=True)
-        (folder / rel).write_bytes(data)
+        (folder / rel).write_bytes(pickle.dumps(data) if is_pickle_file(Path(rel)) else data)
     return folder
 
 
@@ -59,7 +62,7 @@ def test_marker_lists_files_and_sizes_and_detects_changes(tmp_path):
     assert marker["files"]["model.safetensors"]["size"] == 10 and "sha256" in marker["files"]["optimizer.pt"]
     assert json.loads((ckpt / MARKER_NAME).read_text())["layout"] == "full"
     assert is_complete(ckpt) and is_complete(ckpt, checksums=True)
-    (ckpt / "optimizer.pt").write_bytes(b"O" * 7)  # same size, other content
+    (ckpt / "optimizer.pt").write_bytes(pickle.dumps(b"O" * 7))  # same size, other content
     assert is_complete(ckpt) and not is_complete(ckpt, checksums=True)
     (ckpt / "model.safetensors").write_bytes(b"w" * 3)  # truncated
     assert incomplete_reasons(ckpt) == ["model.safetensors has 3 bytes, the marker says 10"]
