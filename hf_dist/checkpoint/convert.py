@@ -177,7 +177,9 @@ def _adapter_config(info: CheckpointInfo) -> dict:
     path = _find_adapter_config(info)
     if path is None:
         raise ValueError(f"no adapter_config.json found next to {info.path}; copy the run's adapter_config.json there")
-    return json.loads(path.read_text())
+    from hf_dist.checkpoint.hf_io import read_json
+
+    return read_json(path)
 
 
 def _find_adapter_config(info: CheckpointInfo) -> Path | None:
