@@ -76,7 +76,13 @@ def inspect_checkpoint(checkpoint_dir: str | Path) -> CheckpointTopology:
         ranks = {int(m.group(1)) for f in dcp_dirs[0].iterdir() if (m := _DCP_SHARD_FILE.match(f.name))}
         return CheckpointTopology(path, "dcp", world_size=len(ranks) or None)
     if any(
-        (path / name).exists() for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+        (path / name).exists()
+        for name in (
+            "model.safetensors",
+            "model.safetensors.index.json",
+            "pytorch_model.bin",
+            "pytorch_model_fsdp.bin",
+        )
     ):
         return CheckpointTopology(path, "full")
     raise ValueError(
@@ -136,7 +142,7 @@ def to_universal(
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     final = topo.path / f"{topo.tag}{UNIVERSAL_SUFFIX}"
-    check_pickles(topo.path / topo.tag, trust_pickles=trust_pickles)
+    check_pickles(topo.path, trust_pickles=trust_pickles)  # the whole checkpoint, as every resume path does
     remove_stale_temps(topo.path, final.name)
     tmp = topo.path / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
