@@ -112,7 +112,9 @@ TRAINER_GLOBALS = {
     "transformers.trainer_pt_utils.AcceleratorConfig", "accelerate.state.PartialState",
     "accelerate.utils.dataclasses.DistributedType", "torch.device",
 }  # fmt: skip
-# Enums of these packages (IntervalStrategy, SchedulerType, OptimizerNames, ...) are allowed by kind.
+# Classes of these packages (TrainingArguments' enums, accelerate's DeepSpeedPlugin/FSDP plugin dataclasses, the
+# Trainer's HfTrainerDeepSpeedConfig, all pickled inside training_args.bin) are allowed by kind: classes only,
+# never functions, and the gate itself only ever builds inert records.
 _ENUM_PACKAGES = ("transformers.", "accelerate.", "trl.", "peft.")
 
 
@@ -236,7 +238,7 @@ def _is_allowed(module: str, name: str) -> bool:
             obj = getattr(importlib.import_module(module), name, None)
         except Exception:  # a module that does not import holds no allowed type
             return False
-        return isinstance(obj, type) and issubclass(obj, enum.Enum)
+        return isinstance(obj, type) and (issubclass(obj, enum.Enum) or obj.__module__.startswith(_ENUM_PACKAGES))
     return False
 
 
