@@ -83,10 +83,15 @@ class Hardware:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Hardware.{name} must be a positive int, got {value!r}")
-        if not self.gpu_memory_gib or self.gpu_memory_gib <= 0:
-            raise ValueError(
-                f"Hardware.gpu_memory_gib must be positive, got {self.gpu_memory_gib!r}; pass --gpu-memory"
-            )
+        from hf_dist.configs import check_number
+
+        check_number("Hardware.gpu_memory_gib", self.gpu_memory_gib, above=0, hint="Pass --gpu-memory GIB, e.g. 80.")
+        for name, flag in (("host_memory_gib", "--host-memory"), ("intra_node_gbps", None),
+                           ("inter_node_gbps", None), ("peak_tflops", None)):  # fmt: skip
+            if getattr(self, name) is not None:
+                check_number(
+                    f"Hardware.{name}", getattr(self, name), above=0, hint=f"Pass {flag} GIB." if flag else ""
+                )
 
     @property
     def host_memory_limit_gib(self) -> float:

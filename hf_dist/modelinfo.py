@@ -97,10 +97,17 @@ def config_from_dict(data: dict) -> Any:
             f"config dict has no 'model_type' (keys: {sorted(data)[:10]}...); add it, e.g. 'model_type': 'llama'"
         )
     kwargs = {k: v for k, v in data.items() if k != "model_type"}
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if data["model_type"] not in CONFIG_MAPPING:
+        raise ValueError(
+            f"unknown model_type {data['model_type']!r} in config; use one transformers knows, e.g. 'llama'"
+        )
     try:
         return AutoConfig.for_model(data["model_type"], **kwargs)
-    except ValueError as exc:
-        raise ValueError(f"unknown model_type {data['model_type']!r} in config: {exc}") from exc
+    except Exception as exc:  # transformers/huggingface_hub validators raise their own types
+        message = str(exc).strip().splitlines()[-1].strip()[:300] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"invalid {data['model_type']} config: {message}; fix config.json") from None
 
 
 def load_config(path_or_name: str, *, trust_remote_code: bool = False) -> Any:
@@ -115,9 +122,15 @@ def load_config(path_or_name: str, *, trust_remote_code: bool = False) -> Any:
                 raise ValueError(f"{path_or_name} is not valid JSON ({exc}); pass a transformers config.json") from exc
         return config_from_dict(data)
     if os.path.isdir(path_or_name):
-        if not os.path.isfile(os.path.join(path_or_name, "config.json")):
+        config_file = os.path.join(path_or_name, "config.json")
+        if not os.path.isfile(config_file):
             raise FileNotFoundError(f"folder {path_or_name} has no config.json; pass a model folder or a config.json")
-        return AutoConfig.from_pretrained(path_or_name, trust_remote_code=trust_remote_code)
+        try:
+            return AutoConfig.from_pretrained(path_or_name, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as exc:
+            raise ValueError(
+                f"cannot read {config_file} ({type(exc).__name__}: {str(exc)[:200]}); fix or replace it"
+            ) from None
     try:
         return AutoConfig.from_pretrained(path_or_name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
@@ -139,9 +152,34 @@ def _check_causal_lm(config: Any) -> None:
     )
 
 
+def check_dimensions(config: Any, *, name: str | None = None) -> None:
+    """Refuse a config whose sizes are zero, negative, non-integer or inconsistent, before anything is planned."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    where = f"model config {name or getattr(config, '_name_or_path', '') or config.model_type}".rstrip()
+    sizes = {key: getattr(text, key, None) for key in ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                                                        "vocab_size", "intermediate_size", "num_key_value_heads")}  # fmt: skip
+    for key, value in sizes.items():
+        required = key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+        if value is None and not required:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{where}: {key} must be a positive integer, got {value!r}; fix config.json")
+    hidden, heads, kv = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    if getattr(text, "head_dim", None) is None and hidden % heads:
+        raise ValueError(
+            f"{where}: hidden_size ({hidden}) is not divisible by num_attention_heads ({heads}) and no head_dim is "
+            f"given; fix config.json (e.g. num_attention_heads that divides {hidden}, or an explicit head_dim)"
+        )
+    if kv is not None and heads % kv:
+        raise ValueError(
+            f"{where}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv}); fix config.json"
+        )
+
+
 def spec_from_config(config: Any, *, name: str | None = None) -> ModelSpec:
     """Count params by building the model on the meta device (no storage is allocated)."""
     _check_causal_lm(config)
+    check_dimensions(config, name=name)
     key = (type(config).__name__, config.to_json_string(use_diff=False))
     if key not in _COUNT_CACHE:
         _COUNT_CACHE[key] = _meta_counts(config)

@@ -76,7 +76,13 @@ def inspect_checkpoint(checkpoint_dir: str | Path) -> CheckpointTopology:
         ranks = {int(m.group(1)) for f in dcp_dirs[0].iterdir() if (m := _DCP_SHARD_FILE.match(f.name))}
         return CheckpointTopology(path, "dcp", world_size=len(ranks) or None)
     if any(
-        (path / name).exists() for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+        (path / name).exists()
+        for name in (
+            "model.safetensors",
+            "model.safetensors.index.json",
+            "pytorch_model.bin",
+            "pytorch_model_fsdp.bin",
+        )
     ):
         return CheckpointTopology(path, "full")
     raise ValueError(
@@ -111,13 +117,20 @@ def _inspect_deepspeed(path: Path, tag: str) -> CheckpointTopology:
     return CheckpointTopology(path, "deepspeed", len(dp_ranks), stage, tag, universal)
 
 
-def to_universal(checkpoint_dir: str | Path, *, workers: int = 1, overwrite: bool = False) -> Path:
+def to_universal(
+    checkpoint_dir: str | Path, *, workers: int = 1, overwrite: bool = False, trust_pickles: bool = False
+) -> Path:
     """Convert a DeepSpeed ZeRO checkpoint folder to DeepSpeed's universal format, in place.
 
     Writes ``<tag>_universal/`` and ``latest_universal`` inside ``checkpoint_dir`` (the original files are
     kept) and returns the universal folder. The folder appears atomically: it is built under a temporary name
     and renamed, and ``latest_universal`` is written last, so a crash leaves no half-converted checkpoint.
+    DeepSpeed unpickles the tag folder with ``weights_only=False``: its files pass the loading gate
+    (:func:`hf_dist.checkpoint.safe_pickle.check_pickles`) first, unless ``trust_pickles``.
     """
+    from hf_dist.checkpoint.paths import remove_stale_temps
+    from hf_dist.checkpoint.safe_pickle import check_pickles
+
     topo = inspect_checkpoint(checkpoint_dir)
     if topo.kind != "deepspeed":
         raise ValueError(
@@ -129,6 +142,8 @@ def to_universal(checkpoint_dir: str | Path, *, workers: int = 1, overwrite: boo
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     final = topo.path / f"{topo.tag}{UNIVERSAL_SUFFIX}"
+    check_pickles(topo.path, trust_pickles=trust_pickles)  # the whole checkpoint, as every resume path does
+    remove_stale_temps(topo.path, final.name)
     tmp = topo.path / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -142,27 +157,41 @@ def to_universal(checkpoint_dir: str | Path, *, workers: int = 1, overwrite: boo
     return final
 
 
-def reshard(src: str | Path, dst: str | Path | None = None, *, workers: int = 1, overwrite: bool = False) -> Path:
+def reshard(
+    src: str | Path,
+    dst: str | Path | None = None,
+    *,
+    workers: int = 1,
+    overwrite: bool = False,
+    trust_pickles: bool = False,
+) -> Path:
     """Make the checkpoint folder ``src`` resumable on any world size; return the folder to resume from.
 
     DeepSpeed ZeRO: adds the universal conversion (in place, or in a copy at ``dst`` when given, leaving
     ``src`` untouched). FSDP/DCP and unsharded checkpoints already reshard on load: returned (or copied) as is.
+    ``dst`` passes :func:`hf_dist.checkpoint.paths.check_output_path`: never ``src``, a folder around or
+    inside it; ``overwrite`` replaces only a folder that holds no training state. Every pickle of ``src``
+    passes the loading gate (:func:`hf_dist.checkpoint.safe_pickle.check_pickles`) first.
     """
+    from hf_dist.checkpoint.paths import check_output_path, make_parent, remove_stale_temps
+    from hf_dist.checkpoint.safe_pickle import check_pickles
+
     src_path = Path(src).expanduser()
     topo = inspect_checkpoint(src_path)
     if dst is None:
         if topo.kind == "deepspeed":
-            to_universal(src_path, workers=workers, overwrite=overwrite)
+            to_universal(src_path, workers=workers, overwrite=overwrite, trust_pickles=trust_pickles)
         return src_path
-    dst_path = Path(dst).expanduser()
-    if dst_path.exists() and not overwrite:
-        raise FileExistsError(f"{dst_path} exists; pass overwrite=True (--overwrite) or choose another folder")
+    dst_path = check_output_path(dst, sources=[src_path], overwrite=overwrite)
+    check_pickles(src_path, trust_pickles=trust_pickles)
+    make_parent(dst_path)
+    remove_stale_temps(dst_path.parent, dst_path.name)
     tmp = dst_path.with_name(f".{dst_path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        shutil.copytree(src_path, tmp, ignore=shutil.ignore_patterns(".*.tmp-*"))
+        shutil.copytree(src_path, tmp, ignore=shutil.ignore_patterns(".*.tmp-*"), symlinks=True)
         if topo.kind == "deepspeed":
-            to_universal(tmp, workers=workers, overwrite=overwrite)
+            to_universal(tmp, workers=workers, overwrite=overwrite, trust_pickles=True)  # checked above
         if dst_path.exists():
             shutil.rmtree(dst_path)
         os.replace(tmp, dst_path)
@@ -210,6 +239,7 @@ def prepare_resume(
     training_args: Any = None,
     deepspeed_config: dict | None = None,
     timeout_s: float = 3600.0,
+    trust_pickles: bool = False,
 ) -> str:
     """Make ``checkpoint_dir`` resumable at ``world_size`` ranks and return the path to resume from.
 
@@ -218,10 +248,17 @@ def prepare_resume(
     universal format (global rank 0 converts; other ranks wait for ``latest_universal``), and
     ``checkpoint.load_universal`` is switched on in ``training_args``' DeepSpeed config and/or the
     ``deepspeed_config`` dict, in place. Call it before constructing the ``Trainer``.
+
+    A checkpoint of another strategy family than ``training_args`` asks for raises (as
+    :func:`hf_dist.callbacks.resume.check_resume_compatible`), and every pickle in it passes the loading gate
+    before DeepSpeed, accelerate or the Trainer sees it (``trust_pickles=True`` skips the gate).
     """
+    from hf_dist.callbacks.resume import gate_checkpoint
+
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     topo = inspect_checkpoint(checkpoint_dir)
     _check_strategy_matches(topo, training_args)
+    gate_checkpoint(topo.path, trust_pickles=trust_pickles)
     if topo.kind != "deepspeed" or topo.world_size == world_size:
         return str(topo.path)
     if training_args is None and deepspeed_config is None:
@@ -230,7 +267,7 @@ def prepare_resume(
             "so prepare_resume can switch on DeepSpeed's universal checkpoint loading"
         )
     if int(os.environ.get("RANK", "0")) == 0:
-        to_universal(topo.path)
+        to_universal(topo.path, trust_pickles=True)  # gated above
     else:
         _wait_for(topo.path / LATEST_UNIVERSAL, timeout_s)
     for config in _deepspeed_config_dicts(training_args, deepspeed_config):
@@ -239,16 +276,14 @@ def prepare_resume(
 
 
 def _check_strategy_matches(topo: CheckpointTopology, training_args: Any) -> None:
-    if training_args is None or topo.kind == "full":
+    """The family check of ``auto_resume(strategy=...)``, with the strategy ``training_args`` asks for."""
+    if training_args is None:
         return
-    running = "deepspeed" if getattr(training_args, "deepspeed", None) else "fsdp" if training_args.fsdp else "ddp"
-    saved = "deepspeed" if topo.kind == "deepspeed" else "fsdp"
-    if running != saved:
-        raise ValueError(
-            f"{topo.describe()} cannot be resumed by a {running} run: optimizer state is laid out per strategy. "
-            f"Resume with the {saved} strategy it was saved with, or export the weights with "
-            f"`hf-dist convert {topo.path} OUT` and start a new run from OUT"
-        )
+    from hf_dist.callbacks.resume import check_resume_compatible, strategy_of_args
+
+    strategy = strategy_of_args(training_args)
+    if strategy is not None:
+        check_resume_compatible(topo.path, strategy)
 
 
 def _deepspeed_config_dicts(training_args: Any, deepspeed_config: dict | None) -> list[dict]:

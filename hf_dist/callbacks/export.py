@@ -71,7 +71,9 @@ class ExportCallback(TrainerCallback):
         state_dict = _full_state_dict(model, strategy)
         if state.is_world_process_zero:
             dst.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+            # next to the checkpoint, not inside it: convert refuses to write into its own source
+            where = checkpoint.parent if dst.parent == checkpoint else dst.parent
+            tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=where))
             try:
                 if strategy == "zero3":
                     self._convert_checkpoint(checkpoint, tmp)

@@ -179,11 +179,13 @@ def incomplete_reasons(checkpoint_dir: str | os.PathLike, *, checksums: bool = F
         return [f"no {MARKER_NAME} (the save did not finish on every rank)"]
     try:
         marker = json.loads(marker_path.read_text())
-        files = marker["files"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError) as exc:
         return [f"unreadable {MARKER_NAME}: {exc}"]
+    problem = _malformed_marker(marker)
+    if problem:
+        return [f"malformed {MARKER_NAME}: {problem}"]
     reasons = []
-    for rel, entry in files.items():
+    for rel, entry in marker["files"].items():
         path = folder / rel
         if not path.is_file():
             reasons.append(f"{rel} is missing")
@@ -191,7 +193,30 @@ def incomplete_reasons(checkpoint_dir: str | os.PathLike, *, checksums: bool = F
             reasons.append(f"{rel} has {path.stat().st_size} bytes, the marker says {entry['size']}")
         elif checksums and "sha256" in entry and _sha256(path) != entry["sha256"]:
             reasons.append(f"{rel} checksum differs from the marker")
+    # the marker's list is not trusted to be whole: every rank's files must be on disk
+    reasons += [f"{what} is missing" for what in missing_rank_files(folder, marker.get("world_size") or 1)]
+    if not marker["files"] and _relative_files(folder):
+        reasons.append(f"{MARKER_NAME} lists no files but the folder holds {len(_relative_files(folder))}")
     return reasons
+
+
+def _malformed_marker(marker: Any) -> str | None:
+    """What is wrong with a parsed marker's structure, or None."""
+    if not isinstance(marker, dict):
+        return f"expected a JSON object, got {type(marker).__name__}"
+    files = marker.get("files")
+    if not isinstance(files, dict):
+        return f'"files" must be an object of path -> {{"size": bytes}}, got {type(files).__name__}'
+    world = marker.get("world_size", 1)
+    if world is not None and (not isinstance(world, int) or isinstance(world, bool) or world < 1):
+        return f'"world_size" must be a positive integer, got {world!r}'
+    for rel, entry in files.items():
+        size = entry.get("size") if isinstance(entry, dict) else None
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return f"the entry of {rel} has no integer size ({entry!r})"
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            return f"the entry {rel!r} points outside the checkpoint"
+    return None
 
 
 def is_complete(checkpoint_dir: str | os.PathLike, *, checksums: bool = False) -> bool:
@@ -215,6 +240,7 @@ def auto_resume(
     world_size: int | None = None,
     checksums: bool = False,
     training_args: Any = None,
+    trust_pickles: bool = False,
 ) -> str | None:
     """The newest complete ``checkpoint-N`` in ``output_dir``, or None; partial checkpoints are skipped.
 
@@ -233,8 +259,17 @@ def auto_resume(
     cannot be loaded by that strategy and world size::
 
         trainer.train(resume_from_checkpoint=hf_dist.auto_resume(args.output_dir, strategy=trainer))
+
+    Either way the checkpoint's family must match the run (a ZeRO-3 checkpoint for a ZeRO-2 run, or DDP
+    weights for an FSDP run, raise), and every pickle in it passes the loading gate (:func:`gate_checkpoint`;
+    a foreign type raises :class:`~hf_dist.checkpoint.safe_pickle.UnsafePickleError` unless ``trust_pickles``).
+    Malformed markers make a checkpoint "not complete", with the reason in the log.
     """
-    for step, path in list_checkpoints(output_dir):
+    _check_output_dir(output_dir)
+    checkpoints = list_checkpoints(output_dir)
+    if not checkpoints:
+        logger.info("auto_resume: no checkpoint-N folder in %s; starting from scratch", output_dir)
+    for step, path in checkpoints:
         reasons = incomplete_reasons(path, checksums=checksums)
         if reasons:
             logger.warning("auto_resume: skipping %s: %s", path, "; ".join(reasons))
@@ -242,13 +277,56 @@ def auto_resume(
         if training_args is not None:
             from hf_dist.reshard import prepare_resume
 
-            path = prepare_resume(path, world_size, training_args=training_args)
-        elif strategy is not None:
-            name, live_world = _strategy_and_world(strategy, world_size)
-            check_resume_compatible(path, name, world_size=live_world)
+            path = prepare_resume(path, world_size, training_args=training_args, trust_pickles=trust_pickles)
+        else:
+            if strategy is not None:
+                name, live_world = _strategy_and_world(strategy, world_size)
+                check_resume_compatible(path, name, world_size=live_world)
+            gate_checkpoint(path, trust_pickles=trust_pickles)
         logger.info("auto_resume: resuming from %s (step %d)", path, step)
         return path
     return None
+
+
+def gate_checkpoint(path: str | os.PathLike, *, trust_pickles: bool = False) -> None:
+    """The loading gate for a checkpoint about to be resumed: every pickle in it is checked before the Trainer,
+    accelerate or DeepSpeed unpickles it (DeepSpeed with ``weights_only=False``, DCP's ``.metadata`` with
+    plain ``pickle.load``). The completion marker proves only that every rank finished writing, not who
+    wrote the files, so this runs whatever the marker says."""
+    from hf_dist.checkpoint.safe_pickle import check_pickles
+
+    check_pickles(path, trust_pickles=trust_pickles)
+
+
+def _check_output_dir(output_dir: str | os.PathLike) -> None:
+    root = Path(output_dir)
+    if _CHECKPOINT_RE.match(root.name) or (root / MARKER_NAME).is_file() or (root / "trainer_state.json").is_file():
+        raise ValueError(
+            f"auto_resume got {root}, which is a checkpoint folder itself; pass the run's output_dir that holds "
+            f"the checkpoint-N folders ({root.parent}), or pass {root} to trainer.train(resume_from_checkpoint=...) "
+            "directly"
+        )
+
+
+def strategy_of_args(training_args: Any) -> str | None:
+    """The strategy ``TrainingArguments`` asks for ('ddp', 'zero1/2/3', 'fsdp_full_shard'), before any Trainer.
+
+    None when it cannot tell (a DeepSpeed config without ZeRO).
+    """
+    ds = getattr(getattr(training_args, "hf_deepspeed_config", None), "config", None)
+    if ds is None:
+        ds = getattr(training_args, "deepspeed", None)
+        if isinstance(ds, (str, os.PathLike)):
+            try:
+                ds = json.loads(Path(ds).read_text())
+            except (OSError, ValueError):
+                return None
+    if ds:
+        stage = ds.get("zero_optimization", {}).get("stage", 0) if isinstance(ds, dict) else 0
+        return f"zero{int(stage)}" if str(stage) in ("1", "2", "3") else None
+    if getattr(training_args, "fsdp", None):
+        return "fsdp_full_shard"
+    return "ddp"
 
 
 def _strategy_and_world(strategy: Any, world_size: int | None) -> tuple[str, int | None]:

@@ -17,6 +17,7 @@ from typing import Any
 from hf_dist.checkpoint import plan as planning
 from hf_dist.checkpoint import transform
 from hf_dist.checkpoint.detect import CheckpointInfo, detect_format
+from hf_dist.checkpoint.paths import check_output_path
 from hf_dist.checkpoint.reader import Reader, TensorSpec
 
 TARGETS = ("hf", "dcp")
@@ -85,9 +86,11 @@ def convert(
 ) -> ConversionReport:
     """Convert the checkpoint at ``src`` into ``dst`` (see ``hf-dist convert --help``)."""
     start = time.perf_counter()
-    dst = Path(dst)
-    _check_arguments(dtype, to, adapter, merge_adapter, dst, overwrite)
+    _check_arguments(dtype, to, adapter, merge_adapter)
+    dst = check_output_path(dst, sources=[src], overwrite=overwrite)
     info = detect_format(src, tag=tag)
+    sources = (src, info.path, info.root)
+    check_output_path(dst, sources=sources, overwrite=overwrite)
     if model_config is not None:
         info.config_dir = _config_dir(model_config)
     reader = open_reader(info, trust_pickles=trust_pickles)
@@ -103,7 +106,8 @@ def convert(
         if to == "dcp":
             from hf_dist.checkpoint.dcp_writer import write_dcp
 
-            files = write_dcp(dst, out_specs, _tensor_stream(reader, conversion, out_specs), overwrite=overwrite)
+            files = write_dcp(dst, out_specs, _tensor_stream(reader, conversion, out_specs), overwrite=overwrite,
+                              sources=sources)  # fmt: skip
         else:
             files = _write_hf(info, reader, conversion, out_specs, dst, max_shard_size, tokenizer, overwrite, progress)
     finally:
@@ -124,7 +128,7 @@ def convert(
     )
 
 
-def _check_arguments(dtype: str, to: str, adapter: bool, merge_adapter: bool, dst: Path, overwrite: bool) -> None:
+def _check_arguments(dtype: str, to: str, adapter: bool, merge_adapter: bool) -> None:
     if dtype not in transform.DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use one of {transform.DTYPES}")
     if to not in TARGETS:
@@ -133,8 +137,6 @@ def _check_arguments(dtype: str, to: str, adapter: bool, merge_adapter: bool, ds
         raise ValueError("--adapter and --merge-adapter exclude each other: write the adapter or the merged model")
     if to == "dcp" and adapter:
         raise ValueError("--to dcp writes a full model; drop --adapter (or use --merge-adapter)")
-    if dst.exists() and not overwrite:
-        raise FileExistsError(f"destination {dst} already exists; pass --overwrite (overwrite=True) or another DST")
 
 
 def _config_dir(model_config: str | Path) -> Path:
@@ -175,7 +177,9 @@ def _adapter_config(info: CheckpointInfo) -> dict:
     path = _find_adapter_config(info)
     if path is None:
         raise ValueError(f"no adapter_config.json found next to {info.path}; copy the run's adapter_config.json there")
-    return json.loads(path.read_text())
+    from hf_dist.checkpoint.hf_io import read_json
+
+    return read_json(path)
 
 
 def _find_adapter_config(info: CheckpointInfo) -> Path | None:
@@ -294,7 +298,8 @@ def _write_hf(info, reader, conversion, out_specs, dst, max_shard_size, tokenize
     tokenizer_dir = Path(tokenizer) if tokenizer is not None else (info.config_dir or info.root)
     if tokenizer is not None and not tokenizer_dir.is_dir():
         raise FileNotFoundError(f"--tokenizer {tokenizer} is not a folder")
-    with atomic_output_dir(dst, overwrite=overwrite, needed_bytes=total) as tmp:
+    sources = (info.path, info.root)
+    with atomic_output_dir(dst, overwrite=overwrite, needed_bytes=total, sources=sources) as tmp:
         files = write_hf_weights(
             tmp,
             out_specs,

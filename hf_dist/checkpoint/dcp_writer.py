@@ -30,6 +30,7 @@ def write_dcp(
     overwrite: bool = False,
     prefix: str = DEFAULT_PREFIX,
     file_size: int = FILE_SIZE,
+    sources: tuple = (),
 ) -> list[str]:
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -45,7 +46,7 @@ def write_dcp(
     storage: dict[Any, Any] = {}
     files: list[str] = []
     total = sum(s.nbytes for s in specs.values())
-    with atomic_output_dir(Path(dst), overwrite=overwrite, needed_bytes=total) as tmp:
+    with atomic_output_dir(Path(dst), overwrite=overwrite, needed_bytes=total, sources=sources) as tmp:
         handle, written = None, 0
         for name, tensor in tensors:
             if handle is None or written >= file_size:

@@ -114,8 +114,25 @@ def _torch_dtype(name: str):
     return table[name]
 
 
+def read_json(path: Path) -> dict:
+    """A JSON object from ``path``, or a ValueError naming the file and what is wrong with it."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path} ({exc.strerror}); fix its permissions or replace it") from None
+    if not text.strip():
+        raise ValueError(f"{path} is empty; restore it from the training run or delete it")
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); restore it from the training run") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, expected an object; restore it")
+    return data
+
+
 def load_config_dict(config_dir: Path) -> dict:
-    return json.loads((config_dir / "config.json").read_text())
+    return read_json(config_dir / "config.json")
 
 
 def copy_side_files(out_dir: Path, config_dir: Path | None, tokenizer_dir: Path | None, dtype: Any) -> list[str]:
@@ -129,11 +146,14 @@ def copy_side_files(out_dir: Path, config_dir: Path | None, tokenizer_dir: Path 
         copied.append("config.json")
         for name in MODEL_FILES:
             if (config_dir / name).is_file():
+                read_json(config_dir / name)  # an empty/broken file would break from_pretrained on the output
                 shutil.copy2(config_dir / name, out_dir / name)
                 copied.append(name)
     for name in TOKENIZER_FILES:
         source = tokenizer_dir / name if tokenizer_dir is not None else None
         if source is not None and source.is_file():
+            if name.endswith(".json"):
+                read_json(source)
             shutil.copy2(source, out_dir / name)
             copied.append(name)
     return copied

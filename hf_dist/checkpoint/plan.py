@@ -33,11 +33,10 @@ class ConversionPlan:
 
 def expected_specs(config_dir: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     """Names -> shapes of the model the config describes, and its tied ``target -> source`` keys."""
-    import json
-
+    from hf_dist.checkpoint.hf_io import load_config_dict
     from hf_dist.checkpoint.layouts import llama_like_specs
 
-    known = llama_like_specs(json.loads((Path(config_dir) / "config.json").read_text()))
+    known = llama_like_specs(load_config_dict(Path(config_dir)))
     if known is not None:
         return known
     import torch

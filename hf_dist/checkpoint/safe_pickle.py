@@ -10,6 +10,7 @@ and the type named, unless the caller passes ``trust_pickles=True``.
 from __future__ import annotations
 
 import os
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -57,8 +58,6 @@ def safe_load(path: str | os.PathLike, *, trust_pickles: bool = False, mmap: boo
     ``meta=True`` reads no tensor data: tensors come back on the meta device, each storage carrying
     ``_checkpoint_offset``, the byte offset of its data in the file.
     """
-    import pickle
-
     import torch
 
     path = Path(path)
@@ -90,3 +89,174 @@ def safe_load(path: str | os.PathLike, *, trust_pickles: bool = False, mmap: boo
 def _first_line_naming_type(message: str) -> str:
     match = re.search(r"GLOBAL ([\w.]+)", message) or re.search(r"(?:got|function) (<class '[^']+'>|\S+)", message)
     return f"it contains the type {match.group(1)}" if match else message.strip().splitlines()[-1][:200]
+
+
+# ---------------------------------------------------------------- the loading gate
+#
+# Libraries we hand checkpoints to unpickle some files with ``weights_only=False`` (DeepSpeed's engine and
+# ds_to_universal) or plain ``pickle.load`` (DCP's FileSystemReader for ``.metadata``). ``check_pickles`` runs
+# every pickle of a checkpoint through an unpickler that resolves each global against the allowlist and
+# replaces it by an inert record, so nothing in the file is ever called; a file naming anything else is refused
+# before any library opens it.
+
+# A file is a pickle when its name ends like this (safetensors and .distcp payloads are not: torch loads the
+# latter with weights_only=True).
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
+PICKLE_NAMES = (".metadata",)
+# What the Trainer pickles besides tensors: rng_state*.pth holds numpy's RNG state, training_args.bin the
+# TrainingArguments object (found by listing the globals of files written by transformers 5 / accelerate 1).
+TRAINER_GLOBALS = {
+    "numpy.dtype", "numpy.ndarray", "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
+    "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar",
+    "transformers.training_args.TrainingArguments", "transformers.training_args_seq2seq.Seq2SeqTrainingArguments",
+    "transformers.trainer_pt_utils.AcceleratorConfig", "accelerate.state.PartialState",
+    "accelerate.utils.dataclasses.DistributedType", "torch.device",
+}  # fmt: skip
+# Classes of these packages (TrainingArguments' enums, accelerate's DeepSpeedPlugin/FSDP plugin dataclasses, the
+# Trainer's HfTrainerDeepSpeedConfig, all pickled inside training_args.bin) are allowed by kind: classes only,
+# never functions, and the gate itself only ever builds inert records.
+_ENUM_PACKAGES = ("transformers.", "accelerate.", "trl.", "peft.")
+
+
+def is_pickle_file(path: Path) -> bool:
+    """True for the files of a checkpoint that a library may unpickle."""
+    return path.name in PICKLE_NAMES or path.suffix in PICKLE_SUFFIXES
+
+
+def check_pickles(path: str | os.PathLike, *, trust_pickles: bool = False) -> list[Path]:
+    """The loading gate: refuse ``path`` (a checkpoint folder or one file) if any pickle in it names a foreign type.
+
+    Every pickle file (see :func:`is_pickle_file`) is unpickled with each global mapped to an inert record: no
+    tensor data is read and no code from the file runs. Raises :class:`UnsafePickleError` naming the file and
+    the type, :class:`CorruptCheckpointError` for a file that is not a pickle. Returns the files checked.
+    ``trust_pickles=True`` checks nothing.
+    """
+    path = Path(path)
+    if trust_pickles:
+        return []
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and is_pickle_file(p))
+    for file in files:
+        _check_pickle_file(file)
+    return files
+
+
+def _check_pickle_file(path: Path) -> None:
+    import zipfile
+
+    try:
+        with open(path, "rb") as handle:
+            is_zip = handle.read(4) == b"PK\x03\x04"  # torch.load's own test: anything else is read as pickles
+        if is_zip:  # torch.save's format: the pickle is <archive>/data.pkl, tensors are records
+            with zipfile.ZipFile(path) as archive:
+                for entry in archive.infolist():  # every entry, duplicates included: the loader may pick any
+                    if entry.filename.endswith(".pkl"):
+                        with archive.open(entry) as member:
+                            _CheckingUnpickler(member, path).load()
+            return
+        with open(path, "rb") as handle:
+            # a plain pickle (.metadata), or torch's legacy format: five pickles, then raw storage bytes
+            for index in range(5):
+                try:
+                    _CheckingUnpickler(handle, path).load()
+                except EOFError:
+                    if index == 0:
+                        raise
+                    return
+    except UnsafePickleError:
+        raise
+    except Exception as exc:  # anything else the bytes make pickle raise: not a readable checkpoint file
+        if path.stat().st_size == 0:
+            raise CorruptCheckpointError(
+                f"checkpoint file {path} is empty (0 bytes); the save was interrupted"
+            ) from None
+        raise CorruptCheckpointError(
+            f"cannot read checkpoint file {path} ({type(exc).__name__}: {str(exc)[:200]}); it is truncated, corrupt "
+            "or not a checkpoint file; re-copy it or remove it"
+        ) from None
+
+
+class _Inert:
+    """What every allowed global becomes while checking: accepts any construction, runs nothing."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Inert:
+        return object.__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, item: Any) -> None:
+        pass
+
+    def extend(self, items: Any) -> None:
+        pass
+
+
+_ALLOWED: frozenset[str] | None = None
+
+
+def _allowed_globals() -> frozenset[str]:
+    """torch's weights_only allowlist + DEEPSPEED_GLOBALS + DCP metadata types + TRAINER_GLOBALS, as dotted names."""
+    global _ALLOWED
+    if _ALLOWED is None:
+        import torch
+        from torch import _weights_only_unpickler
+
+        from hf_dist.checkpoint.dcp_reader import _DCP_MODULES, _DCP_NAMES, _OTHER_GLOBALS
+
+        names = set(_weights_only_unpickler._get_allowed_globals())
+        names |= {f"{g.__module__}.{g.__qualname__}" for g in torch.serialization.get_safe_globals()
+                  if isinstance(g, type) or callable(g)}  # fmt: skip
+        names |= {dotted for _, dotted in DEEPSPEED_GLOBALS}
+        names |= {f"{module}.{name}" for module in _DCP_MODULES for name in _DCP_NAMES}
+        names |= {f"{module}.{name}" for module, name in _OTHER_GLOBALS}
+        names |= TRAINER_GLOBALS
+        _ALLOWED = frozenset(names)
+    return _ALLOWED
+
+
+def _is_allowed(module: str, name: str) -> bool:
+    import torch
+
+    if f"{module}.{name}" in _allowed_globals():
+        return True
+    if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        return True
+    if module.startswith(_ENUM_PACKAGES) and name.isidentifier():
+        import enum
+        import importlib
+        import importlib.util
+
+        try:
+            if importlib.util.find_spec(module.split(".")[0]) is None:
+                return False
+            obj = getattr(importlib.import_module(module), name, None)
+        except Exception:  # a module that does not import holds no allowed type
+            return False
+        return isinstance(obj, type) and (issubclass(obj, enum.Enum) or obj.__module__.startswith(_ENUM_PACKAGES))
+    return False
+
+
+class _CheckingUnpickler(pickle.Unpickler):
+    """Every global checked by :func:`_is_allowed` and replaced by :class:`_Inert`; persistent ids ignored."""
+
+    def __init__(self, file: Any, path: Path) -> None:
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if not _is_allowed(module, name):
+            raise UnsafePickleError(
+                f"refusing to load {self.path}: it contains the type {module}.{name}, which is not a tensor, a "
+                "container or a checkpoint metadata type (DeepSpeed, DCP, Trainer); nothing was loaded. Remove "
+                "the file, or pass --trust-pickles (trust_pickles=True) only if you trust it"
+            )
+        return _Inert
+
+    def persistent_load(self, pid: Any) -> Any:
+        return None

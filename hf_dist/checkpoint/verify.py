@@ -8,6 +8,7 @@ fp32 model plus one batch), and compares their logits on a fixed input.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,9 @@ class VerifyReport:
     only_in_a: list[str] = field(default_factory=list)
     only_in_b: list[str] = field(default_factory=list)
     shape_mismatches: list[str] = field(default_factory=list)
-    diffs: dict[str, float] = field(default_factory=dict)  # name -> max abs diff (fp32)
+    diffs: dict[str, float] = field(default_factory=dict)  # name -> max abs diff (fp32) over finite positions
+    # name -> {"A": (nan count, inf count), "B": (...)} for tensors with a NaN/Inf on either side
+    nonfinite: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     logits_max_diff: float | None = None
 
     @property
@@ -36,21 +39,28 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """No missing tensor, no shape difference, no NaN/Inf anywhere (they never compare equal), diffs <= atol."""
         return (
             not self.only_in_a
             and not self.only_in_b
             and not self.shape_mismatches
+            and not self.nonfinite
             and self.max_abs_diff <= self.atol
-            and (self.logits_max_diff is None or self.logits_max_diff <= self.atol)
+            and (self.logits_max_diff is None or self.logits_max_diff <= self.atol)  # NaN logits fail here
         )
 
     def summary(self) -> str:
         lines = [f"{'OK' if self.ok else 'MISMATCH'}: {self.a} vs {self.b} ({len(self.diffs)} tensors compared)"]
         if self.only_in_a:
-            lines.append(f"  only in A ({len(self.only_in_a)}): {self.only_in_a[:10]}")
+            lines.append(f"  only in A, missing from B ({len(self.only_in_a)}): {self.only_in_a[:10]}")
         if self.only_in_b:
-            lines.append(f"  only in B ({len(self.only_in_b)}): {self.only_in_b[:10]}")
+            lines.append(f"  only in B, missing from A ({len(self.only_in_b)}): {self.only_in_b[:10]}")
         lines += [f"  shape: {m}" for m in self.shape_mismatches[:10]]
+        if self.nonfinite:
+            lines.append(f"  non-finite values in {len(self.nonfinite)} tensor(s) (never equal):")
+            for name, sides in list(self.nonfinite.items())[:10]:
+                lines.append("    " + name + ": " + "; ".join(
+                    f"{side} {nan} NaN, {inf} Inf" for side, (nan, inf) in sides.items()))  # fmt: skip
         worst = sorted(self.diffs.items(), key=lambda kv: -kv[1])[:5]
         lines.append(f"  max abs diff {self.max_abs_diff:.3g} (atol {self.atol:g}); worst: "
                      + ", ".join(f"{k}={v:.3g}" for k, v in worst))  # fmt: skip
@@ -62,18 +72,24 @@ class VerifyReport:
 class _Side:
     """One checkpoint: its reader and the mapping HF name -> source name."""
 
-    def __init__(self, path: str | Path, model_config: Path | None, trust_pickles: bool) -> None:
+    def __init__(self, path: str | Path, trust_pickles: bool) -> None:
         self.info: CheckpointInfo = detect_format(path)
-        if model_config is not None:
-            self.info.config_dir = Path(model_config)
         self.reader: Reader = open_reader(self.info, trust_pickles=trust_pickles)
+        self.names: dict[str, str] = {}
+
+    def map_names(self, config_dir: Path | None, other: set[str] | None = None) -> None:
+        """HF name -> source name: as the converter maps them with a config, else matched to ``other``'s names."""
         specs = self.reader.specs()
-        if self.info.config_dir is not None and not planning.is_peft(specs):
-            expected, tied = planning.expected_specs(self.info.config_dir)
-            conversion = planning.model_plan(specs, expected, tied)
-            self.names = {out: t.sources[0] for out, t in conversion.tensors.items()}
+        if config_dir is not None and not planning.is_peft(specs):
+            expected, tied = planning.expected_specs(config_dir)
+            outer = transform.choose_outer_prefix(specs, set(expected))
+            self.names = {transform.rename(n, outer): n for n in specs}
+            for target, source in tied.items():  # a tied copy is written once, as the converter does
+                if target in self.names and source in self.names:
+                    del self.names[target]
         else:
-            self.names = {transform.strip_wrappers(n): n for n in specs}
+            outer = transform.choose_outer_prefix(specs, other) if other else ""
+            self.names = {transform.rename(n, outer): n for n in specs}
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.reader.specs()[self.names[name]].shape
@@ -93,26 +109,66 @@ def verify(
     model_config: str | Path | None = None,
     trust_pickles: bool = False,
 ) -> VerifyReport:
-    """Compare checkpoints ``a`` and ``b``; ``report.ok`` is False on any missing key, shape or diff > atol."""
-    config = Path(model_config) if model_config is not None else None
-    side_a, side_b = _Side(a, config, trust_pickles), _Side(b, config, trust_pickles)
+    """Compare checkpoints ``a`` and ``b``; ``report.ok`` is False on any missing key, shape, NaN/Inf or diff > atol.
+
+    Names are mapped with one model config for both sides: ``model_config``, else the config found next to A
+    or B. Without any config, sharded checkpoints whose names share nothing with the other side raise,
+    asking for ``--model-config``.
+    """
+    if not isinstance(atol, (int, float)) or isinstance(atol, bool) or not math.isfinite(atol) or atol < 0:
+        raise ValueError(f"--atol must be a finite number >= 0, got {atol!r}")
+    config = _config_dir(model_config) if model_config is not None else None
+    side_a, side_b = _Side(a, trust_pickles), _Side(b, trust_pickles)
+    config = config or side_a.info.config_dir or side_b.info.config_dir
+    for side in (side_a, side_b):
+        side.info.config_dir = config
+    side_b.map_names(config)
+    side_a.map_names(config, set(side_b.names))
+    if config is None:
+        side_b.map_names(None, set(side_a.names))
+        if side_a.names and side_b.names and not set(side_a.names) & set(side_b.names):
+            raise ValueError(
+                f"{a} and {b} share no tensor name (e.g. {next(iter(side_a.reader.specs()))!r} vs "
+                f"{next(iter(side_b.reader.specs()))!r}) and neither has a config.json next to it; pass "
+                "--model-config DIR (the trained model's config folder) so both are mapped to HF names"
+            )
     report = VerifyReport(str(a), str(b), atol)
     report.only_in_a = sorted(set(side_a.names) - set(side_b.names))
     report.only_in_b = sorted(set(side_b.names) - set(side_a.names))
     common = [n for n in side_a.names if n in side_b.names]
     for name in common:
         if side_a.shape(name) != side_b.shape(name):
-            report.shape_mismatches.append(f"{name}: {side_a.shape(name)} vs {side_b.shape(name)}")
+            report.shape_mismatches.append(f"{name}: A {side_a.shape(name)} vs B {side_b.shape(name)}")
     comparable = [n for n in common if side_a.shape(n) == side_b.shape(n)]
     for batch in _batches(comparable, side_a):
         ta, tb = side_a.read(batch), side_b.read(batch)
         for name in batch:
-            report.diffs[name] = _max_abs_diff(ta.pop(name), tb.pop(name))
+            x, y = ta.pop(name), tb.pop(name)
+            counts = {"A": _nonfinite_counts(x), "B": _nonfinite_counts(y)}
+            if any(sum(c) for c in counts.values()):
+                report.nonfinite[name] = counts
+            report.diffs[name] = _max_abs_diff(x, y)
     if logits:
         report.logits_max_diff = _logits_diff(side_a, side_b)
     side_a.reader.close()
     side_b.reader.close()
     return report
+
+
+def _config_dir(model_config: str | Path) -> Path:
+    path = Path(model_config)
+    path = path.parent if path.name == "config.json" else path
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--model-config {model_config}: no config.json there; pass the model's config folder")
+    return path
+
+
+def _nonfinite_counts(x: Any) -> tuple[int, int]:
+    if not x.is_floating_point():
+        return 0, 0
+    import torch
+
+    return int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
 
 
 def _batches(names: list[str], side: _Side) -> list[list[str]]:
@@ -127,9 +183,14 @@ def _batches(names: list[str], side: _Side) -> list[list[str]]:
 
 
 def _max_abs_diff(x: Any, y: Any) -> float:
+    """Max abs difference over the positions finite on both sides (non-finite ones are counted apart)."""
     if not x.is_floating_point() and not y.is_floating_point():
         return 0.0 if bool((x == y).all()) else float("inf")
-    diff = (x.detach().float() - y.detach().float()).abs()
+    import torch
+
+    x, y = x.detach().float(), y.detach().float()
+    finite = torch.isfinite(x) & torch.isfinite(y)
+    diff = (x - y).abs()[finite]
     return float(diff.max()) if diff.numel() else 0.0
 
 

@@ -184,21 +184,37 @@ def write_hf_weights(
 
 
 @contextlib.contextmanager
-def atomic_output_dir(dst: Path, *, overwrite: bool, needed_bytes: int = 0) -> Iterator[Path]:
-    """Yield a temporary sibling of ``dst``; on success it replaces ``dst``, on any error it is removed."""
-    dst = Path(dst)
-    if dst.exists() and not overwrite:
-        raise FileExistsError(f"destination {dst} already exists; pass --overwrite (overwrite=True) or another DST")
-    dst.parent.mkdir(parents=True, exist_ok=True)
+def atomic_output_dir(
+    dst: Path,
+    *,
+    overwrite: bool,
+    needed_bytes: int = 0,
+    sources: tuple[str | os.PathLike, ...] = (),
+) -> Iterator[Path]:
+    """Yield a temporary sibling of ``dst``; on success it replaces ``dst``, on any error it is removed.
+
+    ``dst`` passes :func:`hf_dist.checkpoint.paths.check_output_path` first (never the source, a folder around
+    or inside it, or a training checkpoint); temporaries left by killed runs are removed.
+    """
+    from hf_dist.checkpoint.paths import check_output_path, format_bytes, make_parent, remove_stale_temps
+
+    dst = check_output_path(dst, sources=sources, overwrite=overwrite)
+    make_parent(dst)
+    remove_stale_temps(dst.parent, dst.name)
     free = shutil.disk_usage(dst.parent).free
     if needed_bytes and free < needed_bytes:
         raise RuntimeError(
-            f"not enough disk space in {dst.parent}: the output needs {needed_bytes / 1e9:.2f} GB, "
-            f"{free / 1e9:.2f} GB free; free space or choose another DST"
+            f"not enough disk space in {dst.parent}: the output needs {format_bytes(needed_bytes)}, "
+            f"{format_bytes(free)} free; free space or choose another DST"
         )
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+    except OSError as exc:
+        raise PermissionError(
+            exc.errno, f"cannot write DST {dst}: creating {tmp} failed ({exc.strerror}); choose a writable location"
+        ) from None
     try:
         yield tmp
         _replace_dir(tmp, dst)

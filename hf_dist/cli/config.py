@@ -121,7 +121,10 @@ def run(args: argparse.Namespace) -> int:
     if args.out is None:
         sys.stdout.write(text)
         return 0
+    from hf_dist.checkpoint.paths import check_output_path
     from hf_dist.configs.accelerate import atomic_write_text
+
+    check_output_path(args.out, overwrite=args.force, what="--out", overwrite_flag="--force", is_dir=False)
 
     path = atomic_write_text(args.out, text, force=args.force)
     print(f"wrote {path}", file=sys.stderr)

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as exc:
+    except (ValueError, OSError, RuntimeError) as exc:  # OSError: FileNotFound/FileExists/Permission...
         print(f"hf-dist {args.command}: error: {exc}", file=sys.stderr)
         return 1
 

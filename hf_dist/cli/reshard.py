@@ -29,7 +29,17 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("dst", metavar="DST", nargs="?", help="write a converted copy here (default: in place)")
     parser.add_argument("--check", type=int, metavar="WORLD_SIZE", help="report only; convert nothing")
     parser.add_argument("--workers", type=int, default=1, help="processes for DeepSpeed's conversion (default 1)")
-    parser.add_argument("--overwrite", action="store_true", help="redo an existing conversion / replace DST")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="redo an existing conversion / replace a DST that holds no training state (never SRC or its run folder)",
+    )
+    parser.add_argument(
+        "--trust-pickles",
+        action="store_true",
+        dest="trust_pickles",
+        help="skip the allowlist check DeepSpeed's loader otherwise gets; only for files you trust",
+    )
     parser.set_defaults(func=run)
     return parser
 
@@ -44,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if topo.kind != "deepspeed":
         print("nothing to convert: FSDP/DCP and unsharded checkpoints reshard on load")
-    out = reshard(args.src, args.dst, workers=args.workers, overwrite=args.overwrite)
+    if args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    out = reshard(args.src, args.dst, workers=args.workers, overwrite=args.overwrite, trust_pickles=args.trust_pickles)
     if topo.kind == "deepspeed":
         done = inspect_checkpoint(out)
         print(f"wrote {out / str(done.universal_tag)} and {out / 'latest_universal'}")

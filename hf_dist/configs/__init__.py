@@ -21,6 +21,7 @@ __all__ = [
     "OFFLOADS",
     "STRATEGIES",
     "check_choice",
+    "check_number",
 ]
 
 
@@ -28,4 +29,21 @@ def check_choice(name: str, value: object, allowed: tuple[str, ...], hint: str =
     """Return ``value`` if allowed, else raise a ValueError naming the allowed values."""
     if value not in allowed:
         raise ValueError(f"unknown {name} {value!r}; allowed: {', '.join(allowed)}.{(' ' + hint) if hint else ''}")
+    return value  # type: ignore[return-value]
+
+
+def check_number(name: str, value: object, *, minimum: float | None = None, above: float | None = None,
+                 hint: str = "") -> float:  # fmt: skip
+    """Return ``value`` if it is a finite real number within the bounds, else raise a ValueError naming it.
+
+    NaN and +-inf are refused everywhere: they pass or fail comparisons silently (``nan > 0`` is False,
+    ``inf`` memory "fits" anything).
+    """
+    import math
+
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (minimum is None or value >= minimum) and (above is None or value > above)  # type: ignore[operator]
+    if not ok:
+        bound = f" > {above:g}" if above is not None else f" >= {minimum:g}" if minimum is not None else ""
+        raise ValueError(f"{name} must be a finite number{bound}, got {value!r}.{(' ' + hint) if hint else ''}")
     return value  # type: ignore[return-value]

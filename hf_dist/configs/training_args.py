@@ -21,6 +21,7 @@ import os
 from typing import Any
 
 from hf_dist.configs import DEEPSPEED_STRATEGIES, FSDP_STRATEGIES, check_choice
+from hf_dist.configs.overrides import apply_strategy_overrides
 
 __all__ = ["auto_args", "PLAN_KEYS", "CONFIG_KEYS", "DEFAULT_DDP_TIMEOUT_S", "scaled_learning_rate"]
 
@@ -101,6 +102,7 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
         _lr_args(own, user, kwargs["per_device_train_batch_size"], kwargs["gradient_accumulation_steps"], plan)
     )
 
+    apply_strategy_overrides(plan, kwargs, user)  # fsdp / fsdp_config / deepspeed: merged key by key, or refused
     _check_user_overrides(plan, kwargs, user)
     ours_ds = kwargs.get("deepspeed")
     kwargs.update(user)

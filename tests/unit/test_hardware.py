@@ -84,7 +84,7 @@ def test_bad_overrides(kwargs, message):
 def test_hardware_validation_and_peak_table():
     with pytest.raises(ValueError, match="device must be"):
         Hardware(device="tpu", gpus_per_node=1, gpu_memory_gib=16)
-    with pytest.raises(ValueError, match="gpu_memory_gib must be positive"):
+    with pytest.raises(ValueError, match="gpu_memory_gib must be a finite number > 0, got 0"):
         Hardware(device="cuda", gpus_per_node=1)
     assert peak_tflops_for("NVIDIA H100 PCIe") == 756.0
     assert peak_tflops_for("NVIDIA L40S") == 362.0

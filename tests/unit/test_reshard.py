@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,18 +17,18 @@ def make_deepspeed(path: Path, world: int, stage: int = 2, tag: str = "global_st
     folder = path / tag
     folder.mkdir(parents=True)
     (path / "latest").write_text(tag)
-    (folder / "mp_rank_00_model_states.pt").touch()
+    torch.save({}, folder / "mp_rank_00_model_states.pt")
     for rank in range(world):
-        (folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").touch()
+        torch.save({}, folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
         if stage == 3:
-            (folder / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt").touch()
+            torch.save({}, folder / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
     return path
 
 
 def make_dcp(path: Path, world: int) -> Path:
     for name in ("pytorch_model_fsdp_0", "optimizer_0"):
         (path / name).mkdir(parents=True)
-        (path / name / ".metadata").touch()
+        (path / name / ".metadata").write_bytes(pickle.dumps({}))
         for rank in range(world):
             (path / name / f"__{rank}_0.distcp").touch()
     return path
@@ -93,9 +94,9 @@ def test_prepare_resume_errors(tmp_path, monkeypatch):
     ds = make_deepspeed(tmp_path / "ds", world=2)
     with pytest.raises(ValueError, match="pass training_args="):
         prepare_resume(ds, 3)
-    with pytest.raises(ValueError, match="cannot be resumed by a fsdp run.*hf-dist convert"):
+    with pytest.raises(RuntimeError, match="cannot resume a fsdp_full_shard run .*ZeRO-1/2.*hf-dist convert"):
         prepare_resume(ds, 2, training_args=ds_args(fsdp=True))
-    with pytest.raises(ValueError, match="cannot be resumed by a deepspeed run"):
+    with pytest.raises(RuntimeError, match="cannot resume a zero2 run .*FSDP distributed checkpoint"):
         prepare_resume(make_dcp(tmp_path / "dcp", 2), 2, training_args=ds_args())
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(RuntimeError, match="waited 0s for rank 0"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -19,13 +20,15 @@ from hf_dist.callbacks.resume import (
     missing_rank_files,
     write_marker,
 )
+from hf_dist.checkpoint.safe_pickle import is_pickle_file
 
 
 def fake_checkpoint(root: Path, step: int, files: dict[str, bytes]) -> Path:
+    """Files with the given bytes; pickle files hold those bytes pickled (auto_resume's loading gate reads them)."""
     folder = root / f"checkpoint-{step}"
     for rel, data in files.items():
         (folder / rel).parent.mkdir(parents=True, exist_ok=True)
-        (folder / rel).write_bytes(data)
+        (folder / rel).write_bytes(pickle.dumps(data) if is_pickle_file(Path(rel)) else data)
     return folder
 
 
@@ -59,7 +62,7 @@ def test_marker_lists_files_and_sizes_and_detects_changes(tmp_path):
     assert marker["files"]["model.safetensors"]["size"] == 10 and "sha256" in marker["files"]["optimizer.pt"]
     assert json.loads((ckpt / MARKER_NAME).read_text())["layout"] == "full"
     assert is_complete(ckpt) and is_complete(ckpt, checksums=True)
-    (ckpt / "optimizer.pt").write_bytes(b"O" * 7)  # same size, other content
+    (ckpt / "optimizer.pt").write_bytes(pickle.dumps(b"O" * 7))  # same size, other content
     assert is_complete(ckpt) and not is_complete(ckpt, checksums=True)
     (ckpt / "model.safetensors").write_bytes(b"w" * 3)  # truncated
     assert incomplete_reasons(ckpt) == ["model.safetensors has 3 bytes, the marker says 10"]
@@ -173,3 +176,61 @@ def test_callback_warns_when_rotation_can_delete_the_last_complete_checkpoint(ma
     trainer = make_trainer([CompleteCheckpointCallback()], max_steps=1, save_total_limit=1)
     trainer.train()
     assert "save_total_limit=1" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("marker", "reason"),
+    [
+        ({"files": ["model.safetensors"]}, '"files" must be an object'),
+        ({"files": {"model.safetensors": {}}}, "the entry of model.safetensors has no integer size ({})"),
+        ({"files": {"model.safetensors": {"size": "10"}}}, "no integer size ({'size': '10'})"),
+        ({"files": {"model.safetensors": {"size": True}}}, "no integer size"),
+        ({"files": {"../x": {"size": 1}}}, "points outside the checkpoint"),
+        ({"files": {}, "world_size": 0}, '"world_size" must be a positive integer, got 0'),
+        ([1, 2], "expected a JSON object, got list"),
+    ],
+)
+def test_malformed_markers_are_incomplete_with_a_reason(tmp_path, marker, reason):
+    ckpt = fake_checkpoint(tmp_path, 2, DDP2)
+    (ckpt / MARKER_NAME).write_text(json.dumps(marker))
+    reasons = incomplete_reasons(ckpt)
+    assert len(reasons) == 1 and reason in reasons[0] and reasons[0].startswith(f"malformed {MARKER_NAME}")
+    assert auto_resume(tmp_path) is None
+
+
+def test_marker_without_files_does_not_hide_a_missing_rank(tmp_path):
+    ckpt = fake_checkpoint(tmp_path, 2, ZERO3)
+    (ckpt / "global_step4/zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
+    (ckpt / MARKER_NAME).write_text(json.dumps({"files": {}, "world_size": 2}))
+    reasons = incomplete_reasons(ckpt)
+    assert "DeepSpeed ZeRO-3 model shard of rank 1 is missing" in reasons
+    assert any("lists no files" in r for r in reasons)
+
+
+def test_auto_resume_refuses_a_checkpoint_folder_as_output_dir(tmp_path):
+    ckpt = fake_checkpoint(tmp_path, 2, DDP2)
+    write_marker(ckpt, world_size=2)
+    with pytest.raises(
+        ValueError, match=rf"auto_resume got {ckpt}, which is a checkpoint folder itself; pass .*{tmp_path}"
+    ):
+        auto_resume(ckpt)
+    assert auto_resume(tmp_path) == str(ckpt)
+
+
+@pytest.mark.parametrize(
+    ("layout", "args", "match"),
+    [
+        (ZERO3, {"deepspeed": {"zero_optimization": {"stage": 2}}}, "cannot resume a zero2 run .*ZeRO-3 shards"),
+        (ZERO2, {"deepspeed": {"zero_optimization": {"stage": 3}}}, "cannot resume a zero3 run .*ZeRO-1/2 shards"),
+        (DDP2, {"deepspeed": None, "fsdp": True}, r"cannot resume a fsdp_full_shard run .*full weights \+ optimizer"),
+        (FSDP, {"deepspeed": None, "fsdp": False}, "cannot resume a ddp run .*FSDP distributed checkpoint"),
+    ],
+)
+def test_auto_resume_checks_the_family_against_training_args(tmp_path, layout, args, match):
+    from types import SimpleNamespace
+
+    files = {**layout, "model.safetensors": b"w"} if layout is DDP2 else layout
+    ckpt = fake_checkpoint(tmp_path, 4, files)
+    write_marker(ckpt, world_size=2)
+    with pytest.raises(RuntimeError, match=match):
+        auto_resume(tmp_path, training_args=SimpleNamespace(**args), world_size=2)

@@ -117,8 +117,11 @@ def test_precision_override_keeps_deepspeed_consistent(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"strategy": "fsdp_full_shard", "deepspeed": {"zero_optimization": {"stage": 3}}}, "cannot both be on"),
-        ({"strategy": "zero3", "fsdp": True}, "cannot both be on"),
+        (
+            {"strategy": "fsdp_full_shard", "deepspeed": {"zero_optimization": {"stage": 3}}},
+            r"deepspeed=.*asks for DeepSpeed but the plan's strategy is 'fsdp_full_shard'; pass strategy='zero3'",
+        ),
+        ({"strategy": "zero3", "fsdp": True}, r"fsdp=True asks for FSDP but the plan's strategy is 'zero3'"),
         ({"strategy": "fsdp_full_shard", "gradient_checkpointing": True}, "redundant all-gather"),
         ({"strategy": "ddp", "not_a_field": 1}, r"unknown keyword\(s\) \['not_a_field'\]"),
         (
@@ -170,3 +173,74 @@ def test_liger_kernel_follows_the_plan(tmp_path):
     assert "use_liger_kernel" not in off
     with pytest.raises(ValueError, match="needs CUDA GPUs"):
         auto_args(tiny_llama_config(), gpus=2, use_liger_kernel=True, output_dir=str(tmp_path))  # CPU ranks
+
+
+# One case per override that can contradict the plan: each names both sides and the fix.
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            {"strategy": "zero3", "deepspeed": {"zero_optimization": {"stage": 1}}},
+            r"deepspeed\['zero_optimization'\]\['stage'\]=1 contradicts the plan \(zero3\), which sets .*=3\. "
+            r"Pass strategy='zero1'",
+        ),
+        (
+            {"strategy": "zero2", "deepspeed": {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}},
+            r"\['offload_optimizer'\]=\{'device': 'nvme'\} contradicts the plan \(zero2\), which offloads nothing.*"
+            r"offload='optimizer'",
+        ),
+        (
+            {"strategy": "zero2", "deepspeed": {"bf16": {"enabled": False}}},
+            r"deepspeed\['bf16'\]\['enabled'\]=False contradicts .*=True\. Precision follows bf16=/fp16=",
+        ),
+        (
+            {"strategy": "zero3", "deepspeed": {"zero_optimization": {"stage3_max_live_parameters": 5}}},
+            r"\['stage3_max_live_parameters'\]=5 contradicts the plan \(zero3\), which sets .*=1000000000",
+        ),
+        ({"strategy": "zero3", "deepspeed": None}, r"deepspeed=None turns off the engine of strategy 'zero3'"),
+        ({"strategy": "zero3", "deepspeed": {}}, r"deepspeed=\{\} turns off the engine of strategy 'zero3'"),
+        ({"strategy": "fsdp_full_shard", "fsdp": False}, r"fsdp=False turns off .*'fsdp_full_shard'.*strategy='ddp'"),
+        ({"strategy": "fsdp_full_shard", "fsdp": ""}, r"fsdp='' turns off"),
+        ({"strategy": "ddp", "fsdp": True}, r"fsdp=True asks for FSDP but the plan's strategy is 'ddp'"),
+        ({"strategy": "ddp", "deepspeed": {"zero_optimization": {"stage": 2}}}, r"asks for DeepSpeed .*'ddp'"),
+        ({"strategy": "fsdp_full_shard", "fsdp": "shard_grad_op auto_wrap"}, r"asks for \['shard_grad_op'\]"),
+        ({"strategy": "fsdp_full_shard", "fsdp": "full_shard offload"}, r"asks for CPU offload .*offload="),
+        (
+            {"strategy": "fsdp_full_shard", "fsdp_config": {"cpu_offload": True}},
+            r"fsdp_config\['cpu_offload'\]=True contradicts the plan \(fsdp_full_shard\), which sets .*=False\. "
+            r"Pass offload='optimizer\+params'",
+        ),
+        (
+            {"strategy": "fsdp_full_shard", "fsdp_config": {"fsdp_version": 1}},
+            r"fsdp_config\['version'\]=1 contradicts .*which sets fsdp_config\['version'\]=2",
+        ),
+        (
+            {"strategy": "fsdp_full_shard", "fsdp_config": {"transformer_layer_cls_to_wrap": ["GPT2Block"]}},
+            r"\['transformer_layer_cls_to_wrap'\]=\['GPT2Block'\] contradicts .*LlamaDecoderLayer.*wrap_classes=",
+        ),
+        (
+            {"strategy": "fsdp_shard_grad_op", "fsdp_config": {"reshard_after_forward": True}},
+            r"reshard_after_forward'\]=True contradicts .*=False",
+        ),
+        ({"strategy": "zero2", "fsdp_config": {"cpu_offload": False}}, r"fsdp_config=.* plan's strategy is 'zero2'"),
+        ({"strategy": "zero2", "deepspeed": 3}, r"deepspeed must be a dict \(or a JSON file path\), got int 3"),
+    ],
+)
+def test_nested_override_contradictions(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        auto_args(CFG, **GPU, **kwargs)
+
+
+def test_nested_overrides_merge_key_by_key(tmp_path):
+    kw = auto_args(CFG, **GPU, strategy="fsdp_full_shard", fsdp=True, fsdp_config={"fsdp_limit_all_gathers": True,
+                                                                                   "cpu_offload": "false"})  # fmt: skip
+    cfg = kw["fsdp_config"]
+    assert cfg["limit_all_gathers"] is True and cfg["version"] == 2 and cfg["state_dict_type"] == "SHARDED_STATE_DICT"
+    assert cfg["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
+    ds_file = tmp_path / "ds.json"
+    ds_file.write_text('{"zero_optimization": {"stage": 3, "round_robin_gradients": true}, "gradient_clipping": 1.0}')
+    kw = auto_args(CFG, **GPU, strategy="zero3", deepspeed=str(ds_file))
+    zero = kw["deepspeed"]["zero_optimization"]
+    assert zero["stage"] == 3 and zero["round_robin_gradients"] is True and "reduce_bucket_size" in zero
+    assert kw["deepspeed"]["gradient_clipping"] == 1.0  # "auto" in the generated config: the user's value is taken
+    assert auto_args(CFG, **GPU, strategy="ddp", deepspeed=None, fsdp=False)["ddp_find_unused_parameters"] is False

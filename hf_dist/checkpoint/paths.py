@@ -1,0 +1,190 @@
+"""Where a writer may write: the one path-safety check every output of hf_dist goes through.
+
+A writer replaces its destination only when the user asked for it (``--overwrite``) and only when the
+destination is a previous *output*: never a training checkpoint, a run folder, the source itself, a folder
+that contains the source or one inside it. Every refusal names the path received, why, and what to do.
+Temporary siblings (``.NAME.tmp-PID``) left by killed runs are removed by the next run.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# Files and folders that only a training run writes: a folder holding one of them is a checkpoint or a run.
+_TRAINING_FILES = ("trainer_state.json", "hf_dist_complete.json", "latest", "latest_universal", "optimizer.pt",
+                   "scheduler.pt", "training_args.bin", "pytorch_model_fsdp.bin", "zero_to_fp32.py")  # fmt: skip
+_TRAINING_PATTERNS = re.compile(
+    r"^(checkpoint-\d+|global_step\d+.*|pytorch_model_fsdp_\d+|optimizer_\d+|rng_state.*\.pth)$"
+)
+_TEMP_RE = r"^\.{name}\.(?:tmp|old)-(\d+)$"
+
+
+class UnsafeOutputError(ValueError):
+    """A destination that would overwrite or nest with what the user did not ask to replace."""
+
+
+def training_state_in(folder: Path) -> str | None:
+    """The first name in ``folder`` (top level) that marks a training checkpoint or run folder, else None."""
+    try:
+        names = sorted(p.name for p in folder.iterdir())
+    except OSError:
+        return None
+    for name in names:
+        if name in _TRAINING_FILES or _TRAINING_PATTERNS.match(name):
+            return name
+    return None
+
+
+def _resolved(path: Path) -> Path:
+    try:
+        return path.expanduser().resolve()
+    except (OSError, RuntimeError):  # a symlink loop: compare the path as written
+        return Path(os.path.abspath(path.expanduser()))
+
+
+def check_output_path(
+    dst: str | os.PathLike,
+    *,
+    sources: Iterable[str | os.PathLike] = (),
+    overwrite: bool = False,
+    what: str = "DST",
+    overwrite_flag: str = "--overwrite",
+    is_dir: bool = True,
+) -> Path:
+    """Refuse a destination that is unsafe to (re)place; return it as a Path.
+
+    ``sources``: what is being read (a destination equal to, containing or inside any of them is refused,
+    overwrite or not). ``overwrite``: an existing destination may be replaced only if it holds no training
+    state. ``is_dir``: the output is a folder (False: a single file).
+    """
+    raw = Path(dst).expanduser()
+    if str(dst) == "" or raw.name in ("", ".", ".."):
+        raise UnsafeOutputError(f"{what} {str(dst)!r} is not a usable output name; pass a new folder path")
+    if raw.is_symlink():
+        target = os.readlink(raw)
+        state = "a dangling or looping symbolic link" if not raw.exists() else "a symbolic link"
+        raise UnsafeOutputError(
+            f"{what} {raw} is {state} (to {target}); hf_dist does not write through links: pass the real path "
+            "or remove the link"
+        )
+    out = _resolved(raw)
+    for source in sources:
+        src = _resolved(Path(source))
+        if out == src:
+            raise UnsafeOutputError(
+                f"{what} {raw} is the source {source} itself; writing there would replace it "
+                f"({overwrite_flag} never does that). Choose a new folder, e.g. {raw.parent / (raw.name + '-hf')}"
+            )
+        if src in out.parents:
+            raise UnsafeOutputError(
+                f"{what} {raw} is inside the source {source}; writing there would change the checkpoint. "
+                f"Choose a folder outside it, e.g. {src.parent / (src.name + '-hf')}"
+            )
+        if out in src.parents:
+            raise UnsafeOutputError(
+                f"{what} {raw} contains the source {source} (it is its run folder or a parent); replacing it "
+                f"would delete the checkpoint. Choose a new folder next to it, e.g. {src.parent / 'hf-model'}"
+            )
+    if raw.exists():
+        _check_existing(raw, what=what, overwrite=overwrite, overwrite_flag=overwrite_flag, is_dir=is_dir)
+    _check_parent(raw, what=what)
+    return raw
+
+
+def _check_existing(raw: Path, *, what: str, overwrite: bool, overwrite_flag: str, is_dir: bool) -> None:
+    if is_dir and not raw.is_dir():
+        raise UnsafeOutputError(f"{what} {raw} exists and is not a folder; remove it or choose another path")
+    if not is_dir and raw.is_dir():
+        raise UnsafeOutputError(f"{what} {raw} is a folder; pass a file path, e.g. {raw / 'config.yaml'}")
+    if not overwrite:
+        raise FileExistsError(
+            f"{what} {raw} already exists; pass {overwrite_flag} to replace a previous output, or choose another path"
+        )
+    found = training_state_in(raw) if is_dir else None
+    if found is not None:
+        raise UnsafeOutputError(
+            f"{what} {raw} holds training state ({found}): it is a training checkpoint or run folder, and "
+            f"{overwrite_flag} replaces only a previous conversion output. Choose a new folder"
+        )
+
+
+def _check_parent(raw: Path, *, what: str) -> None:
+    parent = Path(os.path.abspath(raw)).parent
+    existing = parent
+    while not existing.exists() and existing != existing.parent:
+        if existing.is_symlink():  # a dangling link on the way
+            raise UnsafeOutputError(f"{what} {raw}: {existing} is a dangling symbolic link; fix or remove it")
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UnsafeOutputError(f"{what} {raw}: {existing} is a file, not a folder; choose another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(
+            errno.EACCES, f"{what} {raw}: cannot write in {existing} (read-only or no permission); choose a "
+            "writable location"
+        )  # fmt: skip
+
+
+def make_parent(raw: Path, *, what: str = "DST") -> None:
+    """``mkdir -p`` of ``raw``'s parent with a clear error instead of a traceback."""
+    try:
+        raw.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PermissionError(
+            errno.EACCES, f"{what} {raw}: cannot create {raw.parent} ({exc.strerror}); choose a writable location"
+        ) from None
+
+
+def pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_temps(parent: Path, name: str) -> list[Path]:
+    """Remove ``.NAME.tmp-PID`` / ``.NAME.old-PID`` siblings whose process is gone (a killed run); return them.
+
+    A temporary of a process still alive is left in place and named in a warning.
+    """
+    pattern = re.compile(_TEMP_RE.format(name=re.escape(name)))
+    removed = []
+    try:
+        candidates = sorted(parent.iterdir())
+    except OSError:
+        return []
+    for path in candidates:
+        match = pattern.match(path.name)
+        if not match:
+            continue
+        if pid_alive(int(match.group(1))):
+            if int(match.group(1)) != os.getpid():
+                logger.warning("hf_dist: %s belongs to running process %s; left in place", path, match.group(1))
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        logger.warning("hf_dist: removed %s, left behind by a killed run (process %s)", path, match.group(1))
+        removed.append(path)
+    return removed
+
+
+def format_bytes(count: int) -> str:
+    """``718 B``, ``3.4 MB``, ``12.50 GB``: sizes in messages that stay meaningful for tiny outputs."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.2f} {unit}"
+    return f"{count} B"

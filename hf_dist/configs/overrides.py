@@ -1,0 +1,163 @@
+"""User overrides of the strategy's own ``TrainingArguments`` keys, checked against the plan.
+
+``auto_args(..., fsdp=..., fsdp_config=..., deepspeed=...)``: the generated FSDP config / DeepSpeed JSON is
+the base, the user's nested dict is merged into it key by key, and a key that contradicts the plan is an
+error naming both values and the fix. Turning the planned engine off (``fsdp=False`` with an FSDP plan,
+``deepspeed=None`` with a ZeRO plan) or switching it on against the plan is an error too: the strategy is
+chosen with ``strategy=``, which also re-plans memory, never by a side door.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hf_dist.configs import DEEPSPEED_STRATEGIES, FSDP_STRATEGIES
+
+__all__ = ["apply_strategy_overrides", "merge_nested"]
+
+# Generated values the consumer fills in later; a user value there is not a contradiction.
+_FILLED_LATER = ("auto",)
+_MISSING = object()
+# DeepSpeed sections whose absence in the generated config is the plan's choice "no offload".
+_ABSENT_MEANS_OFF = ("offload_optimizer", "offload_param")
+
+
+def apply_strategy_overrides(plan: Any, ours: dict[str, Any], user: dict[str, Any]) -> None:
+    """Fold ``user``'s ``fsdp``/``fsdp_config``/``deepspeed`` into ``ours`` (both mutated) or raise ValueError."""
+    strategy = plan.strategy
+    _check_engine_flag(strategy, "fsdp", user, ours, strategy in FSDP_STRATEGIES)
+    _check_engine_flag(strategy, "deepspeed", user, ours, strategy in DEEPSPEED_STRATEGIES)
+    if "fsdp_config" in user:
+        given = user.pop("fsdp_config")
+        if given is not None:
+            if strategy not in FSDP_STRATEGIES:
+                raise ValueError(
+                    f"fsdp_config={given!r} was given but the plan's strategy is {strategy!r}, not FSDP; pass "
+                    "strategy='fsdp_full_shard' (or 'fsdp_shard_grad_op') to train with FSDP, or drop fsdp_config."
+                )
+            given = {_fsdp_key(k): v for k, v in _as_dict("fsdp_config", given).items()}
+            ours["fsdp_config"] = merge_nested(ours["fsdp_config"], given, "fsdp_config", strategy)
+    if user.get("deepspeed") and strategy in DEEPSPEED_STRATEGIES:
+        given = _as_dict("deepspeed", user.pop("deepspeed"))
+        ours["deepspeed"] = merge_nested(ours["deepspeed"], given, "deepspeed", strategy)
+
+
+def _check_engine_flag(strategy: str, key: str, user: dict[str, Any], ours: dict[str, Any], planned: bool) -> None:
+    if key not in user:
+        return
+    value = user[key]
+    other = "strategy='zero3' (or zero1/zero2)" if key == "deepspeed" else "strategy='fsdp_full_shard'"
+    if planned and not value:
+        raise ValueError(
+            f"{key}={value!r} turns off the engine of strategy {strategy!r} that the plan uses; drop {key}={value!r} "
+            f"to keep {strategy}, or pass strategy='ddp' (or another strategy) to train without it."
+        )
+    if not planned and value:
+        raise ValueError(
+            f"{key}={_short(value)} asks for {'DeepSpeed' if key == 'deepspeed' else 'FSDP'} but the plan's strategy "
+            f"is {strategy!r}; pass {other} so the plan (memory, batch split) matches, and give only the keys you "
+            "want to change: they are merged into the generated config."
+        )
+    if not planned:  # False/None on a plan without that engine: consistent, nothing to add
+        user.pop(key)
+        return
+    if key == "fsdp":
+        user.pop(key)
+        _check_fsdp_flag(strategy, value, ours)
+
+
+def _check_fsdp_flag(strategy: str, value: Any, ours: dict[str, Any]) -> None:
+    """``fsdp=True`` or the legacy string/list form: its words must agree with the plan."""
+    if value is True:
+        return
+    words = set(value.split() if isinstance(value, str) else value if isinstance(value, (list, tuple)) else [])
+    mode = {"fsdp_full_shard": "full_shard", "fsdp_shard_grad_op": "shard_grad_op", "hsdp": "hybrid_shard"}[strategy]
+    modes = words & {"full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard"}
+    if modes - {mode}:
+        raise ValueError(
+            f"fsdp={value!r} asks for {sorted(modes)} but the plan's strategy is {strategy!r} ({mode}); pass "
+            f"strategy= with the one you want (fsdp_full_shard, fsdp_shard_grad_op, hsdp) and fsdp=True."
+        )
+    offload = bool(ours["fsdp_config"].get("cpu_offload"))
+    if ("offload" in words) != offload:
+        raise ValueError(
+            f"fsdp={value!r} {'asks for' if 'offload' in words else 'leaves out'} CPU offload but the plan has "
+            f"offload {'on' if offload else 'off'}; pass offload='optimizer+params' (or 'none') to auto_args instead."
+        )
+
+
+def merge_nested(ours: dict[str, Any], given: dict[str, Any], where: str, strategy: str) -> dict[str, Any]:
+    """``ours`` with ``given`` merged in key by key (recursively); a key set to another value raises."""
+    merged = dict(ours)
+    for key, value in given.items():
+        mine = ours.get(key, _MISSING)
+        path = f"{where}[{key!r}]"
+        if mine is _MISSING and key in _ABSENT_MEANS_OFF and _device(value) != "none":
+            raise ValueError(
+                f"{path}={value!r} contradicts the plan ({strategy}), which offloads nothing ({path} absent). "
+                f"{_fix(key, strategy)}"
+            )
+        if mine is _MISSING or mine in _FILLED_LATER or _same(mine, value):
+            merged[key] = value
+        elif isinstance(mine, dict) and isinstance(value, dict):
+            merged[key] = merge_nested(mine, value, path, strategy)
+        else:
+            raise ValueError(
+                f"{path}={value!r} contradicts the plan ({strategy}), which sets {path}={mine!r}. {_fix(key, strategy)}"
+            )
+    return merged
+
+
+def _device(section: Any) -> str:
+    return str(section.get("device", "none") if isinstance(section, dict) else section).lower()
+
+
+def _fix(key: str, strategy: str) -> str:
+    fixes = {
+        "stage": "Pass strategy='zero1'/'zero2'/'zero3' for the stage you want (the plan then checks it fits) and "
+        "drop the stage key.",
+        "cpu_offload": "Pass offload='optimizer+params' (or 'none') to auto_args so the plan accounts for it.",
+        "offload_optimizer": "Pass offload='optimizer' (or 'none') to auto_args so the plan accounts for it.",
+        "offload_param": "Pass offload='optimizer+params' to auto_args so the plan accounts for it.",
+        "transformer_layer_cls_to_wrap": "Pass wrap_classes=[...] to auto_args instead.",
+        "activation_checkpointing": "Pass activation_checkpointing=True/False to auto_args (a planner keyword).",
+        "reshard_after_forward": "Pass strategy='fsdp_full_shard' (True) or 'fsdp_shard_grad_op' (False).",
+        "enabled": "Precision follows bf16=/fp16= (the plan picks by hardware); set those instead.",
+    }
+    return fixes.get(key, "Drop the key to keep the plan's value, or change the plan's inputs to get yours.")
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple, str)):
+        return list(a) == ([b] if isinstance(b, str) else list(b))
+    if isinstance(a, bool) and isinstance(b, str) and b.lower() in ("true", "false"):
+        return a == (b.lower() == "true")
+    return a == b
+
+
+def _fsdp_key(key: str) -> str:
+    # TrainingArguments accepts "fsdp_"-prefixed keys and strips the prefix
+    return key[len("fsdp_") :] if key.startswith("fsdp_") else key
+
+
+def _as_dict(name: str, value: Any) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, (str, Path)):
+        path = Path(value)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(
+                f"{name}={str(value)!r} is not a readable JSON file ({exc}); pass a dict or a JSON path."
+            ) from None
+        if isinstance(data, dict):
+            return data
+    raise ValueError(f"{name} must be a dict (or a JSON file path), got {type(value).__name__} {_short(value)}.")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) < 80 else text[:77] + "..."
