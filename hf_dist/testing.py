@@ -94,8 +94,10 @@ def accelerate_launch(
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if config_file is not None:
         cmd += ["--config_file", str(config_file)]
-    elif nproc > 1:
-        cmd.append("--multi_gpu")  # without a config file and without GPUs accelerate would start one process
+    else:  # the values accelerate would otherwise default, each with a line of warning
+        cmd += ["--num_machines", "1", "--dynamo_backend", "no", "--mixed_precision", "no"]
+        if nproc > 1:
+            cmd.append("--multi_gpu")  # without a config file and without GPUs accelerate would start one process
     cmd += ["--num_processes", str(nproc), "--main_process_port", str(free_port()), str(script), *map(str, args)]
     return run_checked(cmd, env=cpu_env(env), timeout=timeout, cwd=cwd)
 
