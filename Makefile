@@ -12,9 +12,11 @@ STAMP := $(VENV)/.hf_dist-installed
 MIN_STAMP := $(MIN_VENV)/.hf_dist-installed
 
 # uv, when on PATH (or UV=/path/to/uv), installs much faster than pip (the lowest set: 42 s vs 5 min 55 s,
-# docs/testing.md); pip otherwise. uv does not read pip's config, so pip's find-links are passed on.
+# docs/testing.md); pip otherwise. uv does not read pip's config, so pip's find-links (where a machine keeps
+# its CPU torch wheel) are passed on.
 UV ?= $(shell command -v uv 2>/dev/null)
-UV_LINKS := $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
+PIP_LINKS := $(or $(PIP_FIND_LINKS),$(if $(UV),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)))
+UV_LINKS := $(if $(PIP_LINKS),--find-links $(PIP_LINKS))
 mkvenv = $(if $(UV),$(UV) venv -q --seed --python $(PYTHON) $(1),$(PYTHON) -m venv $(1) && $(1)/bin/python -m pip install -q --upgrade pip)
 pip_install = $(if $(UV),$(UV) pip install -q $(UV_LINKS) --python $(1)/bin/python,$(1)/bin/python -m pip install -q)
 

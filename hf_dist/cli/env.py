@@ -61,7 +61,6 @@ def interconnect(env: dict[str, str] | None = None, sys_ib: str = "/sys/class/in
 
 def collect() -> dict:
     from hf_dist.hardware import detect_hardware, nodes_from_env
-
     from hf_dist.support import support_status
 
     hw = detect_hardware()

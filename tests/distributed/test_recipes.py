@@ -80,7 +80,6 @@ def results(recipe_runs, strategy: str, recipe: str) -> dict:
     return json.loads(path.read_text())
 
 
-@pytest.mark.parametrize("strategy, recipe", CASES)
 # output hf_dist used to cause needlessly (issue 12); library warnings with a real cause stay visible
 NEEDLESS_OUTPUT = (
     "were not passed to `accelerate launch`",  # launch values left to accelerate's defaults
@@ -97,6 +96,7 @@ def test_a_run_without_deepspeed_prints_only_what_it_needs(recipe_runs):
     assert log.count("tokenizing") == 0  # datasets' bars on the embedded default: seconds, on every rank
 
 
+@pytest.mark.parametrize("strategy, recipe", CASES)
 def test_recipe_trains_under_the_requested_strategy(recipe_runs, strategy, recipe):
     res = results(recipe_runs, strategy, recipe)
     name, wrapper = EXPECTED[LAUNCHES[strategy][0]]

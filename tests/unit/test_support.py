@@ -47,7 +47,10 @@ def test_status_flags_versions_outside_the_tested_range():
         }
     )
     assert status["torch"] is None and status["peft"] is None and "deepspeed" not in status
-    assert status["transformers"] == f"older than the lowest supported {lowest['transformers']} (pyproject.toml); upgrade it"
+    assert (
+        status["transformers"]
+        == f"older than the lowest supported {lowest['transformers']} (pyproject.toml); upgrade it"
+    )
     assert status["accelerate"].startswith(f"newer than the newest tested {NEWEST_TESTED['accelerate']}")
 
 
