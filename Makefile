@@ -17,7 +17,7 @@ MIN_STAMP := $(MIN_VENV)/.hf_dist-installed
 UV ?= $(shell command -v uv 2>/dev/null)
 PIP_LINKS := $(or $(PIP_FIND_LINKS),$(if $(UV),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)))
 UV_LINKS := $(if $(PIP_LINKS),--find-links $(PIP_LINKS))
-mkvenv = $(if $(UV),$(UV) venv -q --seed --python $(PYTHON) $(1),$(PYTHON) -m venv $(1) && $(1)/bin/python -m pip install -q --upgrade pip)
+mkvenv = $(if $(UV),$(UV) venv -q --seed --allow-existing --python $(PYTHON) $(1),$(PYTHON) -m venv $(1) && $(1)/bin/python -m pip install -q --upgrade pip)
 pip_install = $(if $(UV),$(UV) pip install -q $(UV_LINKS) --python $(1)/bin/python,$(1)/bin/python -m pip install -q)
 
 # one 2-rank Trainer launch per strategy family (DDP, FSDP2, DeepSpeed ZeRO) against the 1-process baseline
