@@ -255,14 +255,20 @@ def _no_deepspeed_in_unwrap() -> None:
     accelerate's ``extract_model_from_parallel`` (behind ``unwrap_model``, called from ``Trainer.__init__``)
     imports deepspeed whenever it is installed, only to recognise a ``DeepSpeedEngine``; that costs seconds
     and prints DeepSpeed's accelerator-detection warnings on every rank. A run that uses no DeepSpeed has no
-    engine, so that one check is told deepspeed is absent. Nothing changes once deepspeed is imported.
+    engine, and no engine can exist before deepspeed is imported: that one check is told deepspeed is
+    available only once something has imported it, so a later DeepSpeed run in the same process still unwraps.
     """
-    if "deepspeed" in sys.modules:
-        return
     from accelerate.utils import other
 
-    if hasattr(other, "is_deepspeed_available"):
-        other.is_deepspeed_available = lambda: False
+    original = getattr(other, "is_deepspeed_available", None)
+    if original is None or getattr(original, "_hf_dist_lazy", False):
+        return
+
+    def is_deepspeed_imported() -> bool:
+        return "deepspeed" in sys.modules and original()
+
+    is_deepspeed_imported._hf_dist_lazy = True  # type: ignore[attr-defined]
+    other.is_deepspeed_available = is_deepspeed_imported
 
 
 def _accelerate_config_strategy() -> bool:

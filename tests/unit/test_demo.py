@@ -33,7 +33,11 @@ args = ru.training_arguments(kwargs, explicit, tiny_llama_config(), method="full
 from accelerate.utils import extract_model_from_parallel
 import torch
 extract_model_from_parallel(torch.nn.Linear(2, 2))  # what Trainer.__init__ calls via unwrap_model
-print(args.dataloader_pin_memory, "deepspeed" in sys.modules)
+print("RESULT", args.dataloader_pin_memory, "deepspeed" in sys.modules)
+import deepspeed  # a DeepSpeed run later in the same process: its engines are recognised again
+from accelerate.utils import other
+print("RESULT", other.is_deepspeed_available())
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out[-2:] == ["False", "False"]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    results = [line.split()[1:] for line in out.splitlines() if line.startswith("RESULT ")]
+    assert results == [["False", "False"], ["True"]]
