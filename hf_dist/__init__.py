@@ -32,14 +32,22 @@ _LAZY = {
     "convert": "hf_dist.checkpoint.convert",
     "verify": "hf_dist.checkpoint.verify",
     "auto_resume": "hf_dist.callbacks.resume",
+    "attach": "hf_dist.callbacks",
     "prepare_resume": "hf_dist.reshard",
     "run_bench": "hf_dist.bench",
 }
 
-__all__ = sorted(_LAZY) + ["__version__"]
+# public subpackages, imported on first use: ``hf_dist.callbacks.attach(trainer)`` after a bare ``import hf_dist``
+_SUBMODULES = ("callbacks",)
+
+__all__ = sorted([*_LAZY, *_SUBMODULES]) + ["__version__"]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        value = importlib.import_module(f"hf_dist.{name}")
+        globals()[name] = value
+        return value
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'hf_dist' has no attribute {name!r}")

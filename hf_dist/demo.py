@@ -28,7 +28,9 @@ def build_command(recipe: Path, output_dir: Path, *, steps: int, nproc: int) -> 
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(nproc)]
     if nproc > 1:
         launcher.append("--multi_gpu")
-    launcher += ["--main_process_port", str(free_port()), "--mixed_precision", "no"]
+    # every value accelerate would otherwise default (and list in a warning) is passed explicitly
+    launcher += ["--num_machines", "1", "--dynamo_backend", "no", "--mixed_precision", "no"]
+    launcher += ["--main_process_port", str(free_port())]
     recipe_args = ["--output_dir", str(output_dir), "--max_steps", str(steps), "--logging_steps", "50"]
     return [*launcher, str(recipe), *recipe_args]
 

@@ -9,6 +9,7 @@ Llama-3.1-405B config counts in about half a second.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -56,13 +57,15 @@ class ModelSpec:
 
 
 def model_spec(model: Any, *, trust_remote_code: bool = False) -> ModelSpec:
-    """Describe ``model``: int | PretrainedConfig | dict | nn.Module (incl. PEFT) | str (dir, config.json, hub name)."""
+    """Describe ``model``: int (or integral float, 7.5e9) | PretrainedConfig | dict | nn.Module (incl. PEFT) | str (dir, config.json, hub name)."""
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, bool):
         raise ValueError(f"model must be a parameter count, config, module or name, got {model!r}")
     if isinstance(model, int):
         return ModelSpec(num_params=model)
+    if isinstance(model, float):
+        return ModelSpec(num_params=_integral_count(model))
     if isinstance(model, (str, os.PathLike)):
         return spec_from_config(load_config(os.fspath(model), trust_remote_code=trust_remote_code), name=str(model))
     if isinstance(model, dict):
@@ -75,6 +78,15 @@ def model_spec(model: Any, *, trust_remote_code: bool = False) -> ModelSpec:
         f"cannot describe a model of type {type(model).__name__}; pass a parameter count, a transformers config, "
         "a config dict, an nn.Module, a local folder / config.json path or a hub name"
     )
+
+
+def _integral_count(value: float) -> int:
+    """A parameter count written as a float (``7.5e9``) as an int; a fractional or non-finite one is refused."""
+    if not math.isfinite(value) or not value.is_integer():
+        raise ValueError(
+            f"a parameter count must be a whole number, got {value!r} (not integral); pass e.g. 7.5e9 or 7_500_000_000"
+        )
+    return int(value)
 
 
 def _is_config(obj: Any) -> bool:
@@ -203,6 +215,8 @@ def _meta_counts(config: Any) -> tuple[int, int, int, int]:
             model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
         else:  # remote code (auto_map)
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=bool(getattr(config, "auto_map", None)))
+        if hasattr(model, "tie_weights"):  # transformers 5.0's bare constructor leaves tied weights untied
+            model.tie_weights()
     return _module_counts(model)
 
 

@@ -94,8 +94,10 @@ def accelerate_launch(
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     if config_file is not None:
         cmd += ["--config_file", str(config_file)]
-    elif nproc > 1:
-        cmd.append("--multi_gpu")  # without a config file and without GPUs accelerate would start one process
+    else:  # the values accelerate would otherwise default, each with a line of warning
+        cmd += ["--num_machines", "1", "--dynamo_backend", "no", "--mixed_precision", "no"]
+        if nproc > 1:
+            cmd.append("--multi_gpu")  # without a config file and without GPUs accelerate would start one process
     cmd += ["--num_processes", str(nproc), "--main_process_port", str(free_port()), str(script), *map(str, args)]
     return run_checked(cmd, env=cpu_env(env), timeout=timeout, cwd=cwd)
 
@@ -139,6 +141,36 @@ def _failure(what: str, cmd: Sequence[str], stdout: str, stderr: str, keep: int 
         f"command {what}: {' '.join(cmd)}\n--- lines naming the cause ---\n{summary}\n"
         f"--- stdout (tail) ---\n{stdout[-4000:]}\n--- stderr (tail) ---\n{stderr[-8000:]}"
     ).strip()
+
+
+def cpu_has_onednn_fp16() -> bool:
+    """Whether this CPU computes fp16 through oneDNN (``torch.ops.mkldnn._is_mkldnn_fp16_supported()``).
+
+    DeepSpeed's CPU accelerator asks exactly this before it accepts ``fp16`` (``Type fp16 is not supported on
+    your device.``); many x86-64 CPUs answer no (an AMD EPYC with AVX-512 bf16, any AVX2-only CPU).
+    """
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def allow_portable_fp16_in_deepspeed() -> bool:
+    """Let DeepSpeed's CPU accelerator run fp16 on torch's portable CPU kernels when oneDNN has no fp16.
+
+    Tests need DeepSpeed's fp16 *checkpoint format* (fp16 module weights, fp32 master partitions, loss scaler)
+    on any CPU. The engine's fp16 path is the same code either way; only the matmul kernels differ. Returns
+    True when it had to patch (the CPU lacks oneDNN fp16), False when DeepSpeed accepts fp16 as is. Tests only.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu" or accelerator.is_fp16_supported():
+        return False
+    type(accelerator).is_fp16_supported = lambda self: True
+    return True
 
 
 def tiny_llama_config(**overrides):

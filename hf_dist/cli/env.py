@@ -14,7 +14,10 @@ EPILOG = """examples:
   hf-dist env --json
 """
 
-PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "peft", "bitsandbytes", "hf_dist")
+PACKAGES = (
+    "torch", "transformers", "accelerate", "deepspeed", "peft", "datasets", "safetensors", "huggingface_hub",
+    "bitsandbytes", "hf_dist",
+)  # fmt: skip
 NCCL_PREFIXES = ("NCCL_", "FI_", "UCX_", "TORCH_NCCL_")
 
 
@@ -58,10 +61,13 @@ def interconnect(env: dict[str, str] | None = None, sys_ib: str = "/sys/class/in
 
 def collect() -> dict:
     from hf_dist.hardware import detect_hardware, nodes_from_env
+    from hf_dist.support import support_status
 
     hw = detect_hardware()
+    installed = versions()
     return {
-        "versions": versions(),
+        "versions": installed,
+        "outside_tested_range": {k: v for k, v in support_status(installed).items() if v},
         "hardware": hw.to_dict(),
         "nodes_from_env": nodes_from_env(),
         "interconnect": interconnect(),
@@ -74,8 +80,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2))
         return 0
     print("versions:")
+    outside = info["outside_tested_range"]
     for name, version in info["versions"].items():
-        print(f"  {name:13s} {version or 'not installed'}")
+        note = f"  <- outside the tested range: {outside[name]}" if name in outside else ""
+        print(f"  {name:15s} {version or 'not installed'}{note}")
+    if outside:
+        print("  (tested matrix: docs/testing.md; `make test-min` tests the lowest set)")
     hw = info["hardware"]
     print(f"device:        {hw['device']} x {hw['gpus_per_node']} per node, {hw['nodes']} node(s)")
     print(f"memory:        {hw['gpu_memory_gib']:.1f} GiB per {'GPU' if hw['device'] == 'cuda' else 'process'}")

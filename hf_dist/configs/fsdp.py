@@ -37,40 +37,34 @@ DEFAULT_STATE_DICT_TYPE = "SHARDED_STATE_DICT"
 
 
 def installed_fsdp_version() -> int:
-    """2 when the installed torch/accelerate/transformers can run FSDP2 through the Trainer, else 1."""
+    """2 when the installed torch/accelerate/transformers can run FSDP2 through the Trainer, else 1 (probed)."""
     import dataclasses
-
-    import torch
-    from packaging.version import Version
 
     try:
         from accelerate.utils import FullyShardedDataParallelPlugin
-        from accelerate.utils.constants import FSDP2_PYTORCH_VERSION
+        from torch.distributed.fsdp import fully_shard  # noqa: F401  (FSDP2's entry point)
     except ImportError:
         return 1
     plugin_fields = {f.name for f in dataclasses.fields(FullyShardedDataParallelPlugin)}
-    torch_ok = Version(torch.__version__.split("+")[0]) >= Version(FSDP2_PYTORCH_VERSION)
-    return 2 if torch_ok and "fsdp_version" in plugin_fields and _trainer_reads_fsdp_version() else 1
+    return 2 if "fsdp_version" in plugin_fields and _trainer_reads_fsdp_version() else 1
 
 
 def _trainer_reads_fsdp_version() -> bool:
-    """Whether ``TrainingArguments`` forwards ``fsdp_config["version"]`` to accelerate (transformers >= 4.54)."""
+    """Whether ``TrainingArguments`` forwards ``fsdp_config["version"]`` to accelerate (every transformers 5.x)."""
     import inspect
 
-    import transformers
-    from packaging.version import Version
     from transformers import TrainingArguments
 
     process = getattr(TrainingArguments, "_process_fsdp_args", None) or TrainingArguments.__post_init__
     try:
         source = inspect.getsource(process)
-    except (OSError, TypeError):  # no source on disk (frozen install): fall back to the release that added it
-        return Version(transformers.__version__) >= Version("4.54")
+    except (OSError, TypeError):  # no source on disk (frozen install): every supported transformers forwards it
+        return True
     return '"version"' in source or "'version'" in source
 
 
 def _fsdp_flag_takes_bool() -> bool:
-    """transformers >= 5.x wants ``fsdp=True`` (strings/lists are deprecated); older versions want a string."""
+    """Newer transformers 5.x want ``fsdp=True`` (strings/lists are deprecated); 5.0 wants the string form."""
     from transformers import TrainingArguments
 
     return hasattr(TrainingArguments, "_apply_legacy_fsdp_to_config")

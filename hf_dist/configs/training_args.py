@@ -140,7 +140,7 @@ def _training_args_fields() -> set[str]:
 
 
 def _ac_names() -> tuple[str, str]:
-    """(flag, kwargs) names for activation checkpointing: transformers >= 5.x renamed gradient_checkpointing."""
+    """(flag, kwargs) names for activation checkpointing: transformers 5.23 renamed gradient_checkpointing(_kwargs)."""
     if "activation_checkpointing" in _training_args_fields():
         return "activation_checkpointing", "activation_checkpointing_kwargs"
     return "gradient_checkpointing", "gradient_checkpointing_kwargs"

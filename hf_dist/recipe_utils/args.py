@@ -154,9 +154,32 @@ def parse_recipe_args(
         instances.append(cls(**{k: v for k, v in namespace.items() if k in names}))
     train_names = {f.name for f in fields(TrainingArguments) if f.init}
     training_kwargs = {k: v for k, v in namespace.items() if k in train_names}
-    defaults = embedded_defaults if namespace.get("model_name_or_path") is None else real_defaults
+    embedded = namespace.get("model_name_or_path") is None
+    defaults = embedded_defaults if embedded else real_defaults
     training_kwargs.update({k: v for k, v in defaults.items() if k not in explicit})
+    quiet_progress_bars(embedded=embedded)
     return (*instances, training_kwargs, explicit)
+
+
+def quiet_progress_bars(*, embedded: bool) -> None:
+    """One progress bar per run: the Trainer's, on the main process.
+
+    Every rank would draw its own bar for tokenizing (datasets), downloading (hub) and writing or loading
+    shards (transformers), interleaved with the training bar. Other ranks never draw them; the main
+    process keeps them for real models and data, where they take long enough to be worth watching.
+    """
+    if not embedded and os.environ.get("RANK", "0") == "0":
+        return
+    import huggingface_hub.utils
+    import transformers.utils.logging
+
+    transformers.utils.logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
+    try:
+        import datasets
+    except ImportError:  # the `data` extra is optional
+        return
+    datasets.disable_progress_bars()
 
 
 def _suppressed_parser(types: tuple[type, ...]) -> argparse.ArgumentParser:
@@ -207,10 +230,45 @@ def training_arguments(
         from hf_dist.cpu_fsdp import cpu_deepspeed_training_kwargs
 
         kwargs.update(cpu_deepspeed_training_kwargs())
+    if "dataloader_pin_memory" not in explicit and not _has_accelerator():
+        kwargs["dataloader_pin_memory"] = False  # pinning needs a GPU; on CPU torch warns from every DataLoader
     from hf_dist.configs.fsdp import apply_fp32_reduce
 
     # FSDP2 + bf16/fp16: reduce gradients in fp32 (a no-op for every other setup)
-    return apply_fp32_reduce(TrainingArguments(**kwargs))
+    args = apply_fp32_reduce(TrainingArguments(**kwargs))
+    if not args.deepspeed and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() not in ("1", "true"):
+        _no_deepspeed_in_unwrap()
+    return args
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    if hasattr(torch, "accelerator"):
+        return torch.accelerator.is_available()
+    return torch.cuda.is_available()
+
+
+def _no_deepspeed_in_unwrap() -> None:
+    """Keep a run without DeepSpeed from importing it.
+
+    accelerate's ``extract_model_from_parallel`` (behind ``unwrap_model``, called from ``Trainer.__init__``)
+    imports deepspeed whenever it is installed, only to recognise a ``DeepSpeedEngine``; that costs seconds
+    and prints DeepSpeed's accelerator-detection warnings on every rank. A run that uses no DeepSpeed has no
+    engine, and no engine can exist before deepspeed is imported: that one check is told deepspeed is
+    available only once something has imported it, so a later DeepSpeed run in the same process still unwraps.
+    """
+    from accelerate.utils import other
+
+    original = getattr(other, "is_deepspeed_available", None)
+    if original is None or getattr(original, "_hf_dist_lazy", False):
+        return
+
+    def is_deepspeed_imported() -> bool:
+        return "deepspeed" in sys.modules and original()
+
+    is_deepspeed_imported._hf_dist_lazy = True  # type: ignore[attr-defined]
+    other.is_deepspeed_available = is_deepspeed_imported
 
 
 def _accelerate_config_strategy() -> bool:

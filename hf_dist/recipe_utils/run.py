@@ -139,6 +139,12 @@ def finish_run(trainer: Any, tokenizer: Any, *, task: Any, mode: str, adapter: b
 
     Returns (and writes to ``<output_dir>/results.json`` on the main process) the run summary.
     """
+    from transformers.trainer_callback import ProgressCallback
+
+    # training is over: one bar per run, and the result below says what the evaluation found
+    trainer.pop_callback(ProgressCallback)
+    if trainer.args.process_index == 0:
+        print(f"[hf_dist] evaluating on {len(trainer.eval_dataset)} held-out sequences", flush=True)
     metrics = trainer.evaluate()
     eval_loss = float(metrics["eval_loss"])
     if trainer.args.process_index == 0:

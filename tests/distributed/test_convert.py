@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from hf_dist.checkpoint.convert import convert
 from hf_dist.cli.main import main
-from hf_dist.testing import torchrun
+from hf_dist.testing import cpu_has_onednn_fp16, torchrun
 
 pytestmark = pytest.mark.distributed
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -82,6 +82,9 @@ def test_deepspeed_checkpoints_convert_to_the_trained_weights(ds_runs, tmp_path,
     report = convert(src, tmp_path / "auto", max_shard_size="100KB", progress=False)
     assert (report.source.format, report.source.stage, report.source.world_size) == ("deepspeed", int(stage), 2)
     assert report.dtype == {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[dtype]
+    if dtype == "fp16":  # oneDNN fp16 or not, DeepSpeed's own fp16 engine wrote this checkpoint
+        facts = json.loads((ds_runs / variant / "facts.json").read_text())
+        assert facts["fp16_kernels"] == ("native" if cpu_has_onednn_fp16() else "portable")
     reference = load_file(ds_runs / variant / "reference.safetensors")
     # the 16-bit weights the engine trained with are exactly the cast of the fp32 masters we read
     assert_matches_reference(tmp_path / "auto", reference, tied=("lm_head.weight",))

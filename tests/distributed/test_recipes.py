@@ -58,7 +58,8 @@ def recipe_runs(tmp_path_factory):
             real_strategy, recipes, env = LAUNCHES[strategy]
             out = tmp_path_factory.mktemp(f"recipes_{strategy}")
             cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-            cmd += ["--main_process_port", str(free_port()), "--mixed_precision", "no", str(SCRIPT), str(out)]
+            cmd += ["--num_machines", "1", "--dynamo_backend", "no", "--mixed_precision", "no"]
+            cmd += ["--main_process_port", str(free_port()), str(SCRIPT), str(out)]
             cmd += [",".join(recipes), "--strategy", real_strategy, *map(str, SHORT)]
             proc = subprocess.run(cmd, env=cpu_env(env), capture_output=True, text=True, timeout=600)
             (out / "launch.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
@@ -77,6 +78,22 @@ def results(recipe_runs, strategy: str, recipe: str) -> dict:
         detail = errors[0].read_text()[-3000:] if errors else (out / "launch.log").read_text()[-6000:]
         pytest.fail(f"{recipe} under {strategy} produced no results.json:\n{detail}")
     return json.loads(path.read_text())
+
+
+# output hf_dist used to cause needlessly (issue 12); library warnings with a real cause stay visible
+NEEDLESS_OUTPUT = (
+    "were not passed to `accelerate launch`",  # launch values left to accelerate's defaults
+    "'pin_memory' argument is set as true but no accelerator is found",  # pinning on CPU
+    "Setting accelerator to CPU",  # DeepSpeed imported (and probing devices) in a run without DeepSpeed
+    "Writing model shards",  # a second progress bar inside the training bar
+)
+
+
+def test_a_run_without_deepspeed_prints_only_what_it_needs(recipe_runs):
+    log = (recipe_runs("ddp") / "launch.log").read_text()
+    assert "[hf_dist] running ddp" in log, log[-3000:]
+    assert [line for line in NEEDLESS_OUTPUT if line in log] == []
+    assert log.count("tokenizing") == 0  # datasets' bars on the embedded default: seconds, on every rank
 
 
 @pytest.mark.parametrize("strategy, recipe", CASES)

@@ -63,9 +63,9 @@ def test_70b_on_two_nodes_of_8x80_needs_full_sharding():
 
 
 def test_405b_plans_in_about_a_second():
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: other jobs on a shared machine do not inflate it
     p = plan(LLAMA_405B, gpus=256, nodes=32, gpu_memory_gib=80)
-    assert time.perf_counter() - start < 10  # ~0.6 s uncontended (meta count) + ~0.01 s search
+    assert time.process_time() - start < 10  # ~0.6 s of CPU (meta count) + ~0.01 s search
     assert p.strategy in {"zero3", "fsdp_full_shard", "hsdp"}
     assert p.num_params == 405_853_388_800
 

@@ -38,3 +38,24 @@ def test_timeout_kills_the_process_group_and_reports_output():
     with pytest.raises(RuntimeError, match=r"timed out after 1s") as err:
         run_checked([sys.executable, "-c", code], env=cpu_env(), timeout=1)
     assert "started" in str(err.value)
+
+
+def test_fp16_probe_is_the_question_deepspeed_asks(monkeypatch):
+    """DeepSpeed refuses fp16 on CPU exactly when the probe says no; the portable-kernel switch is tests-only."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.accelerator import get_accelerator
+
+    from hf_dist.testing import allow_portable_fp16_in_deepspeed, cpu_has_onednn_fp16
+
+    accelerator = get_accelerator()
+    assert accelerator.device_name() == "cpu"
+    assert bool(accelerator.is_fp16_supported()) is cpu_has_onednn_fp16()
+    monkeypatch.setattr(type(accelerator), "is_fp16_supported", type(accelerator).is_fp16_supported)
+    assert allow_portable_fp16_in_deepspeed() is (not cpu_has_onednn_fp16())
+    assert accelerator.is_fp16_supported() and torch_float16_in(accelerator.supported_dtypes())
+
+
+def torch_float16_in(dtypes) -> bool:
+    import torch
+
+    return torch.float16 in dtypes

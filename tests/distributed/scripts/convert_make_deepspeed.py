@@ -5,11 +5,15 @@ Usage (2 ranks):  torchrun --nproc_per_node=2 convert_make_deepspeed.py OUT z3:3
 Writes, per variant, ``OUT/NAME/ds/`` (engine.save_checkpoint, with ``latest``), ``OUT/NAME/ds/config.json`` and
 ``OUT/NAME/reference.safetensors``: the trained weights consolidated by the engine itself (16-bit
 consolidation for ZeRO-3, the module's full params for ZeRO-1/2), which the converter must match.
+
+fp16 variants run on any CPU: where oneDNN has no fp16 (DeepSpeed's CPU accelerator then refuses fp16),
+DeepSpeed's own fp16 path runs on torch's portable CPU kernels and ``OUT/NAME/facts.json`` says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import torch
@@ -65,6 +69,12 @@ def parse_variant(text: str) -> argparse.Namespace:
 def train_and_save(args, variant, out: str) -> None:
     import deepspeed
 
+    from hf_dist.testing import allow_portable_fp16_in_deepspeed
+
+    fp16_kernels = None
+    if variant.dtype == "fp16":
+        fp16_kernels = "portable" if allow_portable_fp16_in_deepspeed() else "native"
+
     settings = argparse.Namespace(**{**vars(args), **vars(variant)})
     model = build_model(settings)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -87,6 +97,8 @@ def train_and_save(args, variant, out: str) -> None:
     else:
         reference = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     if engine.global_rank == 0:
+        with open(os.path.join(out, "facts.json"), "w") as f:
+            json.dump({"dtype": variant.dtype, "fp16_kernels": fp16_kernels}, f)
         base.config.save_pretrained(ckpt)
         if variant.lora:
             model.peft_config["default"].save_pretrained(ckpt)

@@ -80,7 +80,6 @@ def training_kwargs(model, args: argparse.Namespace, world_size: int) -> dict:
         report_to=[],
         seed=SEED,
         data_seed=SEED,
-        train_sampling_strategy="sequential",
         dataloader_num_workers=0,
         disable_tqdm=True,
         use_cpu=True,
@@ -109,6 +108,27 @@ def training_kwargs(model, args: argparse.Namespace, world_size: int) -> dict:
     if "deepspeed" in auto:
         merged.update(cpu_deepspeed_training_kwargs())
     return merged
+
+
+def in_order_trainer() -> tuple[type, dict]:
+    """(Trainer class, TrainingArguments kwargs) that feed the samples in dataset order, probed.
+
+    Newer transformers have ``train_sampling_strategy="sequential"``; 5.0 has no such option, so its
+    Trainer gets a ``SequentialSampler`` directly (accelerate shards the batches across ranks either way).
+    """
+    import dataclasses
+
+    from torch.utils.data import SequentialSampler
+    from transformers import Trainer, TrainingArguments
+
+    if "train_sampling_strategy" in {f.name for f in dataclasses.fields(TrainingArguments)}:
+        return Trainer, {"train_sampling_strategy": "sequential"}
+
+    class InOrderTrainer(Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    return InOrderTrainer, {}
 
 
 def hardware_kwargs(offload: str, world_size: int) -> dict:
@@ -188,8 +208,10 @@ def main() -> None:
     model = build_model()
     kwargs = training_kwargs(model, args, world_size)
 
-    from transformers import Trainer, TrainingArguments
+    from transformers import TrainingArguments
 
+    Trainer, sampling = in_order_trainer()
+    kwargs.update(sampling)
     training_args = TrainingArguments(**kwargs)
     global_batch = args.micro_batch * args.grad_accum * world_size
     dataset = build_dataset(global_batch * args.steps, model.config.vocab_size)

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from hf_dist.configs.fsdp import apply_fp32_reduce, fsdp_config, fsdp_plugin_kwargs, installed_fsdp_version
+from hf_dist.configs.fsdp import (
+    _fsdp_flag_takes_bool,
+    apply_fp32_reduce,
+    fsdp_config,
+    fsdp_plugin_kwargs,
+    installed_fsdp_version,
+)
 
 
 def test_installed_stack_uses_fsdp2():
@@ -13,7 +19,8 @@ def test_installed_stack_uses_fsdp2():
 
 def test_full_shard_fields():
     out = fsdp_config("fsdp_full_shard", wrap_classes=["LlamaDecoderLayer"], activation_checkpointing=True)
-    assert out["fsdp"] is True  # transformers 5.x deprecates the string/list forms
+    # newer transformers 5.x deprecate the string/list forms; 5.0 reads the string
+    assert out["fsdp"] == (True if _fsdp_flag_takes_bool() else "full_shard auto_wrap")
     cfg = out["fsdp_config"]
     assert cfg["version"] == 2
     assert cfg["reshard_after_forward"] is True
@@ -70,8 +77,10 @@ def test_training_args_plugin_gets_our_settings(tmp_path):
     assert plugin["fsdp_version"] == 2
     assert plugin["reshard_after_forward"] is False
     assert plugin["transformer_cls_names_to_wrap"] == "LlamaDecoderLayer"
-    assert plugin["activation_checkpointing"] is True
-    assert plugin["state_dict_type"] == "SHARDED_STATE_DICT"
+    # newer transformers forward it to the plugin; older ones (5.0) copy fsdp_config's onto it in Trainer.__init__
+    assert plugin.get("activation_checkpointing", args.fsdp_config.get("activation_checkpointing")) is True
+    # transformers 5.0 does not forward it; accelerate's FSDP2 default is then the same SHARDED_STATE_DICT
+    assert plugin.get("state_dict_type", "SHARDED_STATE_DICT") == "SHARDED_STATE_DICT"
 
 
 def test_apply_fp32_reduce_reaches_the_accelerate_plugin(tmp_path):

@@ -8,12 +8,15 @@ fields) is exactly what a GPU run would get.
 import pytest
 from transformers import TrainingArguments
 
-from hf_dist.configs.training_args import DEFAULT_DDP_TIMEOUT_S, auto_args
+from hf_dist.configs.fsdp import fsdp_config
+from hf_dist.configs.training_args import DEFAULT_DDP_TIMEOUT_S, _ac_names, auto_args
 from hf_dist.hardware import Hardware
 from hf_dist.testing import tiny_llama_config
 
 CFG = tiny_llama_config()
 GPU = dict(gpus=4, gpu_memory_gib=80, seq_len=64, global_batch_size=16)
+# transformers 5.23 renamed gradient_checkpointing(_kwargs) to activation_checkpointing(_kwargs); probe, don't assume.
+AC_FLAG, AC_KWARGS = _ac_names()
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +35,7 @@ def build(tmp_path, **kwargs):
 @pytest.mark.parametrize("strategy", ["fsdp_full_shard", "fsdp_shard_grad_op"])
 def test_fsdp_strategies(tmp_path, strategy):
     kw = auto_args(CFG, strategy=strategy, activation_checkpointing=True, **GPU)
-    assert kw["bf16"] is True and kw["fsdp"] is True
+    assert kw["bf16"] is True and kw["fsdp"] == fsdp_config(strategy)["fsdp"]  # True, or 5.0's string form
     assert kw["fsdp_config"]["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
     assert kw["fsdp_config"]["activation_checkpointing"] is True
     assert "activation_checkpointing" not in kw and "gradient_checkpointing" not in kw  # FSDP's own, not the model's
@@ -42,7 +45,7 @@ def test_fsdp_strategies(tmp_path, strategy):
     assert args.fsdp_plugin_args["fsdp_version"] == 2
     assert args.fsdp_plugin_args["reshard_after_forward"] is (strategy == "fsdp_full_shard")
     assert args.fsdp_plugin_args["transformer_cls_names_to_wrap"] == "LlamaDecoderLayer"
-    assert args.activation_checkpointing is False
+    assert getattr(args, AC_FLAG) is False
 
 
 def test_hsdp_two_nodes(tmp_path):
@@ -63,8 +66,8 @@ def test_deepspeed_strategies(tmp_path, strategy, offload):
     assert ds["zero_optimization"]["stage"] == int(strategy[-1])
     assert ds["bf16"]["enabled"] is True
     assert ds.get("zero_force_ds_cpu_optimizer", True) is (offload == "none")  # cpu_adam=False keeps torch AdamW
-    assert kw["activation_checkpointing"] is True
-    assert kw["activation_checkpointing_kwargs"] == {"use_reentrant": False}
+    assert kw[AC_FLAG] is True
+    assert kw[AC_KWARGS] == {"use_reentrant": False}
     args = build(tmp_path, use_cpu=True, **kw)
     assert args.deepspeed_plugin is not None
     assert args.hf_deepspeed_config.config["train_micro_batch_size_per_gpu"] == kw["per_device_train_batch_size"]
