@@ -177,9 +177,11 @@ def check_dimensions(config: Any, *, name: str | None = None) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{where}: {key} must be a positive integer, got {value!r}; fix config.json")
     hidden, heads, kv = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
-    if getattr(text, "head_dim", None) is None and hidden % heads:
+    head_dim = getattr(text, "head_dim", None)
+    # transformers 5.0 fills head_dim = hidden // heads itself: only an explicit, different head_dim is a choice
+    if hidden % heads and (head_dim is None or head_dim == hidden // heads):
         raise ValueError(
-            f"{where}: hidden_size ({hidden}) is not divisible by num_attention_heads ({heads}) and no head_dim is "
+            f"{where}: hidden size ({hidden}) is not a multiple of num_attention_heads ({heads}) and no head_dim is "
             f"given; fix config.json (e.g. num_attention_heads that divides {hidden}, or an explicit head_dim)"
         )
     if kv is not None and heads % kv:
