@@ -21,6 +21,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from hf_dist.planning.layout import strategy as registry_strategy
+
 SEQ, MICRO = 128, 2
 
 
@@ -54,12 +56,13 @@ def nbytes(keyset: set) -> int:
 
 def wrap(strategy: str, model):
     """Returns (module, optimizer, step_fn(ids, probe)), probe called between backward and step."""
-    if strategy == "ddp":
+    s = registry_strategy(strategy)
+    if s.is_ddp:
         from torch.nn.parallel import DistributedDataParallel
 
         module = DistributedDataParallel(model)
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
-    elif strategy == "fsdp_full_shard":
+    elif s.is_fsdp:  # full shard: every decoder layer and the root
         from torch.distributed.fsdp import fully_shard
 
         for layer in model.model.layers:
@@ -69,12 +72,11 @@ def wrap(strategy: str, model):
     else:
         import deepspeed
 
-        stage = int(strategy[-1])
         config = {
             "train_micro_batch_size_per_gpu": MICRO,
             "gradient_accumulation_steps": 1,
             "zero_allow_untested_optimizer": True,
-            "zero_optimization": {"stage": stage},
+            "zero_optimization": {"stage": s.zero_stage},
             "steps_per_print": 10**9,
         }
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -167,10 +169,11 @@ def measure(strategy: str, spec: str) -> dict:
     before = [live for t, live in curve if t < start_ns]
     resident = before[-1] if before else 0
     in_step = [live for t, live in curve if start_ns <= t <= end_ns] or [resident]
+    partitioned = registry_strategy(strategy).zero_stage == 3  # ZeRO-3 leaves empty placeholders in the module
     result = {
         "model": name,
         "strategy": strategy,
-        "num_params": sum(p.numel() for p in model.parameters()) if strategy != "zero3" else None,
+        "num_params": None if partitioned else sum(p.numel() for p in model.parameters()),
         "params": nbytes(params),
         "optimizer": nbytes(optim),
         "grads": nbytes(seen["grads"]),
@@ -183,7 +186,7 @@ def measure(strategy: str, spec: str) -> dict:
 
 def main() -> None:
     strategy, out, *specs = sys.argv[1:]
-    if strategy in ("ddp", "fsdp_full_shard"):
+    if not registry_strategy(strategy).is_deepspeed:  # DeepSpeed initialises its own process group
         dist.init_process_group("gloo")
     torch.set_num_threads(1)
     results = [measure(strategy, spec) for spec in specs]

@@ -4,7 +4,7 @@
 
 Each launch is ``torchrun --nproc_per_node N`` of this file's worker: 30 all-reduces of varied sizes,
 a barrier, rank 0 lingering up to 0.5 s, then the end of the script — either a plain return (the
-process group is left to interpreter teardown) or ``hf_dist.callbacks._dist.shutdown()`` (barrier +
+process group is left to interpreter teardown) or ``hf_dist.runtime.dist.shutdown()`` (barrier +
 ``destroy_process_group``, what every hf_dist script ends with). The two variants alternate, so load
 on the machine hits both alike. A launch fails when any rank exits non-zero; the first line naming
 the cause is printed (measured: ``terminate called without an active exception``, SIGABRT).
@@ -35,7 +35,7 @@ def worker(teardown: bool) -> None:
     import torch
     import torch.distributed as dist
 
-    from hf_dist.callbacks._dist import shutdown
+    from hf_dist.runtime.dist import shutdown
 
     dist.init_process_group("gloo")
     for i in range(30):

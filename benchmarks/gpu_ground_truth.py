@@ -55,8 +55,8 @@ def ran_pure_bf16(case: dict) -> bool:
 
 
 def predict(case: dict, config_dir: Path):
-    from hf_dist.memory import estimate_memory
-    from hf_dist.modelinfo import load_config, model_spec
+    from hf_dist.planning.memory import estimate_memory
+    from hf_dist.planning.modelinfo import load_config, model_spec
 
     spec = model_spec(load_config(str(config_dir / "config.json")))
     return estimate_memory(
@@ -149,7 +149,7 @@ def same_config(case: dict, plan) -> bool:
 def planner_rows(cases) -> tuple[list[str], list[str]]:
     """The planner's pick for each (model, GPU) in the data at global batch 64, rated by the data."""
     import hf_dist
-    from hf_dist.hardware import Hardware
+    from hf_dist.planning.hardware import Hardware
 
     lines, failures = [], []
     seen = set()

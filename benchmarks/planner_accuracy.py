@@ -50,13 +50,15 @@ def llama_config(spec: str):
 def predictions(spec_text: str, strategy: str) -> dict:
     from accelerate.commands.estimate import estimate_training_usage
 
-    from hf_dist.memory import estimate_memory
-    from hf_dist.modelinfo import model_spec
+    from hf_dist.planning.layout import strategy as registry_strategy
+    from hf_dist.planning.memory import estimate_memory
+    from hf_dist.planning.modelinfo import model_spec
 
+    s = registry_strategy(strategy)
     spec = model_spec(llama_config(spec_text))
     n = spec.num_params
     ours = estimate_memory(
-        spec, strategy, WORLD, param_bytes=4, master_weights=strategy in ("zero1", "zero2"),
+        spec, s, WORLD, param_bytes=4, master_weights=s.zero_stage in (1, 2),
         seq_len=SEQ, micro_batch_size=MICRO, device="cpu",
     )  # fmt: skip
     acc = estimate_training_usage(n * 4, "float32")
@@ -68,11 +70,11 @@ def predictions(spec_text: str, strategy: str) -> dict:
         "accelerate_peak": max(acc.values()),
         "deepspeed_states": None,
     }
-    if strategy in ("zero1", "zero2", "zero3"):
+    if s.is_deepspeed:
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-        if strategy == "zero3":
+        if s.zero_stage == 3:
             largest = max(spec.embedding_params, spec.layer_params)  # the embedding is the largest module here
             _, gpu, _ = estimate_zero3_model_states_mem_needs(
                 n, largest, num_gpus_per_node=WORLD, cpu_offload=False, cpu_offload_params=False

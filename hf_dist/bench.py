@@ -27,8 +27,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hf_dist.planning.layout import REGISTRY, Layout
+
 # strategies a single node can run; hsdp needs >= 2 nodes, which one bench run does not launch
-SINGLE_NODE_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op")
+SINGLE_NODE_STRATEGIES = tuple(name for name, s in REGISTRY.items() if s.min_nodes == 1)
 PRECISIONS = ("auto", "bf16", "fp16", "no")
 
 
@@ -174,7 +176,7 @@ def _device() -> str:
 
 def _planned_strategies(config: BenchConfig, device: str) -> tuple[str | None, str, list[str]]:
     """(planner's pick, a note, strategies to run): fitting candidates without offload, in planner order."""
-    from hf_dist.planner import plan
+    from hf_dist.planning.planner import plan
 
     memory = config.gpu_memory_gib or (None if device == "cuda" else 80.0)
     try:
@@ -200,17 +202,17 @@ def _planned_strategies(config: BenchConfig, device: str) -> tuple[str | None, s
 
 def _model_config(model: str | None) -> Any:
     if model is None:
-        from hf_dist.testing import tiny_llama_config
+        from hf_dist.embedded.model import tiny_llama_config
 
         return tiny_llama_config()
-    from transformers import AutoConfig
+    from hf_dist.planning.modelinfo import resolve_config
 
-    return AutoConfig.from_pretrained(model)
+    return resolve_config(model)
 
 
 def measure(config: BenchConfig, strategy: str, nproc: int, device: str) -> Measurement:
     """Launch ``nproc`` processes with torchrun running the worker; return its figures or the failure."""
-    from hf_dist.testing import cpu_env, free_port
+    from hf_dist.runtime.launch import cpu_env, free_port
 
     with tempfile.TemporaryDirectory(prefix="hf-dist-bench-") as tmp:
         result = Path(tmp) / "result.json"
@@ -231,7 +233,7 @@ def measure(config: BenchConfig, strategy: str, nproc: int, device: str) -> Meas
 
 def _launch_env(strategy: str, device: str, cpu_env: Any) -> dict[str, str]:
     env = cpu_env() if cpu_env else dict(os.environ)
-    if strategy.startswith("zero"):
+    if REGISTRY[strategy].is_deepspeed:
         env["ACCELERATE_USE_CPU"] = "0"  # accelerate drops DeepSpeed when forced onto CPU; DS falls back to gloo
     return env
 
@@ -275,20 +277,17 @@ def _precision(requested: str, device: str) -> str:
 
 
 def strategy_kwargs(strategy: str, model: Any, precision: str, device: str) -> dict[str, Any]:
-    """TrainingArguments kwargs for ``strategy`` built by the shared config factories."""
-    if strategy == "ddp":
-        return {}
-    if strategy.startswith("zero"):
-        from hf_dist.configs.deepspeed import deepspeed_config
+    """TrainingArguments kwargs for ``strategy`` on this process's world, from the shared emitter."""
+    from hf_dist.configs.training_args import strategy_args
+    from hf_dist.planning.wrap import fsdp_wrap_classes
+    from hf_dist.runtime.support import installed_features
 
-        return {"deepspeed": deepspeed_config(strategy, mixed_precision=precision)}
-    from hf_dist.configs.fsdp import fsdp_config
-    from hf_dist.wrap import fsdp_wrap_classes
-
-    kwargs = fsdp_config(strategy, wrap_classes=fsdp_wrap_classes(model), mixed_precision=precision)
-    if device == "cpu":
-        kwargs["fsdp_config"]["cpu_ram_efficient_loading"] = False  # needs a device to broadcast from
-    return kwargs
+    layout = Layout(strategy, int(os.environ.get("WORLD_SIZE", "1")), mixed_precision=precision)
+    wrap = fsdp_wrap_classes(model) if layout.strategy.is_fsdp else None
+    # cpu_ram_efficient_loading broadcasts from a device, which CPU ranks do not have
+    return strategy_args(
+        layout, features=installed_features(), wrap_classes=wrap, cpu_ram_efficient_loading=device != "cpu"
+    )
 
 
 def _worker(argv: list[str]) -> None:
@@ -305,14 +304,14 @@ def _worker(argv: list[str]) -> None:
     import torch
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-    from hf_dist.callbacks._dist import shutdown
+    from hf_dist.runtime.dist import shutdown
 
     device = _device()
     if device == "cpu":
-        from hf_dist.cpu_fsdp import cpu_deepspeed_training_kwargs, enable_fsdp_on_cpu
+        from hf_dist.runtime.cpu_fsdp import cpu_deepspeed_training_kwargs, enable_fsdp_on_cpu
 
         enable_fsdp_on_cpu()
-    if device == "cpu" and args.strategy.startswith("zero"):
+    if device == "cpu" and REGISTRY[args.strategy].is_deepspeed:
         cpu_kwargs = cpu_deepspeed_training_kwargs()  # accelerate drops DeepSpeed when cpu=True
         cpu_kwargs.setdefault("use_cpu", False)
     else:

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from hf_dist.testing import REPO_ROOT, cpu_env, free_port
+from hf_dist.runtime.launch import REPO_ROOT, cpu_env, free_port
 
 
 def build_command(recipe: Path, output_dir: Path, *, steps: int, nproc: int) -> list[str]:

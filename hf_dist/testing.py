@@ -9,43 +9,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def cpu_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for CPU ranks: one thread per rank, offline hub, quiet logs, repo importable."""
-    env = dict(os.environ)
-    env.update(
-        {
-            "OMP_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "HF_HUB_OFFLINE": "1",
-            "HF_DATASETS_OFFLINE": "1",
-            "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-            "ACCELERATE_USE_CPU": "1",
-            "CUDA_VISIBLE_DEVICES": "",
-            # a rank that dies on a signal (SIGABRT, SIGSEGV) prints every thread's Python stack first
-            "PYTHONFAULTHANDLER": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")])),
-        }
-    )
-    if extra:
-        env.update(extra)
-    return env
+from hf_dist.embedded.model import tiny_llama_config  # noqa: F401  (tests build the embedded model)
+from hf_dist.runtime.launch import REPO_ROOT, cpu_env, free_port  # noqa: F401  (re-exported for tests)
 
 
 def torchrun(
@@ -78,28 +48,6 @@ def torchrun_command(
         str(script),
         *map(str, args),
     ]
-
-
-def accelerate_launch(
-    script: str | Path,
-    args: Sequence[str] = (),
-    *,
-    config_file: str | Path | None = None,
-    nproc: int = 2,
-    env: dict[str, str] | None = None,
-    timeout: float = 600,
-    cwd: str | Path | None = None,
-) -> subprocess.CompletedProcess:
-    """Run ``script`` with ``accelerate launch`` on ``nproc`` CPU processes."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
-    if config_file is not None:
-        cmd += ["--config_file", str(config_file)]
-    else:  # the values accelerate would otherwise default, each with a line of warning
-        cmd += ["--num_machines", "1", "--dynamo_backend", "no", "--mixed_precision", "no"]
-        if nproc > 1:
-            cmd.append("--multi_gpu")  # without a config file and without GPUs accelerate would start one process
-    cmd += ["--num_processes", str(nproc), "--main_process_port", str(free_port()), str(script), *map(str, args)]
-    return run_checked(cmd, env=cpu_env(env), timeout=timeout, cwd=cwd)
 
 
 def run_checked(cmd: Sequence[str], *, env: dict[str, str], timeout: float, cwd=None) -> subprocess.CompletedProcess:
@@ -171,24 +119,6 @@ def allow_portable_fp16_in_deepspeed() -> bool:
         return False
     type(accelerator).is_fp16_supported = lambda self: True
     return True
-
-
-def tiny_llama_config(**overrides):
-    """A Llama config small enough for 2 CPU ranks to train in seconds."""
-    from transformers import LlamaConfig
-
-    kwargs = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
 
 
 class TokenDataset:

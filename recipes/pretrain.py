@@ -27,64 +27,51 @@ activation_checkpointing=True``). On each node::
         --main_process_port 29500 --num_processes 16 recipes/pretrain.py \\
         --model_name_or_path meta-llama/Llama-3.1-70B --dataset corpus/ --output_dir out/cpt-70b
 
-Ends with eval loss/perplexity, an HF folder in ``<output_dir>/final`` and a generation from it.
+Ends with eval loss/perplexity and an HF folder in ``<output_dir>/final``; on the embedded task, or with
+``--check_export``, the folder is reloaded with ``from_pretrained`` and sampled.
 """
 
 from __future__ import annotations
 
 from hf_dist import recipe_utils as ru
+from hf_dist.runtime.cpu_fsdp import enable_fsdp_on_cpu
 
 EMBEDDED_DEFAULTS = dict(ru.EMBEDDED_TRAINING_DEFAULTS, output_dir="outputs/pretrain")
-REAL_DEFAULTS = dict(
-    output_dir="outputs/pretrain",
-    num_train_epochs=1,
-    learning_rate=1e-5,
-    warmup_steps=0.01,
-    lr_scheduler_type="cosine",
-    logging_steps=10,
-    save_strategy="steps",
-    save_steps=1000,
-    save_total_limit=2,
-    report_to="none",
-)
+REAL_DEFAULTS = dict(ru.REAL_TRAINING_DEFAULTS, output_dir="outputs/pretrain", learning_rate=1e-5, warmup_steps=0.01,
+                     save_steps=1000)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from transformers import Trainer
-
-    model_args, data_args, train_kwargs, explicit = ru.parse_recipe_args(
-        (ru.ModelArguments, ru.DataArguments), argv, embedded_defaults=EMBEDDED_DEFAULTS, real_defaults=REAL_DEFAULTS
+    model_args, data_args, run_args, train_kwargs, explicit = ru.parse_recipe_args(
+        (ru.ModelArguments, ru.DataArguments, ru.RunArguments),
+        argv,
+        embedded_defaults=EMBEDDED_DEFAULTS,
+        real_defaults=REAL_DEFAULTS,
     )
+    if run_args.fsdp_on_cpu:
+        enable_fsdp_on_cpu()  # tests and CPU development only: accelerate would otherwise train DDP on CPU
     tokenizer = ru.load_tokenizer(model_args, chat=False)
-    config = ru.load_config(model_args, tokenizer)
+    config = ru.model_config(model_args, tokenizer)
     seq_len = ru.resolve_seq_len(data_args.max_seq_length, config, embedded=model_args.embedded)
     ru.check_dataset(data_args, kind="text")
     # the tiny embedded model is built before the strategy exists (see ru.build_model)
     model = ru.build_model(model_args, config, seed=train_kwargs["seed"]) if model_args.embedded else None
     args = ru.training_arguments(
-        train_kwargs, explicit, config, method="full", seq_len=seq_len, strategy=model_args.strategy
-    )
+        train_kwargs, explicit, config, method="full", seq_len=seq_len, strategy=model_args.strategy,
+        deepspeed_on_cpu=run_args.deepspeed_on_cpu,
+    )  # fmt: skip
     with args.main_process_first(desc="packing"):
         train_ds, eval_ds, task = ru.text_datasets(data_args, tokenizer, seq_len=seq_len, seed=args.seed)
 
     if model is None:
         model = ru.build_model(model_args, config, seed=args.seed)
-    if args.process_index == 0:
-        print(ru.describe_plan(config, method="full", seq_len=seq_len, args=args, strategy=model_args.strategy))
+    ru.print_plan(config, method="full", seq_len=seq_len, args=args, strategy=model_args.strategy)
     before = ru.baseline_accuracy(model, tokenizer, task, mode="text", args=args)
 
-    resume = ru.resume_checkpoint(args)  # before the Trainer: may edit the DeepSpeed config
-    trainer = Trainer(
-        model=model,
-        args=args,
-        train_dataset=train_ds,
-        eval_dataset=eval_ds,
-        data_collator=ru.collator(tokenizer, packed=True),
-        processing_class=tokenizer,
-        callbacks=[ru.save_at_end_callback()],
-    )
+    trainer, resume = ru.make_trainer(model, args, tokenizer, train_ds, eval_ds, packed=True)
     ru.train(trainer, resume)
-    return ru.finish_run(trainer, tokenizer, task=task, mode="text", adapter=False, before=before)
+    return ru.finish_run(trainer, tokenizer, task=task, mode="text", adapter=False, before=before,
+                         check_export=run_args.check_export)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ _NAMES = {
     "ExportCallback": "hf_dist.callbacks.export",
     "ProfilerCallback": "hf_dist.callbacks.profiler",
     "CompleteCheckpointCallback": "hf_dist.callbacks.resume",
-    "auto_resume": "hf_dist.callbacks.resume",
-    "is_complete": "hf_dist.callbacks.resume",
+    "auto_resume": "hf_dist.checkpoint.auto_resume",
+    "is_complete": "hf_dist.checkpoint.marker",
 }
 
 __all__ = sorted(_NAMES) + ["attach", "default"]
@@ -45,7 +45,7 @@ def __getattr__(name: str) -> Any:
 
 def default(plan: Any = None) -> list[TrainerCallback]:
     """The recommended set: complete-checkpoint markers, NaN guard, throughput, memory, the plan when given,
-    and the repair DeepSpeed's universal-checkpoint loads need (:func:`hf_dist.reshard.reshard_callback`).
+    and the repair DeepSpeed's universal-checkpoint loads need (:func:`hf_dist.checkpoint.reshard.reshard_callback`).
 
     Export and profiling cost disk and time, so they are opt-in (``ExportCallback``, ``ProfilerCallback``).
     """
@@ -54,7 +54,7 @@ def default(plan: Any = None) -> list[TrainerCallback]:
     from hf_dist.callbacks.plan import PlanCallback
     from hf_dist.callbacks.resume import CompleteCheckpointCallback
     from hf_dist.callbacks.throughput import ThroughputCallback
-    from hf_dist.reshard import reshard_callback
+    from hf_dist.checkpoint.reshard import reshard_callback
 
     callbacks: list[TrainerCallback] = [PlanCallback(plan)] if plan is not None else []
     callbacks += [CompleteCheckpointCallback(), NanGuardCallback(), ThroughputCallback(plan), MemoryCallback(plan)]

@@ -5,32 +5,21 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
 
-from hf_dist.callbacks import _dist
+from hf_dist.atomic_io import atomic_dir
+from hf_dist.planning.layout import Strategy, strategy
+from hf_dist.runtime import dist as _dist
 
 logger = logging.getLogger(__name__)
 
 
-def _replace_dir(tmp: Path, dst: Path) -> None:
-    """Move the finished ``tmp`` folder to ``dst``; an existing ``dst`` is replaced only once ``tmp`` is complete."""
-    old = None
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dst, old)
-    os.replace(tmp, dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _full_state_dict(model: Any, strategy: str) -> dict | None:
+def _full_state_dict(model: Any, running: Strategy) -> dict | None:
     """Full (unsharded) state dict on rank 0 for FSDP; None means "the module already holds full weights"."""
-    if not strategy.startswith("fsdp") and strategy != "hsdp":
+    if not running.is_fsdp:
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -66,27 +55,21 @@ class ExportCallback(TrainerCallback):
 
     def export(self, dst: Path, state: Any, model: Any, processing_class: Any = None, *, checkpoint: Path) -> None:
         """Collective: every rank calls it; rank 0 writes ``dst``."""
-        strategy = _dist.live_strategy()
+        running = strategy(_dist.live_strategy())
         _dist.barrier()  # every rank finished writing the checkpoint
-        state_dict = _full_state_dict(model, strategy)
+        state_dict = _full_state_dict(model, running)
         if state.is_world_process_zero:
-            dst.parent.mkdir(parents=True, exist_ok=True)
             # next to the checkpoint, not inside it: convert refuses to write into its own source
             where = checkpoint.parent if dst.parent == checkpoint else dst.parent
-            tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=where))
-            try:
-                if strategy == "zero3":
+            with atomic_dir(dst, overwrite=True, temp_parent=where) as tmp:
+                if running.is_deepspeed and running.shards.params:  # ZeRO-3: no rank holds the whole model
                     self._convert_checkpoint(checkpoint, tmp)
                 else:
                     model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=self.safe_serialization)
                 if processing_class is not None and hasattr(processing_class, "save_pretrained"):
                     processing_class.save_pretrained(tmp)
-                _replace_dir(tmp, dst)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
             self.exported.append(str(dst))
-            logger.info("hf_dist: exported %s weights to %s", strategy, dst)
+            logger.info("hf_dist: exported %s weights to %s", running.name, dst)
         _dist.barrier()
 
     @staticmethod

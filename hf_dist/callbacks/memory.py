@@ -7,7 +7,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from hf_dist.callbacks import _dist
+from hf_dist.runtime import dist as _dist
 
 GIB = 1024**3
 

@@ -7,7 +7,9 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from hf_dist.callbacks import _dist
+from hf_dist.planning.layout import REGISTRY
+from hf_dist.planning.wrap import fsdp_wrap_classes
+from hf_dist.runtime import dist as _dist
 
 logger = logging.getLogger(__name__)
 
@@ -29,12 +31,8 @@ def live_setup(args: Any, model: Any = None) -> dict[str, Any]:
 
 
 def planned_wrap_classes(model: Any) -> list[str] | None:
-    """The wrap classes hf_dist would pick for ``model`` (None when hf_dist.wrap is unavailable)."""
+    """The wrap classes hf_dist would pick for ``model`` (None without a model)."""
     if model is None:
-        return None
-    try:
-        from hf_dist.wrap import fsdp_wrap_classes
-    except ImportError:
         return None
     return sorted(fsdp_wrap_classes(model))
 
@@ -46,7 +44,7 @@ def plan_mismatches(plan: Any, live: dict[str, Any], planned_wrap: list[str] | N
         out.append(f"strategy: planned {plan.strategy}, running {live['strategy']}")
     if live["world_size"] != plan.world_size:
         out.append(f"world size: planned {plan.world_size}, running {live['world_size']}")
-    from hf_dist.precision import trainer_mixed_precision
+    from hf_dist.runtime.precision import trainer_mixed_precision
 
     expected = trainer_mixed_precision(plan)  # pure bf16 FSDP2 runs with bf16=False on purpose
     if live["mixed_precision"] != expected:
@@ -82,7 +80,8 @@ class PlanCallback(TrainerCallback):
             print(text, flush=True)
         for item in self.mismatches:
             logger.warning("hf_dist: the live setup differs from the plan: %s", item)
-        if any(m.startswith("strategy") for m in self.mismatches) and live["strategy"] == "ddp":
+        running = REGISTRY.get(live["strategy"])
+        if any(m.startswith("strategy") for m in self.mismatches) and running is not None and running.is_ddp:
             logger.warning(
                 "hf_dist: running plain DDP; note that accelerate silently drops FSDP on CPU "
                 "(use hf_dist's CPU FSDP path or a GPU machine)"

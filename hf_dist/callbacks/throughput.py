@@ -7,9 +7,9 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from hf_dist.callbacks import _dist
 from hf_dist.callbacks.memory import _add_to_logs
-from hf_dist.flops import mfu, scaling_efficiency, training_flops_per_token
+from hf_dist.planning.flops import mfu, scaling_efficiency, training_flops_per_token
+from hf_dist.runtime import dist as _dist
 
 
 def _count_tokens(args: tuple, kwargs: dict) -> tuple[int, int]:

@@ -16,7 +16,8 @@ from typing import Any
 
 from hf_dist.checkpoint import plan as planning
 from hf_dist.checkpoint import transform
-from hf_dist.checkpoint.detect import CheckpointInfo, detect_format
+from hf_dist.checkpoint.hf_io import config_dir
+from hf_dist.checkpoint.layout import CheckpointLayout, read_layout
 from hf_dist.checkpoint.paths import check_output_path
 from hf_dist.checkpoint.reader import Reader, TensorSpec
 
@@ -29,7 +30,7 @@ BATCH_BYTES = 64 * 1024**2
 class ConversionReport:
     """What was read and what was written."""
 
-    source: CheckpointInfo
+    source: CheckpointLayout
     dst: Path
     to: str
     kind: str
@@ -53,7 +54,7 @@ class ConversionReport:
         return "\n".join(lines)
 
 
-def open_reader(info: CheckpointInfo, *, trust_pickles: bool = False) -> Reader:
+def open_reader(info: CheckpointLayout, *, trust_pickles: bool = False) -> Reader:
     if info.format == "deepspeed":
         from hf_dist.checkpoint.deepspeed_reader import DeepSpeedReader
 
@@ -88,11 +89,11 @@ def convert(
     start = time.perf_counter()
     _check_arguments(dtype, to, adapter, merge_adapter)
     dst = check_output_path(dst, sources=[src], overwrite=overwrite)
-    info = detect_format(src, tag=tag)
+    info = read_layout(src, tag=tag)
     sources = (src, info.path, info.root)
     check_output_path(dst, sources=sources, overwrite=overwrite)
     if model_config is not None:
-        info.config_dir = _config_dir(model_config)
+        info.config_dir = config_dir(model_config)
     reader = open_reader(info, trust_pickles=trust_pickles)
     try:
         specs = reader.specs()
@@ -139,19 +140,11 @@ def _check_arguments(dtype: str, to: str, adapter: bool, merge_adapter: bool) ->
         raise ValueError("--to dcp writes a full model; drop --adapter (or use --merge-adapter)")
 
 
-def _config_dir(model_config: str | Path) -> Path:
-    path = Path(model_config)
-    path = path.parent if path.name == "config.json" else path
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"--model-config {model_config}: no config.json there")
-    return path
-
-
 def _is_float(dtype: Any) -> bool:
     return dtype.is_floating_point
 
 
-def _plan(info: CheckpointInfo, specs: dict[str, TensorSpec], *, adapter: bool, merge_adapter: bool):
+def _plan(info: CheckpointLayout, specs: dict[str, TensorSpec], *, adapter: bool, merge_adapter: bool):
     peft = planning.is_peft(specs)
     if (adapter or merge_adapter) and not peft:
         raise ValueError(f"--adapter/--merge-adapter given but {info.path} holds no PEFT/LoRA tensors")
@@ -173,7 +166,7 @@ def _plan(info: CheckpointInfo, specs: dict[str, TensorSpec], *, adapter: bool, 
     return planning.model_plan(specs, expected, tied)
 
 
-def _adapter_config(info: CheckpointInfo) -> dict:
+def _adapter_config(info: CheckpointLayout) -> dict:
     path = _find_adapter_config(info)
     if path is None:
         raise ValueError(f"no adapter_config.json found next to {info.path}; copy the run's adapter_config.json there")
@@ -182,7 +175,7 @@ def _adapter_config(info: CheckpointInfo) -> dict:
     return read_json(path)
 
 
-def _find_adapter_config(info: CheckpointInfo) -> Path | None:
+def _find_adapter_config(info: CheckpointLayout) -> Path | None:
     for directory in (info.path if info.path.is_dir() else info.path.parent, info.root, info.root.parent):
         if (directory / "adapter_config.json").is_file():
             return directory / "adapter_config.json"

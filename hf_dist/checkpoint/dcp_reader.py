@@ -26,7 +26,7 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.detect import CheckpointInfo
+from hf_dist.checkpoint.layout import CheckpointLayout
 from hf_dist.checkpoint.reader import Reader, TensorSpec
 from hf_dist.checkpoint.safe_pickle import CorruptCheckpointError, OpaqueObject, UnsafePickleError
 
@@ -120,7 +120,7 @@ def _safe_reader_class():
 
 
 class DCPReader(Reader):
-    def __init__(self, info: CheckpointInfo, *, trust_pickles: bool = False) -> None:
+    def __init__(self, info: CheckpointLayout, *, trust_pickles: bool = False) -> None:
         super().__init__()
         self.folder = info.path
         self.trust_pickles = trust_pickles

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.detect import OPTIM_FILE_RE, ZERO3_MODEL_FILE_RE, CheckpointInfo
+from hf_dist.checkpoint.layout import OPTIM_FILE_RE, ZERO3_MODEL_FILE_RE, CheckpointLayout
 from hf_dist.checkpoint.reader import Reader, TensorSpec
 from hf_dist.checkpoint.safe_pickle import safe_load
 
@@ -45,7 +45,7 @@ class ParamSource:
 
 
 class DeepSpeedReader(Reader):
-    def __init__(self, info: CheckpointInfo, *, trust_pickles: bool = False) -> None:
+    def __init__(self, info: CheckpointLayout, *, trust_pickles: bool = False) -> None:
         super().__init__()
         self.info = info
         self.trust_pickles = trust_pickles

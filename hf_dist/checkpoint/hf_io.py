@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.detect import CheckpointInfo
+from hf_dist.checkpoint.layout import CheckpointLayout
 from hf_dist.checkpoint.reader import Reader, TensorSpec
 from hf_dist.checkpoint.safe_pickle import CorruptCheckpointError, safe_load
 
@@ -29,7 +29,7 @@ MODEL_FILES = ("generation_config.json",)
 class HFReader(Reader):
     """Safetensors (single or sharded, read lazily with ``safe_open``) or ``pytorch_model*.bin``."""
 
-    def __init__(self, info: CheckpointInfo, *, trust_pickles: bool = False) -> None:
+    def __init__(self, info: CheckpointLayout, *, trust_pickles: bool = False) -> None:
         super().__init__()
         self.folder = info.path
         self.trust_pickles = trust_pickles
@@ -40,7 +40,7 @@ class HFReader(Reader):
                 self._specs[name] = spec
         self.train_dtype = None
 
-    def _weight_files(self, info: CheckpointInfo) -> list[Path]:
+    def _weight_files(self, info: CheckpointLayout) -> list[Path]:
         given = info.files[0]
         if given.name.endswith(".index.json"):
             weight_map = json.loads(given.read_text())["weight_map"]
@@ -95,7 +95,7 @@ class HFReader(Reader):
 class TorchFileReader(HFReader):
     """An FSDP full state dict (``pytorch_model_fsdp.bin``): one torch pickle, memory-mapped."""
 
-    def __init__(self, info: CheckpointInfo, *, trust_pickles: bool = False) -> None:
+    def __init__(self, info: CheckpointLayout, *, trust_pickles: bool = False) -> None:
         Reader.__init__(self)
         self.folder = info.path.parent
         self.trust_pickles = trust_pickles
@@ -157,3 +157,12 @@ def copy_side_files(out_dir: Path, config_dir: Path | None, tokenizer_dir: Path 
             shutil.copy2(source, out_dir / name)
             copied.append(name)
     return copied
+
+
+def config_dir(model_config: str | Path) -> Path:
+    """The folder of ``--model-config`` (a folder or its config.json); FileNotFoundError when it has no config.json."""
+    path = Path(model_config)
+    path = path.parent if path.name == "config.json" else path
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--model-config {model_config}: no config.json there; pass the model's config folder")
+    return path

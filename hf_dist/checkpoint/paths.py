@@ -3,20 +3,16 @@
 A writer replaces its destination only when the user asked for it (``--overwrite``) and only when the
 destination is a previous *output*: never a training checkpoint, a run folder, the source itself, a folder
 that contains the source or one inside it. Every refusal names the path received, why, and what to do.
-Temporary siblings (``.NAME.tmp-PID``) left by killed runs are removed by the next run.
+Writers then build their output with :func:`hf_dist.atomic_io.atomic_dir`.
 """
 
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import re
-import shutil
 from collections.abc import Iterable
 from pathlib import Path
-
-logger = logging.getLogger(__name__)
 
 # Files and folders that only a training run writes: a folder holding one of them is a checkpoint or a run.
 _TRAINING_FILES = ("trainer_state.json", "hf_dist_complete.json", "latest", "latest_universal", "optimizer.pt",
@@ -24,7 +20,6 @@ _TRAINING_FILES = ("trainer_state.json", "hf_dist_complete.json", "latest", "lat
 _TRAINING_PATTERNS = re.compile(
     r"^(checkpoint-\d+|global_step\d+.*|pytorch_model_fsdp_\d+|optimizer_\d+|rng_state.*\.pth)$"
 )
-_TEMP_RE = r"^\.{name}\.(?:tmp|old)-(\d+)$"
 
 
 class UnsafeOutputError(ValueError):
@@ -140,46 +135,6 @@ def make_parent(raw: Path, *, what: str = "DST") -> None:
         raise PermissionError(
             errno.EACCES, f"{what} {raw}: cannot create {raw.parent} ({exc.strerror}); choose a writable location"
         ) from None
-
-
-def pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
-def remove_stale_temps(parent: Path, name: str) -> list[Path]:
-    """Remove ``.NAME.tmp-PID`` / ``.NAME.old-PID`` siblings whose process is gone (a killed run); return them.
-
-    A temporary of a process still alive is left in place and named in a warning.
-    """
-    pattern = re.compile(_TEMP_RE.format(name=re.escape(name)))
-    removed = []
-    try:
-        candidates = sorted(parent.iterdir())
-    except OSError:
-        return []
-    for path in candidates:
-        match = pattern.match(path.name)
-        if not match:
-            continue
-        if pid_alive(int(match.group(1))):
-            if int(match.group(1)) != os.getpid():
-                logger.warning("hf_dist: %s belongs to running process %s; left in place", path, match.group(1))
-            continue
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-        logger.warning("hf_dist: removed %s, left behind by a killed run (process %s)", path, match.group(1))
-        removed.append(path)
-    return removed
 
 
 def format_bytes(count: int) -> str:

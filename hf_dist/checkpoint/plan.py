@@ -1,6 +1,6 @@
 """From source tensor names to output tensor names: the conversion plan, validated before any write.
 
-Pure apart from reading ``config.json`` and, for architectures not in :mod:`layouts`, instantiating
+Pure apart from reading ``config.json`` and, for architectures not in :mod:`param_specs`, instantiating
 the model on the ``meta`` device to learn the expected names and shapes (no weights are allocated).
 """
 
@@ -34,22 +34,14 @@ class ConversionPlan:
 def expected_specs(config_dir: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     """Names -> shapes of the model the config describes, and its tied ``target -> source`` keys."""
     from hf_dist.checkpoint.hf_io import load_config_dict
-    from hf_dist.checkpoint.layouts import llama_like_specs
+    from hf_dist.checkpoint.param_specs import llama_like_specs
 
     known = llama_like_specs(load_config_dict(Path(config_dir)))
     if known is not None:
         return known
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from hf_dist.planning.modelinfo import load_config, meta_model
 
-    config = AutoConfig.from_pretrained(config_dir)
-    with torch.device("meta"):
-        try:
-            model = AutoModelForCausalLM.from_config(config)
-        except ValueError:
-            from transformers import AutoModel
-
-            model = AutoModel.from_config(config)
+    model = meta_model(load_config(str(config_dir)))
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
     return shapes, tied

@@ -16,7 +16,8 @@ from typing import Any
 from hf_dist.checkpoint import plan as planning
 from hf_dist.checkpoint import transform
 from hf_dist.checkpoint.convert import BATCH_BYTES, open_reader
-from hf_dist.checkpoint.detect import CheckpointInfo, detect_format
+from hf_dist.checkpoint.hf_io import config_dir
+from hf_dist.checkpoint.layout import CheckpointLayout, read_layout
 from hf_dist.checkpoint.reader import Reader
 
 
@@ -73,7 +74,7 @@ class _Side:
     """One checkpoint: its reader and the mapping HF name -> source name."""
 
     def __init__(self, path: str | Path, trust_pickles: bool) -> None:
-        self.info: CheckpointInfo = detect_format(path)
+        self.info: CheckpointLayout = read_layout(path)
         self.reader: Reader = open_reader(self.info, trust_pickles=trust_pickles)
         self.names: dict[str, str] = {}
 
@@ -117,7 +118,7 @@ def verify(
     """
     if not isinstance(atol, (int, float)) or isinstance(atol, bool) or not math.isfinite(atol) or atol < 0:
         raise ValueError(f"--atol must be a finite number >= 0, got {atol!r}")
-    config = _config_dir(model_config) if model_config is not None else None
+    config = config_dir(model_config) if model_config is not None else None
     side_a, side_b = _Side(a, trust_pickles), _Side(b, trust_pickles)
     config = config or side_a.info.config_dir or side_b.info.config_dir
     for side in (side_a, side_b):
@@ -153,14 +154,6 @@ def verify(
     side_a.reader.close()
     side_b.reader.close()
     return report
-
-
-def _config_dir(model_config: str | Path) -> Path:
-    path = Path(model_config)
-    path = path.parent if path.name == "config.json" else path
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"--model-config {model_config}: no config.json there; pass the model's config folder")
-    return path
 
 
 def _nonfinite_counts(x: Any) -> tuple[int, int]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hf_dist.atomic_io import atomic_dir
 from hf_dist.checkpoint.reader import TensorSpec
 
 SAFETENSORS_DTYPES = {
@@ -194,48 +195,18 @@ def atomic_output_dir(
     """Yield a temporary sibling of ``dst``; on success it replaces ``dst``, on any error it is removed.
 
     ``dst`` passes :func:`hf_dist.checkpoint.paths.check_output_path` first (never the source, a folder around
-    or inside it, or a training checkpoint); temporaries left by killed runs are removed.
+    or inside it, or a training checkpoint) and its file system must have ``needed_bytes`` free; the folder
+    is then built by :func:`hf_dist.atomic_io.atomic_dir`.
     """
-    from hf_dist.checkpoint.paths import check_output_path, format_bytes, make_parent, remove_stale_temps
+    from hf_dist.checkpoint.paths import check_output_path, format_bytes, make_parent
 
     dst = check_output_path(dst, sources=sources, overwrite=overwrite)
     make_parent(dst)
-    remove_stale_temps(dst.parent, dst.name)
     free = shutil.disk_usage(dst.parent).free
     if needed_bytes and free < needed_bytes:
         raise RuntimeError(
             f"not enough disk space in {dst.parent}: the output needs {format_bytes(needed_bytes)}, "
             f"{format_bytes(free)} free; free space or choose another DST"
         )
-    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
-    except OSError as exc:
-        raise PermissionError(
-            exc.errno, f"cannot write DST {dst}: creating {tmp} failed ({exc.strerror}); choose a writable location"
-        ) from None
-    try:
+    with atomic_dir(dst, overwrite=overwrite) as tmp:
         yield tmp
-        _replace_dir(tmp, dst)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if exc.errno == errno.ENOSPC:
-            raise RuntimeError(f"disk full while writing {dst}; nothing was written, free space and retry") from exc
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _replace_dir(tmp: Path, dst: Path) -> None:
-    if dst.exists():
-        old = dst.parent / f".{dst.name}.old-{os.getpid()}"
-        os.replace(dst, old)
-        os.replace(tmp, dst)
-        if old.is_dir():
-            shutil.rmtree(old)
-        else:
-            old.unlink()
-    else:
-        os.replace(tmp, dst)

@@ -14,20 +14,23 @@ EPILOG = """examples:
   hf-dist config --strategy zero2 --format deepspeed --out ds_zero2.json
   hf-dist config --strategy ddp            # print to stdout
   hf-dist config --strategy zero3 --format deepspeed --pure-bf16 --out ds_zero3_pure_bf16.json
+  hf-dist config --strategy fsdp_full_shard --tp-size 2 --out fsdp2_tp2.yaml       # FSDP2 x TP
+  hf-dist config --strategy fsdp_full_shard --cp-size 2 --out fsdp2_cp2.yaml       # context parallel (GPU only)
+  hf-dist config --strategy zero2 --sp-size 2 --out zero2_sp2.yaml                 # DeepSpeed Ulysses SP
+  hf-dist config --strategy zero2 --tp-size 2 --format deepspeed --out ds_autotp.json
+  hf-dist config --strategy zero2 --tp-size 2 --deepspeed-config-file ds_autotp.json --out zero2_autotp.yaml
+  hf-dist config --strategy zero3 --offload optimizer+params --offload-device nvme --nvme-path /local_nvme --format deepspeed --out ds_nvme.json
 
 strategies: ddp, zero1, zero2, zero3, fsdp_full_shard, fsdp_shard_grad_op, hsdp
 Use `hf-dist plan MODEL` to find which strategy fits your model and GPUs.
 """
 
 
-def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "config",
-        help="write an accelerate YAML or DeepSpeed JSON for a strategy",
-        description="Write an accelerate launch config (commented YAML) or a DeepSpeed JSON for a strategy.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+HELP = "write an accelerate YAML or DeepSpeed JSON for a strategy"
+DESCRIPTION = "Write an accelerate launch config (commented YAML) or a DeepSpeed JSON for a strategy."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     # No `choices=`: run() validates so the error lists the allowed values in hf_dist's own words.
     parser.add_argument("--strategy", required=True, help="ddp, zero1, zero2, zero3, fsdp_full_shard, ...")
     parser.add_argument("--offload", default="none", help="none (default), optimizer, optimizer+params")
@@ -43,34 +46,59 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="bf16 weights and bf16 Adam state, no fp32 master weights (needs --mixed-precision bf16 and a model "
         "loaded in bf16; ZeRO needs --format deepspeed)",
     )
+    parser.add_argument("--tp-size", type=int, default=1, help="tensor parallel size (inside a node; default 1)")
+    parser.add_argument("--cp-size", type=int, default=1, help="context parallel size (FSDP2, GPU only; default 1)")
+    parser.add_argument("--sp-size", type=int, default=1, help="Ulysses sequence parallel size (ZeRO; default 1)")
+    parser.add_argument("--offload-device", default="cpu", help="cpu (default) or nvme (ZeRO-3 ZeRO-Infinity)")
+    parser.add_argument("--nvme-path", default=None, help="folder on a local NVMe drive (with --offload-device nvme)")
+    parser.add_argument(
+        "--deepspeed-config-file",
+        default=None,
+        help="accelerate YAML for a ZeRO strategy: reference this DeepSpeed JSON instead of inline keys (needed for "
+        "AutoTP --tp-size and zero3 --sp-size; write the JSON with --format deepspeed)",
+    )
     parser.add_argument("--format", choices=("accelerate", "deepspeed"), default="accelerate", help="output format")
     parser.add_argument("--out", default=None, help="file to write (default: print to stdout)")
     parser.add_argument("--force", action="store_true", help="overwrite --out if it exists")
-    parser.set_defaults(func=run)
-    return parser
 
 
 def render(args: argparse.Namespace) -> str:
     """The file text for ``args`` (pure: no I/O)."""
-    from hf_dist.configs import STRATEGIES, check_choice
+    from hf_dist.planning.layout import STRATEGIES, strategy
+    from hf_dist.validation import check_choice
 
     check_choice("strategy", args.strategy, STRATEGIES, "See `hf-dist config --help`.")
+    s = strategy(args.strategy)
     if args.format == "deepspeed":
         from hf_dist.configs.deepspeed import deepspeed_config
 
-        if not args.strategy.startswith("zero"):
+        if not s.is_deepspeed:
             raise ValueError(
                 f"--format deepspeed needs a ZeRO strategy (zero1, zero2, zero3), got {args.strategy!r}; "
                 "use --format accelerate for ddp/FSDP."
             )
+        if args.cp_size > 1:
+            raise ValueError(
+                f"--cp-size {args.cp_size} with {args.strategy}: context parallelism runs only with FSDP2; use "
+                "--sp-size (DeepSpeed Ulysses) with a ZeRO strategy, or --strategy fsdp_full_shard --format accelerate"
+            )
         cfg = deepspeed_config(
-            args.strategy, offload=args.offload, mixed_precision=args.mixed_precision, pure_bf16=args.pure_bf16
+            args.strategy,
+            offload=args.offload,
+            mixed_precision=args.mixed_precision,
+            pure_bf16=args.pure_bf16,
+            tp_size=args.tp_size,
+            sp_size=args.sp_size,
+            offload_device=args.offload_device,
+            nvme_path=args.nvme_path,
         )
         return json.dumps(cfg, indent=2) + "\n"
 
     from hf_dist.configs.accelerate import accelerate_config, header_for, to_yaml
 
-    mixed_precision, note = _pure_bf16_accelerate(args) if args.pure_bf16 else (args.mixed_precision, "")
+    if args.deepspeed_config_file is not None and not s.is_deepspeed:
+        raise ValueError(f"--deepspeed-config-file needs a ZeRO strategy (zero1, zero2, zero3), got {args.strategy!r}")
+    mixed_precision, note = _pure_bf16_accelerate(args, s) if args.pure_bf16 else (args.mixed_precision, "")
     cfg = accelerate_config(
         args.strategy,
         offload=args.offload,
@@ -79,31 +107,44 @@ def render(args: argparse.Namespace) -> str:
         mixed_precision=mixed_precision,
         wrap_classes=args.wrap_class,
         activation_checkpointing=args.activation_checkpointing,
+        tp_size=args.tp_size,
+        cp_size=args.cp_size,
+        sp_size=args.sp_size,
+        offload_device=args.offload_device,
+        nvme_path=args.nvme_path,
+        deepspeed_config_file=args.deepspeed_config_file,
     )
     shown = {"strategy": args.strategy}
     if args.offload != "none":
         shown["offload"] = args.offload
+    if args.offload_device != "cpu":
+        shown.update(offload_device=args.offload_device, nvme_path=args.nvme_path)
     if args.nodes != 1:
         shown["nodes"] = args.nodes
+    for key in ("tp_size", "cp_size", "sp_size"):
+        if getattr(args, key) != 1:
+            shown[key] = getattr(args, key)
+    if args.deepspeed_config_file is not None:
+        shown["deepspeed_config_file"] = args.deepspeed_config_file
     name = Path(args.out).name if args.out else "config.yaml"
     return to_yaml(cfg, header_for(name, shown) + note)
 
 
-def _pure_bf16_accelerate(args: argparse.Namespace) -> tuple[str, str]:
+def _pure_bf16_accelerate(args: argparse.Namespace, s) -> tuple[str, str]:
     """(mixed_precision for the YAML, header note) for --pure-bf16 --format accelerate."""
     if args.mixed_precision != "bf16":
         raise ValueError(
             f"--pure-bf16 keeps bf16 weights and Adam state and needs --mixed-precision bf16, got "
             f"{args.mixed_precision!r}; drop --mixed-precision or --pure-bf16."
         )
-    if args.strategy.startswith("zero"):
+    if s.is_deepspeed:
         raise ValueError(
             f"--pure-bf16 with {args.strategy} needs DeepSpeed's bf16_master_weights_and_grads and "
             "bf16_optimizer_states, which accelerate's inline DeepSpeed keys cannot set; write a JSON with "
             f"`hf-dist config --strategy {args.strategy} --format deepspeed --pure-bf16 --out ds.json` and pass it as "
             "TrainingArguments(deepspeed='ds.json') (or hf_dist.auto_args(model, pure_bf16=True))."
         )
-    if args.strategy == "ddp":
+    if s.is_ddp:
         return (
             "bf16",
             "\nPure bf16: load the model with dtype=torch.bfloat16; DDP then keeps bf16 weights and Adam state.",
@@ -121,11 +162,10 @@ def run(args: argparse.Namespace) -> int:
     if args.out is None:
         sys.stdout.write(text)
         return 0
+    from hf_dist.atomic_io import atomic_write_text
     from hf_dist.checkpoint.paths import check_output_path
-    from hf_dist.configs.accelerate import atomic_write_text
 
     check_output_path(args.out, overwrite=args.force, what="--out", overwrite_flag="--force", is_dir=False)
-
-    path = atomic_write_text(args.out, text, force=args.force)
+    path = atomic_write_text(args.out, text)
     print(f"wrote {path}", file=sys.stderr)
     return 0

@@ -15,16 +15,15 @@ EPILOG = """examples:
 """
 
 
-def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "convert",
-        help="turn a ZeRO/FSDP/Trainer checkpoint into an HF folder (sharded safetensors + config + tokenizer)",
-        description="Convert DeepSpeed ZeRO-1/2/3, FSDP2/FSDP1 DCP, FSDP full state dicts, Trainer checkpoint-N "
-        "folders or HF folders into an HF folder that AutoModelForCausalLM.from_pretrained loads, streaming with "
-        "bounded memory, without unpickling foreign code, written atomically.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+HELP = "turn a ZeRO/FSDP/Trainer checkpoint into an HF folder (sharded safetensors + config + tokenizer)"
+DESCRIPTION = (
+    "Convert DeepSpeed ZeRO-1/2/3, FSDP2/FSDP1 DCP, FSDP full state dicts, Trainer checkpoint-N "
+    "folders or HF folders into an HF folder that AutoModelForCausalLM.from_pretrained loads, streaming with "
+    "bounded memory, without unpickling foreign code, written atomically."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", metavar="SRC", help="checkpoint-N/ folder, its inner folder, or an HF folder")
     parser.add_argument("dst", metavar="DST", help="output folder (must not exist unless --overwrite)")
     parser.add_argument(
@@ -41,23 +40,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--tag", help="DeepSpeed tag, e.g. global_step500 (default: the 'latest' file)")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--adapter", action="store_true", help="PEFT run: write the adapter folder")
-    group.add_argument(
-        "--merge-adapter",
-        action="store_true",
-        dest="merge_adapter",
-        help="PEFT run: write the full model with LoRA merged",
-    )
+    group.add_argument("--merge-adapter", action="store_true", help="PEFT run: write the full model with LoRA merged")
     parser.add_argument("--to", choices=("hf", "dcp"), default="hf", help="output format (default: hf)")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists (atomically)")
-    parser.add_argument(
-        "--trust-pickles",
-        action="store_true",
-        dest="trust_pickles",
-        help="allow arbitrary types in .pt files; only for files you trust",
-    )
+    trust_help = "allow arbitrary types in .pt files; only for files you trust"
+    parser.add_argument("--trust-pickles", action="store_true", help=trust_help)
     parser.add_argument("--no-progress", action="store_false", dest="progress")
-    parser.set_defaults(func=run)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,17 +21,12 @@ PACKAGES = (
 NCCL_PREFIXES = ("NCCL_", "FI_", "UCX_", "TORCH_NCCL_")
 
 
-def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "env",
-        help="show versions, devices, bf16 support, nodes and interconnect hints",
-        description="Show what hf_dist sees on this machine; paste it into bug reports.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+HELP = "show versions, devices, bf16 support, nodes and interconnect hints"
+DESCRIPTION = "Show what hf_dist sees on this machine; paste it into bug reports."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print as JSON")
-    parser.set_defaults(func=run)
-    return parser
 
 
 def versions() -> dict[str, str | None]:
@@ -60,8 +55,8 @@ def interconnect(env: dict[str, str] | None = None, sys_ib: str = "/sys/class/in
 
 
 def collect() -> dict:
-    from hf_dist.hardware import detect_hardware, nodes_from_env
-    from hf_dist.support import support_status
+    from hf_dist.planning.hardware import detect_hardware, nodes_from_env
+    from hf_dist.runtime.support import support_status
 
     hw = detect_hardware()
     installed = versions()

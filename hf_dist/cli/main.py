@@ -1,8 +1,7 @@
 """`hf-dist` entry point. Registers one subcommand per module in ``hf_dist.cli``.
 
-Each subcommand module defines ``register(subparsers) -> argparse.ArgumentParser`` (which sets
-``func`` as the parser default) and keeps heavy imports inside the function that runs it, so
-``hf-dist --help`` is instant.
+Each subcommand module defines ``HELP``, ``DESCRIPTION``, ``EPILOG`` (examples), ``add_arguments(parser)``
+and ``run(args) -> int``, and keeps heavy imports inside ``run``, so ``hf-dist --help`` is instant.
 """
 
 from __future__ import annotations
@@ -42,8 +41,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"hf-dist {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module_name in SUBCOMMANDS.values():
-        importlib.import_module(f"hf_dist.cli.{module_name}").register(subparsers)
+    for name, module_name in SUBCOMMANDS.items():
+        module = importlib.import_module(f"hf_dist.cli.{module_name}")
+        sub = subparsers.add_parser(
+            name,
+            help=module.HELP,
+            description=module.DESCRIPTION,
+            epilog=module.EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(sub)
+        sub.set_defaults(func=module.run)
     return parser
 
 

@@ -15,15 +15,14 @@ EPILOG = """examples:
 """
 
 
-def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "plan",
-        help="pick the fastest distributed strategy that fits, with per-rank memory by component",
-        description="Estimate per-rank memory for every strategy (DDP, ZeRO-1/2/3, FSDP2, HSDP, offload, "
-        "activation checkpointing) and pick the fastest that fits. Hardware is detected unless given.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+HELP = "pick the fastest distributed strategy that fits, with per-rank memory by component"
+DESCRIPTION = (
+    "Estimate per-rank memory for every strategy (DDP, ZeRO-1/2/3, FSDP2, HSDP, offload, "
+    "activation checkpointing) and pick the fastest that fits. Hardware is detected unless given."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="hub name, local model folder or config.json")
     parser.add_argument("--gpus", type=int, help="total GPUs across all nodes (default: detected)")
     parser.add_argument("--gpu-memory", type=float, dest="gpu_memory", help="GiB per GPU (default: detected)")
@@ -51,14 +50,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     parser.add_argument("--trust-remote-code", action="store_true", dest="trust_remote_code")
     parser.add_argument("--json", action="store_true", help="print Plan.to_dict() as JSON")
-    parser.set_defaults(func=run)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    from hf_dist.hardware import detect_hardware
-    from hf_dist.modelinfo import model_spec
-    from hf_dist.planner import plan
+    from hf_dist.planning.hardware import detect_hardware
+    from hf_dist.planning.modelinfo import model_spec
+    from hf_dist.planning.planner import plan
 
     # --liger on for GPUs described with --gpu-memory: the target machines have it, whatever this one has
     described = args.gpu_memory is not None and args.liger == "on"

@@ -10,21 +10,20 @@ EPILOG = """examples:
   hf-dist reshard out/checkpoint-500 --check 16           # only report what resuming on 16 ranks needs
 
 then resume with "checkpoint": {"load_universal": true} in the DeepSpeed config, or call
-hf_dist.reshard.prepare_resume(ckpt, training_args=args) in the training script (it does both steps).
+hf_dist.checkpoint.reshard.prepare_resume(ckpt, training_args=args) in the training script (it does both steps).
 FSDP2 (DCP) checkpoints need nothing: accelerate reshards them on load.
 """
 
 
-def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "reshard",
-        help="make a ZeRO/FSDP Trainer checkpoint resumable on a different number of GPUs",
-        description="Convert a DeepSpeed ZeRO-1/2/3 Trainer checkpoint to DeepSpeed's universal format (fixes "
-        "'The checkpoint being loaded used a DP world size of X but the current world size is Y'); FSDP2/DCP "
-        "checkpoints are reported as already reshardable.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+HELP = "make a ZeRO/FSDP Trainer checkpoint resumable on a different number of GPUs"
+DESCRIPTION = (
+    "Convert a DeepSpeed ZeRO-1/2/3 Trainer checkpoint to DeepSpeed's universal format (fixes "
+    "'The checkpoint being loaded used a DP world size of X but the current world size is Y'); FSDP2/DCP "
+    "checkpoints are reported as already reshardable."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", metavar="SRC", help="a Trainer checkpoint-N folder")
     parser.add_argument("dst", metavar="DST", nargs="?", help="write a converted copy here (default: in place)")
     parser.add_argument("--check", type=int, metavar="WORLD_SIZE", help="report only; convert nothing")
@@ -40,37 +39,36 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         dest="trust_pickles",
         help="skip the allowlist check DeepSpeed's loader otherwise gets; only for files you trust",
     )
-    parser.set_defaults(func=run)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    from hf_dist.reshard import inspect_checkpoint, reshard
+    from hf_dist.checkpoint.reshard import inspect_checkpoint, reshard
 
-    topo = inspect_checkpoint(args.src)
-    print(f"found: {topo.describe()}")
+    layout = inspect_checkpoint(args.src)
+    print(f"found: {layout.describe()}")
     if args.check is not None:
-        print(resume_advice(topo, args.check))
+        print(resume_advice(layout, args.check))
         return 0
-    if topo.kind != "deepspeed":
+    if not layout.family.is_zero:
         print("nothing to convert: FSDP/DCP and unsharded checkpoints reshard on load")
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     out = reshard(args.src, args.dst, workers=args.workers, overwrite=args.overwrite, trust_pickles=args.trust_pickles)
-    if topo.kind == "deepspeed":
+    if layout.family.is_zero:
         done = inspect_checkpoint(out)
         print(f"wrote {out / str(done.universal_tag)} and {out / 'latest_universal'}")
         print('resume with "checkpoint": {"load_universal": true} in the DeepSpeed config')
     return 0
 
 
-def resume_advice(topo, world_size: int) -> str:
+def resume_advice(layout, world_size: int) -> str:
+    """What resuming ``layout`` (a :class:`hf_dist.checkpoint.layout.CheckpointLayout`) on ``world_size`` needs."""
     if world_size < 1:
         raise ValueError(f"--check needs a world size >= 1, got {world_size}")
-    if topo.kind != "deepspeed":
+    if not layout.family.is_zero:
         return f"resumable on {world_size} rank(s) as is (reshards on load)"
-    if topo.world_size == world_size:
+    if layout.world_size == world_size:
         return f"resumable on {world_size} rank(s) as is (same DP world size)"
-    if topo.universal_tag:
-        return f"resumable on {world_size} rank(s) with load_universal (already converted: {topo.universal_tag})"
-    return f"needs `hf-dist reshard {topo.path}` (saved by {topo.world_size} ranks, resuming on {world_size})"
+    if layout.universal_tag:
+        return f"resumable on {world_size} rank(s) with load_universal (already converted: {layout.universal_tag})"
+    return f"needs `hf-dist reshard {layout.root}` (saved by {layout.world_size} ranks, resuming on {world_size})"

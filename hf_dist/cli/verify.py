@@ -11,23 +11,20 @@ EPILOG = """examples:
 """
 
 
-def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "verify",
-        help="compare two checkpoints tensor by tensor (and optionally logits); non-zero exit on mismatch",
-        description="Compare checkpoints A and B (DeepSpeed, DCP, FSDP full state dict, HF) after the same name "
-        "mapping the converter uses: missing/extra keys, shapes, max abs diff (in fp32). Exit 1 on mismatch.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+HELP = "compare two checkpoints tensor by tensor (and optionally logits); non-zero exit on mismatch"
+DESCRIPTION = (
+    "Compare checkpoints A and B (DeepSpeed, DCP, FSDP full state dict, HF) after the same name "
+    "mapping the converter uses: missing/extra keys, shapes, max abs diff (in fp32). Exit 1 on mismatch."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("a", metavar="A")
     parser.add_argument("b", metavar="B")
     parser.add_argument("--atol", type=float, default=0.0, help="allowed max abs difference (default 0: exact)")
     parser.add_argument("--logits", action="store_true", help="also run both models on a fixed input")
     parser.add_argument("--model-config", dest="model_config", help="config folder when A or B has none")
     parser.add_argument("--trust-pickles", action="store_true", dest="trust_pickles")
-    parser.set_defaults(func=run)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,8 +24,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hf_dist.configs import MIXED_PRECISIONS, OFFLOADS, STRATEGIES, check_choice
-from hf_dist.configs.deepspeed import zero_stage
+from hf_dist.atomic_io import atomic_write_text
+from hf_dist.configs.features import NEWEST_TESTED_FEATURES, LibraryFeatures
+from hf_dist.configs.training_args import strategy_args
+from hf_dist.planning.layout import STRATEGIES, Engine, Layout, Strategy, strategy
+from hf_dist.validation import check_choice
 
 __all__ = ["accelerate_config", "to_yaml", "write_yaml", "SHIPPED", "shipped_configs", "main"]
 
@@ -43,6 +46,9 @@ SHIPPED: dict[str, dict[str, Any]] = {
     "zero2.yaml": {"strategy": "zero2"},
     "zero3.yaml": {"strategy": "zero3"},
     "zero3_offload.yaml": {"strategy": "zero3", "offload": "optimizer+params"},
+    "fsdp2_tp2.yaml": {"strategy": "fsdp_full_shard", "tp_size": 2},
+    "fsdp2_cp2.yaml": {"strategy": "fsdp_full_shard", "cp_size": 2},
+    "zero2_sp2.yaml": {"strategy": "zero2", "sp_size": 2},
     "multi_node_template.yaml": {"strategy": "ddp", "nodes": 2},
 }
 
@@ -61,37 +67,69 @@ def accelerate_config(
     main_process_port: int = DEFAULT_PORT,
     deepspeed_config_file: str | None = None,
     state_dict_type: str = "SHARDED_STATE_DICT",
+    features: LibraryFeatures = NEWEST_TESTED_FEATURES,
+    tp_size: int = 1,
+    cp_size: int = 1,
+    sp_size: int = 1,
+    offload_device: str = "cpu",
+    nvme_path: str | None = None,
 ) -> dict[str, Any]:
     """accelerate config dict for ``strategy`` on ``nodes`` machines.
 
     ``num_processes`` is the total over all machines (accelerate's meaning); it defaults to
     ``gpus_per_node * nodes`` with 8 GPUs per node. Multi-node configs carry ``machine_rank: 0``
     and a placeholder ``main_process_ip``: set them per node (``--machine_rank``,
-    ``--main_process_ip``) when launching.
+    ``--main_process_ip``) when launching. The FSDP section and the parallelism sizes come from the
+    same emitter as ``auto_args`` (:func:`hf_dist.configs.training_args.strategy_args`).
+
+    ``tp_size``/``cp_size``/``sp_size`` become ``parallelism_config_*`` keys (DeepSpeed TP is AutoTP, which
+    accelerate's inline DeepSpeed keys cannot set: pass ``deepspeed_config_file`` of a JSON with it).
+    ``offload_device="nvme"`` (ZeRO-3) offloads to ``nvme_path``.
     """
     check_choice("strategy", strategy, STRATEGIES)
-    check_choice("offload", offload, OFFLOADS)
-    check_choice("mixed_precision", mixed_precision, MIXED_PRECISIONS)
     gpus_per_node, num_processes = _process_counts(nodes, num_processes, gpus_per_node)
-    if strategy == "hsdp" and nodes < 2:
-        raise ValueError(f"hsdp replicates across nodes and needs nodes >= 2, got nodes={nodes}; use fsdp_full_shard.")
-    if strategy == "ddp" and offload != "none":
-        raise ValueError(f"ddp cannot offload (offload={offload!r}); use zero2/zero3 or an FSDP strategy.")
+    layout = Layout(
+        strategy,
+        num_processes,
+        nodes,
+        offload,
+        activation_checkpointing,
+        mixed_precision,
+        tp_size=tp_size,
+        cp_size=cp_size,
+        sp_size=sp_size,
+        offload_device=offload_device,
+    )
+    s = layout.strategy
+    emitted = strategy_args(layout, features=features, wrap_classes=wrap_classes, nvme_path=nvme_path)
+    if s.is_deepspeed and tp_size > 1 and deepspeed_config_file is None:
+        raise ValueError(
+            f"tp_size {tp_size} with {s.name} is DeepSpeed AutoTP ('tensor_parallel': {{'autotp_size': {tp_size}}}), "
+            "which accelerate's inline DeepSpeed keys cannot set; write the JSON with "
+            f"`hf-dist config --strategy {s.name} --tp-size {tp_size} --format deepspeed --out ds.json` and pass "
+            "deepspeed_config_file='ds.json'"
+        )
+    if s.is_deepspeed and s.zero_stage == 3 and sp_size > 1 and deepspeed_config_file is None:
+        raise ValueError(
+            f"sp_size {sp_size} with zero3: DeepSpeed's zero.Init reads the data-parallel world size from "
+            "'sequence_parallel_size' in its JSON, which accelerate's inline DeepSpeed keys cannot set; write the JSON "
+            f"with `hf-dist config --strategy zero3 --sp-size {sp_size} --format deepspeed --out ds.json` and pass "
+            "deepspeed_config_file='ds.json' (or use zero1/zero2)"
+        )
 
     cfg: dict[str, Any] = {"compute_environment": "LOCAL_MACHINE", "debug": False}
-    cfg["distributed_type"] = _distributed_type(strategy)
+    cfg["distributed_type"] = _DISTRIBUTED_TYPE[s.engine]
     cfg["mixed_precision"] = mixed_precision
-    if strategy.startswith("zero"):
-        cfg["deepspeed_config"] = _deepspeed_section(strategy, offload, nodes, deepspeed_config_file)
+    if s.is_deepspeed:
+        cfg["deepspeed_config"] = _deepspeed_section(
+            s, offload, nodes, deepspeed_config_file, offload_device, nvme_path
+        )
         if deepspeed_config_file is not None:
             del cfg["mixed_precision"]  # precision must come from the JSON, accelerate refuses both
-    elif strategy != "ddp":
-        cfg["fsdp_config"] = _fsdp_section(strategy, offload, wrap_classes, activation_checkpointing, state_dict_type)
-        if strategy == "hsdp":
-            cfg["parallelism_config"] = {
-                "parallelism_config_dp_replicate_size": nodes,
-                "parallelism_config_dp_shard_size": gpus_per_node,
-            }
+    elif s.is_fsdp:
+        cfg["fsdp_config"] = _fsdp_section(emitted["fsdp_config"], state_dict_type)
+    if "parallelism_config" in emitted:
+        cfg["parallelism_config"] = {f"parallelism_config_{k}": v for k, v in emitted["parallelism_config"].items()}
     cfg.update(
         {
             "num_machines": nodes,
@@ -134,47 +172,47 @@ def _process_counts(nodes: int, num_processes: int | None, gpus_per_node: int | 
     return num_processes // nodes, num_processes
 
 
-def _distributed_type(strategy: str) -> str:
-    if strategy == "ddp":
-        return "MULTI_GPU"
-    return "DEEPSPEED" if strategy.startswith("zero") else "FSDP"
+_DISTRIBUTED_TYPE = {Engine.DDP: "MULTI_GPU", Engine.DEEPSPEED: "DEEPSPEED", Engine.FSDP2: "FSDP"}
 
 
-def _fsdp_section(strategy, offload, wrap_classes, activation_checkpointing, state_dict_type) -> dict[str, Any]:
+def _fsdp_section(fsdp: dict[str, Any], state_dict_type: str) -> dict[str, Any]:
+    """``fsdp_config`` as accelerate's launch config spells it (``fsdp_``-prefixed keys, classes comma-joined)."""
     section: dict[str, Any] = {
-        "fsdp_version": 2,
-        "fsdp_reshard_after_forward": strategy != "fsdp_shard_grad_op",
-        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_version": fsdp["version"],
+        "fsdp_reshard_after_forward": fsdp["reshard_after_forward"],
+        "fsdp_auto_wrap_policy": fsdp["auto_wrap_policy"],
     }
-    if wrap_classes:
-        section["fsdp_transformer_layer_cls_to_wrap"] = ",".join(wrap_classes)
+    if fsdp.get("transformer_layer_cls_to_wrap"):
+        section["fsdp_transformer_layer_cls_to_wrap"] = ",".join(fsdp["transformer_layer_cls_to_wrap"])
     section.update(
         {
-            "fsdp_offload_params": offload != "none",
+            "fsdp_offload_params": fsdp["cpu_offload"],
             "fsdp_state_dict_type": state_dict_type,
-            "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_cpu_ram_efficient_loading": fsdp["cpu_ram_efficient_loading"],
             "fsdp_sync_module_states": True,
-            "fsdp_activation_checkpointing": bool(activation_checkpointing),
+            "fsdp_activation_checkpointing": fsdp["activation_checkpointing"],
         }
     )
     return section
 
 
-def _deepspeed_section(strategy: str, offload: str, nodes: int, config_file: str | None) -> dict[str, Any]:
-    stage = zero_stage(strategy)
+def _deepspeed_section(
+    s: Strategy, offload: str, nodes: int, config_file: str | None, device: str = "cpu", nvme_path: str | None = None
+) -> dict[str, Any]:
+    stage = s.zero_stage
     if config_file is not None:
         section: dict[str, Any] = {"deepspeed_config_file": config_file, "zero3_init_flag": stage == 3}
     else:
-        if offload == "optimizer+params" and stage != 3:
-            raise ValueError(
-                f"offload='optimizer+params' needs zero3, got {strategy}; use zero3 or offload='optimizer'."
-            )
         section = {
             "zero_stage": stage,
-            "offload_optimizer_device": "cpu" if offload != "none" else "none",
-            "offload_param_device": "cpu" if offload == "optimizer+params" else "none",
+            "offload_optimizer_device": device if offload != "none" else "none",
+            "offload_param_device": device if offload == "optimizer+params" else "none",
             "zero3_init_flag": stage == 3,
         }
+        if device == "nvme":
+            section["offload_optimizer_nvme_path"] = nvme_path
+            if offload == "optimizer+params":
+                section["offload_param_nvme_path"] = nvme_path
         if stage == 3:
             section["zero3_save_16bit_model"] = True
     if nodes > 1:
@@ -210,14 +248,21 @@ COMMENTS: dict[str, str] = {
     "fsdp_cpu_ram_efficient_loading": "only rank 0 reads the checkpoint; others get weights by broadcast",
     "fsdp_sync_module_states": "required by accelerate with cpu_ram_efficient_loading (FSDP2 ignores it otherwise)",
     "fsdp_activation_checkpointing": "recompute block activations in backward: less memory, ~20-30% slower",
-    "parallelism_config": "HSDP device mesh: replicate across nodes x shard inside a node",
-    "parallelism_config_dp_replicate_size": "replica groups = number of nodes (gradients all-reduced between them)",
-    "parallelism_config_dp_shard_size": "shard group = GPUs per node (parameters sharded over the fast intra-node links)",
+    "parallelism_config": "accelerate ParallelismConfig: the device mesh (data parallel x tp x cp x sp)",
+    "parallelism_config_dp_replicate_size": "replica groups (HSDP: number of nodes; gradients all-reduced between them)",
+    "parallelism_config_dp_shard_size": "ranks that shard parameters/grads/optimizer (HSDP: GPUs per node)",
+    "parallelism_config_tp_size": "tensor parallel group inside a node; load the model with from_pretrained(tp_plan='auto')",
+    "parallelism_config_cp_size": "context parallel group (torch ring attention, FSDP2, GPU only): splits the sequence",
+    "parallelism_config_sp_size": "Ulysses sequence parallel group (DeepSpeed): splits the sequence, all-to-all per layer",
+    "parallelism_config_sp_backend": "deepspeed = DeepSpeed Ulysses / ALST (accelerate >= 1.12)",
+    "parallelism_config_sp_attn_implementation": "attention Ulysses wraps; load the model with the same attn_implementation",
+    "offload_optimizer_nvme_path": "folder on a local NVMe drive on every node (ZeRO-Infinity swap files)",
+    "offload_param_nvme_path": "folder on a local NVMe drive on every node (ZeRO-Infinity swap files)",
     "deepspeed_config": "DeepSpeed ZeRO settings; batch size, accumulation and clipping come from the script",
     "deepspeed_config_file": "DeepSpeed JSON with every setting (hf-dist config --format deepspeed)",
     "zero_stage": "1 = shard optimizer states, 2 = + gradients, 3 = + parameters",
-    "offload_optimizer_device": "cpu = optimizer states and step on CPU (ZeRO-Offload); none = on GPU",
-    "offload_param_device": "cpu = parameters on CPU between uses (ZeRO-3 only); none = on GPU",
+    "offload_optimizer_device": "cpu = optimizer states and step on CPU (ZeRO-Offload); nvme = on NVMe; none = on GPU",
+    "offload_param_device": "cpu = parameters on CPU between uses (ZeRO-3 only); nvme = on NVMe; none = on GPU",
     "zero3_init_flag": "build the model already partitioned (deepspeed.zero.Init) so it never fits on one GPU whole",
     "zero3_save_16bit_model": "save_model() gathers a consolidated 16-bit model instead of ZeRO shards only",
     "deepspeed_multinode_launcher": "standard = torchrun-style launch on each node (no pdsh/hostfile needed)",
@@ -253,28 +298,13 @@ def _render(key: str, value: Any, indent: str) -> list[str]:
 
 def write_yaml(cfg: dict[str, Any], path: str | os.PathLike, *, header: str = "", force: bool = False) -> Path:
     """Atomically write ``cfg`` as commented YAML; refuse to overwrite unless ``force``."""
-    return atomic_write_text(path, to_yaml(cfg, header), force=force)
-
-
-def atomic_write_text(path: str | os.PathLike, text: str, *, force: bool = False) -> Path:
-    """Write ``text`` to a temp file in the same folder, then ``os.replace`` it into place."""
-    target = Path(path)
-    if target.exists() and not force:
-        raise FileExistsError(f"{target} already exists; pass --force (force=True) to overwrite it.")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return target
+    if Path(path).exists() and not force:
+        raise FileExistsError(f"{path} already exists; pass --force (force=True) to overwrite it.")
+    return atomic_write_text(path, to_yaml(cfg, header))
 
 
 def header_for(name: str, kwargs: dict[str, Any]) -> str:
     """The comment block at the top of a shipped file: what it is and how to launch it."""
-    strategy = kwargs["strategy"]
     nodes = kwargs.get("nodes", 1)
     regen = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in kwargs.items())
     launch = f"accelerate launch --config_file accelerate_configs/{name} train.py"
@@ -284,24 +314,19 @@ def header_for(name: str, kwargs: dict[str, Any]) -> str:
             "--main_process_ip $MAIN_IP train.py   # run on every node"
         )
     offload = kwargs.get("offload", "none")
-    extra = f", plus CPU offload of {offload.replace('+', ' and ')}" if offload != "none" else ""
+    where = "NVMe" if kwargs.get("offload_device") == "nvme" else "CPU"
+    extra = f", plus {where} offload of {offload.replace('+', ' and ')}" if offload != "none" else ""
+    extra += "".join(
+        f", {label} {kwargs[key]}"
+        for key, label in (("tp_size", "tensor parallel"), ("cp_size", "context parallel"), ("sp_size", "Ulysses SP"))
+        if kwargs.get(key, 1) > 1
+    )
     return (
-        f"{name}: {_DESCRIPTIONS[strategy]}{extra}\n"
+        f"{name}: {strategy(kwargs['strategy']).description}{extra}\n"
         f"Generated by hf_dist (hf-dist config {regen}); edit freely, or regenerate.\n"
         f"Launch: {launch}\n"
         "Change the GPU count with --num_processes N (total over all nodes)."
     )
-
-
-_DESCRIPTIONS = {
-    "ddp": "DDP - every GPU holds the full model, gradients all-reduced",
-    "fsdp_full_shard": "FSDP2 full shard - parameters, gradients and optimizer states sharded",
-    "fsdp_shard_grad_op": "FSDP2 shard-grad-op - gradients and optimizer sharded, parameters kept after forward",
-    "hsdp": "HSDP - FSDP2 sharding inside each node, replicas across nodes",
-    "zero1": "DeepSpeed ZeRO-1 - optimizer states sharded",
-    "zero2": "DeepSpeed ZeRO-2 - optimizer states and gradients sharded",
-    "zero3": "DeepSpeed ZeRO-3 - parameters, gradients and optimizer states sharded",
-}
 
 
 def shipped_configs() -> dict[str, str]:
@@ -314,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--write-shipped", metavar="DIR", required=True, help="folder to (over)write")
     args = parser.parse_args(argv)
     for name, text in shipped_configs().items():
-        path = atomic_write_text(Path(args.write_shipped) / name, text, force=True)
+        path = atomic_write_text(Path(args.write_shipped) / name, text)
         print(path)
     return 0
 

@@ -16,16 +16,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_dist.configs import DEEPSPEED_STRATEGIES, MIXED_PRECISIONS, OFFLOADS, check_choice
-from hf_dist.memory import DS_PREFETCH_BUCKET_ELEMENTS, DS_REDUCE_BUCKET_ELEMENTS
+from hf_dist.planning.layout import MIXED_PRECISIONS, OFFLOAD_DEVICES, OFFLOADS, Engine, by_engine, strategy
+from hf_dist.planning.memory import DS_PREFETCH_BUCKET_ELEMENTS, DS_REDUCE_BUCKET_ELEMENTS
+from hf_dist.validation import check_choice
 
 __all__ = ["deepspeed_config", "zero_stage"]
 
 
-def zero_stage(strategy: str) -> int:
+def zero_stage(strategy_name: str) -> int:
     """``"zero3"`` -> 3."""
-    check_choice("DeepSpeed strategy", strategy, DEEPSPEED_STRATEGIES, "DDP and FSDP strategies are not DeepSpeed.")
-    return int(strategy[-1])
+    allowed = [s.name for s in by_engine(Engine.DEEPSPEED)]
+    check_choice("DeepSpeed strategy", strategy_name, allowed, "DDP and FSDP strategies are not DeepSpeed.")
+    return strategy(strategy_name).zero_stage
 
 
 def deepspeed_config(
@@ -35,6 +37,10 @@ def deepspeed_config(
     mixed_precision: str = "bf16",
     cpu_adam: bool = True,
     pure_bf16: bool = False,
+    tp_size: int = 1,
+    sp_size: int = 1,
+    offload_device: str = "cpu",
+    nvme_path: str | None = None,
 ) -> dict[str, Any]:
     """DeepSpeed config dict for ``TrainingArguments(deepspeed=...)`` or a JSON file.
 
@@ -45,6 +51,12 @@ def deepspeed_config(
     partition of the master weights with fp32 Adam state; ``pure_bf16=True`` keeps both in bf16
     (``bf16_master_weights_and_grads`` + ``bf16_optimizer_states``, DeepSpeed >= 0.18.5) and accumulates
     gradients in bf16: half the optimizer memory, less accurate updates.
+
+    ``tp_size > 1``: DeepSpeed AutoTP, ``"tensor_parallel": {"autotp_size": tp_size}`` (ZeRO <= 2).
+    ``sp_size > 1``: DeepSpeed Ulysses, ``"sequence_parallel_size": sp_size`` (accelerate's
+    ``ParallelismConfig(sp_backend="deepspeed")`` sets up the attention; DeepSpeed reads the size for ``zero.Init``).
+    ``offload_device="nvme"``: ZeRO-Infinity (ZeRO-3): the offloaded states go to ``nvme_path`` (required: a
+    folder on a local NVMe drive, one per node) with DeepSpeed's default buffer and ``aio`` settings written out.
     """
     stage = zero_stage(strategy)
     check_choice("offload", offload, OFFLOADS)
@@ -60,7 +72,7 @@ def deepspeed_config(
         "gradient_accumulation_steps": "auto",
         "train_batch_size": "auto",
         "gradient_clipping": "auto",
-        "zero_optimization": _zero_section(stage, offload),
+        "zero_optimization": _zero_section(stage, offload, offload_device, nvme_path),
         # Accumulate gradients in fp32 across micro-batches even when compute is bf16/fp16.
         "data_types": {"grad_accum_dtype": "fp32"},
         # The Trainer hands DeepSpeed a torch optimizer; allow it instead of refusing.
@@ -74,6 +86,13 @@ def deepspeed_config(
             f"got {mixed_precision!r}; use mixed_precision='bf16' or drop pure_bf16."
         )
     cfg.update(_precision_section(mixed_precision, pure_bf16=pure_bf16))
+    _check_model_parallel(strategy, stage, tp_size, sp_size)
+    if tp_size > 1:
+        cfg["tensor_parallel"] = {"autotp_size": tp_size}
+    if sp_size > 1:
+        cfg["sequence_parallel_size"] = sp_size
+    if offload_device == "nvme":
+        cfg["aio"] = dict(AIO_DEFAULTS)
     if pure_bf16:
         # ZeRO-1 with bf16 and fp32 accumulation switches to DeepSpeed's BF16_Optimizer, which always
         # keeps fp32 masters (engine._do_optimizer_sanity_check); bf16 accumulation keeps the ZeRO optimizer
@@ -82,6 +101,39 @@ def deepspeed_config(
         # Keep the Trainer's torch optimizer on CPU instead of swapping in DeepSpeedCPUAdam.
         cfg["zero_force_ds_cpu_optimizer"] = False
     return cfg
+
+
+# DeepSpeed's async-I/O defaults (deepspeed/runtime/swap_tensor/constants.py), written out so the JSON shows them
+AIO_DEFAULTS = {
+    "block_size": 1048576,
+    "queue_depth": 8,
+    "intra_op_parallelism": 1,
+    "single_submit": False,
+    "overlap_events": True,
+    "use_gds": False,
+}
+# DeepSpeed's NVMe swap-buffer defaults (deepspeed/runtime/zero/offload_config.py)
+NVME_OPTIMIZER_BUFFER_COUNT = 4
+NVME_PARAM_BUFFER_COUNT = 5
+NVME_PARAM_BUFFER_SIZE = 100_000_000  # elements per parameter swap buffer
+NVME_PARAM_MAX_IN_CPU = 1_000_000_000  # elements of parameters kept in CPU memory
+
+
+def _check_model_parallel(strategy: str, stage: int, tp_size: int, sp_size: int) -> None:
+    for name, size in (("tp_size", tp_size), ("sp_size", sp_size)):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{name} must be a positive int, got {size!r}")
+    if tp_size > 1 and stage > 2:
+        raise ValueError(
+            f"tp_size {tp_size} with {strategy}: DeepSpeed AutoTP runs with ZeRO stage <= 2; use zero1/zero2, "
+            "or fsdp_full_shard for FSDP2 x TP"
+        )
+
+
+def _offload_target(device: str, nvme_path: str | None) -> dict[str, Any]:
+    if device == "cpu":
+        return {"device": "cpu", "pin_memory": True}
+    return {"device": "nvme", "nvme_path": nvme_path, "pin_memory": True}
 
 
 def _precision_section(mixed_precision: str, *, pure_bf16: bool = False) -> dict[str, Any]:
@@ -106,14 +158,29 @@ def _precision_section(mixed_precision: str, *, pure_bf16: bool = False) -> dict
     return {"bf16": {"enabled": False}, "fp16": {"enabled": False}}
 
 
-def _zero_section(stage: int, offload: str) -> dict[str, Any]:
+def _zero_section(
+    stage: int, offload: str, offload_device: str = "cpu", nvme_path: str | None = None
+) -> dict[str, Any]:
+    check_choice("offload_device", offload_device, OFFLOAD_DEVICES)
+    if offload_device == "nvme":
+        if stage != 3 or offload == "none":
+            raise ValueError(
+                f"offload_device 'nvme' with ZeRO-{stage} offload={offload!r}: NVMe offload is DeepSpeed "
+                "ZeRO-Infinity, which needs zero3 and offload 'optimizer' or 'optimizer+params'"
+            )
+        if not nvme_path:
+            raise ValueError(
+                "offload_device 'nvme' needs nvme_path: a writable folder on a local NVMe drive on every node "
+                "(e.g. nvme_path='/local_nvme/ds_offload', hf-dist config --nvme-path /local_nvme/ds_offload); "
+                f"got {nvme_path!r}"
+            )
     zero: dict[str, Any] = {
         "stage": stage,
         "overlap_comm": stage >= 2,  # overlap the gradient reduce with backward once gradients are partitioned
         "contiguous_gradients": True,
         "reduce_scatter": True,
         # DeepSpeed's own defaults, written out (the Trainer's "auto" would substitute hidden**2):
-        # the planner's memory model counts exactly these buffers (hf_dist.memory, measured in
+        # the planner's memory model counts exactly these buffers (hf_dist.planning.memory, measured in
         # benchmarks/planner_accuracy.py), so the plan and the config agree
         "reduce_bucket_size": DS_REDUCE_BUCKET_ELEMENTS,
     }
@@ -133,7 +200,17 @@ def _zero_section(stage: int, offload: str) -> dict[str, Any]:
             }
         )
     if offload in ("optimizer", "optimizer+params"):
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        zero["offload_optimizer"] = _offload_target(offload_device, nvme_path)
+        if offload_device == "nvme":
+            zero["offload_optimizer"].update({"buffer_count": NVME_OPTIMIZER_BUFFER_COUNT, "fast_init": False})
     if offload == "optimizer+params":
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        zero["offload_param"] = _offload_target(offload_device, nvme_path)
+        if offload_device == "nvme":
+            zero["offload_param"].update(
+                {
+                    "buffer_count": NVME_PARAM_BUFFER_COUNT,
+                    "buffer_size": NVME_PARAM_BUFFER_SIZE,
+                    "max_in_cpu": NVME_PARAM_MAX_IN_CPU,
+                }
+            )
     return zero

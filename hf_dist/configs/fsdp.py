@@ -1,7 +1,7 @@
 """FSDP settings in the form ``transformers.TrainingArguments`` takes (``fsdp`` + ``fsdp_config``).
 
-FSDP2 (``torch.distributed.fsdp.fully_shard``) is the default. FSDP1 is emitted only when the
-installed stack cannot run FSDP2 (see :func:`installed_fsdp_version`).
+FSDP2 (``torch.distributed.fsdp.fully_shard``) is the default. FSDP1 is emitted only for a stack that
+cannot run FSDP2 (``LibraryFeatures.fsdp_version``, probed by ``hf_dist.runtime.support.installed_features``).
 
 Mixed precision, what really happens (transformers 5.x, accelerate 1.x, FSDP2):
 
@@ -21,53 +21,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hf_dist.configs import ALLOWED_OFFLOADS, FSDP_STRATEGIES, MIXED_PRECISIONS, check_choice
+from hf_dist.configs.features import NEWEST_TESTED_FEATURES, LibraryFeatures
+from hf_dist.planning.layout import MIXED_PRECISIONS, Engine, by_engine
+from hf_dist.planning.layout import strategy as registry_entry
+from hf_dist.validation import check_choice
 
-__all__ = [
-    "fsdp_config",
-    "fsdp_plugin_kwargs",
-    "apply_fp32_reduce",
-    "installed_fsdp_version",
-    "mixed_precision_policy",
-]
+__all__ = ["fsdp_config", "fsdp_plugin_kwargs", "apply_fp32_reduce", "mixed_precision_policy"]
 
 # Sharded checkpoints: each rank writes its own shard (fast, no rank-0 gather of the full model);
 # `hf-dist convert` turns them back into an HF folder.
 DEFAULT_STATE_DICT_TYPE = "SHARDED_STATE_DICT"
-
-
-def installed_fsdp_version() -> int:
-    """2 when the installed torch/accelerate/transformers can run FSDP2 through the Trainer, else 1 (probed)."""
-    import dataclasses
-
-    try:
-        from accelerate.utils import FullyShardedDataParallelPlugin
-        from torch.distributed.fsdp import fully_shard  # noqa: F401  (FSDP2's entry point)
-    except ImportError:
-        return 1
-    plugin_fields = {f.name for f in dataclasses.fields(FullyShardedDataParallelPlugin)}
-    return 2 if "fsdp_version" in plugin_fields and _trainer_reads_fsdp_version() else 1
-
-
-def _trainer_reads_fsdp_version() -> bool:
-    """Whether ``TrainingArguments`` forwards ``fsdp_config["version"]`` to accelerate (every transformers 5.x)."""
-    import inspect
-
-    from transformers import TrainingArguments
-
-    process = getattr(TrainingArguments, "_process_fsdp_args", None) or TrainingArguments.__post_init__
-    try:
-        source = inspect.getsource(process)
-    except (OSError, TypeError):  # no source on disk (frozen install): every supported transformers forwards it
-        return True
-    return '"version"' in source or "'version'" in source
-
-
-def _fsdp_flag_takes_bool() -> bool:
-    """Newer transformers 5.x want ``fsdp=True`` (strings/lists are deprecated); 5.0 wants the string form."""
-    from transformers import TrainingArguments
-
-    return hasattr(TrainingArguments, "_apply_legacy_fsdp_to_config")
+FSDP_STRATEGIES = tuple(s.name for s in by_engine(Engine.FSDP2))
 
 
 def fsdp_config(
@@ -79,34 +43,33 @@ def fsdp_config(
     mixed_precision: str = "bf16",
     state_dict_type: str = DEFAULT_STATE_DICT_TYPE,
     cpu_ram_efficient_loading: bool = True,
-    nodes: int = 1,
-    gpus_per_node: int | None = None,
-    version: int | None = None,
+    features: LibraryFeatures = NEWEST_TESTED_FEATURES,
 ) -> dict[str, Any]:
-    """``{"fsdp": ..., "fsdp_config": {...}}`` (plus ``parallelism_config`` for HSDP) for ``TrainingArguments``.
+    """``{"fsdp": ..., "fsdp_config": {...}}`` for ``TrainingArguments``.
 
     ``strategy``: ``fsdp_full_shard`` (reshard after forward), ``fsdp_shard_grad_op`` (keep the
-    gathered parameters until backward: faster, more memory) or ``hsdp`` (shard inside a node,
-    replicate across ``nodes``; needs ``gpus_per_node``). ``offload`` other than ``"none"`` turns on
-    FSDP CPU offload, which always moves parameters, gradients and the optimizer step together.
-    ``mixed_precision`` is validated here but set through ``bf16``/``fp16`` on ``TrainingArguments``.
+    gathered parameters until backward: faster, more memory) or ``hsdp`` (shard inside a node, replicate
+    across nodes: its ``parallelism_config`` comes from :func:`hf_dist.configs.training_args.strategy_args`).
+    ``offload`` other than ``"none"`` turns on FSDP CPU offload, which always moves parameters, gradients
+    and the optimizer step together. ``mixed_precision`` is validated here but set through ``bf16``/``fp16``
+    on ``TrainingArguments``. ``features``: what the installed libraries accept
+    (``hf_dist.runtime.support.installed_features()``; default: the newest tested versions).
     """
     check_choice("FSDP strategy", strategy, FSDP_STRATEGIES, "DDP and ZeRO strategies are not FSDP.")
+    s = registry_entry(strategy)
     check_choice(
-        f"offload for {strategy}",
+        f"offload for {s.name}",
         offload,
-        ALLOWED_OFFLOADS[strategy],
+        s.offloads,
         "FSDP offloads parameters, gradients and the optimizer step together; for optimizer-only offload use zero2/zero3.",
     )
     check_choice("mixed_precision", mixed_precision, MIXED_PRECISIONS)
-    version = installed_fsdp_version() if version is None else version
-    if version not in (1, 2):
-        raise ValueError(f"FSDP version must be 1 or 2, got {version!r}.")
-
+    version = features.fsdp_version
     cfg: dict[str, Any] = {
         "version": version,
         "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-        "reshard_after_forward": _reshard_after_forward(strategy, version),
+        # FSDP2: HSDP is full sharding on the intra-node mesh dimension; FSDP1 names the mode
+        "reshard_after_forward": not s.gathers_params if version == 2 else s.fsdp_mode,
         "activation_checkpointing": bool(activation_checkpointing),
         "cpu_ram_efficient_loading": bool(cpu_ram_efficient_loading),
         "state_dict_type": state_dict_type,
@@ -116,37 +79,11 @@ def fsdp_config(
         cfg["transformer_layer_cls_to_wrap"] = list(wrap_classes)
     if version == 1:
         cfg.update({"backward_prefetch": "BACKWARD_PRE", "use_orig_params": True, "sync_module_states": True})
-
-    out: dict[str, Any] = {"fsdp": _fsdp_flag(strategy, offload), "fsdp_config": cfg}
-    if strategy == "hsdp" and version == 2:
-        out["parallelism_config"] = hsdp_parallelism_config(nodes, gpus_per_node)
-    return out
-
-
-def _reshard_after_forward(strategy: str, version: int) -> bool | str:
-    if version == 2:
-        if strategy == "hsdp":
-            return True  # HSDP in FSDP2 is full sharding on the intra-node mesh dimension
-        return strategy == "fsdp_full_shard"
-    return {"fsdp_full_shard": "full_shard", "fsdp_shard_grad_op": "shard_grad_op", "hsdp": "hybrid_shard"}[strategy]
-
-
-def _fsdp_flag(strategy: str, offload: str) -> bool | str:
-    if _fsdp_flag_takes_bool():
-        return True
-    words = [_reshard_after_forward(strategy, 1), "auto_wrap"] + (["offload"] if offload != "none" else [])
-    return " ".join(words)  # type: ignore[arg-type]
-
-
-def hsdp_parallelism_config(nodes: int, gpus_per_node: int | None) -> Any:
-    """accelerate ``ParallelismConfig`` for HSDP: replicate across nodes, shard within a node."""
-    if not isinstance(nodes, int) or nodes < 2:
-        raise ValueError(f"hsdp needs nodes >= 2 (replicate across nodes), got nodes={nodes!r}; use fsdp_full_shard.")
-    if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
-        raise ValueError(f"hsdp needs gpus_per_node >= 1 (the shard group size), got {gpus_per_node!r}.")
-    from accelerate.parallelism_config import ParallelismConfig
-
-    return ParallelismConfig(dp_replicate_size=nodes, dp_shard_size=gpus_per_node)
+    if features.fsdp_flag_takes_bool:
+        flag: bool | str = True
+    else:
+        flag = " ".join([s.fsdp_mode, "auto_wrap"] + (["offload"] if offload != "none" else []))
+    return {"fsdp": flag, "fsdp_config": cfg}
 
 
 def mixed_precision_policy(mixed_precision: str = "bf16", *, reduce_dtype: str = "fp32") -> dict[str, Any] | None:
@@ -184,9 +121,7 @@ def fsdp_plugin_kwargs(
         offload=offload,
         mixed_precision=mixed_precision,
         state_dict_type=state_dict_type,
-        nodes=2 if strategy == "hsdp" else 1,
-        gpus_per_node=1,
-        version=2,
+        features=NEWEST_TESTED_FEATURES,  # FSDP2: this function builds accelerate's FSDP2 plugin
     )["fsdp_config"]
     kwargs: dict[str, Any] = {
         "fsdp_version": 2,

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hf_dist.configs import DEEPSPEED_STRATEGIES, FSDP_STRATEGIES
+from hf_dist.planning.layout import strategy as registry_entry
 
 __all__ = ["apply_strategy_overrides", "merge_nested"]
 
@@ -27,19 +27,20 @@ _ABSENT_MEANS_OFF = ("offload_optimizer", "offload_param")
 def apply_strategy_overrides(plan: Any, ours: dict[str, Any], user: dict[str, Any]) -> None:
     """Fold ``user``'s ``fsdp``/``fsdp_config``/``deepspeed`` into ``ours`` (both mutated) or raise ValueError."""
     strategy = plan.strategy
-    _check_engine_flag(strategy, "fsdp", user, ours, strategy in FSDP_STRATEGIES)
-    _check_engine_flag(strategy, "deepspeed", user, ours, strategy in DEEPSPEED_STRATEGIES)
+    s = registry_entry(strategy)
+    _check_engine_flag(strategy, "fsdp", user, ours, s.is_fsdp)
+    _check_engine_flag(strategy, "deepspeed", user, ours, s.is_deepspeed)
     if "fsdp_config" in user:
         given = user.pop("fsdp_config")
         if given is not None:
-            if strategy not in FSDP_STRATEGIES:
+            if not s.is_fsdp:
                 raise ValueError(
                     f"fsdp_config={given!r} was given but the plan's strategy is {strategy!r}, not FSDP; pass "
                     "strategy='fsdp_full_shard' (or 'fsdp_shard_grad_op') to train with FSDP, or drop fsdp_config."
                 )
             given = {_fsdp_key(k): v for k, v in _as_dict("fsdp_config", given).items()}
             ours["fsdp_config"] = merge_nested(ours["fsdp_config"], given, "fsdp_config", strategy)
-    if user.get("deepspeed") and strategy in DEEPSPEED_STRATEGIES:
+    if user.get("deepspeed") and s.is_deepspeed:
         given = _as_dict("deepspeed", user.pop("deepspeed"))
         ours["deepspeed"] = merge_nested(ours["deepspeed"], given, "deepspeed", strategy)
 
@@ -73,7 +74,7 @@ def _check_fsdp_flag(strategy: str, value: Any, ours: dict[str, Any]) -> None:
     if value is True:
         return
     words = set(value.split() if isinstance(value, str) else value if isinstance(value, (list, tuple)) else [])
-    mode = {"fsdp_full_shard": "full_shard", "fsdp_shard_grad_op": "shard_grad_op", "hsdp": "hybrid_shard"}[strategy]
+    mode = registry_entry(strategy).fsdp_mode
     modes = words & {"full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard"}
     if modes - {mode}:
         raise ValueError(

@@ -1,29 +1,31 @@
-"""``auto_args()``: a plan turned into ``transformers.TrainingArguments`` kwargs.
+"""Pure pieces of ``TrainingArguments`` kwargs for a plan: the strategy emitter, batch split, precision, LR.
 
-    from transformers import TrainingArguments
-    import hf_dist
-
-    args = TrainingArguments(output_dir="out", **hf_dist.auto_args(model, global_batch_size=64, learning_rate=2e-5))
-
-The strategy, offload, activation checkpointing and batch split come from :func:`hf_dist.plan`;
-the result holds ``fsdp``/``fsdp_config`` or ``deepspeed``, ``bf16``/``fp16`` by hardware,
-``per_device_train_batch_size``, ``gradient_accumulation_steps``, activation checkpointing in the
-form the strategy needs, and a generous ``ddp_timeout``. Every other keyword is passed to
-``TrainingArguments`` as given; user values win, and values that contradict each other raise a
-``ValueError`` showing the arithmetic.
+:func:`strategy_args` is the one place a layout's strategy becomes ``TrainingArguments`` kwargs; ``hf_dist.auto_args``
+(``hf_dist/auto.py``), the accelerate YAML writer and ``hf-dist bench`` all call it. Nothing here reads the
+environment or probes the installed libraries: what they accept comes in as ``features``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
+from collections.abc import Sequence
 from typing import Any
 
-from hf_dist.configs import DEEPSPEED_STRATEGIES, FSDP_STRATEGIES, check_choice
-from hf_dist.configs.overrides import apply_strategy_overrides
+from hf_dist.configs.deepspeed import deepspeed_config
+from hf_dist.configs.features import NEWEST_TESTED_FEATURES, LibraryFeatures, check_features
+from hf_dist.configs.fsdp import fsdp_config
+from hf_dist.planning.layout import Layout
+from hf_dist.validation import check_choice
 
-__all__ = ["auto_args", "PLAN_KEYS", "CONFIG_KEYS", "DEFAULT_DDP_TIMEOUT_S", "scaled_learning_rate"]
+__all__ = [
+    "strategy_args",
+    "parallelism_kwargs",
+    "from_pretrained_kwargs",
+    "PLAN_KEYS",
+    "CONFIG_KEYS",
+    "DEFAULT_DDP_TIMEOUT_S",
+    "scaled_learning_rate",
+]
 
 # Keywords that go to hf_dist.plan() rather than TrainingArguments.
 PLAN_KEYS = (
@@ -45,7 +47,15 @@ PLAN_KEYS = (
     "pure_bf16",
 )
 # Keywords auto_args itself consumes.
-CONFIG_KEYS = ("plan", "wrap_classes", "lr_scaling", "reference_batch_size", "cpu_adam", "trust_remote_code")
+CONFIG_KEYS = (
+    "plan",
+    "wrap_classes",
+    "lr_scaling",
+    "reference_batch_size",
+    "cpu_adam",
+    "trust_remote_code",
+    "nvme_path",
+)
 
 # 3 hours: the first collective waits for the slowest rank, which may be loading, converting or
 # `zero.Init`-partitioning a large checkpoint from network storage. torch's default (30 min) kills
@@ -55,98 +65,10 @@ DEFAULT_WARMUP_RATIO = 0.03
 LR_SCALINGS = ("linear", "sqrt")
 
 
-def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
-    """Return kwargs for ``TrainingArguments(**kwargs)`` on the installed transformers version.
-
-    ``model``: anything :func:`hf_dist.plan` accepts (name, folder, config, module, PEFT model, count).
-    Plan keywords (``gpus, gpu_memory_gib, nodes, method, seq_len, global_batch_size,
-    micro_batch_size, optimizer, lora_rank, strategy, offload, activation_checkpointing,
-    use_liger_kernel, safety_margin, hardware, pure_bf16``) go to the planner (``use_liger_kernel``
-    pins the TrainingArguments flag of the same name; by default the planner turns it on where it
-    helps); ``plan=`` passes a ready :class:`~hf_dist.planner.Plan`
-    instead. ``wrap_classes`` overrides FSDP wrap-class detection, ``cpu_adam=False`` keeps a torch
-    optimizer with DeepSpeed offload. ``lr_scaling="linear"|"sqrt"`` with ``reference_batch_size``
-    and ``learning_rate`` (the LR tuned at the reference batch) scales the LR to the global batch and
-    adds a 3% warmup unless one is given. Everything else is a ``TrainingArguments`` keyword.
-
-    Precision: bf16/fp16 mixed precision keeps fp32 master weights and fp32 Adam state under every
-    strategy. A ``model`` module loaded in bf16/fp16 and trained with DDP / one process has its
-    trainable parameters upcast to fp32 in place (one warning says so); FSDP2 and DeepSpeed keep fp32
-    masters themselves. ``pure_bf16=True`` keeps bf16 weights and bf16 Adam state instead (no fp32 master
-    copy, Adam state at half its size; less accurate updates). See :mod:`hf_dist.precision`.
-    """
-    plan_kwargs, own, user = _split(overrides)
-    if "per_device_train_batch_size" in user:
-        mbs = user["per_device_train_batch_size"]
-        if plan_kwargs.get("micro_batch_size", mbs) != mbs:
-            raise ValueError(
-                f"micro_batch_size ({plan_kwargs['micro_batch_size']}) != per_device_train_batch_size ({mbs}); "
-                "they are the same thing, pass one."
-            )
-        plan_kwargs["micro_batch_size"] = mbs
-    plan = own.get("plan")
-    if plan is None:
-        from hf_dist.planner import plan as make_plan
-
-        plan = make_plan(model, **plan_kwargs)
-    elif plan_kwargs:
-        raise ValueError(f"pass either plan= or planner keywords, not both (got plan= and {sorted(plan_kwargs)}).")
-
-    kwargs = _batch_args(plan, user, gbs_given="global_batch_size" in plan_kwargs)
-    kwargs.update(_precision_args(plan))
-    if getattr(plan, "use_liger_kernel", False):
-        kwargs["use_liger_kernel"] = True  # the planner chose it: fused kernels, less memory, faster
-    kwargs.update(_strategy_args(plan, model, own))
-    kwargs["ddp_timeout"] = DEFAULT_DDP_TIMEOUT_S
-    kwargs.update(
-        _lr_args(own, user, kwargs["per_device_train_batch_size"], kwargs["gradient_accumulation_steps"], plan)
-    )
-
-    apply_strategy_overrides(plan, kwargs, user)  # fsdp / fsdp_config / deepspeed: merged key by key, or refused
-    _check_user_overrides(plan, kwargs, user)
-    ours_ds = kwargs.get("deepspeed")
-    kwargs.update(user)
-    if ours_ds is not None and kwargs.get("deepspeed") is ours_ds:
-        _sync_deepspeed_precision(kwargs, pure_bf16=bool(getattr(plan, "pure_bf16", False)))
-    _check_final(kwargs)
-    from hf_dist.precision import check_final_flags, prepare_model
-
-    check_final_flags(plan, kwargs)
-    prepare_model(model, plan, "bf16" if kwargs.get("bf16") else "fp16" if kwargs.get("fp16") else "no")
-    return kwargs
-
-
 # ---------------------------------------------------------------- pieces
 
 
-def _split(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    plan_kwargs = {k: v for k, v in overrides.items() if k in PLAN_KEYS and v is not None}
-    own = {k: v for k, v in overrides.items() if k in CONFIG_KEYS}
-    user = {k: v for k, v in overrides.items() if k not in PLAN_KEYS and k not in CONFIG_KEYS}
-    valid = _training_args_fields()
-    unknown = sorted(k for k in user if k not in valid)
-    if unknown:
-        raise ValueError(
-            f"auto_args got unknown keyword(s) {unknown}: not TrainingArguments fields of the installed transformers, "
-            f"nor planner keywords {list(PLAN_KEYS)}, nor auto_args keywords {list(CONFIG_KEYS)}."
-        )
-    return plan_kwargs, own, user
-
-
-def _training_args_fields() -> set[str]:
-    from transformers import TrainingArguments
-
-    return {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
-
-
-def _ac_names() -> tuple[str, str]:
-    """(flag, kwargs) names for activation checkpointing: transformers 5.23 renamed gradient_checkpointing(_kwargs)."""
-    if "activation_checkpointing" in _training_args_fields():
-        return "activation_checkpointing", "activation_checkpointing_kwargs"
-    return "gradient_checkpointing", "gradient_checkpointing_kwargs"
-
-
-def _batch_args(plan: Any, user: dict[str, Any], *, gbs_given: bool) -> dict[str, Any]:
+def batch_args(plan: Any, user: dict[str, Any], *, gbs_given: bool) -> dict[str, Any]:
     mbs = int(plan.micro_batch_size)
     gas = int(plan.gradient_accumulation_steps)
     world = int(plan.world_size)
@@ -162,8 +84,8 @@ def _batch_args(plan: Any, user: dict[str, Any], *, gbs_given: bool) -> dict[str
     return {"per_device_train_batch_size": mbs, "gradient_accumulation_steps": gas}
 
 
-def _precision_args(plan: Any) -> dict[str, Any]:
-    from hf_dist.precision import trainer_mixed_precision
+def precision_args(plan: Any) -> dict[str, Any]:
+    from hf_dist.runtime.precision import trainer_mixed_precision
 
     mixed_precision = trainer_mixed_precision(plan)  # pure bf16 FSDP2: "no" (accelerate would upcast to fp32)
     if mixed_precision != plan.mixed_precision:
@@ -175,58 +97,111 @@ def _precision_args(plan: Any) -> dict[str, Any]:
     return {}
 
 
-def _strategy_args(plan: Any, model: Any, own: dict[str, Any]) -> dict[str, Any]:
-    strategy = plan.strategy
-    ac_flag, ac_kwargs = _ac_names()
-    # DDP/DeepSpeed: the model's own checkpointing, non-reentrant (works with frozen inputs under LoRA
-    # and with find_unused_parameters=False).
-    checkpointing = {ac_flag: True, ac_kwargs: {"use_reentrant": False}} if plan.activation_checkpointing else {}
-    if strategy in FSDP_STRATEGIES:
-        from hf_dist.configs.fsdp import fsdp_config
+def strategy_args(
+    layout: Layout,
+    *,
+    features: LibraryFeatures = NEWEST_TESTED_FEATURES,
+    wrap_classes: Sequence[str] | None = None,
+    cpu_adam: bool = True,
+    cpu_ram_efficient_loading: bool = True,
+    nvme_path: str | None = None,
+) -> dict[str, Any]:
+    """The one strategy -> ``TrainingArguments`` kwargs emitter (auto_args, the accelerate YAML and bench use it).
 
-        # FSDP checkpoints inside each wrapped block (fsdp_config), not via the model: the
-        # Trainer argument would add a redundant all-gather in backward.
-        return fsdp_config(
-            strategy,
-            wrap_classes=_wrap_classes(plan, model, own),
-            activation_checkpointing=bool(plan.activation_checkpointing),
-            offload=plan.offload,
-            mixed_precision=plan.mixed_precision,
-            nodes=int(plan.nodes),
-            gpus_per_node=int(plan.world_size) // max(int(plan.nodes), 1),
+    FSDP: ``fsdp``/``fsdp_config`` (checkpointing inside each wrapped block: the Trainer's flag would add a
+    redundant all-gather in backward) and, for HSDP, ``parallelism_config`` as ``ParallelismConfig`` kwargs
+    (a dict: :func:`hf_dist.auto_args` builds the object). DeepSpeed: the JSON as a dict, with the model's own
+    non-reentrant checkpointing (works with frozen inputs under LoRA). DDP: no unused-parameter search
+    (every parameter of a causal LM gets a gradient; under LoRA every adapter).
+
+    Model parallelism: ``tp_size``/``cp_size`` (FSDP2 or TP alone) and ``sp_size`` (DeepSpeed Ulysses) add
+    ``parallelism_config``; DeepSpeed TP is AutoTP inside the JSON. Loading a TP model needs
+    :func:`from_pretrained_kwargs`. ``nvme_path``: where ZeRO-Infinity swaps (required with NVMe offload).
+    Layouts the ``features`` cannot run are refused with the versions they need.
+    """
+    check_features(layout, features)
+    s = layout.strategy
+    ac_flag, ac_kwargs = features.activation_checkpointing_field, features.activation_checkpointing_kwargs_field
+    checkpointing = {ac_flag: True, ac_kwargs: {"use_reentrant": False}} if layout.activation_checkpointing else {}
+    if s.is_fsdp:
+        out = fsdp_config(
+            s.name,
+            wrap_classes=wrap_classes,
+            activation_checkpointing=layout.activation_checkpointing,
+            offload=layout.offload,
+            mixed_precision=layout.mixed_precision,
+            cpu_ram_efficient_loading=cpu_ram_efficient_loading,
+            features=features,
         )
-    if strategy in DEEPSPEED_STRATEGIES:
-        from hf_dist.configs.deepspeed import deepspeed_config
-        from hf_dist.precision import deepspeed_pure_bf16_check
-
-        pure_bf16 = bool(getattr(plan, "pure_bf16", False))
-        deepspeed_pure_bf16_check(plan, own.get("cpu_adam", True))
+        if features.fsdp_version == 2 and (layout.dp_replicate_size > 1 or _model_parallel(layout)):
+            out["parallelism_config"] = parallelism_kwargs(layout)
+        return out
+    if s.is_deepspeed:
         ds = deepspeed_config(
-            strategy,
-            offload=plan.offload,
-            mixed_precision=plan.mixed_precision,
-            cpu_adam=own.get("cpu_adam", True),
-            pure_bf16=pure_bf16,
+            s.name,
+            offload=layout.offload,
+            mixed_precision=layout.mixed_precision,
+            cpu_adam=cpu_adam,
+            pure_bf16=layout.pure_bf16,
+            tp_size=layout.tp_size,
+            sp_size=layout.sp_size,
+            offload_device=layout.offload_device,
+            nvme_path=nvme_path,
         )
-        return {"deepspeed": ds, **checkpointing}
-    check_choice("strategy", strategy, ("ddp",))
-    # Every parameter gets a gradient in a causal LM (LoRA: every adapter), so DDP need not search
-    # the graph for unused ones each step.
-    return {"ddp_find_unused_parameters": False, **checkpointing}
+        out = {"deepspeed": ds, **checkpointing}
+        if layout.sp_size > 1:
+            out["parallelism_config"] = parallelism_kwargs(layout)
+        return out
+    out = {"ddp_find_unused_parameters": False, **checkpointing}
+    if layout.tp_size > 1:
+        if layout.dp_replicate_size > 1:
+            raise ValueError(
+                f"tp_size {layout.tp_size} with ddp over {layout.world_size} ranks: accelerate composes TP only with "
+                f"sharded data parallelism ({layout.dp_replicate_size} DDP replicas x tp {layout.tp_size} is refused "
+                "by ParallelismConfig); use fsdp_full_shard for FSDP2 x TP, or tp_size = world_size"
+            )
+        out["parallelism_config"] = parallelism_kwargs(layout)
+    return out
 
 
-def _wrap_classes(plan: Any, model: Any, own: dict[str, Any]) -> list[str] | None:
-    from hf_dist.wrap import fsdp_wrap_classes
+SP_ATTN_IMPLEMENTATION = "sdpa"  # DeepSpeedSequenceParallelConfig(sp_attn_implementation=...): must match the model's
 
-    requested = own.get("wrap_classes")
-    source = model if not isinstance(model, (int, float)) else getattr(plan.model, "config", None)
-    if source is None:  # a bare parameter count: accelerate falls back to the model's _no_split_modules
-        if requested:
-            return list(requested)
-        return None
-    if not hasattr(source, "modules") and getattr(plan.model, "config", None) is not None:
-        source = plan.model.config  # a name/folder was already resolved by the planner
-    return fsdp_wrap_classes(source, requested, trust_remote_code=own.get("trust_remote_code", False))
+
+def _model_parallel(layout: Layout) -> bool:
+    return layout.tp_size * layout.cp_size * layout.sp_size > 1
+
+
+def parallelism_kwargs(layout: Layout) -> dict[str, Any]:
+    """accelerate ``ParallelismConfig`` kwargs of a layout, as plain data.
+
+    Data-parallel sizes always (HSDP: replicate across nodes, shard within one); ``tp_size``/``cp_size``/``sp_size``
+    when > 1. Sequence parallelism adds ``sp_backend="deepspeed"`` and ``sp_attn_implementation`` (the attention
+    DeepSpeed's Ulysses wraps; ``hf_dist.auto_args`` turns it into the ``DeepSpeedSequenceParallelConfig`` handler,
+    the accelerate YAML writes it as ``parallelism_config_sp_attn_implementation``). TP under DeepSpeed is AutoTP,
+    configured in the DeepSpeed JSON, not here.
+    """
+    out: dict[str, Any] = {"dp_replicate_size": layout.dp_replicate_size, "dp_shard_size": layout.dp_shard_size}
+    if layout.tp_size > 1 and not layout.strategy.is_deepspeed:
+        out["tp_size"] = layout.tp_size
+    if layout.cp_size > 1:
+        out["cp_size"] = layout.cp_size
+    if layout.sp_size > 1:
+        out.update(sp_size=layout.sp_size, sp_backend="deepspeed", sp_attn_implementation=SP_ATTN_IMPLEMENTATION)
+    return out
+
+
+def from_pretrained_kwargs(layout: Layout) -> dict[str, Any]:
+    """What ``AutoModelForCausalLM.from_pretrained`` needs for the layout: ``tp_plan="auto"`` when torch TP
+    shards the model at load (``tp_size > 1`` with DDP or FSDP2: the model's own ``base_model_tp_plan``);
+    ``attn_implementation`` that DeepSpeed's Ulysses wraps under sequence parallelism. DeepSpeed AutoTP shards
+    the plain model itself, so it needs nothing at load.
+    """
+    out: dict[str, Any] = {}
+    if layout.tp_size > 1 and not layout.strategy.is_deepspeed:
+        out["tp_plan"] = "auto"
+    if layout.sp_size > 1:
+        out["attn_implementation"] = SP_ATTN_IMPLEMENTATION
+    return out
 
 
 def scaled_learning_rate(base_lr: float, global_batch_size: int, reference_batch_size: int, rule: str) -> float:
@@ -245,7 +220,9 @@ def scaled_learning_rate(base_lr: float, global_batch_size: int, reference_batch
     return base_lr * (ratio if rule == "linear" else math.sqrt(ratio))
 
 
-def _lr_args(own: dict[str, Any], user: dict[str, Any], mbs: int, gas: int, plan: Any) -> dict[str, Any]:
+def lr_args(
+    own: dict[str, Any], user: dict[str, Any], mbs: int, gas: int, plan: Any, features: LibraryFeatures
+) -> dict[str, Any]:
     rule = own.get("lr_scaling")
     if rule is None:
         if "reference_batch_size" in own:
@@ -264,12 +241,12 @@ def _lr_args(own: dict[str, Any], user: dict[str, Any], mbs: int, gas: int, plan
     out: dict[str, Any] = {"learning_rate": scaled_learning_rate(user.pop("learning_rate"), global_batch, ref, rule)}
     if not any(k in user for k in ("warmup_ratio", "warmup_steps")):
         # transformers 5.x dropped warmup_ratio; a float warmup_steps in [0, 1) is a ratio there.
-        key = "warmup_ratio" if "warmup_ratio" in _training_args_fields() else "warmup_steps"
+        key = "warmup_ratio" if features.warmup_ratio_field else "warmup_steps"
         out[key] = DEFAULT_WARMUP_RATIO
     return out
 
 
-def _check_user_overrides(plan: Any, ours: dict[str, Any], user: dict[str, Any]) -> None:
+def check_user_overrides(plan: Any, ours: dict[str, Any], user: dict[str, Any], features: LibraryFeatures) -> None:
     if user.get("bf16") and plan.mixed_precision == "fp16":
         raise ValueError(
             f"bf16=True but the hardware ({plan.hardware.gpu_name or plan.hardware.device}) has no bf16 support; "
@@ -282,7 +259,7 @@ def _check_user_overrides(plan: Any, ours: dict[str, Any], user: dict[str, Any])
             "FSDP and DeepSpeed cannot both be on. Force the strategy with strategy='zero3' (or 'fsdp_full_shard') "
             "instead of passing the config."
         )
-    ac_flag, _ = _ac_names()
+    ac_flag = features.activation_checkpointing_field
     user_ac = user.get(ac_flag) or user.get("gradient_checkpointing")
     if "fsdp" in ours and user_ac:
         raise ValueError(
@@ -291,7 +268,7 @@ def _check_user_overrides(plan: Any, ours: dict[str, Any], user: dict[str, Any])
         )
 
 
-def _sync_deepspeed_precision(kwargs: dict[str, Any], *, pure_bf16: bool = False) -> None:
+def sync_deepspeed_precision(kwargs: dict[str, Any], *, pure_bf16: bool = False) -> None:
     """Keep our DeepSpeed JSON's precision equal to the final bf16/fp16 flags (the Trainer checks they match)."""
     from hf_dist.configs.deepspeed import _precision_section
 
@@ -299,18 +276,10 @@ def _sync_deepspeed_precision(kwargs: dict[str, Any], *, pure_bf16: bool = False
     kwargs["deepspeed"] = {**kwargs["deepspeed"], **_precision_section(mp, pure_bf16=pure_bf16 and mp == "bf16")}
 
 
-def _check_final(kwargs: dict[str, Any]) -> None:
+def check_final(kwargs: dict[str, Any]) -> None:
     if kwargs.get("fsdp") and kwargs.get("deepspeed"):
         raise ValueError(
             "fsdp and deepspeed are both set; choose one strategy (strategy='zero3' or 'fsdp_full_shard')."
         )
     if kwargs.get("bf16") and kwargs.get("fp16"):
         raise ValueError("bf16=True and fp16=True are both set; pass only one.")
-    launcher_ds_fields = os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", "")
-    clashing = {"zero_stage", "offload_optimizer_device", "offload_param_device", "gradient_accumulation_steps"}
-    if kwargs.get("deepspeed") and clashing & set(launcher_ds_fields.split(",")):
-        raise ValueError(
-            "auto_args chose DeepSpeed, but this process was launched with an accelerate DeepSpeed config that sets "
-            f"{sorted(clashing & set(launcher_ds_fields.split(',')))}; accelerate refuses both. Launch with "
-            "accelerate_configs/ddp.yaml or torchrun (auto_args supplies the DeepSpeed JSON)."
-        )

@@ -11,16 +11,17 @@ time is spent on a bad command.
 - :mod:`~hf_dist.recipe_utils.run`: resume, callbacks, strategy check, training, export, results.
 """
 
-from hf_dist.callbacks._dist import shutdown  # the recipes' last call, on every rank
 from hf_dist.recipe_utils.args import (
     EMBEDDED_TRAINING_DEFAULTS,
     LLAMA_LORA_TARGETS,
+    REAL_TRAINING_DEFAULTS,
     STRATEGY_CHOICES,
     STRATEGY_FLAGS,
     DataArguments,
     LoraArguments,
     ModelArguments,
     QuantArguments,
+    RunArguments,
     parse_recipe_args,
     training_arguments,
 )
@@ -30,9 +31,9 @@ from hf_dist.recipe_utils.model import (
     bnb_config,
     build_model,
     check_lora_targets,
-    load_config,
     load_tokenizer,
     lora_config,
+    model_config,
     require_cuda,
     resolve_seq_len,
     save_base_model,
@@ -41,20 +42,24 @@ from hf_dist.recipe_utils.run import (
     baseline_accuracy,
     check_strategy,
     describe_plan,
-    effective_strategy,
     export_model,
     finish_run,
     format_results,
+    load_recipe,
+    make_trainer,
+    print_plan,
     resume_checkpoint,
     save_at_end_callback,
     train,
 )
+from hf_dist.runtime.dist import shutdown  # the recipes' last call, on every rank
 
 __all__ = [
-    "EMBEDDED_TRAINING_DEFAULTS", "LLAMA_LORA_TARGETS", "STRATEGY_CHOICES", "STRATEGY_FLAGS", "DataArguments",
-    "LoraArguments", "ModelArguments", "QuantArguments", "apply_lora", "baseline_accuracy", "bnb_config",
-    "build_model", "chat_datasets", "check_dataset", "check_lora_targets", "check_strategy", "collator",
-    "describe_plan", "effective_strategy", "export_model", "finish_run", "format_results", "load_config",
-    "load_tokenizer", "lora_config", "parse_recipe_args", "require_cuda", "resolve_seq_len", "resume_checkpoint",
+    "DataArguments", "EMBEDDED_TRAINING_DEFAULTS", "LLAMA_LORA_TARGETS", "LoraArguments", "ModelArguments",
+    "QuantArguments", "REAL_TRAINING_DEFAULTS", "RunArguments", "STRATEGY_CHOICES", "STRATEGY_FLAGS",
+    "apply_lora", "baseline_accuracy", "bnb_config", "build_model", "chat_datasets", "check_dataset",
+    "check_lora_targets", "check_strategy", "collator", "describe_plan", "export_model", "finish_run",
+    "format_results", "load_recipe", "load_tokenizer", "lora_config", "make_trainer", "model_config",
+    "parse_recipe_args", "print_plan", "require_cuda", "resolve_seq_len", "resume_checkpoint",
     "save_at_end_callback", "save_base_model", "shutdown", "text_datasets", "train", "training_arguments",
 ]  # fmt: skip

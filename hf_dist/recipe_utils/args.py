@@ -8,10 +8,10 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from hf_dist.memory import STRATEGIES
+from hf_dist.planning.layout import STRATEGIES
 
 LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-STRATEGY_CHOICES = STRATEGIES
+STRATEGY_CHOICES = STRATEGIES  # the registry's user-facing names
 STRATEGY_FLAGS = ("fsdp", "fsdp_config", "deepspeed")  # TrainingArguments flags that choose a strategy
 
 
@@ -28,6 +28,44 @@ EMBEDDED_TRAINING_DEFAULTS = dict(
     report_to="none",
     seed=42,
 )
+# What every recipe uses on a real model and real data (recipes override a few keys, e.g. the learning rate).
+REAL_TRAINING_DEFAULTS = dict(
+    num_train_epochs=1,
+    warmup_steps=0.03,
+    lr_scheduler_type="cosine",
+    logging_steps=10,
+    save_strategy="steps",
+    save_steps=500,
+    save_total_limit=2,
+    report_to="none",
+)
+
+
+@dataclass
+class RunArguments:
+    """What a run does besides training: its CPU test mode and the checks of its export."""
+
+    fsdp_on_cpu: bool = field(
+        default=False,
+        metadata={
+            "help": "Tests and CPU development only: let accelerate run FSDP2 on CPU ranks, which it otherwise "
+            "silently replaces with DDP (hf_dist.runtime.cpu_fsdp.enable_fsdp_on_cpu). Never needed on GPUs."
+        },
+    )
+    deepspeed_on_cpu: bool = field(
+        default=False,
+        metadata={
+            "help": "Tests and CPU development only: let DeepSpeed count every CPU rank (gloo), which accelerate "
+            "does not set up on CPU (hf_dist.runtime.cpu_fsdp.cpu_deepspeed_training_kwargs). Never needed on GPUs."
+        },
+    )
+    check_export: bool = field(
+        default=False,
+        metadata={
+            "help": "Reload the export with from_pretrained and generate a sample from it. Always on for the "
+            "embedded task, which also scores exact-match accuracy before and after training."
+        },
+    )
 
 
 @dataclass
@@ -138,8 +176,9 @@ def parse_recipe_args(
     """Parse recipe dataclasses plus every ``TrainingArguments`` flag.
 
     Returns ``(*instances, training_kwargs, explicit)``: ``training_kwargs`` holds the
-    TrainingArguments values (the recipe's ``embedded_defaults`` without ``--model_name_or_path``,
-    else ``real_defaults``, applied where the user gave no flag) and
+    TrainingArguments values someone chose: the user's flags, and the recipe's ``embedded_defaults``
+    without ``--model_name_or_path``, else ``real_defaults``, where the user gave no flag (transformers'
+    own defaults are left out, so the plan can choose those values); and
     ``explicit`` the names the user set on the command line, which always win over the plan.
     """
     from transformers import HfArgumentParser, TrainingArguments
@@ -153,7 +192,8 @@ def parse_recipe_args(
         names = {f.name for f in fields(cls) if f.init}
         instances.append(cls(**{k: v for k, v in namespace.items() if k in names}))
     train_names = {f.name for f in fields(TrainingArguments) if f.init}
-    training_kwargs = {k: v for k, v in namespace.items() if k in train_names}
+    # only choices someone made: the user's flags, then the recipe's defaults; TrainingArguments fills the rest
+    training_kwargs = {k: v for k, v in namespace.items() if k in train_names and k in explicit}
     embedded = namespace.get("model_name_or_path") is None
     defaults = embedded_defaults if embedded else real_defaults
     training_kwargs.update({k: v for k, v in defaults.items() if k not in explicit})
@@ -203,17 +243,18 @@ def training_arguments(
     seq_len: int,
     strategy: str | None,
     lora_rank: int = 16,
+    deepspeed_on_cpu: bool = False,
 ):
     """``TrainingArguments`` = recipe defaults < ``hf_dist.auto_args`` (the plan) < explicit user flags.
 
     The plan is skipped when the user chose the strategy with ``--fsdp``/``--deepspeed`` or an
     accelerate FSDP/DeepSpeed config; ``--strategy`` pins the plan's strategy instead.
+    ``deepspeed_on_cpu`` (the recipes' ``--deepspeed_on_cpu``, tests and CPU development only) lets a
+    DeepSpeed run count every CPU rank (:func:`hf_dist.runtime.cpu_fsdp.cpu_deepspeed_training_kwargs`);
+    without it DeepSpeed on several CPU ranks is refused here, before DeepSpeed's own batch-size error.
     """
     from transformers import TrainingArguments
 
-    from hf_dist.cpu_fsdp import enable_fsdp_on_cpu_from_env
-
-    enable_fsdp_on_cpu_from_env()  # HF_DIST_FSDP_ON_CPU=1: tests of the FSDP2 path on CPU ranks
     kwargs = dict(training_kwargs)
     if not (explicit & set(STRATEGY_FLAGS)) and not _accelerate_config_strategy():
         import hf_dist
@@ -221,13 +262,17 @@ def training_arguments(
         plan_kwargs: dict[str, Any] = {"method": method, "seq_len": seq_len, "strategy": strategy}
         if method != "full":
             plan_kwargs["lora_rank"] = lora_rank
-        if "per_device_train_batch_size" in explicit or kwargs.get("per_device_train_batch_size") != 8:
-            # a user flag or a recipe default (transformers' own default is 8) pins the micro batch
+        if "per_device_train_batch_size" in kwargs:  # a user flag or a recipe default pins the micro batch
             plan_kwargs["micro_batch_size"] = kwargs["per_device_train_batch_size"]
         planned = hf_dist.auto_args(model, **plan_kwargs)
         kwargs.update({k: v for k, v in planned.items() if k not in explicit})
-    if kwargs.get("deepspeed"):
-        from hf_dist.cpu_fsdp import cpu_deepspeed_training_kwargs
+    if kwargs.get("deepspeed") and not _has_accelerator() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if not deepspeed_on_cpu:
+            raise ValueError(
+                "DeepSpeed on CPU ranks: accelerate would count one rank and DeepSpeed's batch check fail; pass "
+                "--deepspeed_on_cpu (tests and CPU development only) or train on GPUs"
+            )
+        from hf_dist.runtime.cpu_fsdp import cpu_deepspeed_training_kwargs
 
         kwargs.update(cpu_deepspeed_training_kwargs())
     if "dataloader_pin_memory" not in explicit and not _has_accelerator():

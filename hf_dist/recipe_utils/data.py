@@ -12,9 +12,9 @@ from hf_dist.data import (
     split_eval,
     to_messages,
     tokenize_chat,
-    train_eval_examples,
     validate_messages,
 )
+from hf_dist.embedded.task import train_eval_examples
 from hf_dist.recipe_utils.args import DataArguments
 
 # ---------------------------------------------------------------- data

@@ -33,10 +33,10 @@ def load_tokenizer(model_args: ModelArguments, *, chat: bool, max_length: int = 
     return tokenizer
 
 
-def load_config(model_args: ModelArguments, tokenizer: Any) -> Any:
+def model_config(model_args: ModelArguments, tokenizer: Any) -> Any:
     """The model config: a tiny Llama sized to the tokenizer, or the checkpoint's own config."""
     if model_args.embedded:
-        from hf_dist.testing import tiny_llama_config
+        from hf_dist.embedded.model import tiny_llama_config
 
         hidden = model_args.tiny_hidden_size
         return tiny_llama_config(

@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from hf_dist.data import (
-    generation_prompt,
-)
+from hf_dist.atomic_io import atomic_write_json
+from hf_dist.data import generation_prompt
+from hf_dist.recipe_utils.data import collator
 from hf_dist.recipe_utils.model import _outside_zero3
+from hf_dist.runtime.dist import live_strategy
 
 # ---------------------------------------------------------------- the run
+
+
+def load_recipe(path: str | Path) -> Any:
+    """The recipe file at ``path`` as a module (``recipes/`` is a folder of scripts, not a package)."""
+    import importlib.util
+
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(f"recipe_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def save_at_end_callback() -> Any:
@@ -31,26 +41,44 @@ def save_at_end_callback() -> Any:
     return SaveAtEnd()
 
 
+def make_trainer(model: Any, args: Any, tokenizer: Any, train_ds: Any, eval_ds: Any, *, packed: bool) -> tuple:
+    """``(trainer, resume)``: the checkpoint to resume from (:func:`resume_checkpoint`, resolved first: it may
+    edit the DeepSpeed config) and a ``Trainer`` that saves a checkpoint at its last step."""
+    from transformers import Trainer
+
+    resume = resume_checkpoint(args)
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=train_ds,
+        eval_dataset=eval_ds,
+        data_collator=collator(tokenizer, packed=packed),
+        processing_class=tokenizer,
+        callbacks=[save_at_end_callback()],
+    )
+    return trainer, resume
+
+
 def resume_checkpoint(args: Any) -> str | None:
     """What ``--resume_from_checkpoint`` names, made loadable by this run; call before the Trainer is built.
 
     ``auto``: the newest complete checkpoint in ``--output_dir`` (:func:`hf_dist.auto_resume`; None, a fresh
     start, when there is none); a path: that checkpoint. A DeepSpeed ZeRO checkpoint saved by another number
     of ranks is converted to DeepSpeed's universal format first, and a checkpoint of another strategy is
-    refused (:func:`hf_dist.reshard.prepare_resume`).
+    refused (:func:`hf_dist.checkpoint.reshard.prepare_resume`).
     """
     value = args.resume_from_checkpoint
     if not value:
         return None
     if value == "auto":
-        from hf_dist.callbacks.resume import auto_resume
+        from hf_dist.checkpoint.auto_resume import auto_resume
 
         found = auto_resume(args.output_dir, training_args=args)
         if args.process_index == 0:
             print(f"[hf_dist] resuming from {found}" if found else
                   f"[hf_dist] no complete checkpoint in {args.output_dir}: starting from scratch", flush=True)  # fmt: skip
         return found
-    from hf_dist.reshard import prepare_resume
+    from hf_dist.checkpoint.reshard import prepare_resume
 
     return prepare_resume(value, training_args=args)
 
@@ -69,35 +97,36 @@ def train(trainer: Any, resume: str | None) -> str:
     return strategy
 
 
-def effective_strategy(trainer: Any) -> str:
-    """What accelerate actually runs (not what was asked for): ddp, fsdp2, zero<stage> or single."""
-    state = trainer.accelerator.state
-    kind = str(state.distributed_type).rsplit(".", 1)[-1]
-    if kind == "DEEPSPEED":
-        stage = trainer.accelerator.state.deepspeed_plugin.zero_stage
-        return f"zero{stage}"
-    if kind == "FSDP":
-        return f"fsdp{getattr(state.fsdp_plugin, 'fsdp_version', 1)}"
-    return "ddp" if state.num_processes > 1 else "single"
-
-
 def check_strategy(trainer: Any) -> str:
-    """The strategy accelerate actually runs; a RuntimeError when it silently dropped the requested one.
+    """The strategy accelerate actually runs (a registry name); a RuntimeError when it silently dropped the requested one.
 
-    accelerate falls back to plain DDP on CPU for DeepSpeed when ``use_cpu``/``ACCELERATE_USE_CPU``
-    is set, and for FSDP unless ``HF_DIST_FSDP_ON_CPU=1``; training on would produce a run the user
-    did not ask for.
+    The name comes from :func:`hf_dist.runtime.dist.live_strategy` (what accelerate built, not what was
+    asked for). accelerate falls back to plain DDP on CPU for DeepSpeed when ``use_cpu``/``ACCELERATE_USE_CPU``
+    is set, and for FSDP unless :func:`hf_dist.runtime.cpu_fsdp.enable_fsdp_on_cpu` was called (the
+    recipes' ``--fsdp_on_cpu``); training on would produce a run the user did not ask for.
     """
-    actual = effective_strategy(trainer)
-    wanted = "zero" if trainer.args.deepspeed else "fsdp" if trainer.args.fsdp else None
-    if wanted and not actual.startswith(wanted):
+    from hf_dist.planning.layout import strategy
+
+    actual = strategy(live_strategy(trainer.args))
+    if trainer.args.deepspeed and not actual.is_deepspeed:
         raise RuntimeError(
-            f"{wanted} was requested but accelerate runs {actual}: on CPU it drops DeepSpeed when use_cpu / "
-            "ACCELERATE_USE_CPU=1 is set (unset it) and FSDP unless HF_DIST_FSDP_ON_CPU=1 (tests only)"
+            f"DeepSpeed was requested but accelerate runs {actual}: on CPU it drops DeepSpeed when use_cpu / "
+            "ACCELERATE_USE_CPU=1 is set (unset it)"
+        )
+    if trainer.args.fsdp and not actual.is_fsdp:
+        raise RuntimeError(
+            f"FSDP was requested but accelerate runs {actual}: on CPU it drops FSDP unless the recipe runs with "
+            "--fsdp_on_cpu (tests and CPU development only)"
         )
     if trainer.args.process_index == 0:
-        print(f"[hf_dist] running {actual} ({type(trainer.model).__name__})", flush=True)
-    return actual
+        print(f"[hf_dist] running {actual} ({actual.engine.value}, {type(trainer.model).__name__})", flush=True)
+    return actual.name
+
+
+def print_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy: str | None = None) -> None:
+    """Print :func:`describe_plan` on the main process."""
+    if args.process_index == 0:
+        print(describe_plan(config, method=method, seq_len=seq_len, args=args, strategy=strategy), flush=True)
 
 
 def describe_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy: str | None = None) -> str:
@@ -109,7 +138,7 @@ def describe_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy
         f"{args.per_device_train_batch_size} x grad accum {args.gradient_accumulation_steps} x world {world} "
         f"= global batch {batch} sequences of <= {seq_len} tokens"
     ]
-    from hf_dist.planner import plan
+    from hf_dist.planning.planner import plan
 
     try:
         explained = plan(config, method=method, seq_len=seq_len, global_batch_size=batch, strategy=strategy).explain()
@@ -122,7 +151,7 @@ def describe_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy
 
 def baseline_accuracy(model: Any, tokenizer: Any, task: Any, *, mode: str, args: Any) -> float | None:
     """Task accuracy before training, computed once on the main process (others wait)."""
-    from hf_dist.data.task_eval import exact_match
+    from hf_dist.embedded.task_eval import exact_match
 
     if task is None:
         return None
@@ -134,8 +163,11 @@ def baseline_accuracy(model: Any, tokenizer: Any, task: Any, *, mode: str, args:
     return accuracy
 
 
-def finish_run(trainer: Any, tokenizer: Any, *, task: Any, mode: str, adapter: bool, before: float | None) -> dict:
-    """Evaluate, export an HF folder (or adapter), reload it with from_pretrained, score and sample it.
+def finish_run(
+    trainer: Any, tokenizer: Any, *, task: Any, mode: str, adapter: bool, before: float | None, check_export: bool
+) -> dict:
+    """Evaluate and export an HF folder (or adapter); then, for the embedded ``task`` or when ``check_export``
+    (``--check_export``) asks, reload the export with from_pretrained and sample it (and score the task).
 
     Returns (and writes to ``<output_dir>/results.json`` on the main process) the run summary.
     """
@@ -156,7 +188,7 @@ def finish_run(trainer: Any, tokenizer: Any, *, task: Any, mode: str, adapter: b
         return {}
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     results = {
-        "strategy": effective_strategy(trainer),
+        "strategy": live_strategy(trainer.args),
         "wrapped_model": type(trainer.model_wrapped).__name__,
         "model": type(trainer.model).__name__,
         "world_size": trainer.args.world_size,
@@ -168,8 +200,9 @@ def finish_run(trainer: Any, tokenizer: Any, *, task: Any, mode: str, adapter: b
         "export_dir": str(export_dir),
         "exported_with": how,
     }
-    results.update(_check_export(export_dir, tokenizer, task=task, mode=mode, adapter=adapter))
-    _write_json_atomic(Path(trainer.args.output_dir) / "results.json", results)
+    if task is not None or check_export:
+        results.update(_check_export(export_dir, tokenizer, task=task, mode=mode, adapter=adapter))
+    atomic_write_json(Path(trainer.args.output_dir) / "results.json", results)
     print(format_results(results))
     return results
 
@@ -180,14 +213,16 @@ def export_model(trainer: Any, tokenizer: Any, export_dir: Path, *, adapter: boo
     Sharded runs (FSDP, ZeRO) go through ``hf_dist.convert`` from the last checkpoint; without a
     checkpoint (and for DDP) the full weights are gathered and saved in-process.
     """
-    strategy = effective_strategy(trainer)
+    from hf_dist.planning.layout import strategy
+
+    running = strategy(live_strategy(trainer.args))
     checkpoint = _last_checkpoint(trainer.args.output_dir)
-    if strategy.startswith(("fsdp", "zero")) and checkpoint is not None:
+    if not running.is_ddp and checkpoint is not None:
         if trainer.args.should_save:
             _convert_checkpoint(trainer, tokenizer, checkpoint, export_dir, adapter=adapter)
         trainer.accelerator.wait_for_everyone()
         return f"hf_dist.convert({checkpoint.name})"
-    if strategy.startswith("fsdp"):
+    if running.is_fsdp:
         # FSDP with a sharded state dict makes save_model a no-op; gather a full state dict instead
         state_dict = trainer.accelerator.get_state_dict(trainer.model_wrapped)
         if trainer.args.should_save:
@@ -241,7 +276,7 @@ def _check_export(export_dir: Path, tokenizer: Any, *, task: Any, mode: str, ada
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_dist.data.task_eval import exact_match, generate, task_prompt
+    from hf_dist.embedded.task_eval import exact_match, generate, task_prompt
 
     with _outside_zero3():
         if adapter:
@@ -291,21 +326,16 @@ def format_results(results: dict) -> str:
         f"{results['steps']} steps on {results['world_size']} process(es)",
         f"[hf_dist] train loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "[hf_dist] no train loss logged",
         f"[hf_dist] eval loss {results['eval_loss']:.4f}, perplexity {results['perplexity']:.2f}",
-        f"[hf_dist] exported {results['export_dir']} via {results['exported_with']}; reloaded with from_pretrained",
+        f"[hf_dist] exported {results['export_dir']} via {results['exported_with']}",
     ]
+    if "sample_output" in results:
+        lines[-1] += "; reloaded with from_pretrained"
     if "accuracy_after" in results:
         before = results["accuracy_before"]
         before_txt = f"{before:.0%}" if before is not None else "n/a"
         lines.append(
             f"[hf_dist] task exact-match accuracy: {before_txt} before -> {results['accuracy_after']:.0%} after"
         )
-    lines.append(f"[hf_dist] sample: {results['sample_prompt']!r} -> {results['sample_output']!r}")
+    if "sample_output" in results:
+        lines.append(f"[hf_dist] sample: {results['sample_prompt']!r} -> {results['sample_output']!r}")
     return "\n".join(lines)
-
-
-def _write_json_atomic(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(data, fh, indent=2)
-    os.replace(tmp, path)

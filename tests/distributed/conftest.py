@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from hf_dist.planning.layout import Engine, strategy
 from hf_dist.testing import REPO_ROOT, cpu_env, free_port, run_checked, torchrun
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -27,15 +28,19 @@ TRAIN_STEPS = 6  # optimizer steps per Trainer run (strategies_train.py)
 LAUNCH_TIMEOUT_S = 300
 
 
-def launch_env(strategy: str) -> dict[str, str]:
-    """Extra environment for CPU ranks of one strategy (on top of hf_dist.testing.cpu_env)."""
-    if strategy.startswith("zero"):
-        # accelerate takes its DeepSpeed branch only when not forced onto CPU; DeepSpeed then runs on
-        # its CPU accelerator over gloo by itself.
-        return {"ACCELERATE_USE_CPU": "false"}
-    if strategy.startswith("fsdp"):
-        return {"HF_DIST_FSDP_ON_CPU": "1"}  # see hf_dist/cpu_fsdp.py
-    return {}
+# Extra environment for CPU ranks of each engine (on top of hf_dist.testing.cpu_env).
+CPU_ENV = {
+    # accelerate takes its DeepSpeed branch only when not forced onto CPU; DeepSpeed then runs on
+    # its CPU accelerator over gloo by itself.
+    Engine.DEEPSPEED: {"ACCELERATE_USE_CPU": "false"},
+    Engine.FSDP2: {"HF_DIST_FSDP_ON_CPU": "1"},  # see hf_dist/runtime/cpu_fsdp.py
+    Engine.DDP: {},
+}
+
+
+def launch_env(strategy_name: str) -> dict[str, str]:
+    """Extra environment for CPU ranks of one strategy (``"none"``: one process, no wrapper)."""
+    return {} if strategy_name == "none" else CPU_ENV[strategy(strategy_name).engine]
 
 
 @dataclass(frozen=True)
@@ -132,8 +137,15 @@ def launch_accelerate_config(config: str, out: Path) -> None:
         "--out",
         str(out),
     ]
-    strategy = "zero" if config.startswith("zero") else config
-    run_checked(cmd, env=cpu_env(launch_env(strategy)), timeout=LAUNCH_TIMEOUT_S)
+    run_checked(cmd, env=cpu_env(CPU_ENV[_config_engine(config)]), timeout=LAUNCH_TIMEOUT_S)
+
+
+def _config_engine(config: str) -> Engine:
+    """The engine an accelerate YAML chooses (its ``distributed_type``)."""
+    import yaml
+
+    kind = yaml.safe_load((CONFIG_DIR / f"{config}.yaml").read_text())["distributed_type"]
+    return {"DEEPSPEED": Engine.DEEPSPEED, "FSDP": Engine.FSDP2}.get(kind, Engine.DDP)
 
 
 @pytest.fixture(scope="session")

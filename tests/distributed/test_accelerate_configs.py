@@ -29,13 +29,28 @@ def load(name: str) -> dict:
     return yaml.safe_load((CONFIG_DIR / f"{name}.yaml").read_text())
 
 
-def single_node_configs() -> list[str]:
+# Model-parallel examples (TP, CP, SP): accelerate refuses any ParallelismConfig on MULTI_CPU ("only compatible
+# DistributedType.FSDP (version 2) or ... Multi{Device} or DEEPSPEED") and torch's context_parallel has no CPU
+# attention, so these are configured for GPUs only. tests/unit/test_shipped_configs.py loads them with accelerate's
+# own loader; TP and Ulysses SP themselves run on CPU ranks in test_tensor_parallel.py / test_sequence_parallel.py.
+GPU_ONLY = {"fsdp2_tp2", "fsdp2_cp2", "zero2_sp2"}
+MODEL_PARALLEL_KEYS = ("parallelism_config_tp_size", "parallelism_config_cp_size", "parallelism_config_sp_size")
+
+
+def single_node_configs(*, model_parallel: bool = False) -> list[str]:
     names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-    return [n for n in names if int(load(n).get("num_machines", 1)) == 1]
+    single = [n for n in names if int(load(n).get("num_machines", 1)) == 1]
+    return [n for n in single if _model_parallel(load(n)) == model_parallel]
+
+
+def _model_parallel(config: dict) -> bool:
+    sizes = config.get("parallelism_config") or {}
+    return any(int(sizes.get(key, 1)) > 1 for key in MODEL_PARALLEL_KEYS)
 
 
 def test_every_single_node_config_is_launched_here():
     assert set(single_node_configs()) == EXPECTED_SINGLE_NODE
+    assert set(single_node_configs(model_parallel=True)) == GPU_ONLY
 
 
 @pytest.mark.parametrize("name", single_node_configs())

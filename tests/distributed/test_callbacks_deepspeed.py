@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 import hf_dist
-from hf_dist.callbacks.resume import MARKER_NAME, checkpoint_layout
+from hf_dist.checkpoint.layout import read_layout
+from hf_dist.checkpoint.marker import MARKER_NAME
 from hf_dist.testing import REPO_ROOT, torchrun
 
 pytestmark = pytest.mark.distributed
@@ -38,7 +39,7 @@ def test_deepspeed_really_ran_and_checkpoints_are_marked(run):
         assert (marker["strategy"], marker["world_size"]) == (stage, 2)
         assert marker["layout"] == ("zero3" if stage == "zero3" else "zero12")
         assert f"global_step{step}/zero_pp_rank_1_mp_rank_00_optim_states.pt" in marker["files"]
-    assert checkpoint_layout(out / "checkpoint-4").world_size == 2
+    assert read_layout(out / "checkpoint-4").world_size == 2
     assert hf_dist.auto_resume(out, strategy=stage) == str(out / "checkpoint-4")
 
 

@@ -1,4 +1,4 @@
-"""Callbacks under real FSDP2 (2 CPU ranks over gloo, hf_dist.cpu_fsdp): DCP checkpoints marked complete,
+"""Callbacks under real FSDP2 (2 CPU ranks over gloo, hf_dist.runtime.cpu_fsdp): DCP checkpoints marked complete,
 the gathered export equals an independent conversion, and a DDP resume of them is refused."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 import hf_dist
-from hf_dist.callbacks.resume import MARKER_NAME, checkpoint_layout
+from hf_dist.checkpoint.layout import read_layout
+from hf_dist.checkpoint.marker import MARKER_NAME
 from hf_dist.testing import REPO_ROOT, torchrun
 
 pytestmark = pytest.mark.distributed
@@ -30,7 +31,7 @@ def test_fsdp_really_ran_and_its_dcp_checkpoints_are_marked(run_dir):
     marker = json.loads((run_dir / "checkpoint-4" / MARKER_NAME).read_text())
     assert (marker["strategy"], marker["layout"], marker["world_size"]) == ("fsdp_full_shard", "fsdp", 2)
     assert {"pytorch_model_fsdp_0/__0_0.distcp", "pytorch_model_fsdp_0/__1_0.distcp"} <= set(marker["files"])
-    assert checkpoint_layout(run_dir / "checkpoint-4").world_size == 2
+    assert read_layout(run_dir / "checkpoint-4").world_size == 2
     assert hf_dist.auto_resume(run_dir, strategy="fsdp_full_shard") == str(run_dir / "checkpoint-4")
 
 

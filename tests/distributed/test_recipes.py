@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_dist.callbacks.resume import MARKER_NAME
+from hf_dist.checkpoint.marker import MARKER_NAME
 from hf_dist.testing import cpu_env, free_port
 
 pytestmark = pytest.mark.distributed
@@ -27,25 +27,27 @@ STEPS = 8
 SHORT = ["--max_steps", STEPS, "--logging_steps", 1, "--tiny_hidden_size", 64]
 SHORT += ["--num_train_examples", 256, "--num_eval_examples", 16, "--seed", 42]
 LAUNCHES = {
-    # launch -> (strategy, recipes run in that launch, extra environment)
-    "ddp": ("ddp", ("sft", "pretrain", "lora"), {}),
-    "fsdp_full_shard": ("fsdp_full_shard", ("sft", "pretrain", "lora"), {"HF_DIST_FSDP_ON_CPU": "1"}),
+    # launch -> (strategy, recipes run in that launch, extra environment, extra recipe flags)
+    "ddp": ("ddp", ("sft", "pretrain", "lora"), {}, ()),
+    # the recipes' explicit CPU test modes: accelerate would otherwise drop FSDP on CPU and train DDP,
+    # and count one rank under DeepSpeed
+    "fsdp_full_shard": ("fsdp_full_shard", ("sft", "pretrain", "lora"), {}, ("--fsdp_on_cpu",)),
     # accelerate takes its DeepSpeed branch only when not forced onto CPU; it also refuses a second
     # Accelerator with a DeepSpeed plugin in one process, so each ZeRO-3 recipe gets its own launch
-    "zero3": ("zero3", ("sft",), {"ACCELERATE_USE_CPU": "false"}),
-    "zero3_lora": ("zero3", ("lora",), {"ACCELERATE_USE_CPU": "false"}),
-    "zero3_pretrain": ("zero3", ("pretrain",), {"ACCELERATE_USE_CPU": "false"}),
+    "zero3": ("zero3", ("sft",), {"ACCELERATE_USE_CPU": "false"}, ("--deepspeed_on_cpu",)),
+    "zero3_lora": ("zero3", ("lora",), {"ACCELERATE_USE_CPU": "false"}, ("--deepspeed_on_cpu",)),
+    "zero3_pretrain": ("zero3", ("pretrain",), {"ACCELERATE_USE_CPU": "false"}, ("--deepspeed_on_cpu",)),
 }
 EXPECTED = {
     "ddp": ("ddp", "DistributedDataParallel"),
-    "fsdp_full_shard": ("fsdp2", "FSDP"),
+    "fsdp_full_shard": ("fsdp_full_shard", "FSDP"),
     "zero3": ("zero3", "DeepSpeedEngine"),
 }
 # Golden train loss at step 1 and step 8 for seed 42 (measured under DDP; every strategy must match).
 # Tolerance 2e-3 absolute: the strategies reduce gradients in different orders (fp32 rounding).
 GOLDEN = {"sft": (4.6236, 4.1940), "pretrain": (4.6584, 4.1935), "lora": (4.6236, 4.4171)}
 GOLDEN_ATOL = 2e-3
-CASES = [(launch, r) for launch, (_, recipes, _) in LAUNCHES.items() for r in recipes]
+CASES = [(launch, r) for launch, (_, recipes, _, _) in LAUNCHES.items() for r in recipes]
 
 
 @pytest.fixture(scope="session")
@@ -55,12 +57,12 @@ def recipe_runs(tmp_path_factory):
 
     def get(strategy: str) -> Path:
         if strategy not in done:
-            real_strategy, recipes, env = LAUNCHES[strategy]
+            real_strategy, recipes, env, flags = LAUNCHES[strategy]
             out = tmp_path_factory.mktemp(f"recipes_{strategy}")
             cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
             cmd += ["--num_machines", "1", "--dynamo_backend", "no", "--mixed_precision", "no"]
             cmd += ["--main_process_port", str(free_port()), str(SCRIPT), str(out)]
-            cmd += [",".join(recipes), "--strategy", real_strategy, *map(str, SHORT)]
+            cmd += [",".join(recipes), "--strategy", real_strategy, *flags, *map(str, SHORT)]
             proc = subprocess.run(cmd, env=cpu_env(env), capture_output=True, text=True, timeout=600)
             (out / "launch.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
             done[strategy] = out

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_dist.reshard import inspect_checkpoint
+from hf_dist.checkpoint.reshard import inspect_checkpoint
 from hf_dist.testing import torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "reshard_train.py"
@@ -71,7 +71,7 @@ def test_resume_on_other_world_size(references, backend, new_world, tmp_path):
     check_strategy_ran(backend, ref)
     saved = inspect_checkpoint(checkpoint)
     assert saved.world_size == 2
-    assert saved.kind == ("dcp" if backend == "fsdp" else "deepspeed")
+    assert saved.format == ("dcp" if backend == "fsdp" else "deepspeed")
 
     if new_world == 3:  # the job restarted in its own output dir on another GPU count
         shutil.copytree(checkpoint, tmp_path / checkpoint.name, ignore=shutil.ignore_patterns("*_universal"))

@@ -1,4 +1,4 @@
-"""hf_dist.data: embedded task and tokenizer, chat masking, packing, local loading."""
+"""hf_dist.data and hf_dist.embedded.task: embedded task and tokenizer, chat masking, packing, local loading."""
 
 import json
 
@@ -10,13 +10,12 @@ from hf_dist.data import (
     build_tokenizer,
     ensure_chat_template,
     load_local_dataset,
-    make_examples,
     matching_columns,
     pack_sequences,
     tokenize_chat,
-    train_eval_examples,
     validate_messages,
 )
+from hf_dist.embedded.task import make_examples, train_eval_examples
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """hf_dist.recipe_utils: argument handling, input validation before training, QLoRA config, CPU error."""
 
-import importlib.util
 import json
 import pickle
 
@@ -72,10 +71,7 @@ def test_bitsandbytes_config_is_nf4_double_quant_with_matching_storage():
 
 
 def load_recipe(name):
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", REPO_ROOT / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return ru.load_recipe(REPO_ROOT / "recipes" / f"{name}.py")
 
 
 def test_qlora_without_gpu_fails_before_loading_anything(tmp_path, monkeypatch):
@@ -120,7 +116,7 @@ def test_sft_bad_inputs_fail_before_the_model_is_built(tmp_path, monkeypatch):
 def test_resume_checkpoint_auto_path_and_none(tmp_path, capsys):
     from types import SimpleNamespace
 
-    from hf_dist.callbacks.resume import write_marker
+    from hf_dist.checkpoint.marker import write_marker
 
     args = SimpleNamespace(resume_from_checkpoint=None, output_dir=str(tmp_path), process_index=0,
                            deepspeed=None, fsdp=[])  # fmt: skip
@@ -139,3 +135,84 @@ def test_resume_checkpoint_auto_path_and_none(tmp_path, capsys):
     assert f"resuming from {tmp_path / 'checkpoint-2'}" in capsys.readouterr().out
     args.resume_from_checkpoint = str(tmp_path / "checkpoint-4")  # an explicit path is taken as given
     assert ru.resume_checkpoint(args) == str(tmp_path / "checkpoint-4")
+
+
+@pytest.mark.parametrize(
+    ("argv", "defaults", "expected"),
+    [
+        (["--per_device_train_batch_size", "8"], {}, 8),  # the user's 8, which is also transformers' default
+        ([], {"per_device_train_batch_size": 8}, 8),  # a recipe default of 8
+        (["--per_device_train_batch_size", "3"], {}, 3),
+    ],
+)
+def test_a_micro_batch_the_user_or_recipe_sets_is_honoured_even_when_it_is_8(monkeypatch, argv, defaults, expected):
+    for key in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(key, raising=False)
+    embedded = {**EMBEDDED, **defaults, "per_device_train_batch_size": defaults.get("per_device_train_batch_size", 2)}
+    if not defaults:
+        embedded.pop("per_device_train_batch_size")
+    *_, kwargs, explicit = ru.parse_recipe_args(
+        (ru.ModelArguments,), argv, embedded_defaults=embedded, real_defaults=REAL
+    )
+    config = tiny_llama_config(num_hidden_layers=1)
+    args = ru.training_arguments(kwargs, explicit, config, method="full", seq_len=32, strategy="ddp")
+    assert args.per_device_train_batch_size == expected
+
+
+def test_without_a_micro_batch_from_user_or_recipe_the_plan_chooses_it(monkeypatch):
+    for key in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(key, raising=False)
+    *_, kwargs, explicit = ru.parse_recipe_args(
+        (ru.ModelArguments,), [], embedded_defaults=EMBEDDED, real_defaults=REAL
+    )
+    assert "per_device_train_batch_size" not in kwargs  # transformers' default 8 is not a choice anyone made
+    config = tiny_llama_config(num_hidden_layers=1)
+    args = ru.training_arguments(kwargs, explicit, config, method="full", seq_len=32, strategy="ddp")
+    planned = __import__("hf_dist").auto_args(config, method="full", seq_len=32, strategy="ddp")
+    assert args.per_device_train_batch_size == planned["per_device_train_batch_size"]
+
+
+@pytest.mark.parametrize(
+    "flags, recipe_defaults",
+    [(["--per_device_train_batch_size", "8"], {}), ([], {"per_device_train_batch_size": 8})],
+    ids=["command-line", "recipe-default"],
+)
+def test_micro_batch_of_8_is_honoured_not_taken_for_transformers_default(tmp_path, flags, recipe_defaults):
+    """8 is transformers' default; it must still pin the micro batch when the user or the recipe chose it."""
+    argv = ["--model_name_or_path", "some/model", "--output_dir", str(tmp_path), *flags]
+    *_, kwargs, explicit = ru.parse_recipe_args(
+        (ru.ModelArguments,), argv, embedded_defaults={}, real_defaults=recipe_defaults
+    )
+    args = ru.training_arguments(kwargs, explicit, tiny_llama_config(), method="full", seq_len=32, strategy="ddp")
+    assert args.per_device_train_batch_size == 8  # the plan alone would choose a micro batch of 1
+
+
+def test_cpu_test_mode_and_export_check_are_explicit_flags(tmp_path, monkeypatch):
+    """FSDP on CPU is the recipe's --fsdp_on_cpu, never a side effect of building TrainingArguments."""
+    from hf_dist.runtime.cpu_fsdp import fsdp_on_cpu_enabled
+
+    monkeypatch.setenv("HF_DIST_FSDP_ON_CPU", "1")  # read by test scripts that opt in; the recipes do not
+    _, run_args, kwargs, explicit = parse(["--output_dir", str(tmp_path)], (ru.ModelArguments, ru.RunArguments))
+    assert not run_args.fsdp_on_cpu and not run_args.check_export
+    ru.training_arguments(kwargs, explicit, tiny_llama_config(), method="full", seq_len=32, strategy="ddp")
+    assert not fsdp_on_cpu_enabled()
+    _, run_args, _, _ = parse(["--fsdp_on_cpu", "--check_export"], (ru.ModelArguments, ru.RunArguments))
+    assert run_args.fsdp_on_cpu and run_args.check_export
+
+
+def test_results_of_an_unchecked_export_claim_no_reload_or_sample():
+    results = {"strategy": "zero3", "wrapped_model": "DeepSpeedEngine", "steps": 8, "world_size": 2,
+               "train_losses": [4.6, 4.2], "eval_loss": 4.1, "perplexity": 60.3, "export_dir": "out/final",
+               "exported_with": "hf_dist.convert(checkpoint-8)"}  # fmt: skip
+    text = ru.format_results(results)
+    assert "strategy run: zero3 (DeepSpeedEngine), 8 steps on 2 process(es)" in text
+    assert "from_pretrained" not in text and "sample" not in text
+    checked = ru.format_results({**results, "sample_prompt": "p", "sample_output": "o"})
+    assert "reloaded with from_pretrained" in checked and "[hf_dist] sample: 'p' -> 'o'" in checked
+
+
+def test_deepspeed_on_cpu_ranks_needs_the_explicit_flag(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under a 2-rank CPU launch; nothing is started
+    _, kwargs, explicit = parse(["--output_dir", str(tmp_path)], (ru.ModelArguments,))
+    with pytest.raises(ValueError, match="pass --deepspeed_on_cpu"):
+        ru.training_arguments(kwargs, explicit, tiny_llama_config(), method="full", seq_len=32, strategy="zero3")

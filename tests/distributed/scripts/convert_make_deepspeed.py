@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from hf_dist.callbacks._dist import shutdown
+from hf_dist.runtime.dist import shutdown
 
 
 def ds_config(stage: int, dtype: str) -> dict:

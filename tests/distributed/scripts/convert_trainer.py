@@ -19,8 +19,8 @@ import os
 
 import torch
 
-from hf_dist.callbacks._dist import shutdown
-from hf_dist.cpu_fsdp import cpu_deepspeed_training_kwargs, enable_fsdp_on_cpu_from_env
+from hf_dist.runtime.cpu_fsdp import cpu_deepspeed_training_kwargs, enable_fsdp_on_cpu_from_env
+from hf_dist.runtime.dist import shutdown
 
 
 def deepspeed_config(stage: int) -> dict:

@@ -23,8 +23,8 @@ from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArg
 
 import hf_dist
 from hf_dist.callbacks import ExportCallback, ProfilerCallback, attach, default
-from hf_dist.callbacks._dist import shutdown
-from hf_dist.callbacks.resume import init_distributed_for_restarts
+from hf_dist.runtime.bootstrap import init_distributed_for_restarts
+from hf_dist.runtime.dist import shutdown
 from hf_dist.testing import TokenDataset, tiny_llama_config
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="add ProfilerCallback on steps 2..3 of every rank")
     strategy = parser.add_mutually_exclusive_group()
     strategy.add_argument(
-        "--fsdp", action="store_true", help="FSDP2 full shard on CPU (hf_dist.cpu_fsdp), DCP checkpoints"
+        "--fsdp", action="store_true", help="FSDP2 full shard on CPU (hf_dist.runtime.cpu_fsdp), DCP checkpoints"
     )
     strategy.add_argument("--deepspeed", choices=["zero2", "zero3"], help="DeepSpeed ZeRO (fp32 on CPU)")
     opts = parser.parse_args()
@@ -86,14 +86,14 @@ def main() -> None:
     strategy_kwargs = {"use_cpu": True}
     if opts.deepspeed:
         from hf_dist.configs.deepspeed import deepspeed_config
-        from hf_dist.cpu_fsdp import cpu_deepspeed_training_kwargs
+        from hf_dist.runtime.cpu_fsdp import cpu_deepspeed_training_kwargs
 
         # accelerate drops DeepSpeed when use_cpu=True; the launcher sets ACCELERATE_USE_CPU=0 as well
         strategy_kwargs = {"deepspeed": deepspeed_config(opts.deepspeed, mixed_precision="no"), "use_cpu": False}
         strategy_kwargs.update(cpu_deepspeed_training_kwargs())
     elif opts.fsdp:
         from hf_dist.configs.fsdp import fsdp_config
-        from hf_dist.cpu_fsdp import enable_fsdp_on_cpu
+        from hf_dist.runtime.cpu_fsdp import enable_fsdp_on_cpu
 
         enable_fsdp_on_cpu()  # accelerate would otherwise drop FSDP on CPU and train plain DDP
         strategy_kwargs.update(

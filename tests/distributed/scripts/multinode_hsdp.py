@@ -23,7 +23,7 @@ import json
 import os
 from pathlib import Path
 
-from hf_dist.callbacks._dist import shutdown
+from hf_dist.runtime.dist import shutdown
 
 
 def tiny_model():
@@ -53,7 +53,7 @@ def accelerate_hsdp(model):
     import torch
     from accelerate import Accelerator
 
-    from hf_dist.cpu_fsdp import enable_fsdp_on_cpu
+    from hf_dist.runtime.cpu_fsdp import enable_fsdp_on_cpu
 
     enable_fsdp_on_cpu()  # accelerate would otherwise drop FSDP on CPU and run plain DDP
     accelerator = Accelerator(cpu=True)

@@ -22,8 +22,8 @@ import logging
 import os
 from pathlib import Path
 
-from hf_dist.callbacks._dist import shutdown
-from hf_dist.cpu_fsdp import cpu_deepspeed_training_kwargs, enable_fsdp_on_cpu_from_env
+from hf_dist.runtime.cpu_fsdp import cpu_deepspeed_training_kwargs, enable_fsdp_on_cpu_from_env
+from hf_dist.runtime.dist import shutdown
 
 SEED = 1234
 SEQ_LEN = 16
@@ -97,7 +97,7 @@ def run(strategy: str, pure_bf16: bool, output_dir: str, world_size: int) -> dic
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     import hf_dist
-    from hf_dist.hardware import detect_hardware
+    from hf_dist.planning.hardware import detect_hardware
 
     model = build_model()
     handler = LogCounter()

@@ -5,22 +5,15 @@ Each recipe writes OUT_DIR/<recipe>/results.json. Sharing the launch saves the ~
 imports and process-group start per recipe that separate launches would cost.
 """
 
-import importlib.util
 import os
 import sys
 import traceback
 from pathlib import Path
 
-from hf_dist.callbacks._dist import shutdown
+from hf_dist.recipe_utils import load_recipe
+from hf_dist.runtime.dist import shutdown
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", RECIPES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:
@@ -31,7 +24,7 @@ def main() -> None:
         # an accelerate config chosen by the user, so each recipe starts from the launch environment
         saved = dict(os.environ)
         try:
-            load(name).main(["--output_dir", str(out / name), *rest])
+            load_recipe(RECIPES / f"{name}.py").main(["--output_dir", str(out / name), *rest])
         except Exception:  # recorded for the test of this recipe; the next recipe still runs
             (out / name).mkdir(parents=True, exist_ok=True)
             (out / name / f"error_rank{os.environ.get('RANK', '0')}.txt").write_text(traceback.format_exc())

@@ -20,7 +20,7 @@ import json
 import os
 from pathlib import Path
 
-from hf_dist.cpu_fsdp import enable_fsdp_on_cpu_from_env
+from hf_dist.runtime.cpu_fsdp import enable_fsdp_on_cpu_from_env
 
 SEED = 1234
 SEQ_LEN = 32

@@ -20,8 +20,8 @@ import json
 import os
 from pathlib import Path
 
-from hf_dist.callbacks._dist import shutdown
-from hf_dist.cpu_fsdp import cpu_deepspeed_training_kwargs, enable_fsdp_on_cpu_from_env
+from hf_dist.runtime.cpu_fsdp import cpu_deepspeed_training_kwargs, enable_fsdp_on_cpu_from_env
+from hf_dist.runtime.dist import shutdown
 
 SEED = 1234
 SEQ_LEN = 32
@@ -141,7 +141,7 @@ def hardware_kwargs(offload: str, world_size: int) -> dict:
     """
     if offload == "none":
         return {"gpus": world_size, "offload": "none"}
-    from hf_dist.hardware import Hardware
+    from hf_dist.planning.hardware import Hardware
 
     hardware = Hardware(device="cuda", gpus_per_node=world_size, gpu_memory_gib=80.0, bf16=False)
     return {"hardware": hardware, "offload": offload, "cpu_adam": False}

@@ -83,7 +83,7 @@ def test_memory_and_throughput_reach_every_logging_backend(make_trainer, tiny_pl
         assert entry["memory/predicted/logits_gib"] == round(tiny_plan.memory.logits / 1024**3, 6)
         tps, step_time = entry["perf/tokens_per_s"], entry["perf/step_time_s"]
         assert tps * step_time == pytest.approx(TOKENS_PER_STEP, rel=0.01)
-        fpt = hf_dist.flops.flops_per_token_from_spec(tiny_plan.model, 16)
+        fpt = hf_dist.planning.flops.flops_per_token_from_spec(tiny_plan.model, 16)
         assert entry["perf/mfu"] == pytest.approx(tps * fpt / 1e12, rel=0.01, abs=1e-5)
         assert entry["perf/scaling_efficiency"] == pytest.approx(tps / 1e3, rel=0.01)
     assert cbs[1]._handle is None  # the token-counting hook is removed at train end

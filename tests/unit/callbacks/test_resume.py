@@ -9,17 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from hf_dist.callbacks.resume import (
-    MARKER_NAME,
-    CompleteCheckpointCallback,
-    auto_resume,
-    check_resume_compatible,
-    checkpoint_layout,
-    incomplete_reasons,
-    is_complete,
-    missing_rank_files,
-    write_marker,
-)
+from hf_dist.callbacks.resume import CompleteCheckpointCallback
+from hf_dist.checkpoint.auto_resume import auto_resume, check_resume_compatible
+from hf_dist.checkpoint.layout import read_layout
+from hf_dist.checkpoint.marker import MARKER_NAME, incomplete_reasons, is_complete, missing_rank_files, write_marker
 from hf_dist.checkpoint.safe_pickle import is_pickle_file
 
 
@@ -107,8 +100,8 @@ def test_auto_resume_returns_newest_complete_and_skips_partial(tmp_path):
     ("files", "family", "world"), [(DDP2, "full", 2), (ZERO3, "zero3", 2), (ZERO2, "zero12", 2), (FSDP, "fsdp", 2)]
 )
 def test_layout_detection(tmp_path, files, family, world):
-    layout = checkpoint_layout(fake_checkpoint(tmp_path, 1, files))
-    assert (layout.family, layout.world_size) == (family, world)
+    layout = read_layout(fake_checkpoint(tmp_path, 1, files), strict=False)
+    assert (layout.family.value, layout.world_size) == (family, world)
 
 
 def test_resuming_zero3_checkpoint_into_fsdp_names_convert(tmp_path):
@@ -145,7 +138,7 @@ def test_marker_write_is_atomic_when_the_disk_is_full(tmp_path, monkeypatch):
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("hf_dist.callbacks.resume.json.dump", no_space)
+    monkeypatch.setattr("hf_dist.atomic_io.os.fsync", no_space)
     with pytest.raises(OSError, match="No space left"):
         write_marker(ckpt, world_size=2)
     assert sorted(p.name for p in ckpt.iterdir()) == sorted(DDP2)  # no marker, no temporary file
@@ -234,3 +227,24 @@ def test_auto_resume_checks_the_family_against_training_args(tmp_path, layout, a
     write_marker(ckpt, world_size=2)
     with pytest.raises(RuntimeError, match=match):
         auto_resume(tmp_path, training_args=SimpleNamespace(**args), world_size=2)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ({"deepspeed": {"zero_optimization": {"stage": 1}}}, "zero1"),
+        ({"deepspeed": {"zero_optimization": {"stage": 0}}}, None),
+        ({"deepspeed": {"zero_optimization": {"stage": "auto"}}}, None),
+        ({"deepspeed": None, "fsdp": "full_shard auto_wrap"}, "fsdp_full_shard"),
+        ({"deepspeed": None, "fsdp": ["shard_grad_op", "auto_wrap"]}, "fsdp_shard_grad_op"),
+        ({"deepspeed": None, "fsdp": "hybrid_shard"}, "hsdp"),
+        ({"deepspeed": None, "fsdp": True}, "fsdp_full_shard"),
+        ({"deepspeed": None, "fsdp": ""}, "ddp"),
+    ],
+)
+def test_strategy_of_args_names_registry_strategies(args, expected):
+    from types import SimpleNamespace
+
+    from hf_dist.checkpoint.auto_resume import strategy_of_args
+
+    assert strategy_of_args(SimpleNamespace(**args)) == expected

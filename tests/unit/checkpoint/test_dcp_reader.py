@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from hf_dist.checkpoint.dcp_reader import DCPReader, load_metadata
-from hf_dist.checkpoint.detect import detect_format
+from hf_dist.checkpoint.layout import read_layout
 from hf_dist.checkpoint.safe_pickle import CorruptCheckpointError
 
 
@@ -29,7 +29,7 @@ def saved(tmp_path):
 
 def test_direct_read_equals_the_saved_tensors(saved):
     folder, state = saved
-    reader = DCPReader(detect_format(folder))
+    reader = DCPReader(read_layout(folder))
     got = reader.read(list(state))
     reader.release()
     for name, expected in state.items():
@@ -39,7 +39,7 @@ def test_direct_read_equals_the_saved_tensors(saved):
 def test_multi_chunk_tensor_is_reassembled(saved):
     """Split w's single chunk into three row chunks in the metadata the reader indexes, as 3 ranks save it."""
     folder, state = saved
-    reader = DCPReader(detect_format(folder))
+    reader = DCPReader(read_layout(folder))
     ((offsets, storage),) = reader._chunks["w"]
     full = reader._chunk("w", storage).clone()
     rows = [(0, 2), (2, 3), (5, 1)]
@@ -57,9 +57,9 @@ def test_metadata_stand_ins_never_import_torch_distributed(saved):
     folder, _ = saved
     code = (
         "import sys, torch\n"
-        "from hf_dist.checkpoint.detect import detect_format\n"
+        "from hf_dist.checkpoint.layout import read_layout\n"
         "from hf_dist.checkpoint.dcp_reader import DCPReader\n"
-        f"r = DCPReader(detect_format({str(folder)!r}))\n"
+        f"r = DCPReader(read_layout({str(folder)!r}))\n"
         "r.read(list(r.specs()))\n"
         "print('torch.distributed.checkpoint' in sys.modules)\n"
     )
@@ -87,7 +87,7 @@ def test_stand_ins_carry_the_same_fields_as_dcp_classes(saved):
 
 def test_chunks_with_a_transform_go_through_dcp_load(saved, monkeypatch):
     folder, state = saved
-    reader = DCPReader(detect_format(folder))
+    reader = DCPReader(read_layout(folder))
     monkeypatch.setattr(reader, "_chunk", lambda *a: pytest.fail("direct path used for a transformed chunk"))
     for _, storage in reader._chunks["t"]:
         storage.transform_descriptors = ["zstd"]  # as written by FileSystemWriter(_extensions=[ZStandard()])
@@ -100,7 +100,7 @@ def test_chunks_with_a_transform_go_through_dcp_load(saved, monkeypatch):
 
 def test_corrupt_chunk_names_file_and_tensor(saved):
     folder, _ = saved
-    reader = DCPReader(detect_format(folder))
+    reader = DCPReader(read_layout(folder))
     ((_, storage),) = reader._chunks["w"]
     data = folder / storage.relative_path
     raw = bytearray(data.read_bytes())
@@ -112,7 +112,7 @@ def test_corrupt_chunk_names_file_and_tensor(saved):
 
 def test_byte_ranges_locate_row_shards_and_refuse_the_rest(saved):
     folder, state = saved
-    reader = DCPReader(detect_format(folder))
+    reader = DCPReader(read_layout(folder))
     ((path, offset, length),) = reader.byte_ranges("w")
     with open(path, "rb") as handle:
         handle.seek(offset)

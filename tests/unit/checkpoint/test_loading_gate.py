@@ -16,10 +16,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_dist.callbacks.resume import auto_resume, write_marker
+from hf_dist.checkpoint.auto_resume import auto_resume
+from hf_dist.checkpoint.marker import write_marker
+from hf_dist.checkpoint.reshard import prepare_resume, reshard
 from hf_dist.checkpoint.safe_pickle import UnsafePickleError, check_pickles
 from hf_dist.cli.main import main
-from hf_dist.reshard import prepare_resume, reshard
 from tests.unit.checkpoint.fakes import make_zero_checkpoint
 
 

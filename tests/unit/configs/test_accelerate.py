@@ -3,7 +3,8 @@
 import pytest
 import yaml
 
-from hf_dist.configs.accelerate import accelerate_config, atomic_write_text, to_yaml, write_yaml
+from hf_dist.atomic_io import atomic_write_text
+from hf_dist.configs.accelerate import accelerate_config, to_yaml, write_yaml
 
 
 def test_ddp_single_node_defaults():
@@ -40,8 +41,14 @@ def test_deepspeed_config_file_form_drops_conflicting_keys():
     [
         ({"strategy": "tp"}, "unknown strategy 'tp'; allowed: ddp, zero1"),
         ({"strategy": "hsdp"}, "hsdp replicates across nodes and needs nodes >= 2"),
-        ({"strategy": "ddp", "offload": "optimizer"}, "ddp cannot offload"),
-        ({"strategy": "zero2", "offload": "optimizer+params"}, "needs zero3"),
+        (
+            {"strategy": "ddp", "offload": "optimizer"},
+            "strategy 'ddp' does not support offload 'optimizer'; allowed: none",
+        ),
+        (
+            {"strategy": "zero2", "offload": "optimizer+params"},
+            r"Strategies that offload 'optimizer\+params': zero3, fsdp_full_shard, hsdp",
+        ),
         (
             {"strategy": "ddp", "nodes": 2, "num_processes": 3},
             r"num_processes \(3\) must be a positive multiple of nodes \(2\)",
@@ -74,6 +81,8 @@ def test_atomic_write_refuses_overwrite(tmp_path):
     with pytest.raises(FileExistsError, match="already exists; pass --force"):
         write_yaml(accelerate_config("zero1"), path)
     assert path.read_text() == before
-    atomic_write_text(path, "x: 1\n", force=True)
+    write_yaml({"debug": True}, path, force=True)
+    assert path.read_text().startswith("debug: true")
+    atomic_write_text(path, "x: 1\n")
     assert path.read_text() == "x: 1\n"
     assert [p.name for p in tmp_path.iterdir()] == ["a.yaml"]  # no temp file left behind

@@ -3,24 +3,26 @@
 import pytest
 import torch
 
-from hf_dist.configs.fsdp import (
-    _fsdp_flag_takes_bool,
-    apply_fp32_reduce,
-    fsdp_config,
-    fsdp_plugin_kwargs,
-    installed_fsdp_version,
-)
+from hf_dist.configs.features import LibraryFeatures
+from hf_dist.configs.fsdp import apply_fp32_reduce, fsdp_config, fsdp_plugin_kwargs
+from hf_dist.configs.training_args import strategy_args
+from hf_dist.planning.layout import Layout
+from hf_dist.runtime.support import installed_features
+
+FEATURES = installed_features()
 
 
 def test_installed_stack_uses_fsdp2():
     # torch 2.13 / accelerate 1.15 / transformers 5.x all support FSDP2; FSDP1 is deprecated there.
-    assert installed_fsdp_version() == 2
+    assert FEATURES.fsdp_version == 2
 
 
 def test_full_shard_fields():
-    out = fsdp_config("fsdp_full_shard", wrap_classes=["LlamaDecoderLayer"], activation_checkpointing=True)
+    out = fsdp_config(
+        "fsdp_full_shard", wrap_classes=["LlamaDecoderLayer"], activation_checkpointing=True, features=FEATURES
+    )
     # newer transformers 5.x deprecate the string/list forms; 5.0 reads the string
-    assert out["fsdp"] == (True if _fsdp_flag_takes_bool() else "full_shard auto_wrap")
+    assert out["fsdp"] == (True if FEATURES.fsdp_flag_takes_bool else "full_shard auto_wrap")
     cfg = out["fsdp_config"]
     assert cfg["version"] == 2
     assert cfg["reshard_after_forward"] is True
@@ -43,16 +45,19 @@ def test_shard_grad_op_keeps_params_after_forward_and_offload_maps_to_cpu_offloa
 
 
 def test_hsdp_builds_replicate_by_shard_mesh():
-    out = fsdp_config("hsdp", nodes=2, gpus_per_node=8)
-    pc = out["parallelism_config"]
-    assert (pc.dp_replicate_size, pc.dp_shard_size) == (2, 8)
-    with pytest.raises(ValueError, match="hsdp needs nodes >= 2"):
-        fsdp_config("hsdp", nodes=1, gpus_per_node=8)
+    out = strategy_args(Layout("hsdp", world_size=16, nodes=2))
+    assert out["parallelism_config"] == {"dp_replicate_size": 2, "dp_shard_size": 8}
+    assert "parallelism_config" not in strategy_args(Layout("fsdp_full_shard", world_size=16, nodes=2))
+    with pytest.raises(ValueError, match="hsdp replicates across nodes and needs nodes >= 2"):
+        Layout("hsdp", world_size=8, nodes=1)
 
 
 def test_fsdp1_fallback_form():
-    cfg = fsdp_config("hsdp", version=1)["fsdp_config"]
-    assert cfg["version"] == 1 and cfg["reshard_after_forward"] == "hybrid_shard"
+    old = LibraryFeatures(fsdp_version=1, fsdp_flag_takes_bool=False)
+    out = fsdp_config("hsdp", offload="optimizer+params", features=old)
+    assert out["fsdp_config"]["version"] == 1 and out["fsdp_config"]["reshard_after_forward"] == "hybrid_shard"
+    assert out["fsdp"] == "hybrid_shard auto_wrap offload"
+    assert "parallelism_config" not in strategy_args(Layout("hsdp", world_size=16, nodes=2), features=old)
 
 
 @pytest.mark.parametrize(
@@ -71,7 +76,9 @@ def test_bad_input(kwargs, match):
 def test_training_args_plugin_gets_our_settings(tmp_path):
     from transformers import TrainingArguments
 
-    kw = fsdp_config("fsdp_shard_grad_op", wrap_classes=["LlamaDecoderLayer"], activation_checkpointing=True)
+    kw = fsdp_config(
+        "fsdp_shard_grad_op", wrap_classes=["LlamaDecoderLayer"], activation_checkpointing=True, features=FEATURES
+    )
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, **kw)
     plugin = args.fsdp_plugin_args
     assert plugin["fsdp_version"] == 2
@@ -87,7 +94,9 @@ def test_apply_fp32_reduce_reaches_the_accelerate_plugin(tmp_path):
     from accelerate.utils import FullyShardedDataParallelPlugin
     from transformers import TrainingArguments
 
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, bf16=True, **fsdp_config("fsdp_full_shard"))
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, bf16=True, **fsdp_config("fsdp_full_shard", features=FEATURES)
+    )
     apply_fp32_reduce(args)
     plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
     policy = plugin.mixed_precision_policy

@@ -8,15 +8,18 @@ fields) is exactly what a GPU run would get.
 import pytest
 from transformers import TrainingArguments
 
+from hf_dist.auto import auto_args
 from hf_dist.configs.fsdp import fsdp_config
-from hf_dist.configs.training_args import DEFAULT_DDP_TIMEOUT_S, _ac_names, auto_args
-from hf_dist.hardware import Hardware
+from hf_dist.configs.training_args import DEFAULT_DDP_TIMEOUT_S
+from hf_dist.planning.hardware import Hardware
+from hf_dist.runtime.support import installed_features
 from hf_dist.testing import tiny_llama_config
 
 CFG = tiny_llama_config()
 GPU = dict(gpus=4, gpu_memory_gib=80, seq_len=64, global_batch_size=16)
 # transformers 5.23 renamed gradient_checkpointing(_kwargs) to activation_checkpointing(_kwargs); probe, don't assume.
-AC_FLAG, AC_KWARGS = _ac_names()
+AC_FLAG = installed_features().activation_checkpointing_field
+AC_KWARGS = installed_features().activation_checkpointing_kwargs_field
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +38,9 @@ def build(tmp_path, **kwargs):
 @pytest.mark.parametrize("strategy", ["fsdp_full_shard", "fsdp_shard_grad_op"])
 def test_fsdp_strategies(tmp_path, strategy):
     kw = auto_args(CFG, strategy=strategy, activation_checkpointing=True, **GPU)
-    assert kw["bf16"] is True and kw["fsdp"] == fsdp_config(strategy)["fsdp"]  # True, or 5.0's string form
+    assert (
+        kw["bf16"] is True and kw["fsdp"] == fsdp_config(strategy, features=installed_features())["fsdp"]
+    )  # True, or 5.0's string
     assert kw["fsdp_config"]["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
     assert kw["fsdp_config"]["activation_checkpointing"] is True
     assert "activation_checkpointing" not in kw and "gradient_checkpointing" not in kw  # FSDP's own, not the model's

@@ -1,0 +1,340 @@
+"""What a checkpoint holds, read from its file names alone: the one model of checkpoint layouts.
+
+:func:`read_layout` answers for the converter (``hf-dist convert``/``verify``: which reader opens it),
+for ``hf-dist reshard`` (how many ranks wrote a ZeRO checkpoint, is there a universal copy) and for
+resuming (the :class:`~hf_dist.planning.layout.CheckpointFamily` a strategy must match, and which rank's
+files are missing). No file is opened; the readers fill in what only the files tell (exact ZeRO stage,
+training dtype).
+
+Accepted layouts (any of them given directly, or the Trainer ``checkpoint-N/`` folder around them):
+
+* DeepSpeed ZeRO-1/2/3: ``latest`` + ``global_stepN/`` holding ``*_model_states.pt`` and
+  ``[bf16_|fp16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` (the tag folder itself is accepted too);
+  ZeRO-3 adds one ``zero_pp_rank_R_mp_rank_00_model_states.pt`` per rank.
+* FSDP2/FSDP1 sharded DCP: a folder with ``.metadata`` and ``__R_0.distcp`` (``pytorch_model_fsdp_0/``,
+  with ``optimizer_0/`` beside it in a Trainer checkpoint).
+* FSDP full state dict: ``pytorch_model_fsdp.bin`` (a torch pickle, read with the safe loader).
+* Hugging Face: ``model.safetensors[.index.json]``, ``pytorch_model.bin[.index.json]`` or a PEFT
+  ``adapter_model.safetensors``.
+
+A Trainer checkpoint also holds one ``rng_state_R.pth`` per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hf_dist.planning.layout import CheckpointFamily
+
+FORMATS = ("deepspeed", "dcp", "fsdp_full", "hf")  # which reader opens the tensors
+DCP_DIR_PATTERN = "pytorch_model_fsdp_*"
+FSDP_FULL_NAMES = ("pytorch_model_fsdp.bin",)
+HF_WEIGHT_NAMES = (
+    "model.safetensors.index.json",
+    "model.safetensors",
+    "pytorch_model.bin.index.json",
+    "pytorch_model.bin",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+)
+UNIVERSAL_SUFFIX = "_universal"
+LATEST_UNIVERSAL = "latest_universal"
+
+# The file names, once: group 1 of the ZeRO optimizer file is the dtype prefix, 2 the data-parallel rank,
+# 3 the model-parallel rank; every pattern names its rank group "rank".
+OPTIM_FILE_RE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(?P<rank>\d+)_mp_rank_(\d+)_optim_states\.pt$")
+ZERO3_MODEL_FILE_RE = re.compile(r"^zero_pp_rank_(?P<rank>\d+)_mp_rank_(\d+)_model_states\.pt$")
+DCP_SHARD_FILE_RE = re.compile(r"^__(?P<rank>\d+)_\d+\.distcp$")
+RNG_STATE_FILE_RE = re.compile(r"^rng_state_(?P<rank>\d+)\.pth$")
+STEP_RE = re.compile(r"(?:global_step|checkpoint-|step_?)(\d+)$")
+
+RNG_STATE = "rng state"
+ZERO_OPTIM = "DeepSpeed optimizer shard"
+ZERO3_MODEL = "DeepSpeed ZeRO-3 model shard"
+DCP_MODEL = "FSDP model shard"
+DCP_OPTIM = "FSDP optimizer shard"
+# Per-rank files: kind -> (the folder they sit in, relative to the checkpoint root; their file name).
+# When one rank's file of a kind exists, every rank's must.
+RANK_FILES = {
+    RNG_STATE: (re.compile(r"^$"), RNG_STATE_FILE_RE),
+    ZERO_OPTIM: (re.compile(r"^global_step\d+$"), OPTIM_FILE_RE),
+    ZERO3_MODEL: (re.compile(r"^global_step\d+$"), ZERO3_MODEL_FILE_RE),
+    DCP_MODEL: (re.compile(r"^pytorch_model_fsdp_\d+$"), DCP_SHARD_FILE_RE),
+    DCP_OPTIM: (re.compile(r"^optimizer_\d+$"), DCP_SHARD_FILE_RE),
+}
+# The per-rank kinds that tell how many ranks wrote a checkpoint of each family.
+_WORLD_KIND = {
+    CheckpointFamily.ZERO3: ZERO3_MODEL,
+    CheckpointFamily.ZERO12: ZERO_OPTIM,
+    CheckpointFamily.DCP: DCP_MODEL,
+    CheckpointFamily.FULL: RNG_STATE,
+}
+# The kinds a folder given directly holds, whatever its name.
+_OWN_KINDS = {"deepspeed": (ZERO_OPTIM, ZERO3_MODEL), "dcp": (DCP_MODEL,)}
+
+
+@dataclass
+class CheckpointLayout:
+    """What was found at a path. ``path`` is the folder (or file) holding the tensors, ``root`` the Trainer
+    ``checkpoint-N`` folder around it (or ``path`` itself).
+
+    ``rank_files``: per-rank file kind -> rank -> its files. ``stage``, ``train_dtype``, ``world_size`` and
+    ``num_params`` are refined by the readers once they open the files.
+    """
+
+    format: str | None  # one of FORMATS; None: no weights (a Trainer folder of optimizer/RNG files only)
+    path: Path
+    root: Path
+    family: CheckpointFamily = CheckpointFamily.FULL
+    world_size: int | None = None  # ranks that wrote it, from the file names; None when they do not tell
+    stage: int | None = None  # ZeRO stage: 3 from the file names, 1 or 2 only once the reader read it
+    step: int | None = None
+    tag: str | None = None  # DeepSpeed tag folder, e.g. "global_step500"
+    universal_tag: str | None = None  # DeepSpeed universal copy made by `hf-dist reshard`, when one exists
+    train_dtype: str | None = None
+    config_dir: Path | None = None
+    is_adapter: bool = False
+    files: list[Path] = field(default_factory=list)
+    rank_files: dict[str, dict[int, list[Path]]] = field(default_factory=dict)
+    num_params: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.format is not None and self.format not in FORMATS:
+            raise ValueError(f"unknown checkpoint format {self.format!r}; expected one of {FORMATS}")
+
+    def missing_rank_files(self, world_size: int) -> list[str]:
+        """Per-rank files absent for some rank, e.g. ``['rng state of rank 1']``; empty when all ranks wrote."""
+        missing = []
+        for kind, ranks in self.rank_files.items():
+            if ranks:
+                top = max(world_size, max(ranks) + 1)
+                missing += [f"{kind} of rank {r}" for r in range(top) if r not in ranks]
+        return missing
+
+    def describe(self) -> str:
+        if self.stage is not None:
+            head = f"{self.format} ZeRO-{self.stage}"
+        elif self.family is CheckpointFamily.ZERO12:
+            head = f"{self.format} ZeRO-1/2"
+        else:
+            head = self.format or self.family.text
+        parts = [head]
+        for label, value in (
+            ("world size", self.world_size),
+            ("step", self.step),
+            ("tag", self.tag),
+            ("universal copy", self.universal_tag),
+            ("training dtype", self.train_dtype),
+            ("parameters", f"{self.num_params:,}" if self.num_params is not None else None),
+        ):
+            if value is not None:
+                parts.append(f"{label} {value}")
+        if self.is_adapter:
+            parts.append("PEFT adapter")
+        return ", ".join(parts) + f" at {self.path}"
+
+
+def read_layout(path: str | Path, *, tag: str | None = None, strict: bool = True) -> CheckpointLayout:
+    """The layout at ``path``; raise with what was found and what is accepted.
+
+    ``strict=False`` (for the resume bookkeeping, which must answer for any ``checkpoint-N`` folder, even a
+    half-written one) never raises for a folder: one without readable weights gets ``format=None`` and the
+    family its per-rank files imply.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint path {path} does not exist")
+    if path.is_file():
+        layout = _detect_file(path)
+    else:
+        try:
+            layout = _detect_dir(path, tag)
+            if layout is None:
+                raise ValueError(_unknown_layout_message(path))
+        except (ValueError, FileNotFoundError):
+            if strict:
+                raise
+            layout = CheckpointLayout(None, path, path)
+    layout.rank_files = _rank_files(layout)
+    layout.family = _family(layout)
+    world_ranks = layout.rank_files.get(_WORLD_KIND[layout.family])
+    if world_ranks:
+        layout.world_size = max(world_ranks) + 1
+    elif layout.family is CheckpointFamily.FULL and (layout.root / "rng_state.pth").is_file():
+        layout.world_size = 1
+    if layout.family is CheckpointFamily.ZERO3:
+        layout.stage = 3
+    layout.universal_tag = _universal_tag(layout.root) if layout.family.is_zero else None
+    layout.step = _find_step(layout)
+    layout.config_dir = _find_config_dir(layout)
+    if path.is_dir():
+        layout.is_adapter = layout.is_adapter or any(
+            (d / "adapter_config.json").is_file() for d in _nearby_dirs(layout)
+        )
+    return layout
+
+
+def _detect_file(path: Path) -> CheckpointLayout:
+    if path.suffix == ".safetensors" or path.name.endswith(".index.json"):
+        return CheckpointLayout("hf", path.parent, path.parent, files=[path])
+    if path.suffix in (".bin", ".pt", ".pth"):
+        return CheckpointLayout("fsdp_full", path, path.parent, files=[path])
+    raise ValueError(f"cannot read checkpoint file {path}: expected .safetensors, .bin, .pt or a folder")
+
+
+def _detect_dir(path: Path, tag: str | None) -> CheckpointLayout | None:
+    if (path / ".metadata").is_file():
+        return CheckpointLayout("dcp", path, _outer(path), files=sorted(path.glob("*.distcp")))
+    if any(path.glob("*_model_states.pt")) or any(path.glob("*_optim_states.pt")):
+        if tag is not None and tag != path.name:
+            raise ValueError(f"--tag {tag!r} does not match the DeepSpeed tag folder given ({path.name}); drop --tag")
+        return _deepspeed_layout(path, path.parent)
+    tag_dirs = sorted(
+        d.name
+        for d in path.iterdir()
+        if d.is_dir()
+        and not d.name.endswith(UNIVERSAL_SUFFIX)
+        and (any(d.glob("*_model_states.pt")) or any(d.glob("*_optim_states.pt")))
+    )
+    if tag_dirs or (path / "latest").is_file():
+        return _deepspeed_layout(path / _choose_tag(path, tag, tag_dirs), path)
+    dcp_dirs = sorted(d for d in path.glob(DCP_DIR_PATTERN) if (d / ".metadata").is_file())
+    if dcp_dirs:
+        return CheckpointLayout("dcp", dcp_dirs[0], path, files=sorted(dcp_dirs[0].glob("*.distcp")))
+    for name in FSDP_FULL_NAMES:
+        if (path / name).is_file():
+            return CheckpointLayout("fsdp_full", path / name, path, files=[path / name])
+    for name in HF_WEIGHT_NAMES:
+        if (path / name).is_file():
+            return CheckpointLayout("hf", path, path, files=[path / name], is_adapter=name.startswith("adapter_"))
+    return None
+
+
+def _choose_tag(root: Path, tag: str | None, tag_dirs: list[str]) -> str:
+    if tag is None and (root / "latest").is_file():
+        tag = (root / "latest").read_text().strip()
+        if tag not in tag_dirs and not (root / tag).is_dir():
+            raise FileNotFoundError(
+                f"{root}/latest names tag {tag!r} but {root / tag} is missing or has no *_model_states.pt "
+                f"(available tags: {tag_dirs or 'none'}); pass --tag with one of them"
+            )
+        return tag
+    if tag is None:
+        if len(tag_dirs) == 1:
+            return tag_dirs[0]
+        raise ValueError(f"{root} has no 'latest' file and several tags {tag_dirs}; pass --tag with one of them")
+    if tag not in tag_dirs:
+        raise ValueError(f"tag {tag!r} not found in {root}; available tags: {tag_dirs or 'none'}")
+    return tag
+
+
+def _deepspeed_layout(tag_dir: Path, root: Path) -> CheckpointLayout:
+    optim_files = sorted(
+        (p for p in tag_dir.iterdir() if OPTIM_FILE_RE.match(p.name)),
+        key=lambda p: int(OPTIM_FILE_RE.match(p.name)["rank"]),
+    )
+    prefixes = {OPTIM_FILE_RE.match(p.name).group(1) or "" for p in optim_files}
+    if len(prefixes) > 1:
+        raise ValueError(
+            f"{tag_dir} mixes optimizer files with prefixes {sorted(prefixes)} from different runs; "
+            "keep only the files of one run"
+        )
+    prefix = prefixes.pop() if prefixes else ""
+    return CheckpointLayout(
+        "deepspeed",
+        tag_dir,
+        _outer(root) if root == tag_dir else root,
+        tag=tag_dir.name,
+        train_dtype={"bf16_": "bf16", "fp16_": "fp16"}.get(prefix),
+        files=optim_files + sorted(tag_dir.glob("*_model_states.pt")),
+    )
+
+
+def _rank_files(layout: CheckpointLayout) -> dict[str, dict[int, list[Path]]]:
+    """Per-rank files of the checkpoint: in the root, in its known subfolders and in the folder given itself."""
+    scans: dict[Path, set[str]] = {}
+    if layout.root.is_dir():
+        for folder in [layout.root, *sorted(d for d in layout.root.iterdir() if d.is_dir())]:
+            name = "" if folder == layout.root else folder.name
+            scans[folder] = {kind for kind, (where, _) in RANK_FILES.items() if where.match(name)}
+    if layout.path.is_dir():
+        scans.setdefault(layout.path, set()).update(_OWN_KINDS.get(layout.format or "", ()))
+    found: dict[str, dict[int, list[Path]]] = {kind: {} for kind in RANK_FILES}
+    for folder, kinds in scans.items():
+        if not kinds:
+            continue
+        for file in sorted(folder.iterdir()):
+            for kind in kinds:
+                match = RANK_FILES[kind][1].match(file.name)
+                if match and file.is_file():
+                    found[kind].setdefault(int(match["rank"]), []).append(file)
+    return found
+
+
+def _family(layout: CheckpointLayout) -> CheckpointFamily:
+    ranks = layout.rank_files
+    if ranks[ZERO3_MODEL]:
+        return CheckpointFamily.ZERO3
+    if layout.format == "deepspeed" or ranks[ZERO_OPTIM]:
+        return CheckpointFamily.ZERO12
+    if layout.format in ("dcp", "fsdp_full") or ranks[DCP_MODEL] or ranks[DCP_OPTIM]:
+        return CheckpointFamily.DCP
+    return CheckpointFamily.FULL
+
+
+def _universal_tag(root: Path) -> str | None:
+    latest = root / LATEST_UNIVERSAL
+    if not latest.is_file():
+        return None
+    tag = latest.read_text().strip()
+    return tag if (root / tag).is_dir() else None
+
+
+def _outer(path: Path) -> Path:
+    """The Trainer ``checkpoint-N`` folder around an inner checkpoint folder, when there is one."""
+    parent = path.parent
+    if (parent / "trainer_state.json").is_file() or (parent / "config.json").is_file():
+        return parent
+    return path
+
+
+def _nearby_dirs(layout: CheckpointLayout) -> list[Path]:
+    dirs = [layout.path if layout.path.is_dir() else layout.path.parent, layout.root, layout.root.parent]
+    return list(dict.fromkeys(dirs))
+
+
+def _find_config_dir(layout: CheckpointLayout) -> Path | None:
+    for directory in _nearby_dirs(layout):
+        if (directory / "config.json").is_file():
+            return directory
+    return None
+
+
+def _find_step(layout: CheckpointLayout) -> int | None:
+    state = layout.root / "trainer_state.json"
+    if state.is_file():
+        try:
+            return int(json.loads(state.read_text())["global_step"])
+        except (ValueError, KeyError, TypeError):
+            pass
+    for name in (layout.tag, layout.root.name, layout.path.name):
+        match = STEP_RE.search(name or "")
+        if match:
+            return int(match.group(1))
+    return None
+
+
+def _unknown_layout_message(path: Path) -> str:
+    children = sorted(p.name for p in path.iterdir())
+    hint = ""
+    nested = sorted(p.name for p in path.iterdir() if p.is_dir() and p.name.startswith("checkpoint-"))
+    if nested:
+        hint = f"; this looks like a Trainer output_dir, pass one of its checkpoints, e.g. {path / nested[-1]}"
+    return (
+        f"no supported checkpoint found in {path} (contents: {children[:12]}{' ...' if len(children) > 12 else ''}). "
+        "Expected a DeepSpeed checkpoint (latest + global_stepN/), a DCP folder (.metadata), "
+        f"pytorch_model_fsdp.bin, or an HF folder (model.safetensors){hint}"
+    )

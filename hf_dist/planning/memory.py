@@ -1,0 +1,580 @@
+"""Per-rank training memory by component: pure arithmetic, no I/O, no GPU.
+
+The model follows what the libraries allocate, tensor by tensor, and names its source at each term:
+
+- **Model states** (params, grads, optimizer): Rajbhandari et al., "ZeRO" (2020) sec. 3.1 for the
+  sharding; the dtypes are the ones each engine really keeps (:func:`engine_dtypes`): the Trainer's autocast
+  keeps fp32 weights and bf16 working copies, FSDP2's ``MixedPrecisionPolicy`` fp32 shards and bf16
+  gathered units, DeepSpeed bf16 weights next to an fp32 master partition.
+- **Activations**: every tensor the HF Llama block saves for backward, counted per token
+  (:func:`layer_activation_bytes`; Korthikanti et al. 2022 eq. 1 is the GPT analogue), with Liger
+  kernels' fused RMSNorm / SwiGLU / RoPE where they are used.
+- **Logits**: the LM head and the loss (``transformers.loss.loss_utils.ForCausalLMLoss`` upcasts the
+  ``[tokens, vocab]`` logits to fp32; its backward holds three fp32 copies), or Liger's fused linear
+  cross-entropy, which never materialises them (:func:`logits_bytes`).
+- **Buffers**: autocast weight copies, gathered FSDP2 / ZeRO-3 units, DDP and DeepSpeed buckets.
+- **Step**: transients of the optimizer step (torch AdamW's foreach ``sqrt`` list; DeepSpeed's fp32
+  gradient partition), which coexist with gradients, not with activations.
+- **Allocator**: what torch's caching allocator reserves beyond the peak allocated (:func:`allocator_bytes`).
+- **Overhead**: the CUDA context, library workspaces and NCCL communicators, outside torch's allocator.
+
+``MemoryEstimate.total`` predicts the device memory in use at the peak (``total - free`` from
+``cudaMemGetInfo``), ``allocated`` predicts ``torch.cuda.max_memory_allocated`` and ``reserved``
+``max_memory_reserved``. Checked against an H100 in ``benchmarks/gpu_ground_truth.py`` and against
+tensors allocated on CPU ranks in ``benchmarks/planner_accuracy.py`` (docs/planner.md).
+
+Units: every function returns bytes (``_bytes`` in its name) for ONE rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from hf_dist.planning.layout import Layout, Strategy, strategy
+from hf_dist.validation import check_choice, check_positive_int
+
+METHODS = ("full", "lora", "qlora")
+OPTIMIZERS = ("adamw", "adamw_8bit", "sgd")
+ATTENTIONS = ("sdpa", "flash_attention_2", "eager")
+DEVICES = ("cuda", "cpu")
+
+GIB = 1024**3
+
+# deepspeed/runtime/zero/config.py defaults, which hf_dist's DeepSpeed JSON writes out explicitly
+# (hf_dist/configs/deepspeed.py) so that plan and config agree: reduce_bucket_size 5e8 elements,
+# stage3_prefetch_bucket_size 5e7. The reduce buckets are allocated at their full size whatever the
+# model size (measured on CPU ranks: +2.0 GB for a 7M-parameter fp32 model, benchmarks/planner_accuracy.py).
+DS_REDUCE_BUCKET_ELEMENTS = int(5e8)
+DS_PREFETCH_BUCKET_ELEMENTS = int(5e7)
+DS_SUB_GROUP_ELEMENTS = int(1e9)
+# Outside torch's allocator, measured as device_used - max_memory_reserved on an H100 (torch 2.11,
+# CUDA 13; ../shared/gpu): 1.30 GiB in every single-process case (CUDA context, cuBLAS/cuBLASLt
+# workspaces, loaded kernel images), 0.38 GiB more once NCCL communicators exist (the DeepSpeed cases,
+# which create them even on one GPU). Other GPUs and CUDA versions land within a few hundred MiB.
+CUDA_CONTEXT_BYTES = int(1.30 * GIB)
+NCCL_BYTES = int(0.38 * GIB)
+# QLoRA (Dettmers et al. 2023, sec. 3): NF4 = 4 bits/param; double quantisation stores one 8-bit absmax
+# per 64 params plus one fp32 constant per 256 blocks = 8/64 + 32/(64*256) = 0.127 bits/param.
+QLORA_BASE_BYTES_PER_PARAM = 0.5 + (8 / 64 + 32 / (64 * 256)) / 8
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank by component.
+
+    ``total`` is the predicted device memory in use at the peak, ``allocated`` the peak of live
+    tensors (``torch.cuda.max_memory_allocated``), ``reserved`` what the caching allocator holds
+    (``max_memory_reserved``). ``cpu`` is host memory per rank used by offloaded states.
+
+    The peak is the larger of two moments (``grads_overlap_activations``): the start of backward,
+    when every saved activation and the loss's logits are alive, and the optimizer step, when the
+    gradients and the step's transients are. With one micro-batch per step the Trainer frees
+    gradients after each step (``zero_grad(set_to_none=True)``), so gradients and activations never
+    coexist in full; with gradient accumulation the gradients persist through the next forward.
+    """
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    overhead: int
+    cpu: int = 0
+    grads_overlap_activations: bool = False
+    logits: int = 0
+    step: int = 0
+    allocator: int = 0
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def allocated(self) -> int:
+        forward_backward = self.activations + self.logits
+        if self.grads_overlap_activations:
+            transient = max(forward_backward, self.grads + self.step)
+        else:
+            transient = max(forward_backward + self.grads, self.grads + self.step)
+        return self.params + self.optimizer + self.buffers + transient
+
+    @property
+    def reserved(self) -> int:
+        return self.allocated + self.allocator
+
+    @property
+    def total(self) -> int:
+        return self.reserved + self.overhead
+
+    def to_dict(self) -> dict[str, int]:
+        keys = ("params", "grads", "optimizer", "activations", "logits", "buffers", "step", "allocator", "overhead")
+        keys += ("cpu", "model_states", "allocated", "reserved", "total")
+        return {k: int(getattr(self, k)) for k in keys}
+
+    def gib(self) -> dict[str, float]:
+        return {k: v / GIB for k, v in self.to_dict().items()}
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Bytes per element of what a strategy keeps under a precision (see :func:`engine_dtypes`).
+
+    ``weights``: the trainable weights as the engine stores them; ``master``: a separate fp32 copy
+    (DeepSpeed); ``grads``: the gradient dtype kept until the step; ``state``: one optimizer moment;
+    ``compute``: activations; ``residual``: the residual stream (fp32 when autocast runs an fp32 model);
+    ``autocast``: every linear casts its input and weight to ``compute``.
+    """
+
+    weights: int
+    master: int
+    grads: int
+    state: int
+    compute: int
+    residual: int
+    autocast: bool
+
+
+def engine_dtypes(
+    s: Strategy | str, param_bytes: int, master_weights: bool, method: str = "full", base_bytes: int = 2
+) -> Dtypes:
+    """What each engine keeps for a precision.
+
+    ``param_bytes`` is the compute dtype (2: bf16/fp16, 4: fp32); ``master_weights`` asks for fp32
+    master weights and optimizer state (mixed precision); ``param_bytes=2, master_weights=False`` is
+    pure bf16.
+
+    - DDP / one process, mixed: the weights are fp32 (``hf_dist.auto_args`` upcasts a 16-bit-loaded
+      model) and ``torch.autocast`` computes in bf16: each linear saves a bf16 copy of its input, the
+      embedding output and so the residual stream stay fp32, gradients are fp32.
+    - FSDP2, mixed: accelerate upcasts the sharded parameters to fp32
+      (``accelerate/utils/fsdp_utils.py`` fsdp2_prepare_model); ``MixedPrecisionPolicy(param_dtype=bf16)``
+      gathers bf16 units, so compute and the residual stream are bf16; sharded gradients are fp32
+      (reduce_dtype fp32, ``hf_dist.configs.fsdp.apply_fp32_reduce``).
+    - DeepSpeed, mixed: bf16 module weights, an fp32 master partition, and fp32 gradient partitions
+      (hf_dist's JSON sets ``data_types.grad_accum_dtype = fp32``).
+    - LoRA / QLoRA: the frozen base stays in the dtype it was loaded in (``base_bytes``): 16-bit makes
+      compute and the residual stream 16-bit; an fp32 base runs under autocast like DDP. The adapters
+      follow the rules above.
+    """
+    s = strategy(s)
+    if param_bytes == FP32:  # fp32 training: no autocast; ZeRO-1/2 still keep a separate fp32 partition
+        master = FP32 if master_weights and s.is_deepspeed and not s.shards.params else 0
+        return Dtypes(FP32, master, FP32, FP32, FP32, FP32, False)
+    if not master_weights:  # pure 16-bit: weights, gradients and optimizer moments all 16-bit
+        return Dtypes(param_bytes, 0, param_bytes, param_bytes, param_bytes, param_bytes, False)
+    if s.is_deepspeed:
+        return Dtypes(param_bytes, FP32, FP32, FP32, param_bytes, param_bytes, False)
+    frozen_base_16bit = method != "full" and base_bytes < FP32
+    if s.is_fsdp or frozen_base_16bit:
+        return Dtypes(FP32, 0, FP32, FP32, param_bytes, param_bytes, False)
+    return Dtypes(FP32, 0, FP32, FP32, param_bytes, FP32, True)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def validate_args(layout: Layout, method, optimizer, param_bytes, grad_bytes, lora_rank) -> None:
+    """Raise ValueError naming the bad argument, the allowed values and the fix (the layout checked itself)."""
+    check_choice("method", method, METHODS)
+    check_choice("optimizer", optimizer, OPTIMIZERS)
+    check_positive_int("lora_rank", lora_rank)
+    if method == "qlora" and layout.offload != "none":
+        raise ValueError(f"qlora keeps 4-bit base weights on the GPU; offload must be 'none', got {layout.offload!r}")
+    if param_bytes not in (2, 4):
+        raise ValueError(
+            f"param_bytes must be 2 (bf16/fp16 compute) or 4 (fp32), got {param_bytes!r}; "
+            "the memory model knows float32, bfloat16 and float16"
+        )
+    if grad_bytes not in (None, 2, 4):
+        raise ValueError(f"grad_bytes must be 2, 4 or None (what the strategy keeps), got {grad_bytes!r}")
+
+
+# ---------------------------------------------------------------- parameters
+
+
+def lora_trainable_params(spec, rank: int) -> int:
+    """LoRA params: rank * (in + out) for q,k,v,o,gate,up,down of every decoder layer (Hu et al. 2021)."""
+    if not spec.has_shape:
+        raise ValueError("LoRA/QLoRA estimates need the model's shape; pass a config, folder or model, not a count")
+    h, inter = spec.hidden_size, spec.intermediate_size
+    q_out = spec.num_attention_heads * spec.head_dim
+    kv_out = spec.num_key_value_heads * spec.head_dim
+    per_layer = rank * ((h + q_out) + 2 * (h + kv_out) + (q_out + h) + 2 * (h + inter) + (inter + h))
+    return per_layer * spec.num_layers
+
+
+def trainable_params(spec, method: str, lora_rank: int) -> int:
+    return spec.num_params if method == "full" else lora_trainable_params(spec, lora_rank)
+
+
+def base_weight_bytes(spec, method: str, param_bytes: int) -> float:
+    """Bytes of the frozen base weights (LoRA: 16-bit as loaded; QLoRA: NF4 linears, 16-bit embeddings)."""
+    if method != "qlora":
+        return spec.num_params * param_bytes
+    # bitsandbytes quantises the Linear layers; embeddings and lm_head stay in 16-bit
+    unquantised = spec.embedding_params + spec.lm_head_params
+    return (spec.num_params - unquantised) * QLORA_BASE_BYTES_PER_PARAM + unquantised * param_bytes
+
+
+def optimizer_state_bytes(optimizer: str, state: int) -> int:
+    """Bytes per trainable param of optimizer state: AdamW keeps two moments in the dtype of the
+    weights it steps (torch ``zeros_like``); bitsandbytes' 8-bit Adam 1 byte each; SGD one momentum."""
+    return {"adamw": 2 * state, "adamw_8bit": 2, "sgd": state}[optimizer]
+
+
+def _bf16_optimizer(s: Strategy, lay: Dtypes) -> bool:
+    """ZeRO-1 with 16-bit compute and fp32 masters runs DeepSpeed's ``BF16_Optimizer`` (engine.py)."""
+    return s.zero_stage == 1 and bool(lay.master) and lay.compute < FP32
+
+
+def _split(full: float, sharded: bool, degree: int) -> int:
+    return math.ceil(full / degree) if sharded else math.ceil(full)
+
+
+def param_bytes_per_rank(spec, s: Strategy, degree, method, offload, lay: Dtypes, base_bytes, lora_rank) -> int:
+    """The weights each rank keeps between steps (gathered units and working copies are buffers).
+
+    Shard-grad-op keeps its fp32 shards plus the bf16 units gathered for the whole step (buffers)."""
+    if offload == "optimizer+params":
+        return 0
+    if method == "full":
+        full = spec.num_params * lay.weights
+    else:
+        full = base_weight_bytes(spec, method, base_bytes) + trainable_params(spec, method, lora_rank) * lay.weights
+    sharded = s.shards.params  # shard-grad-op: its shards at rest; the gathered units are buffers
+    return _split(full, sharded, degree)
+
+
+def grad_bytes_per_rank(s: Strategy, degree, trainable, offload, lay: Dtypes, accumulation=1) -> int:
+    """Gradients kept until the optimizer step.
+
+    - DDP / FSDP2: ``param.grad`` in the weights' dtype (FSDP2: views into fp32 reduce-scatter outputs).
+    - ZeRO-1 with 16-bit compute and fp32 accumulation (hf_dist's JSON) runs DeepSpeed's
+      ``BF16_Optimizer`` (engine.py ``_do_optimizer_sanity_check``): a full, unpartitioned fp32 gradient
+      buffer from init plus the bf16 autograd gradients, which it zeroes but never frees
+      (bf16_optimizer.py ``_setup_for_real_optimizer``, ``clear_lp_grads``).
+    - ZeRO-1 in fp32 (stage_1_and_2.py) reduces into gradient partitions at the end of backward, so with
+      one micro-batch per step only the partition survives; with accumulation it keeps full gradients.
+    - ZeRO-2: the fp32 partition (stage_1_and_2.py ``_build_compact_grad_partition_buffer``), freed
+      after the step. ZeRO-3: ``grad_partitions_flat_buffer``, an fp32 partition kept from init (stage3.py).
+    """
+    if _bf16_optimizer(s, lay):
+        return trainable * (FP32 + lay.compute)
+    sharded = s.shards.grads or (s.zero_stage == 1 and accumulation == 1)
+    # ZeRO-Offload keeps gradient partitions in pinned host memory (stage 2/3); FSDP2 offload too
+    if offload != "none" and sharded:
+        return 0
+    return _split(trainable * lay.grads, sharded, degree)
+
+
+def grads_persist(s: Strategy, lay: Dtypes, accumulation: int) -> bool:
+    """Whether gradients are alive during forward (not only from backward to the step)."""
+    return accumulation > 1 or s.zero_stage == 3 or _bf16_optimizer(s, lay)
+
+
+def optimizer_bytes_per_rank(s: Strategy, degree, trainable, offload, optimizer, lay: Dtypes) -> int:
+    """Optimizer moments plus DeepSpeed's separate fp32 master partition."""
+    if offload != "none":
+        return 0
+    full = trainable * (optimizer_state_bytes(optimizer, lay.state) + lay.master)
+    return _split(full, s.shards.optimizer, degree)
+
+
+def cpu_bytes_per_rank(spec, degree, trainable, method, offload, optimizer, lay: Dtypes, compute) -> int:
+    """Host memory per rank holding offloaded states (fp32 gradients on the host for ZeRO-Offload)."""
+    if offload == "none":
+        return 0
+    states = trainable * (optimizer_state_bytes(optimizer, FP32) + FP32 + FP32)  # moments, master, fp32 grads
+    if offload == "optimizer+params":
+        states += base_weight_bytes(spec, method, compute)
+    return math.ceil(states / degree)
+
+
+def step_bytes_per_rank(spec, s: Strategy, degree, trainable, offload, lay: Dtypes) -> int:
+    """Transients of the end of backward and the optimizer step, which coexist with the gradients.
+
+    The Trainer's default optimizer on CUDA is ``adamw_torch_fused``: no state-sized temporaries.
+    DeepSpeed (bf16, fp32 accumulation):
+    - ZeRO-1 (``BF16_Optimizer``): the bf16 cast of the gradients all-reduced at the accumulation
+      boundary (engine.py ``allreduce_bucket``) and one fp32 upcast of the largest parameter;
+    - ZeRO-1/2 in stage_1_and_2.py: the contiguous-gradient buckets (reduce_bucket_size elements, two
+      with overlap_comm), allocated at the first gradient hook of each backward and freed at its end;
+      fp64 norm temporaries of the largest parameter's partition (``get_grad_norm_direct``);
+    - ZeRO-3: the flattened fp32 gradient of one sub-group (sub_group_size 1e9 elements) in ``step``
+      and the same fp64 norm temporaries.
+    """
+    if not s.is_deepspeed or offload != "none":
+        return 0
+    largest = min(max(spec.layer_params, spec.embedding_params), trainable) if spec.has_shape else 0
+    norm = _split(largest * 8, True, degree)
+    if _bf16_optimizer(s, lay):
+        return trainable * lay.compute + largest * FP32
+    if s.zero_stage in (1, 2):
+        buckets = 2 if s.zero_stage == 2 and lay.compute < FP32 else 1  # overlap_comm (hf_dist: stage >= 2)
+        return buckets * DS_REDUCE_BUCKET_ELEMENTS * lay.compute + norm
+    return min(DS_SUB_GROUP_ELEMENTS, _split(trainable, True, degree)) * FP32 + norm
+
+
+# ---------------------------------------------------------------- activations
+
+
+def _norm_bytes(h: int, lay: Dtypes, consumers: int, liger: bool) -> int:
+    """Per token, one RMSNorm and what its consumers save of its output.
+
+    HF ``LlamaRMSNorm`` upcasts its input to fp32 (saved by ``pow`` and the ``rsqrt`` multiply: the
+    input itself when the residual is fp32, else a copy) and saves the normalised tensor cast back to
+    the input dtype for the weight multiply. Liger's ``LigerRMSNormFunction`` saves only its input and
+    a per-row fp32 rstd. Consumers: under autocast each linear saves its own cast of the output;
+    otherwise they share one saved tensor.
+    """
+    r = lay.residual
+    own = r * h if liger else FP32 * h + r * h
+    shared = consumers * lay.compute * h if lay.autocast else r * h
+    return own + shared
+
+
+def layer_activation_bytes(
+    spec, seq_len: int, micro_batch_size: int, lay: Dtypes, *, attention: str = "sdpa", liger: bool = False
+) -> int:
+    """Saved-for-backward bytes of one Llama-style decoder layer (transformers' modeling_llama.py).
+
+    Per token, with c the compute dtype's bytes, h hidden, kv the K/V width, I the MLP width, a heads:
+      two RMSNorms and their consumers (:func:`_norm_bytes`; 3 projections read the first, 2 the second);
+      attention: q after RoPE (c*h: RoPE's multiplies save only cos/sin, which need no grad),
+        k, v (c*kv each; sdpa passes ``enable_gqa`` instead of repeating K/V), the output (c*h) and its
+        contiguous transpose that o_proj saves (c*h), and flash/efficient SDPA's fp32 log-sum-exp per
+        head (4a). Eager attention instead keeps the fp32 softmax and its 16-bit copy per key
+        ((4 + c)*a*s);
+      SwiGLU: gate, silu(gate), up and their product (4cI); Liger's ``LigerSiLUMulFunction`` saves
+        gate and up and recomputes silu (3cI).
+    Korthikanti et al. eq. 1 gives 34h for a GPT block in 16-bit; this block with I = 4h is larger
+    because SwiGLU keeps four I-sized tensors where GELU keeps two.
+    """
+    h, kv, a, c = spec.hidden_size, spec.num_key_value_heads * spec.head_dim, spec.num_attention_heads, lay.compute
+    q = spec.num_attention_heads * spec.head_dim
+    # the first norm feeds q, k, v and the second gate, up; extra norms (Gemma 2/3's post-attention and
+    # post-feed-forward norms) feed one consumer each
+    extra = max(spec.norms_per_layer - 2, 0)
+    norms = _norm_bytes(h, lay, 3, liger) + _norm_bytes(h, lay, 2, liger) + extra * _norm_bytes(h, lay, 1, liger)
+    attn = c * (3 * q + 2 * kv)
+    attn += (FP32 + c) * a * seq_len if attention == "eager" else FP32 * a
+    mlp = (3 if liger else 4) * c * spec.intermediate_size
+    return (norms + attn + mlp) * seq_len * micro_batch_size
+
+
+def logits_bytes(spec, seq_len: int, micro_batch_size: int, lay: Dtypes, *, liger: bool = False) -> int:
+    """Peak bytes of the LM head and the loss.
+
+    HF: ``ForCausalLMLoss`` upcasts the logits (``logits.float()``) and ``cross_entropy`` keeps the fp32
+    log-softmax; in backward NLL's gradient, the log-softmax output and its input gradient are three
+    fp32 ``[tokens, vocab]`` tensors alive at once (12 bytes per vocab entry per token), more than the
+    forward's 16-bit logits + fp32 copy + log-softmax. Plus the final norm and what lm_head saves.
+    Liger's fused linear cross-entropy (``LigerFusedLinearCrossEntropyFunction``) computes the loss and
+    both gradients chunk by chunk in forward: it keeps the input gradient (in the residual dtype) and the
+    lm_head weight gradient (in the weights' dtype), and holds one chunk of logits of
+    ``2**ceil(log2(tokens / ceil(V / h)))`` rows; under autocast each chunk's matmul casts the transposed
+    fp32 weight again (a view, which autocast does not cache).
+    """
+    tokens = seq_len * micro_batch_size
+    final_norm = _norm_bytes(spec.hidden_size, lay, 1, liger) * tokens
+    if not liger:
+        # Gemma 2's soft-capping (logits / cap, tanh, * cap) saves tanh's output in the compute dtype
+        capping = lay.compute * spec.vocab_size * tokens if spec.logit_softcapping else 0
+        return final_norm + 3 * FP32 * spec.vocab_size * tokens + capping
+    h, v = spec.hidden_size, spec.vocab_size
+    chunk = min(2 ** math.ceil(math.log2(max(1, math.ceil(tokens / math.ceil(v / h))))), tokens)
+    weight_copy = lay.compute * v * h if lay.autocast else 0
+    return final_norm + lay.residual * h * tokens + lay.weights * v * h + weight_copy + lay.compute * v * chunk
+
+
+def activation_bytes(spec, seq_len, micro_batch_size, activation_checkpointing, lay: Dtypes, **kw) -> int:
+    """Saved activations of every decoder layer on one rank (data parallelism does not split them).
+
+    With activation checkpointing (non-reentrant, one checkpoint per decoder layer, what hf_dist
+    configures) each layer keeps only its input (residual dtype), plus one layer's activations while it
+    is recomputed in backward.
+    """
+    if not spec.has_shape:
+        return 0
+    layer = layer_activation_bytes(spec, seq_len, micro_batch_size, lay, **kw)
+    if activation_checkpointing:
+        inputs = spec.num_layers * spec.hidden_size * seq_len * micro_batch_size * lay.residual
+        return inputs + layer
+    return spec.num_layers * layer
+
+
+# ---------------------------------------------------------------- buffers
+
+
+def _linear_params(spec) -> int:
+    """Weights that pass through a linear layer: everything but the input embedding (unless tied to lm_head)."""
+    return spec.num_params - (spec.embedding_params if spec.lm_head_params else 0)
+
+
+def buffer_bytes(spec, s: Strategy, world_size, trainable, lay: Dtypes, ckpt: bool) -> int:
+    """Working copies and communication buffers alive during forward, per rank.
+
+    - autocast (DDP mixed): the bf16 copy of every linear weight, cached by autocast and saved by the
+      linear for backward (torch ``cached_cast``); with checkpointing only lm_head's copy outlives
+      the forward (the recomputed layers cast again, one at a time).
+    - DDP at world > 1: the Reducer's flat buckets hold a second copy of the gradients in the weights'
+      dtype, from construction (``gradient_as_bucket_view=False``; torch reducer.cpp ``initialize_buckets``).
+    - ZeRO-3: the contiguous-gradient bucket (reduce_bucket_size elements, kept from init, stage3.py)
+      and, at world > 1, the gathered module plus the prefetch bucket. ZeRO-1/2 buckets exist only in
+      backward (:func:`step_bytes_per_rank`).
+    - FSDP2: the unsharded compute-dtype copy of the root/tail unit (embedding, lm_head, final norm:
+      ``reshard_after_forward=False``), of the current and the prefetched decoder layer, and the
+      reduce-scatter input of one layer (fp32 reduce); shard-grad-op keeps every unit gathered.
+    """
+    c = lay.compute
+    out = 0
+    if lay.autocast:
+        out += c * ((spec.lm_head_params or spec.embedding_params) if ckpt else _linear_params(spec))
+    unit = spec.layer_params
+    if s.is_ddp:
+        return out + (trainable * lay.grads if world_size > 1 else 0)
+    if s.is_deepspeed and not s.shards.params:  # ZeRO-1/2
+        return out
+    if s.is_deepspeed:  # ZeRO-3
+        out += DS_REDUCE_BUCKET_ELEMENTS * c
+        if world_size > 1:
+            out += (max(unit, spec.embedding_params) + min(DS_PREFETCH_BUCKET_ELEMENTS, spec.num_params)) * c
+        return out
+    reduce_input = unit * lay.grads if trainable == spec.num_params else 0
+    if s.gathers_params:
+        return out + spec.num_params * c + reduce_input
+    root = spec.embedding_params + spec.lm_head_params
+    return out + (root + 2 * unit) * c + reduce_input
+
+
+# ---------------------------------------------------------------- allocator and overhead
+
+
+def allocator_bytes(
+    spec, s: Strategy, degree, trainable, lay: Dtypes, largest_transient: int, grads: int, ckpt: bool
+) -> int:
+    """Reserved beyond the peak allocated: torch's caching allocator never moves or returns blocks.
+
+    c10/cuda/CUDACachingAllocator.cpp caches freed blocks per stream (``get_free_block`` only returns
+    a block of the requesting stream) and splits cached blocks to serve smaller requests, so free space
+    ends up scattered between live tensors. Counted:
+    - one block of the largest transient tensor (the fp32 logits, or an MLP activation): a request
+      that size needs one contiguous free block, which the earlier phases' scattered frees rarely are;
+    - with activation checkpointing, the gradients allocated layer by layer in backward between the
+      recomputed activations pin the blocks those activations freed;
+    - blocks cached by communication streams, which the compute stream never reuses: FSDP2's sharded
+      fp32 gradients come from reduce-scatter outputs on its reduce-scatter stream
+      (``_fsdp_collectives.foreach_reduce``); ZeRO-2 builds its fp32 gradient partition, the bucket
+      flatten and the per-parameter upcasts on the reduction stream (stage_1_and_2.py ``average_tensor``);
+      ZeRO-3 flattens buckets and upcasts partitions there (stage3.py, ``reduce_scatter_coalesced``) and
+      records the bf16 gradients in flight (up to the two overlapped buckets) on it before freeing them.
+    """
+    out = largest_transient
+    if ckpt:
+        out += grads
+    bucket = min(DS_REDUCE_BUCKET_ELEMENTS, trainable)  # what a flatten of the gradients in it holds
+    largest = min(max(spec.layer_params, spec.embedding_params), trainable) if spec.has_shape else 0
+    if s.is_fsdp:
+        out += _split(trainable * lay.grads, True, degree)
+    elif s.zero_stage == 2:
+        out += (
+            _split(trainable * lay.grads, True, degree) + bucket * lay.compute + _split(largest * FP32, True, degree)
+        )
+    elif s.zero_stage == 3:
+        out += bucket * lay.compute + _split(bucket * FP32, True, degree) + min(trainable, 2 * bucket) * lay.compute
+    return out
+
+
+def overhead_bytes(s: Strategy, world_size: int) -> int:
+    """CUDA context and library workspaces, plus NCCL communicators when a process group is used."""
+    nccl = world_size > 1 or s.is_deepspeed
+    return CUDA_CONTEXT_BYTES + (NCCL_BYTES if nccl else 0)
+
+
+def largest_transient_bytes(spec, seq_len, micro_batch_size, lay: Dtypes, liger: bool) -> int:
+    if not spec.has_shape:
+        return 0
+    tokens = seq_len * micro_batch_size
+    mlp = lay.compute * spec.intermediate_size * tokens
+    return mlp if liger else max(mlp, FP32 * spec.vocab_size * tokens)
+
+
+# ---------------------------------------------------------------- public entry point
+
+
+def estimate_memory(
+    model_or_num_params: Any,
+    strategy: str,
+    world_size: int,
+    *,
+    nodes: int = 1,
+    method: str = "full",
+    offload: str = "none",
+    optimizer: str = "adamw",
+    master_weights: bool = True,
+    param_bytes: int = 2,
+    grad_bytes: int | None = None,
+    seq_len: int = 2048,
+    micro_batch_size: int = 1,
+    activation_checkpointing: bool = False,
+    lora_rank: int = 16,
+    overhead: int | None = None,
+    gradient_accumulation_steps: int = 1,
+    use_liger_kernel: bool = False,
+    attention: str = "sdpa",
+    device: str = "cuda",
+    base_bytes: int | None = None,
+) -> MemoryEstimate:
+    """Per-rank memory of training ``model_or_num_params`` with ``strategy`` on ``world_size`` ranks.
+
+    ``model_or_num_params``: a parameter count (activations are then 0), a ModelSpec, a config,
+    a model, a local folder / config.json or a hub name. Precision: ``param_bytes`` is the compute
+    dtype (2 for bf16/fp16, 4 for fp32) and ``master_weights`` keeps fp32 master weights and optimizer
+    state; ``param_bytes=2, master_weights=False`` is pure bf16 (see :func:`engine_dtypes`). ``grad_bytes``
+    overrides the gradient dtype the strategy keeps. ``use_liger_kernel``: Liger's fused RMSNorm,
+    SwiGLU, RoPE and linear cross-entropy (the ``TrainingArguments`` flag). ``attention``: the
+    ``attn_implementation``. ``device="cpu"``: no CUDA context or caching allocator (CPU ranks).
+    ``base_bytes``: bytes per element of a LoRA/QLoRA model's frozen base as loaded (default: the
+    compute dtype's; 4 for a model loaded in fp32). ``overhead`` overrides the context term. ``gradient_accumulation_steps`` > 1 keeps gradients
+    alive next to activations (see MemoryEstimate).
+    """
+    from hf_dist.planning.modelinfo import model_spec
+
+    run = Layout(strategy, world_size, nodes, offload, activation_checkpointing)
+    s = run.strategy
+    validate_args(run, method, optimizer, param_bytes, grad_bytes, lora_rank)
+    check_positive_int("seq_len", seq_len)
+    check_positive_int("micro_batch_size", micro_batch_size)
+    check_positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
+    check_choice("attention", attention, ATTENTIONS)
+    check_choice("device", device, DEVICES)
+    spec = model_spec(model_or_num_params)
+    base_bytes = param_bytes if base_bytes is None else base_bytes
+    if base_bytes not in (2, 4):
+        raise ValueError(f"base_bytes must be 2 (bf16/fp16 weights) or 4 (fp32), got {base_bytes!r}")
+    lay = engine_dtypes(s, param_bytes, master_weights, method, base_bytes)
+    if grad_bytes is not None:
+        lay = replace(lay, grads=grad_bytes)
+    degree = run.dp_shard_size
+    trainable = trainable_params(spec, method, lora_rank)
+    ckpt = activation_checkpointing
+    act_kw = {"attention": attention, "liger": use_liger_kernel}
+    params = param_bytes_per_rank(spec, s, degree, method, offload, lay, base_bytes, lora_rank)
+    grads = grad_bytes_per_rank(s, degree, trainable, offload, lay, gradient_accumulation_steps)
+    optim = optimizer_bytes_per_rank(s, degree, trainable, offload, optimizer, lay)
+    acts = activation_bytes(spec, seq_len, micro_batch_size, ckpt, lay, **act_kw)
+    head = logits_bytes(spec, seq_len, micro_batch_size, lay, liger=use_liger_kernel) if spec.has_shape else 0
+    buffers = buffer_bytes(spec, s, world_size, trainable, lay, ckpt)
+    step = step_bytes_per_rank(spec, s, degree, trainable, offload, lay)
+    cpu = cpu_bytes_per_rank(spec, degree, trainable, method, offload, optimizer, lay, param_bytes)
+    on_gpu = device == "cuda"
+    allocator = 0
+    if on_gpu:
+        largest = largest_transient_bytes(spec, seq_len, micro_batch_size, lay, use_liger_kernel)
+        allocator = allocator_bytes(spec, s, degree, trainable, lay, largest, grads, ckpt)
+    fixed = int(overhead) if overhead is not None else (overhead_bytes(s, world_size) if on_gpu else 0)
+    overlap = not grads_persist(s, lay, gradient_accumulation_steps)
+    return MemoryEstimate(params, grads, optim, acts, buffers, fixed, cpu, overlap, head, step, allocator)

@@ -1,0 +1,329 @@
+"""What the planner needs to know about a model: parameter counts and shape, without allocating weights.
+
+``model_spec`` accepts a bare parameter count, a transformers config (or its dict), a built
+``nn.Module`` (PEFT-wrapped too), a local folder / ``config.json`` path, or a hub name. Counts
+come from instantiating the model on the ``meta`` device, which allocates no storage: a
+Llama-3.1-405B config counts in about half a second.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Parameter counts and shape of a causal LM, enough for the memory model."""
+
+    num_params: int  # total trainable-capable params, tied embeddings counted once (LoRA adapters excluded)
+    num_layers: int = 0  # decoder layers (0 when unknown, e.g. a bare count)
+    hidden_size: int = 0
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    intermediate_size: int = 0
+    vocab_size: int = 0
+    max_position_embeddings: int | None = None
+    tie_word_embeddings: bool = False
+    layer_params: int = 0  # params in one decoder layer (= one FSDP unit)
+    embedding_params: int = 0  # input embedding only; an untied lm_head has as many again
+    model_type: str | None = None
+    name: str | None = None
+    config: Any = None  # the transformers PretrainedConfig when known
+    head_dim: int = 0  # attention head size (hidden_size // heads unless the config says otherwise)
+    norms_per_layer: int = 2  # normalisation modules in one decoder layer (Gemma 2/3 have 4)
+    logit_softcapping: bool = False  # the LM head applies tanh soft-capping to the logits (Gemma 2)
+
+    def __post_init__(self) -> None:
+        for field in ("num_params", "num_layers", "hidden_size", "layer_params", "embedding_params"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"ModelSpec.{field} must be a non-negative int, got {value!r}")
+        if self.num_params <= 0:
+            raise ValueError(f"ModelSpec.num_params must be positive, got {self.num_params}; pass a real model size")
+
+    @property
+    def has_shape(self) -> bool:
+        """True when layer/hidden sizes are known (needed for activations and LoRA)."""
+        return self.num_layers > 0 and self.hidden_size > 0
+
+    @property
+    def lm_head_params(self) -> int:
+        """Params of the output projection when it is a separate matrix (0 when tied)."""
+        return 0 if self.tie_word_embeddings else self.embedding_params
+
+
+def model_spec(model: Any, *, trust_remote_code: bool = False) -> ModelSpec:
+    """Describe ``model``: int (or integral float, 7.5e9) | PretrainedConfig | dict | nn.Module (incl. PEFT) | str (dir, config.json, hub name)."""
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, bool):
+        raise ValueError(f"model must be a parameter count, config, module or name, got {model!r}")
+    if isinstance(model, int):
+        return ModelSpec(num_params=model)
+    if isinstance(model, float):
+        return ModelSpec(num_params=_integral_count(model))
+    if isinstance(model, (str, os.PathLike)):
+        return spec_from_config(load_config(os.fspath(model), trust_remote_code=trust_remote_code), name=str(model))
+    if isinstance(model, dict):
+        return spec_from_config(config_from_dict(model))
+    if _is_config(model):
+        return spec_from_config(model)
+    if _is_module(model):
+        return spec_from_module(model)
+    raise ValueError(
+        f"cannot describe a model of type {type(model).__name__}; pass a parameter count, a transformers config, "
+        "a config dict, an nn.Module, a local folder / config.json path or a hub name"
+    )
+
+
+def _integral_count(value: float) -> int:
+    """A parameter count written as a float (``7.5e9``) as an int; a fractional or non-finite one is refused."""
+    if not math.isfinite(value) or not value.is_integer():
+        raise ValueError(
+            f"a parameter count must be a whole number, got {value!r} (not integral); pass e.g. 7.5e9 or 7_500_000_000"
+        )
+    return int(value)
+
+
+def _is_config(obj: Any) -> bool:
+    from transformers import PretrainedConfig
+
+    return isinstance(obj, PretrainedConfig)
+
+
+def _is_module(obj: Any) -> bool:
+    import torch
+
+    return isinstance(obj, torch.nn.Module)
+
+
+def config_from_dict(data: dict) -> Any:
+    from transformers import AutoConfig
+
+    if "model_type" not in data:
+        raise ValueError(
+            f"config dict has no 'model_type' (keys: {sorted(data)[:10]}...); add it, e.g. 'model_type': 'llama'"
+        )
+    kwargs = {k: v for k, v in data.items() if k != "model_type"}
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if data["model_type"] not in CONFIG_MAPPING:
+        raise ValueError(
+            f"unknown model_type {data['model_type']!r} in config; use one transformers knows, e.g. 'llama'"
+        )
+    try:
+        return AutoConfig.for_model(data["model_type"], **kwargs)
+    except Exception as exc:  # transformers/huggingface_hub validators raise their own types
+        message = str(exc).strip().splitlines()[-1].strip()[:300] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"invalid {data['model_type']} config: {message}; fix config.json") from None
+
+
+def load_config(path_or_name: str, *, trust_remote_code: bool = False) -> Any:
+    """A config from a local folder, a config.json file or a hub name (clear error when offline)."""
+    from transformers import AutoConfig
+
+    if os.path.isfile(path_or_name):
+        with open(path_or_name, encoding="utf-8") as fh:
+            try:
+                data = json.load(fh)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path_or_name} is not valid JSON ({exc}); pass a transformers config.json") from exc
+        return config_from_dict(data)
+    if os.path.isdir(path_or_name):
+        config_file = os.path.join(path_or_name, "config.json")
+        if not os.path.isfile(config_file):
+            raise FileNotFoundError(f"folder {path_or_name} has no config.json; pass a model folder or a config.json")
+        try:
+            return AutoConfig.from_pretrained(path_or_name, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as exc:
+            raise ValueError(
+                f"cannot read {config_file} ({type(exc).__name__}: {str(exc)[:200]}); fix or replace it"
+            ) from None
+    try:
+        return AutoConfig.from_pretrained(path_or_name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"could not resolve model {path_or_name!r}: it is not a local folder or file, and the hub name could not "
+            f"be resolved (offline or no access: {type(exc).__name__}). Pass a local folder or a config.json path"
+        ) from exc
+
+
+def _check_causal_lm(config: Any) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    auto_map = getattr(config, "auto_map", None) or {}
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or "AutoModelForCausalLM" in auto_map:
+        return
+    raise ValueError(
+        f"model_type {config.model_type!r} is not a causal language model (no AutoModelForCausalLM mapping); "
+        "hf_dist plans fine-tuning of causal LMs such as llama, mistral, qwen2, gpt2"
+    )
+
+
+def check_dimensions(config: Any, *, name: str | None = None) -> None:
+    """Refuse a config whose sizes are zero, negative, non-integer or inconsistent, before anything is planned."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    where = f"model config {name or getattr(config, '_name_or_path', '') or config.model_type}".rstrip()
+    sizes = {key: getattr(text, key, None) for key in ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                                                        "vocab_size", "intermediate_size", "num_key_value_heads")}  # fmt: skip
+    for key, value in sizes.items():
+        required = key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+        if value is None and not required:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{where}: {key} must be a positive integer, got {value!r}; fix config.json")
+    hidden, heads, kv = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    head_dim = getattr(text, "head_dim", None)
+    # transformers 5.0 fills head_dim = hidden // heads itself: only an explicit, different head_dim is a choice
+    if hidden % heads and (head_dim is None or head_dim == hidden // heads):
+        raise ValueError(
+            f"{where}: hidden size ({hidden}) is not a multiple of num_attention_heads ({heads}) and no head_dim is "
+            f"given; fix config.json (e.g. num_attention_heads that divides {hidden}, or an explicit head_dim)"
+        )
+    if kv is not None and heads % kv:
+        raise ValueError(
+            f"{where}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv}); fix config.json"
+        )
+
+
+def spec_from_config(config: Any, *, name: str | None = None) -> ModelSpec:
+    """Count params by building the model on the meta device (no storage is allocated)."""
+    _check_causal_lm(config)
+    check_dimensions(config, name=name)
+    key = (type(config).__name__, config.to_json_string(use_diff=False))
+    if key not in _COUNT_CACHE:
+        _COUNT_CACHE[key] = _meta_counts(config)
+    total, layer, embedding, norms = _COUNT_CACHE[key]
+    return _spec(config, total, layer, embedding, norms, name=name or getattr(config, "_name_or_path", None) or None)
+
+
+# keyed on the config JSON so repeated plans of the same config (CLI, tests) count once
+_COUNT_CACHE: dict[tuple[str, str], tuple[int, int, int, int]] = {}
+
+
+def _meta_counts(config: Any) -> tuple[int, int, int, int]:
+    return _module_counts(meta_model(config))
+
+
+def resolve_config(model: Any, *, trust_remote_code: bool = False) -> Any:
+    """The transformers config of a config object, a config dict, a local folder / config.json or a hub name."""
+    if _is_config(model):
+        return model
+    if isinstance(model, dict):
+        return config_from_dict(model)
+    if isinstance(model, (str, os.PathLike)):
+        return load_config(os.fspath(model), trust_remote_code=trust_remote_code)
+    raise ValueError(
+        f"cannot read a model config from an object of type {type(model).__name__}; pass a transformers config, "
+        "a config dict, a local folder / config.json path or a hub name"
+    )
+
+
+def meta_model(config: Any, *, trust_remote_code: bool | None = None) -> Any:
+    """``config`` built on the meta device (module tree only, no weight memory); a causal LM when it is one.
+
+    Registered causal-LM configs use the model class itself, not ``from_config``: under an active ZeRO-3
+    config ``from_config`` wraps the build in ``deepspeed.zero.Init``, a collective that hangs when only one
+    rank plans. Remote code (``auto_map``) goes through the auto classes with zero.Init marked active.
+    """
+    import contextlib
+
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        from transformers.modeling_utils import set_zero3_state
+    except ImportError:  # pragma: no cover - older/newer transformers
+        set_zero3_state = contextlib.nullcontext
+    remote = bool(getattr(config, "auto_map", None)) if trust_remote_code is None else trust_remote_code
+    errors = []
+    with torch.device("meta"), set_zero3_state():
+        if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+            model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
+        else:
+            model = None
+            for auto in (AutoModelForCausalLM, AutoModel):
+                try:
+                    model = auto.from_config(config, trust_remote_code=remote)
+                    break
+                except (ValueError, KeyError) as exc:  # config class not registered for this auto class
+                    errors.append(f"{auto.__name__}: {exc}")
+            if model is None:
+                raise ValueError(f"cannot build a model for config type {type(config).__name__}: {'; '.join(errors)}")
+        if hasattr(model, "tie_weights"):  # transformers 5.0's bare constructor leaves tied weights untied
+            model.tie_weights()
+    return model
+
+
+# LoRA adapter / PEFT bookkeeping parameters are not part of the base model
+_ADAPTER_MARKERS = ("lora_", "modules_to_save", "prompt_encoder", "ia3_")
+
+
+def _module_counts(model: Any) -> tuple[int, int, int, int]:
+    """(total params, params of one decoder layer, input embedding params, norm modules per layer)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    total = sum(p.numel() for n, p in base.named_parameters() if not any(m in n for m in _ADAPTER_MARKERS))
+    layers = _decoder_layers(base)
+    layer, norms = 0, 2
+    if layers is not None and len(layers):
+        layer = sum(p.numel() for n, p in layers[0].named_parameters() if not any(m in n for m in _ADAPTER_MARKERS))
+        norms = sum(1 for m in layers[0].modules() if "norm" in type(m).__name__.lower()) or 2
+    embed = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    embedding = embed.weight.numel() if embed is not None and hasattr(embed, "weight") else 0
+    return total, layer, embedding, norms
+
+
+def _decoder_layers(model: Any) -> Any:
+    """The longest nn.ModuleList whose children share one class: the repeated decoder block."""
+    import torch
+
+    best = None
+    for module in model.modules():
+        repeated = isinstance(module, torch.nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1
+        if repeated and (best is None or len(module) > len(best)):
+            best = module
+    return best
+
+
+def spec_from_module(model: Any) -> ModelSpec:
+    total, layer, embedding, norms = _module_counts(model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    if config is None or not _is_config(config):
+        layers = _decoder_layers(base)
+        return ModelSpec(num_params=total, num_layers=len(layers) if layers is not None else 0, layer_params=layer)
+    return _spec(config, total, layer, embedding, norms, name=getattr(config, "_name_or_path", None) or None)
+
+
+def _spec(config: Any, total: int, layer: int, embedding: int, norms: int, *, name: str | None) -> ModelSpec:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = int(getattr(text, "hidden_size", 0) or 0)
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    # GPT-2 style configs have no intermediate_size: n_inner, else the conventional 4 * hidden
+    inter = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
+    head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else 0)
+    return ModelSpec(
+        num_params=total,
+        num_layers=int(getattr(text, "num_hidden_layers", 0) or 0),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=int(inter),
+        vocab_size=int(getattr(text, "vocab_size", 0) or 0),
+        max_position_embeddings=getattr(text, "max_position_embeddings", None),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        layer_params=layer,
+        embedding_params=embedding,
+        model_type=getattr(config, "model_type", None),
+        name=name,
+        config=config,
+        head_dim=int(head_dim),
+        norms_per_layer=norms,
+        logit_softcapping=bool(getattr(text, "final_logit_softcapping", None)),
+    )

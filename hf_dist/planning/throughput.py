@@ -1,0 +1,161 @@
+"""Time per optimizer step of a candidate layout: pure arithmetic, used to rank what fits.
+
+A micro-step costs its matrix FLOPs at a fraction of the device's dense peak, the element-wise
+traffic around the saved activations at memory bandwidth, and eager PyTorch's per-op CPU dispatch;
+an optimizer step adds the optimizer's memory traffic, the collectives (:func:`comm_seconds`) and the
+PCIe traffic of offload. What this captures, and what the planner needs from it:
+
+- recompute: activation checkpointing runs every layer's forward again (+2 of 6 FLOPs per param per
+  token, and the forward's traffic and ops again);
+- micro-batch size: the per-op dispatch and the optimizer step are paid per micro-step / per step,
+  whatever the tokens, so small micro-batches leave the GPU idle (measured on an H100: 28.1 us per
+  token at 4096 tokens per micro-step, 24.9 at 8192; ../shared/gpu);
+- Liger kernels: fused RMSNorm / SwiGLU / RoPE and the fused linear cross-entropy save fewer
+  activations (less traffic, hf_dist.planning.memory) in fewer ops.
+
+Absolute figures are estimates (the planner reports them as such); the ranking is what they are for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hf_dist.planning.flops import flops_per_token_from_spec
+from hf_dist.planning.hardware import Hardware, memory_gbps_for, peak_tflops_for
+from hf_dist.planning.layout import Strategy, strategy
+
+# Dense bf16 GEMMs of transformer shapes reach about half of the datasheet peak in eager PyTorch
+# training (MFU of well-tuned dense training on H100/A100 is 40-55%).
+GEMM_EFFICIENCY = 0.5
+# Each saved activation is written in forward and read back in backward, and the element-wise ops
+# around it read and write it about once more each way: ~4 bytes of traffic per byte saved.
+TRAFFIC_PER_SAVED_BYTE = 4.0
+# Eager PyTorch spends ~10 us of CPU per op (dispatcher, autograd, kernel launch); a Llama decoder
+# layer runs ~50 ops forward and ~100 backward in transformers' implementation; Liger's fused RMSNorm,
+# RoPE and SwiGLU replace ~25 of the forward ones (and their backward ops).
+DISPATCH_S = 10e-6
+OPS_PER_LAYER = 150
+OPS_PER_LAYER_LIGER = 90
+# Engine work per micro-step, per parameter tensor (Python hooks, flatten/copy kernels, stream syncs):
+# DeepSpeed ZeRO-3 fetches and releases every parameter in forward and backward (stage3.py,
+# partitioned_param_coordinator.py); ZeRO-1/2 copy every gradient into a bucket and upcast it
+# (stage_1_and_2.py / bf16_optimizer.py hooks); FSDP2 runs a pre-forward / pre-backward /
+# post-backward hook per wrapped unit. The magnitudes are the one engine-specific measurement here:
+# H100 runs at world size 1 (no communication) of Llama-3.2-1B (147 parameter tensors) took
+# +45 ms (ZeRO-2) and +190 ms (ZeRO-3) per micro-step over the Trainer's plain loop (../shared/gpu).
+ZERO_HOOK_S = {3: 1.2e-3, 2: 300e-6, 1: 300e-6}  # by ZeRO stage
+FSDP_UNIT_HOOK_S = 150e-6
+TENSORS_PER_LAYER = 9  # q, k, v, o, gate, up, down, two norms
+# Link bandwidths when the hardware does not say (GB/s per device, achieved bus bandwidth):
+# NVLink-class nodes reach ~150 GB/s in NCCL all-reduce bus bandwidth; a 200 Gb/s NIC per GPU
+# (InfiniBand / EFA) ~25 GB/s; PCIe 4.0 x16 host<->device ~25 GB/s.
+DEFAULT_INTRA_GBPS = 150.0
+DEFAULT_INTER_GBPS = 25.0
+PCIE_GBPS = 25.0
+# Unknown devices: a mid-range GPU, or a CPU socket share (only the ranking matters there).
+DEFAULT_GPU_TFLOPS, DEFAULT_GPU_HBM_GBPS = 300.0, 2000.0
+CPU_TFLOPS, CPU_MEMORY_GBPS = 1.0, 50.0
+# DeepSpeedCPUAdam steps ~1e9 params/s per node (AVX-512, all cores); torch's AdamW on CPU ~4x slower.
+CPU_ADAM_PARAMS_PER_S = 1e9
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step by cause, and the resulting tokens per second (all ranks)."""
+
+    compute: float
+    memory: float
+    dispatch: float
+    optimizer: float
+    comm: float
+    tokens: int
+
+    @property
+    def seconds(self) -> float:
+        return self.compute + self.memory + self.dispatch + self.optimizer + self.comm
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def device_rates(hw: Hardware) -> tuple[float, float]:
+    """(dense FLOP/s, memory bytes/s) of one device."""
+    if hw.device == "cpu":
+        return CPU_TFLOPS * 1e12, CPU_MEMORY_GBPS * 1e9
+    tflops = hw.peak_tflops or peak_tflops_for(hw.gpu_name) or DEFAULT_GPU_TFLOPS
+    gbps = hw.memory_gbps or memory_gbps_for(hw.gpu_name) or DEFAULT_GPU_HBM_GBPS
+    return tflops * 1e12, gbps * 1e9
+
+
+def comm_seconds(s: Strategy | str, offload, spec, trainable, world, nodes, accum, pb, gb, hw: Hardware) -> float:
+    """Per optimizer step, per rank, seconds spent moving bytes (ring collectives, bandwidth-bound).
+
+    Ring all-reduce moves 2(N-1)/N of the buffer per rank, reduce-scatter and all-gather (N-1)/N each
+    (Patarasuk & Yuan 2009; NCCL performance docs). DDP and ZeRO-1 reduce once per optimizer step
+    (no_sync / local accumulation); ZeRO-2 reduce-scatters each micro-step; FSDP and ZeRO-3 gather
+    parameters in forward and backward (FSDP2 shard-grad-op only in forward) and reduce-scatter
+    gradients on every micro-step.
+    """
+    s = strategy(s)
+    intra = (hw.intra_node_gbps or DEFAULT_INTRA_GBPS) * 1e9
+    inter = (hw.inter_node_gbps or DEFAULT_INTER_GBPS) * 1e9
+    link = inter if nodes > 1 else intra
+    params, grads = spec.num_params * pb, trainable * gb
+    seconds = 0.0
+    if world > 1 and s.replicates_across_nodes:
+        g = world // nodes
+        fi, fo = (g - 1) / g, (nodes - 1) / nodes
+        seconds = (fi * (2 * params + grads) / intra + 2 * fo * grads / g / inter) * accum
+    elif world > 1:
+        f = (world - 1) / world
+        if s.shards.params:  # gathered for forward, and again for backward unless kept gathered
+            seconds += (1 if s.gathers_params else 2) * f * params * accum / link
+        elif s.shards.optimizer:  # updated shards gathered once after the step
+            seconds += f * params / link
+        if s.shards.grads:  # reduce-scattered every micro-step
+            seconds += f * grads * accum / link
+        else:  # reduced once per step: reduce-scatter (sharded optimizer) or all-reduce
+            seconds += (1 if s.shards.optimizer else 2) * f * grads / link
+    if offload != "none":
+        # gradients to the host and updated parameters back, every optimizer step, over PCIe
+        degree = s.shard_degree(world, nodes)
+        seconds += (trainable * (gb + pb)) / degree / (PCIE_GBPS * 1e9)
+        if offload == "optimizer+params":
+            seconds += 2 * params / degree * accum / (PCIE_GBPS * 1e9)
+    return seconds
+
+
+def _engine_hooks_s(s: Strategy, spec) -> float:
+    layers = max(spec.num_layers, 1)
+    if s.is_deepspeed:
+        return ZERO_HOOK_S[s.zero_stage] * (layers * TENSORS_PER_LAYER + 3)
+    if s.is_fsdp:
+        return FSDP_UNIT_HOOK_S * 3 * (layers + 1)
+    return 0.0
+
+
+def step_time(
+    spec, hw: Hardware, memory, *, strategy: Strategy, offload: str, trainable: int, micro_batch_size: int,
+    accumulation: int, seq_len: int, activation_checkpointing: bool, use_liger_kernel: bool, comm: float,
+) -> StepTime:  # fmt: skip
+    """Estimated seconds per optimizer step on each rank, from ``memory`` (a MemoryEstimate of the same layout)."""
+    flops_s, bytes_s = device_rates(hw)
+    tokens = seq_len * micro_batch_size
+    per_token = flops_per_token_from_spec(spec, seq_len) if spec.has_shape else 6 * spec.num_params
+    if trainable < spec.num_params:  # frozen weights: no weight gradients (2 of the 6 FLOPs per param)
+        per_token -= 2 * (spec.num_params - trainable)
+    recompute = 1 + (1 / 3 if activation_checkpointing else 0)
+    compute = per_token * tokens * recompute / (flops_s * GEMM_EFFICIENCY)
+    saved = memory.activations + memory.logits
+    traffic = saved * TRAFFIC_PER_SAVED_BYTE * (1.25 if activation_checkpointing else 1.0)
+    ops = (OPS_PER_LAYER_LIGER if use_liger_kernel else OPS_PER_LAYER) * max(spec.num_layers, 1) * recompute
+    dispatch = ops * DISPATCH_S + _engine_hooks_s(strategy, spec)
+    if offload == "none":
+        # AdamW reads weights, gradients and both moments and writes weights and moments back
+        optimizer = (memory.params + memory.grads + 2 * memory.optimizer) / bytes_s
+    else:
+        optimizer = trainable / max(hw.world_size, 1) * hw.gpus_per_node / CPU_ADAM_PARAMS_PER_S
+    per_micro = accumulation
+    return StepTime(compute * per_micro, traffic / bytes_s * per_micro, dispatch * per_micro, optimizer, comm,
+                    tokens * accumulation * hw.world_size)  # fmt: skip

@@ -1,0 +1,178 @@
+"""The dtype a model was loaded in, and keeping fp32 master weights unless pure bf16 is asked for.
+
+Most users load with ``from_pretrained(..., dtype=torch.bfloat16)``. What each strategy then does
+with ``bf16=True`` (transformers 5.x, accelerate 1.x, DeepSpeed 0.19):
+
+* DDP / one process: nothing. The optimizer steps the bf16 parameters, so weights and Adam state
+  stay bf16 (no fp32 master copy). :func:`prepare_model` upcasts the trainable parameters to fp32
+  so bf16 autocast runs on fp32 masters, as the plan assumes.
+* FSDP2: accelerate's ``fsdp2_prepare_model`` upcasts trainable parameters to fp32 whenever
+  ``mixed_precision != "no"``; ``MixedPrecisionPolicy(param_dtype=bf16)`` casts them for compute.
+* DeepSpeed ZeRO-1/2/3: the engine casts the module to bf16 and keeps an fp32 partition of the
+  master weights with fp32 Adam state, unless ``bf16.bf16_master_weights_and_grads`` and
+  ``bf16.bf16_optimizer_states`` are set.
+
+Pure bf16 (``pure_bf16=True``: bf16 weights and bf16 Adam state, no fp32 master copy) halves the
+Adam state and drops the master copy, at a known cost in accuracy: updates smaller than bf16's resolution (8 bits of
+mantissa, ~0.4% of the weight) are lost. It is only done when asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from hf_dist.planning.layout import strategy
+
+logger = logging.getLogger(__name__)
+
+# dtypes the memory model has byte counts for (hf_dist.planning.memory: param_bytes 2 or 4)
+KNOWN_DTYPES = ("float32", "bfloat16", "float16")
+# bitsandbytes / quantized parameter classes: their storage is not a trainable float weight
+_QUANTIZED_PARAM_CLASSES = ("Params4bit", "Int8Params")
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _is_module(model: Any) -> bool:
+    import torch
+
+    return isinstance(model, torch.nn.Module)
+
+
+def _float_params(model: Any):
+    """(name, parameter) for floating-point, non-quantized parameters."""
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and type(param).__name__ not in _QUANTIZED_PARAM_CLASSES:
+            yield name, param
+
+
+def loaded_dtype(model: Any) -> str | None:
+    """The dtype ``model`` was loaded in (``"bfloat16"``...), or None when it is not a loaded module.
+
+    A name, config or parameter count has no loaded dtype. For a module it is the dtype holding most
+    floating-point parameter elements (PEFT adapters in fp32 do not change a bf16 base). Raises
+    ValueError when a floating-point parameter has a dtype the memory model does not know.
+    """
+    if not _is_module(model):
+        return None
+    counts: dict[str, int] = {}
+    for name, param in _float_params(model):
+        dtype = _dtype_name(param.dtype)
+        if dtype not in KNOWN_DTYPES:
+            raise ValueError(
+                f"parameter {name!r} is {dtype}; hf_dist plans models loaded in {', '.join(KNOWN_DTYPES)}. "
+                "Load the model with dtype=torch.bfloat16 (or torch.float32), or call model.to(torch.bfloat16)."
+            )
+        counts[dtype] = counts.get(dtype, 0) + param.numel()
+    return max(counts, key=counts.get) if counts else None
+
+
+def trainer_mixed_precision(plan: Any) -> str:
+    """The precision ``TrainingArguments`` get for ``plan``: "no" for pure bf16 under FSDP2, else the plan's.
+
+    accelerate upcasts FSDP2 parameters to fp32 whenever mixed precision is on, so pure bf16 FSDP2 runs
+    with ``bf16=False``: the bf16 weights set the compute dtype.
+    """
+    if getattr(plan, "pure_bf16", False) and strategy(plan.strategy).is_fsdp:
+        return "no"
+    return plan.mixed_precision
+
+
+def check_pure_bf16_hardware(pure_bf16: bool, hw: Any) -> None:
+    """Refuse pure bf16 on hardware without bf16 before any training starts."""
+    if not isinstance(pure_bf16, bool):
+        raise ValueError(f"pure_bf16 must be True or False, got {pure_bf16!r}")
+    if pure_bf16 and not hw.bf16:
+        where = hw.gpu_name or hw.device
+        raise ValueError(
+            f"pure_bf16=True needs bf16 support, but the hardware ({where}, bf16={hw.bf16}) has none; "
+            "drop pure_bf16 (the plan then keeps fp32 master weights), or describe bf16 hardware with "
+            "detect_hardware(bf16=True)."
+        )
+
+
+def deepspeed_pure_bf16_check(plan: Any, cpu_adam: bool) -> None:
+    """DeepSpeed keeps offloaded bf16 optimizer state only in DeepSpeedCPUAdam (fp32_optimizer_states=False)."""
+    if plan.pure_bf16 and plan.offload != "none" and not cpu_adam:
+        raise ValueError(
+            f"pure_bf16=True with {plan.strategy} offload={plan.offload!r} needs DeepSpeedCPUAdam (DeepSpeed asserts "
+            "otherwise), but cpu_adam=False; pass cpu_adam=True, or drop pure_bf16 to keep fp32 optimizer state."
+        )
+
+
+def check_final_flags(plan: Any, kwargs: dict[str, Any]) -> None:
+    """The final bf16 flag must give the precision the plan states (user overrides included)."""
+    if not plan.pure_bf16:
+        return
+    bf16 = bool(kwargs.get("bf16"))
+    fsdp = strategy(plan.strategy).is_fsdp
+    if fsdp and bf16:
+        raise ValueError(
+            f"pure_bf16=True with {plan.strategy} needs bf16=False: with bf16=True accelerate upcasts the sharded "
+            "parameters to fp32 (fp32 master weights and Adam state). Drop bf16=True; the model's own bf16 "
+            "weights set the compute dtype."
+        )
+    if not fsdp and not bf16:
+        raise ValueError(
+            f"pure_bf16=True with {plan.strategy} needs bf16=True, got bf16={kwargs.get('bf16')!r}; drop bf16=False."
+        )
+
+
+def prepare_model(model: Any, plan: Any, mixed_precision: str | None = None) -> None:
+    """Make ``model`` (in place) train with the precision ``plan`` states; a no-op for names/configs/counts.
+
+    ``mixed_precision``: what the final ``TrainingArguments`` flags enable (default: the plan's).
+
+    * pure bf16: every trainable floating-point parameter must already be bf16 (else ValueError).
+    * bf16/fp16 mixed precision under DDP / one process: trainable bf16/fp16 parameters are upcast to
+      fp32 (frozen ones, e.g. a LoRA base, stay as loaded: autocast computes in 16 bit anyway).
+      FSDP2 and DeepSpeed keep fp32 masters themselves (module docstring).
+    * no mixed precision (fp32 training, e.g. CPU): every floating-point parameter is upcast, for
+      every strategy, since no autocast bridges bf16 and fp32 tensors.
+    Quantized parameters are never touched. One warning says what was upcast.
+    """
+    if not _is_module(model):
+        return
+    import torch
+
+    if plan.pure_bf16:
+        wrong = sorted({_dtype_name(p.dtype) for _, p in _float_params(model) if p.requires_grad} - {"bfloat16"})
+        if wrong:
+            raise ValueError(
+                f"pure_bf16=True trains bf16 weights, but the model has trainable {'/'.join(wrong)} parameters; "
+                "load it with dtype=torch.bfloat16 (or call model.to(torch.bfloat16)), or drop pure_bf16."
+            )
+        return
+    mixed_precision = mixed_precision or plan.mixed_precision
+    everything = mixed_precision == "no"
+    if not everything and not strategy(plan.strategy).is_ddp:
+        return
+    upcast = [
+        p
+        for _, p in _float_params(model)
+        if p.dtype in (torch.bfloat16, torch.float16) and (everything or p.requires_grad)
+    ]
+    if not upcast:
+        return
+    dtypes = "/".join(sorted({_dtype_name(p.dtype) for p in upcast}))
+    with torch.no_grad():
+        for param in upcast:
+            param.data = param.data.to(torch.float32)
+    if int(os.environ.get("RANK", "0")) == 0:
+        which = "floating-point" if everything else "trainable"
+        why = "fp32 training (no mixed precision)" if everything else f"{mixed_precision} mixed precision"
+        logger.warning(
+            "hf_dist: upcast %d %s %s parameter tensors (%d params) of the model to float32 in place, for %s with "
+            "fp32 master weights and Adam state under %s. For bf16 weights and Adam state (half the optimizer "
+            "memory, less accurate updates) pass pure_bf16=True.",
+            len(upcast),
+            which,
+            dtypes,
+            sum(p.numel() for p in upcast),
+            why,
+            plan.strategy,
+        )

@@ -1,0 +1,180 @@
+"""The tested support matrix: which versions of the libraries hf_dist plugs into CI has run it with.
+
+The lowest supported version of each is pyproject.toml's lower bound; ``constraints/min.txt`` pins all of
+them at once and ``make test-min`` tests that set. The newest is whatever ``make test`` installs; the set a CI
+run last passed with is recorded in :data:`NEWEST_TESTED` (update it with the run). ``hf-dist env`` reports
+an installed version outside ``[lowest, newest tested]``. docs/testing.md lists the matrix.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+
+from hf_dist.configs.features import LibraryFeatures
+
+# the libraries whose APIs hf_dist calls into; their versions decide whether it works
+MATRIX_PACKAGES = (
+    "torch",
+    "transformers",
+    "accelerate",
+    "deepspeed",
+    "peft",
+    "datasets",
+    "safetensors",
+    "huggingface_hub",
+)
+
+# newest versions the full suite passed with (`make test`, torch 2.13.0+cpu, 2026-11-23)
+NEWEST_TESTED = {
+    "torch": "2.13.0",
+    "transformers": "5.23.0",
+    "accelerate": "1.15.0",
+    "deepspeed": "0.19.8",
+    "peft": "0.21.2",
+    "datasets": "5.2.0",
+    "safetensors": "0.8.0",
+    "huggingface_hub": "2.4.0",
+}
+
+
+def declared_minimums() -> dict[str, str]:
+    """``{package: lowest version}`` from hf_dist's installed metadata (pyproject.toml's ``>=`` bounds)."""
+    from packaging.requirements import Requirement
+
+    try:
+        requires = importlib.metadata.requires("hf_dist") or []
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree that was never installed
+        return {}
+    out: dict[str, str] = {}
+    for text in requires:
+        req = Requirement(text)
+        name = req.name.lower().replace("-", "_")
+        for spec in req.specifier:
+            if spec.operator == ">=":
+                out[name] = spec.version
+    return out
+
+
+def support_status(installed: dict[str, str | None]) -> dict[str, str | None]:
+    """``{package: None if inside the tested range, else a sentence saying how it is outside}``."""
+    from packaging.version import Version
+
+    lowest = declared_minimums()
+    out: dict[str, str | None] = {}
+    for name in MATRIX_PACKAGES:
+        version = installed.get(name)
+        if version is None:
+            continue
+        low, high = lowest.get(name), NEWEST_TESTED.get(name)
+        base = Version(Version(version).base_version)  # 2.13.0+cpu is 2.13.0
+        if low is not None and base < Version(low):
+            out[name] = f"older than the lowest supported {low} (pyproject.toml); upgrade it"
+        elif high is not None and base > Version(high):
+            out[name] = f"newer than the newest tested {high}; untested, report problems with `hf-dist env`"
+        else:
+            out[name] = None
+    return out
+
+
+@functools.cache
+def installed_features() -> LibraryFeatures:
+    """What the installed transformers / accelerate / torch accept (probed for features, not version numbers)."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    fields = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+    ac_field = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    return LibraryFeatures(
+        fsdp_version=_installed_fsdp_version(),
+        # newer transformers 5.x want fsdp=True (strings/lists are deprecated); 5.0 wants the string form
+        fsdp_flag_takes_bool=hasattr(TrainingArguments, "_apply_legacy_fsdp_to_config"),
+        activation_checkpointing_field=ac_field,
+        warmup_ratio_field="warmup_ratio" in fields,
+        parallelism_config="parallelism_config" in fields and {"tp_size", "cp_size"} <= _parallelism_fields(),
+        sequence_parallel={"sp_size", "sp_backend"} <= _parallelism_fields()
+        and _deepspeed_has("runtime/sequence_parallel/ulysses_sp.py"),
+        deepspeed_autotp=_deepspeed_has("runtime/tensor_parallel/config.py"),
+    )
+
+
+def _parallelism_fields() -> set[str]:
+    """Fields of the installed accelerate's ``ParallelismConfig`` (empty before accelerate 1.10)."""
+    import dataclasses
+
+    try:
+        from accelerate.parallelism_config import ParallelismConfig
+    except ImportError:
+        return set()
+    return {f.name for f in dataclasses.fields(ParallelismConfig)}
+
+
+def _deepspeed_has(relative: str) -> bool:
+    """Whether the installed DeepSpeed ships ``relative`` (a feature's module), without importing DeepSpeed."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return any((Path(loc) / relative).is_file() for loc in spec.submodule_search_locations)
+
+
+def _installed_fsdp_version() -> int:
+    """2 when the installed torch/accelerate/transformers can run FSDP2 through the Trainer, else 1."""
+    import dataclasses
+
+    try:
+        from accelerate.utils import FullyShardedDataParallelPlugin
+        from torch.distributed.fsdp import fully_shard  # noqa: F401  (FSDP2's entry point)
+    except ImportError:
+        return 1
+    plugin_fields = {f.name for f in dataclasses.fields(FullyShardedDataParallelPlugin)}
+    return 2 if "fsdp_version" in plugin_fields and _trainer_reads_fsdp_version() else 1
+
+
+def _trainer_reads_fsdp_version() -> bool:
+    """Whether ``TrainingArguments`` forwards ``fsdp_config["version"]`` to accelerate (every transformers 5.x)."""
+    import inspect
+
+    from transformers import TrainingArguments
+
+    process = getattr(TrainingArguments, "_process_fsdp_args", None) or TrainingArguments.__post_init__
+    try:
+        source = inspect.getsource(process)
+    except (OSError, TypeError):  # no source on disk (frozen install): every supported transformers forwards it
+        return True
+    return '"version"' in source or "'version'" in source
+
+
+def check_nvme_offload(nvme_path: str | None, *, aio_available=None) -> None:
+    """Refuse NVMe offload (ZeRO-Infinity) before training starts: ``nvme_path`` must be a writable folder and
+    DeepSpeed's async-I/O op must be buildable (it needs libaio). ``aio_available`` replaces the probe in tests."""
+    import os
+
+    if not nvme_path:
+        raise ValueError(
+            "NVMe offload needs nvme_path: a writable folder on a local NVMe drive on every node "
+            "(auto_args(..., nvme_path='/local_nvme/ds_offload'), hf-dist config --nvme-path ...)"
+        )
+    if not os.path.isdir(nvme_path) or not os.access(nvme_path, os.W_OK | os.X_OK):
+        why = "does not exist or is not a folder" if not os.path.isdir(nvme_path) else "is not writable"
+        raise ValueError(
+            f"nvme_path {nvme_path!r} {why}; create it on a local NVMe drive on every node and make it writable "
+            "by the training user"
+        )
+    available = _async_io_available() if aio_available is None else aio_available
+    if not available:
+        raise ValueError(
+            "NVMe offload needs DeepSpeed's async_io op, which cannot be built here: libaio is missing "
+            "(install libaio-dev with apt, or libaio-devel with yum); offload to CPU instead (offload_device='cpu')"
+        )
+
+
+def _async_io_available() -> bool:
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+    except ImportError:
+        return False
+    return bool(AsyncIOBuilder().is_compatible(verbose=False))

@@ -1,0 +1,93 @@
+"""Train a tiny Llama under DeepSpeed Ulysses SP (accelerate ``sp_backend="deepspeed"``) or in one process.
+
+Launched by tests/distributed/test_sequence_parallel.py::
+
+    python tests/distributed/scripts/sequence_parallel_train.py --out base.json
+    ACCELERATE_USE_CPU=false torchrun --nproc_per_node 2 tests/distributed/scripts/sequence_parallel_train.py \
+        --sp --out sp.json
+
+Both runs: same init (seed 0), same 16 random sequences of 32 tokens, micro-batch 1, default Trainer
+sampler (seed 42), AdamW lr 5e-5 linear, 2 steps, fp32. The SP run is ZeRO-1 with
+``"sequence_parallel_size": 2`` and ``ParallelismConfig(sp_backend="deepspeed", sp_size=2)``; the 2 ranks
+share one sample per step, each attending over half of its tokens after DeepSpeed's all-to-all.
+Micro-batch 1 because micro-batch 2 fails in transformers' loss with these versions (docs/parallelism.md).
+Rank 0 writes the losses, grad norms and the sequence length the embedding layer saw on each rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+SEQ_LEN = 32
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sp", action="store_true")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--output-dir", required=True)
+    args = parser.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from hf_dist.runtime.cpu_fsdp import cpu_deepspeed_training_kwargs
+    from hf_dist.runtime.dist import shutdown
+    from hf_dist.testing import tiny_llama_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_llama_config(), dtype=torch.float32, attn_implementation="sdpa")
+    seen: list[int] = []
+    model.model.embed_tokens.register_forward_pre_hook(lambda _m, inputs: seen.append(int(inputs[0].shape[-1])))
+    ids = torch.randint(0, 256, (16, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    dataset = [{"input_ids": r, "labels": r.clone(), "position_ids": torch.arange(SEQ_LEN)} for r in ids]
+    kwargs: dict = {"use_cpu": True}
+    if args.sp:
+        from accelerate import ParallelismConfig
+        from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+        handler = DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")
+        kwargs = {
+            "deepspeed": {
+                "train_micro_batch_size_per_gpu": 1,
+                "gradient_accumulation_steps": 1,
+                "zero_optimization": {"stage": 1},
+                "sequence_parallel_size": 2,
+            },
+            "parallelism_config": ParallelismConfig(sp_backend="deepspeed", sp_size=2, sp_handler=handler),
+            **cpu_deepspeed_training_kwargs(),
+        }
+    training_args = TrainingArguments(
+        output_dir=args.output_dir,
+        max_steps=2,
+        per_device_train_batch_size=1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        **kwargs,
+    )
+    trainer = Trainer(model=model, args=training_args, train_dataset=dataset)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    report = {
+        "world_size": trainer.accelerator.num_processes,
+        "distributed_type": str(trainer.accelerator.distributed_type).split(".")[-1],
+        "sp_size": trainer.get_sp_size(),
+        "total_train_batch_size": trainer.get_total_train_batch_size(training_args),
+        "losses": [float(e["loss"]) for e in logs],
+        "grad_norms": [float(e["grad_norm"]) for e in logs],
+        "embedding_seq_lens": sorted(set(seen)),
+    }
+    if trainer.is_world_process_zero():
+        tmp = Path(args.out).with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=2))
+        os.replace(tmp, args.out)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

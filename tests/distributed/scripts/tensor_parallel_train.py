@@ -1,0 +1,222 @@
+"""Train a tiny Llama with the HF Trainer under TP, FSDP2 x TP or DDP on CPU ranks and record what ran.
+
+Launched by tests/distributed/test_tensor_parallel.py, e.g.::
+
+    torchrun --nproc_per_node 2 tests/distributed/scripts/tensor_parallel_train.py --layout ddp ...
+    torchrun --nproc_per_node 2 tests/distributed/scripts/tensor_parallel_train.py --layout tp ...
+    torchrun --nproc_per_node 4 tests/distributed/scripts/tensor_parallel_train.py --layout fsdp_tp ...
+
+Every layout loads the same saved tiny Llama (``--model-dir``, written once by rank 0) and trains on
+the same global batch per optimizer step, in dataset order, fp32:
+
+* ``ddp``: 2 ranks, micro-batch 2 each (global 4);
+* ``tp``: 2 ranks, ``from_pretrained(tp_plan="auto")`` + ``ParallelismConfig(tp_size=2)``; both ranks
+  see the same micro-batch of 4 (the TP group is one data-parallel replica);
+* ``fsdp_tp``: 4 ranks, ``from_pretrained(distributed_config=DistributedConfig(tp_size=2, fsdp_size=2))``
+  (transformers applies TP and FSDP2 at load time) + ``ParallelismConfig(dp_shard_size=2, tp_size=2)``;
+  micro-batch 2 per data-parallel rank (global 4).
+
+CPU shim (test-only, this script only): accelerate's ``ParallelismConfig._validate_accelerator`` refuses any
+parallelism config on ``DistributedType.MULTI_CPU`` ("ParallelismConfig is only compatible
+DistributedType.FSDP (version 2) or DistributedType.Multi{Device} or DistributedType.DEEPSPEED, but got
+DistributedType.MULTI_CPU."), although nothing after that check needs a GPU: a model sharded at load
+time is not wrapped again by the Trainer. :func:`allow_parallelism_config_on_cpu` lets that one check
+treat a distributed CPU run like a multi-device one. Nothing else is patched.
+
+Rank 0 writes a JSON report: per-step losses, the DTensor placements/mesh/local shape of every
+parameter, and (``--save``) the files of the Trainer checkpoint and of a DCP save of the model's
+state dict, next to the gathered full state dict (``full_state_dict.pt``) to compare them with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+SEED = 1234
+SEQ_LEN = 32
+GLOBAL_BATCH = 4
+NUM_SAMPLES = 64  # the first GLOBAL_BATCH * steps are used, in order
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layout", required=True, choices=["ddp", "tp", "fsdp_tp"])
+    parser.add_argument("--model-dir", required=True, help="the tiny Llama; rank 0 writes it if absent")
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--save", action="store_true", help="Trainer checkpoint + DCP save + full state dict")
+    parser.add_argument("--out", required=True, help="JSON report written by rank 0")
+    return parser.parse_args()
+
+
+def allow_parallelism_config_on_cpu() -> None:
+    """Let accelerate's ParallelismConfig validation accept a distributed MULTI_CPU run (see module doc)."""
+    from accelerate import Accelerator
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DistributedType
+
+    original = ParallelismConfig._validate_accelerator
+
+    def validate(self, accelerator):
+        if not (accelerator.distributed_type == DistributedType.MULTI_CPU and accelerator.use_distributed):
+            return original(self, accelerator)
+        saved = Accelerator.multi_device
+        Accelerator.multi_device = property(lambda _: True)
+        try:
+            return original(self, accelerator)
+        finally:
+            Accelerator.multi_device = saved
+
+    ParallelismConfig._validate_accelerator = validate
+
+
+def write_model(folder: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_dist.testing import tiny_llama_config
+
+    if (folder / "config.json").exists():
+        return
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(tiny_llama_config(), dtype=torch.float32)
+    model.save_pretrained(folder)
+
+
+def load_model(layout: str, folder: Path):
+    """(model, extra TrainingArguments kwargs, micro-batch) for one layout."""
+    import torch
+    from accelerate import ParallelismConfig
+    from transformers import AutoModelForCausalLM
+
+    if layout == "ddp":
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), {}, GLOBAL_BATCH // 2
+    if layout == "tp":
+        model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.float32)
+        return model, {"parallelism_config": ParallelismConfig(tp_size=2)}, GLOBAL_BATCH
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    config = DistributedConfig(tp_size=2, fsdp_size=2)
+    model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=config, dtype=torch.float32)
+    return model, {"parallelism_config": ParallelismConfig(dp_shard_size=2, tp_size=2)}, GLOBAL_BATCH // 2
+
+
+def build_dataset(num_samples: int, vocab_size: int):
+    import torch
+
+    # Random arithmetic progressions mod vocab (as strategies_train.py): the loss moves within a few steps.
+    generator = torch.Generator().manual_seed(SEED)
+    start = torch.randint(0, vocab_size, (num_samples, 1), generator=generator)
+    stride = torch.randint(1, 5, (num_samples, 1), generator=generator)
+    ids = (start + stride * torch.arange(SEQ_LEN)) % vocab_size
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def placements(model) -> dict:
+    """Every parameter: DTensor placements, mesh dims/shape, global and local shape (None for plain tensors)."""
+    from torch.distributed.tensor import DTensor
+
+    facts = {}
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            facts[name] = {
+                "placements": [repr(p) for p in param.placements],
+                "mesh_dims": list(param.device_mesh.mesh_dim_names or ()),
+                "mesh_shape": list(param.device_mesh.shape),
+                "shape": list(param.shape),
+                "local_shape": list(param.to_local().shape),
+            }
+        else:
+            facts[name] = None
+    return facts
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+    import torch.distributed as dist
+    from accelerate import PartialState
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from hf_dist.runtime.dist import shutdown
+
+    allow_parallelism_config_on_cpu()
+    state = PartialState()  # the gloo process group
+    model_dir = Path(args.model_dir)
+    if state.is_main_process:
+        write_model(model_dir)
+    dist.barrier()  # the model folder is complete before any rank loads it
+    model, extra, micro_batch = load_model(args.layout, model_dir)
+
+    losses: list[float] = []
+
+    class Recorder(TrainerCallback):
+        def on_log(self, _args, _state, _control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+
+    training_args = TrainingArguments(
+        output_dir=args.output_dir,
+        max_steps=args.steps,
+        per_device_train_batch_size=micro_batch,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        logging_steps=1,
+        # A model sharded at load time may only save its weights (the Trainer refuses optimizer state).
+        save_strategy="steps" if args.save else "no",
+        save_steps=args.steps,
+        save_only_model=True,
+        report_to=[],
+        seed=SEED,
+        data_seed=SEED,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        use_cpu=True,
+        train_sampling_strategy="sequential",
+        **extra,
+    )
+    dataset = build_dataset(NUM_SAMPLES, model.config.vocab_size)
+    trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=[Recorder()])
+    trainer.train()
+
+    accel = trainer.accelerator
+    report = {
+        "layout": args.layout,
+        "world_size": accel.num_processes,
+        "losses": losses,
+        "distributed_type": str(accel.distributed_type).split(".")[-1],
+        "model_wrapped": type(trainer.model_wrapped).__name__,
+        "loaded_by_transformers": bool(getattr(model, "is_distributed_loading_by_transformers", False)),
+        "total_train_batch_size": trainer.get_total_train_batch_size(training_args),
+        "tp_size": trainer.get_tp_size(),
+        "placements": placements(trainer.model),
+    }
+    if args.save:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.tensor import DTensor
+
+        out_dir = Path(args.output_dir)
+        state_dict = trainer.model.state_dict()
+        full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state_dict.items()}
+        dcp.save({"model": state_dict}, checkpoint_id=str(out_dir / "dcp"))
+        if state.is_main_process:
+            torch.save(full, out_dir / "full_state_dict.pt")
+            root = out_dir / f"checkpoint-{args.steps}"
+            report["checkpoint_files"] = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+            report["dcp_files"] = sorted(p.name for p in (out_dir / "dcp").iterdir())
+        dist.barrier()
+    if state.is_main_process:
+        tmp = Path(args.out).with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=2))
+        os.replace(tmp, args.out)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""hf_dist.checkpoint.reshard on synthetic checkpoint folders (file layout only; real runs are in tests/distributed)."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hf_dist.checkpoint.reshard import inspect_checkpoint, prepare_resume, untie_optimizer_steps
+from hf_dist.cli.main import main
+from hf_dist.planning.layout import CheckpointFamily
+
+
+def make_deepspeed(path: Path, world: int, stage: int = 2, tag: str = "global_step10") -> Path:
+    folder = path / tag
+    folder.mkdir(parents=True)
+    (path / "latest").write_text(tag)
+    torch.save({}, folder / "mp_rank_00_model_states.pt")
+    for rank in range(world):
+        torch.save({}, folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+        if stage == 3:
+            torch.save({}, folder / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+    return path
+
+
+def make_dcp(path: Path, world: int) -> Path:
+    for name in ("pytorch_model_fsdp_0", "optimizer_0"):
+        (path / name).mkdir(parents=True)
+        (path / name / ".metadata").write_bytes(pickle.dumps({}))
+        for rank in range(world):
+            (path / name / f"__{rank}_0.distcp").touch()
+    return path
+
+
+def ds_args(fsdp: bool = False) -> SimpleNamespace:
+    config: dict = {"zero_optimization": {"stage": 2}}
+    if fsdp:
+        return SimpleNamespace(deepspeed=None, fsdp=True)
+    plugin = SimpleNamespace(deepspeed_config=config, hf_ds_config=SimpleNamespace(config=config))
+    return SimpleNamespace(
+        deepspeed=config, fsdp=False, hf_deepspeed_config=SimpleNamespace(config=config), deepspeed_plugin=plugin
+    )
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_inspect_deepspeed(tmp_path, stage):
+    layout = inspect_checkpoint(make_deepspeed(tmp_path, world=4, stage=stage))
+    family = CheckpointFamily.ZERO3 if stage == 3 else CheckpointFamily.ZERO12
+    assert (layout.format, layout.family, layout.world_size, layout.tag) == ("deepspeed", family, 4, "global_step10")
+    assert layout.root == tmp_path and layout.path == tmp_path / "global_step10" and layout.universal_tag is None
+    assert ("ZeRO-3" if stage == 3 else "ZeRO-1/2") in layout.describe() and "world size 4" in layout.describe()
+
+
+def test_inspect_dcp_and_full(tmp_path):
+    dcp = inspect_checkpoint(make_dcp(tmp_path / "a", world=3))
+    assert (dcp.format, dcp.family, dcp.world_size, dcp.root) == ("dcp", CheckpointFamily.DCP, 3, tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "model.safetensors").touch()
+    assert inspect_checkpoint(tmp_path / "b").family is CheckpointFamily.FULL
+
+
+def test_inspect_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        inspect_checkpoint(tmp_path / "missing")
+    with pytest.raises(ValueError, match="not a Trainer checkpoint: no supported checkpoint found"):
+        inspect_checkpoint(tmp_path)
+    (tmp_path / "latest").write_text("global_step5")
+    (tmp_path / "global_step5").mkdir()
+    with pytest.raises(ValueError, match="no ZeRO optimizer files"):
+        inspect_checkpoint(tmp_path)
+
+
+def test_prepare_resume_same_world_or_dcp_needs_nothing(tmp_path):
+    ds = make_deepspeed(tmp_path / "ds", world=2)
+    args = ds_args()
+    assert prepare_resume(ds, 2, training_args=args) == str(ds)
+    assert "checkpoint" not in args.hf_deepspeed_config.config  # load_universal only when needed
+    dcp = make_dcp(tmp_path / "dcp", world=2)
+    assert prepare_resume(dcp, 5, training_args=ds_args(fsdp=True)) == str(dcp)
+
+
+def test_prepare_resume_uses_existing_universal_and_enables_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")  # a non-zero rank only waits for rank 0's latest_universal
+    ds = make_deepspeed(tmp_path, world=2)
+    (tmp_path / "global_step10_universal").mkdir()
+    (tmp_path / "latest_universal").write_text("global_step10_universal")
+    args = ds_args()
+    assert prepare_resume(ds, 3, training_args=args) == str(ds)
+    assert args.hf_deepspeed_config.config["checkpoint"] == {"load_universal": True}
+    assert args.deepspeed_plugin.deepspeed_config["checkpoint"] == {"load_universal": True}
+
+
+def test_prepare_resume_errors(tmp_path, monkeypatch):
+    ds = make_deepspeed(tmp_path / "ds", world=2)
+    with pytest.raises(ValueError, match="pass training_args="):
+        prepare_resume(ds, 3)
+    with pytest.raises(RuntimeError, match="cannot resume a fsdp_full_shard run .*ZeRO-1/2.*hf-dist convert"):
+        prepare_resume(ds, 2, training_args=ds_args(fsdp=True))
+    with pytest.raises(RuntimeError, match="cannot resume a zero2 run .*FSDP distributed checkpoint"):
+        prepare_resume(make_dcp(tmp_path / "dcp", 2), 2, training_args=ds_args())
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(RuntimeError, match="waited 0s for rank 0"):
+        prepare_resume(ds, 3, training_args=ds_args(), timeout_s=0.0)
+
+
+def test_untie_optimizer_steps():
+    params = [torch.nn.Parameter(torch.ones(2)) for _ in range(3)]
+    opt = torch.optim.AdamW(params, lr=0.1)
+    for p in params:
+        p.grad = torch.ones(2)
+    opt.step()
+    shared = torch.tensor(4.0)
+    for p in params:  # what DeepSpeed's ZeRO-3 universal loader does
+        opt.state[p]["step"] = shared
+    assert untie_optimizer_steps(SimpleNamespace(optimizer=opt)) == 2
+    opt.step()
+    assert [float(opt.state[p]["step"]) for p in params] == [5.0, 5.0, 5.0]
+
+
+def test_cli_check(tmp_path, capsys):
+    make_deepspeed(tmp_path, world=8, stage=3)
+    assert main(["reshard", str(tmp_path), "--check", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO-3" in out and "needs `hf-dist reshard" in out
+    assert main(["reshard", str(tmp_path), "--check", "8"]) == 0
+    assert "as is" in capsys.readouterr().out
+    assert main(["reshard", str(tmp_path / "nope")]) == 1

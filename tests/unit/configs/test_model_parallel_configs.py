@@ -1,0 +1,336 @@
+"""Configs for tensor / context / sequence parallelism and NVMe offload, from the same Layout; bad input refused."""
+
+import dataclasses
+import json
+
+import pytest
+
+from hf_dist.configs.deepspeed import AIO_DEFAULTS, deepspeed_config
+from hf_dist.configs.features import LibraryFeatures
+from hf_dist.configs.training_args import from_pretrained_kwargs, parallelism_kwargs, strategy_args
+from hf_dist.planning.layout import Layout
+
+
+def test_fsdp2_x_tp_emits_parallelism_config_and_tp_plan():
+    layout = Layout("fsdp_full_shard", 8, tp_size=2)
+    out = strategy_args(layout, wrap_classes=["LlamaDecoderLayer"])
+    assert out["fsdp"] and out["parallelism_config"] == {"dp_replicate_size": 1, "dp_shard_size": 4, "tp_size": 2}
+    assert from_pretrained_kwargs(layout) == {"tp_plan": "auto"}
+
+
+def test_tp_alone_under_ddp():
+    layout = Layout("ddp", 2, tp_size=2)
+    assert strategy_args(layout)["parallelism_config"] == {"dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": 2}
+    assert from_pretrained_kwargs(layout) == {"tp_plan": "auto"}
+
+
+def test_tp_with_ddp_replicas_is_refused_as_accelerate_would():
+    with pytest.raises(ValueError, match="accelerate composes TP only with sharded data parallelism.*fsdp_full_shard"):
+        strategy_args(Layout("ddp", 8, tp_size=2))
+
+
+def test_hsdp_x_tp_is_three_d():
+    out = strategy_args(Layout("hsdp", 16, 2, tp_size=2))["parallelism_config"]
+    assert out == {"dp_replicate_size": 2, "dp_shard_size": 4, "tp_size": 2}
+
+
+def test_cp_with_fsdp2():
+    layout = Layout("fsdp_full_shard", 8, cp_size=2)
+    assert strategy_args(layout)["parallelism_config"] == {"dp_replicate_size": 1, "dp_shard_size": 4, "cp_size": 2}
+    assert from_pretrained_kwargs(layout) == {}
+
+
+def test_ulysses_sp_with_zero():
+    layout = Layout("zero1", 2, sp_size=2)
+    out = strategy_args(layout)
+    assert out["parallelism_config"] == {
+        "dp_replicate_size": 1,
+        "dp_shard_size": 1,
+        "sp_size": 2,
+        "sp_backend": "deepspeed",
+        "sp_attn_implementation": "sdpa",
+    }
+    assert out["deepspeed"]["sequence_parallel_size"] == 2
+    assert from_pretrained_kwargs(layout) == {"attn_implementation": "sdpa"}
+
+
+def test_autotp_goes_into_the_deepspeed_json_not_parallelism_config():
+    layout = Layout("zero2", 8, tp_size=2)
+    out = strategy_args(layout)
+    assert out["deepspeed"]["tensor_parallel"] == {"autotp_size": 2}
+    assert "parallelism_config" not in out and from_pretrained_kwargs(layout) == {}
+
+
+def test_no_model_parallel_keys_when_unused():
+    for name in ("ddp", "zero3", "fsdp_full_shard"):
+        out = strategy_args(Layout(name, 8))
+        assert "parallelism_config" not in out
+        if "deepspeed" in out:
+            assert not {"tensor_parallel", "sequence_parallel_size", "aio"} & set(out["deepspeed"])
+    assert parallelism_kwargs(Layout("ddp", 8)) == {"dp_replicate_size": 8, "dp_shard_size": 1}
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout("fsdp_full_shard", 8, tp_size=2),
+        Layout("fsdp_full_shard", 8, cp_size=2),
+        Layout("ddp", 2, tp_size=2),
+        Layout("zero2", 8, sp_size=4),
+        Layout("hsdp", 16, 2, tp_size=2),
+    ],
+)
+def test_accelerate_builds_the_parallelism_config(layout):
+    """The installed accelerate builds the mesh hf_dist emits; a dimension it lacks is refused before that."""
+    from hf_dist.auto import build_parallelism_config
+    from hf_dist.runtime.support import installed_features
+
+    features = installed_features()
+    if layout.sp_size > 1 and not features.sequence_parallel:  # accelerate < 1.12 (make test-min)
+        with pytest.raises(ValueError, match=f"sp_size {layout.sp_size} needs .*accelerate >= 1.12"):
+            strategy_args(layout, features=features)
+        return
+    pc = build_parallelism_config(strategy_args(layout, features=features)["parallelism_config"])
+    assert pc.total_size == layout.world_size
+    assert (pc.tp_size, pc.cp_size, getattr(pc, "sp_size", 1)) == (layout.tp_size, layout.cp_size, layout.sp_size)
+    if layout.sp_size > 1:
+        assert pc.sp_handler.sp_attn_implementation == "sdpa"
+
+
+# ---------------------------------------------------------------- features: versions that lack a dimension
+
+
+@pytest.mark.parametrize(
+    "layout, missing, match",
+    [
+        (Layout("zero2", 4, sp_size=2), "sequence_parallel", "sp_size 2 needs .*accelerate >= 1.12"),
+        (Layout("fsdp_full_shard", 4, tp_size=2), "parallelism_config", "tp_size 2 needs .*accelerate >= 1.10"),
+        (Layout("fsdp_full_shard", 4, cp_size=2), "parallelism_config", "cp_size 2 needs .*accelerate >= 1.10"),
+        (Layout("zero1", 4, tp_size=2), "deepspeed_autotp", "AutoTP.*deepspeed >= 0.16.4"),
+    ],
+)
+def test_versions_that_lack_a_dimension_are_refused(layout, missing, match):
+    with pytest.raises(ValueError, match=match):
+        strategy_args(layout, features=LibraryFeatures(**{missing: False}))
+
+
+def test_installed_features_are_probed():
+    """The probes (fields and modules, not version numbers) agree with the release notes of the installed versions."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    from hf_dist.runtime.support import installed_features
+
+    features = installed_features()
+    accelerate, deepspeed = Version(version("accelerate")), Version(version("deepspeed"))
+    assert features.parallelism_config == (accelerate >= Version("1.10"))
+    assert features.sequence_parallel == (accelerate >= Version("1.12") and deepspeed >= Version("0.18.2"))
+    assert features.deepspeed_autotp == (deepspeed >= Version("0.16.4"))
+
+
+# ---------------------------------------------------------------- DeepSpeed JSON: NVMe and AutoTP
+
+
+def test_nvme_offload_writes_path_buffers_and_aio():
+    cfg = deepspeed_config("zero3", offload="optimizer+params", offload_device="nvme", nvme_path="/local_nvme/ds")
+    zero = cfg["zero_optimization"]
+    assert zero["offload_optimizer"] == {
+        "device": "nvme",
+        "nvme_path": "/local_nvme/ds",
+        "pin_memory": True,
+        "buffer_count": 4,
+        "fast_init": False,
+    }
+    assert zero["offload_param"]["device"] == "nvme" and zero["offload_param"]["nvme_path"] == "/local_nvme/ds"
+    assert cfg["aio"] == AIO_DEFAULTS
+
+
+def test_nvme_optimizer_only():
+    zero = deepspeed_config("zero3", offload="optimizer", offload_device="nvme", nvme_path="/n")["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == "nvme" and "offload_param" not in zero
+
+
+@pytest.mark.parametrize("path", [None, ""])
+def test_nvme_without_path_is_refused(path):
+    with pytest.raises(ValueError, match="offload_device 'nvme' needs nvme_path"):
+        deepspeed_config("zero3", offload="optimizer+params", offload_device="nvme", nvme_path=path)
+    with pytest.raises(ValueError, match="needs nvme_path"):
+        strategy_args(Layout("zero3", 8, offload="optimizer", offload_device="nvme"), nvme_path=path)
+
+
+@pytest.mark.parametrize("strategy, offload", [("zero2", "optimizer"), ("zero3", "none")])
+def test_nvme_needs_zero3_with_offload(strategy, offload):
+    with pytest.raises(ValueError, match="ZeRO-Infinity, which needs zero3"):
+        deepspeed_config(strategy, offload=offload, offload_device="nvme", nvme_path="/n")
+
+
+def test_autotp_needs_zero_stage_le_2():
+    with pytest.raises(ValueError, match="AutoTP runs with ZeRO stage <= 2"):
+        deepspeed_config("zero3", tp_size=2)
+
+
+def test_unknown_offload_device():
+    with pytest.raises(ValueError, match="offload_device"):
+        deepspeed_config("zero3", offload="optimizer", offload_device="disk")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"strategy": "zero3", "offload": "optimizer+params", "offload_device": "nvme", "nvme_path": "/local_nvme"},
+        {"strategy": "zero2", "tp_size": 2},
+        {"strategy": "zero1", "sp_size": 2},
+    ],
+)
+def test_deepspeed_parses_the_model_parallel_json(kwargs):
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    cfg = json.loads(json.dumps(deepspeed_config(**kwargs)))
+    cfg.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, train_batch_size=1)
+    cfg["gradient_clipping"] = 1.0
+    zero = cfg["zero_optimization"]
+    if zero.get("stage3_param_persistence_threshold") == "auto":
+        zero["stage3_param_persistence_threshold"] = 4096
+    parsed = DeepSpeedConfig(cfg)
+    if "nvme_path" in kwargs:
+        assert parsed.zero_config.offload_optimizer.device == "nvme"
+        assert str(parsed.zero_config.offload_param.nvme_path) == "/local_nvme"
+        assert parsed.aio_config == AIO_DEFAULTS  # what DeepSpeed would use without the block
+    if "tp_size" in kwargs:
+        assert parsed.tensor_parallel_config.autotp_size == 2
+
+
+# ---------------------------------------------------------------- runtime checks of NVMe and probes
+
+
+def test_nvme_path_must_exist_and_be_writable(tmp_path, monkeypatch):
+    import os
+
+    from hf_dist.runtime.support import check_nvme_offload
+
+    with pytest.raises(ValueError, match="needs nvme_path"):
+        check_nvme_offload(None, aio_available=True)
+    with pytest.raises(ValueError, match="does not exist"):
+        check_nvme_offload(str(tmp_path / "missing"), aio_available=True)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # a read-only folder (root ignores chmod)
+    with pytest.raises(ValueError, match="is not writable"):
+        check_nvme_offload(str(tmp_path), aio_available=True)
+
+
+def test_nvme_without_libaio_is_refused(tmp_path):
+    from hf_dist.runtime.support import check_nvme_offload
+
+    with pytest.raises(ValueError, match="libaio is missing"):
+        check_nvme_offload(str(tmp_path), aio_available=False)
+    check_nvme_offload(str(tmp_path), aio_available=True)
+
+
+def test_probe_is_by_feature(monkeypatch):
+    from hf_dist.runtime import support
+
+    support.installed_features.cache_clear()
+    monkeypatch.setattr(support, "_parallelism_fields", lambda: {"dp_replicate_size", "dp_shard_size", "tp_size"})
+    try:
+        features = support.installed_features()
+        assert not features.parallelism_config and not features.sequence_parallel  # accelerate < 1.10 shape
+        monkeypatch.setattr(support, "_parallelism_fields", lambda: {"tp_size", "cp_size"})  # 1.10/1.11: no sp
+        support.installed_features.cache_clear()
+        features = support.installed_features()
+        assert features.parallelism_config and not features.sequence_parallel
+        with pytest.raises(ValueError, match="sp_size 2 needs"):
+            strategy_args(Layout("zero2", 2, sp_size=2), features=features)
+        monkeypatch.setattr(support, "_deepspeed_has", lambda relative: False)
+        support.installed_features.cache_clear()
+        assert not support.installed_features().deepspeed_autotp
+    finally:
+        support.installed_features.cache_clear()
+
+
+def test_accelerate_yaml_refuses_what_the_features_lack():
+    from hf_dist.configs.accelerate import accelerate_config
+
+    with pytest.raises(ValueError, match="sp_size 2 needs"):
+        accelerate_config("zero2", sp_size=2, features=LibraryFeatures(sequence_parallel=False))
+    with pytest.raises(ValueError, match="tp_size 2 needs"):
+        accelerate_config("fsdp_full_shard", tp_size=2, features=LibraryFeatures(parallelism_config=False))
+
+
+# ---------------------------------------------------------------- auto_args with a model-parallel layout
+
+
+@pytest.fixture
+def plan_with_layout(monkeypatch):
+    """A real plan whose layout is replaced (the planner choosing the sizes is tested with the planner)."""
+    from hf_dist.planning.planner import Plan, plan
+    from hf_dist.testing import tiny_llama_config
+
+    def make(strategy, **layout_kwargs):
+        p = plan(tiny_llama_config(), strategy=strategy, gpus=4, gpu_memory_gib=80, seq_len=64, global_batch_size=16)
+        layout = Layout(strategy, p.world_size, p.nodes, p.offload, p.activation_checkpointing, p.mixed_precision)
+        layout = dataclasses.replace(layout, **layout_kwargs)
+        monkeypatch.setattr(Plan, "layout", property(lambda self: layout))
+        return p, layout
+
+    yield make
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+
+
+def test_auto_args_builds_the_sp_parallelism_config(plan_with_layout):
+    from hf_dist.auto import auto_args
+    from hf_dist.runtime.support import installed_features
+    from hf_dist.testing import tiny_llama_config
+
+    p, layout = plan_with_layout("zero2", sp_size=2)
+    if not installed_features().sequence_parallel:  # accelerate < 1.12 (make test-min): refused, never dropped
+        with pytest.raises(ValueError, match="sp_size 2 needs .*upgrade accelerate and deepspeed"):
+            auto_args(tiny_llama_config(), plan=p)
+        return
+    kw = auto_args(tiny_llama_config(), plan=p)
+    pc = kw["parallelism_config"]
+    assert (pc.sp_size, pc.sp_backend, pc.sp_handler.sp_attn_implementation) == (2, "deepspeed", "sdpa")
+    assert pc.data_parallel_size == 2 and kw["deepspeed"]["sequence_parallel_size"] == 2
+
+
+def test_auto_args_builds_the_fsdp_tp_parallelism_config(plan_with_layout):
+    from hf_dist.auto import auto_args
+    from hf_dist.testing import tiny_llama_config
+
+    p, layout = plan_with_layout("fsdp_full_shard", tp_size=2)
+    kw = auto_args(tiny_llama_config(), plan=p)
+    assert (kw["parallelism_config"].tp_size, kw["parallelism_config"].dp_shard_size) == (2, 2)
+    assert kw["fsdp"] and from_pretrained_kwargs(layout) == {"tp_plan": "auto"}
+
+
+def test_auto_args_nvme_offload(plan_with_layout, tmp_path, monkeypatch):
+    from hf_dist.auto import auto_args
+    from hf_dist.runtime import support
+    from hf_dist.testing import tiny_llama_config
+
+    p, _ = plan_with_layout("zero3", offload="optimizer", offload_device="nvme")
+    with pytest.raises(ValueError, match="needs nvme_path"):
+        auto_args(tiny_llama_config(), plan=p, cpu_adam=False)
+    monkeypatch.setattr(support, "_async_io_available", lambda: False)
+    with pytest.raises(ValueError, match="libaio is missing"):
+        auto_args(tiny_llama_config(), plan=p, cpu_adam=False, nvme_path=str(tmp_path))
+    monkeypatch.setattr(support, "_async_io_available", lambda: True)
+    kw = auto_args(tiny_llama_config(), plan=p, cpu_adam=False, nvme_path=str(tmp_path))
+    offload = kw["deepspeed"]["zero_optimization"]["offload_optimizer"]
+    assert (offload["device"], offload["nvme_path"]) == ("nvme", str(tmp_path)) and "aio" in kw["deepspeed"]
+
+
+def test_deepspeed_json_path_keeps_what_inline_keys_cannot_say():
+    from hf_dist.configs.accelerate import accelerate_config
+
+    cfg = accelerate_config("zero3", sp_size=2, deepspeed_config_file="ds.json")
+    assert cfg["deepspeed_config"]["deepspeed_config_file"] == "ds.json"
+    assert cfg["parallelism_config"]["parallelism_config_sp_size"] == 2
+    assert (
+        accelerate_config("zero2", tp_size=2, deepspeed_config_file="ds.json")["deepspeed_config"][
+            "deepspeed_config_file"
+        ]
+        == "ds.json"
+    )

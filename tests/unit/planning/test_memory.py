@@ -1,0 +1,256 @@
+"""Memory model against hand-computed numbers (the arithmetic is written out in each test)."""
+
+import math
+
+import pytest
+
+from hf_dist.planning.layout import STRATEGIES
+from hf_dist.planning.memory import (
+    CUDA_CONTEXT_BYTES,
+    DS_PREFETCH_BUCKET_ELEMENTS,
+    DS_REDUCE_BUCKET_ELEMENTS,
+    GIB,
+    NCCL_BYTES,
+    QLORA_BASE_BYTES_PER_PARAM,
+    engine_dtypes,
+    estimate_memory,
+    lora_trainable_params,
+)
+from hf_dist.planning.modelinfo import model_spec
+from hf_dist.testing import tiny_llama_config
+
+P = 1_000_000_000  # a bare 1B-parameter count: no shape, so activations are 0
+B = DS_REDUCE_BUCKET_ELEMENTS
+
+
+def est(strategy, world=8, **kw):
+    return estimate_memory(P, strategy, world, **kw)
+
+
+def test_layouts_per_engine():
+    # DDP mixed: fp32 weights/grads/moments, bf16 compute under autocast with an fp32 residual stream
+    assert engine_dtypes("ddp", 2, True) == engine_dtypes("ddp", 2, True, "full")
+    ddp = engine_dtypes("ddp", 2, True)
+    assert (ddp.weights, ddp.master, ddp.grads, ddp.state, ddp.compute, ddp.residual, ddp.autocast) == (
+        4, 0, 4, 4, 2, 4, True,
+    )  # fmt: skip
+    fsdp = engine_dtypes("fsdp_full_shard", 2, True)  # fp32 shards, bf16 gathered compute, no autocast
+    assert (fsdp.weights, fsdp.grads, fsdp.compute, fsdp.residual, fsdp.autocast) == (4, 4, 2, 2, False)
+    z3 = engine_dtypes("zero3", 2, True)  # bf16 module weights + fp32 master partition, fp32 grad accumulation
+    assert (z3.weights, z3.master, z3.grads, z3.compute) == (2, 4, 4, 2)
+    pure = engine_dtypes("ddp", 2, False)  # pure bf16: everything 16-bit
+    assert (pure.weights, pure.master, pure.grads, pure.state, pure.residual) == (2, 0, 2, 2, 2)
+    lora = engine_dtypes("ddp", 2, True, "lora")  # frozen 16-bit base: bf16 compute and residual, no autocast casts
+    assert (lora.residual, lora.autocast) == (2, False)
+
+
+def test_ddp_mixed_is_4_4_8_bytes_per_param_and_pure_bf16_2_2_4():
+    m = est("ddp", 1)
+    assert (m.params, m.grads, m.optimizer) == (4 * P, 4 * P, 8 * P)
+    assert m.buffers == 2 * P  # autocast's bf16 copy of every linear weight (a bare count: all of them)
+    pure = est("ddp", 1, master_weights=False)
+    assert (pure.params, pure.grads, pure.optimizer, pure.buffers) == (2 * P, 2 * P, 4 * P, 0)
+    assert est("ddp", 8).buffers == 2 * P + 4 * P  # + the Reducer's fp32 bucket copy of the gradients
+
+
+def test_zero_stages():
+    z1, z2, z3 = est("zero1"), est("zero2"), est("zero3")
+    # ZeRO-1 in bf16 with fp32 accumulation is BF16_Optimizer: full fp32 grad buffer + bf16 grads, kept
+    assert (z1.params, z1.grads, z1.optimizer) == (2 * P, 6 * P, 12 * P // 8)
+    assert not z1.grads_overlap_activations
+    # ZeRO-2: fp32 gradient partition, freed after the step; buckets only in backward
+    assert (z2.params, z2.grads, z2.optimizer, z2.buffers) == (2 * P, 4 * P // 8, 12 * P // 8, 0)
+    assert z2.step == 2 * B * 2  # two bf16 buckets (overlap_comm); a bare count has no largest parameter
+    assert z2.grads_overlap_activations
+    # ZeRO-3: everything partitioned; the fp32 grad partition and the bf16 reduce bucket live from init
+    assert (z3.params, z3.grads, z3.optimizer) == (2 * P // 8, 4 * P // 8, 12 * P // 8)
+    assert z3.buffers == B * 2 + DS_PREFETCH_BUCKET_ELEMENTS * 2  # + prefetch bucket (world > 1)
+    assert not z3.grads_overlap_activations
+    assert z3.step == P // 8 * 4  # flattened fp32 gradient of the (one) sub-group
+    # in fp32 (CPU ranks), ZeRO-1 keeps only the reduced partition without accumulation
+    fp32 = est("zero1", param_bytes=4, gradient_accumulation_steps=1)
+    assert fp32.grads == 4 * P // 8
+    assert est("zero1", param_bytes=4, gradient_accumulation_steps=4).grads == 4 * P
+
+
+def test_fsdp_and_hsdp_sharding_degrees():
+    full = est("fsdp_full_shard", 16)
+    assert full.model_states == 16 * P // 16
+    sgo = est("fsdp_shard_grad_op", 16)
+    assert (sgo.params, sgo.grads, sgo.optimizer) == (4 * P // 16, 4 * P // 16, 8 * P // 16)
+    assert sgo.buffers == 2 * P  # every unit stays gathered in bf16 until the end of backward
+    hsdp = est("hsdp", 16, nodes=2)  # shards over the 8 GPUs of a node, replicates across the 2 nodes
+    assert hsdp.model_states == 16 * P // 8
+
+
+def test_offload_moves_states_to_host():
+    z2 = est("zero2", offload="optimizer")
+    assert (z2.params, z2.grads, z2.optimizer, z2.step) == (2 * P, 0, 0, 0)
+    assert z2.cpu == P * (8 + 4 + 4) // 8  # fp32 momentum/variance + master + fp32 gradient partition per rank
+    z3 = est("zero3", offload="optimizer+params")
+    assert z3.model_states == 0
+    assert z3.cpu == P * (8 + 4 + 4 + 2) // 8
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "master", "bytes_per_param"),
+    [("adamw", True, 8), ("adamw", False, 4), ("adamw_8bit", True, 2), ("sgd", True, 4), ("sgd", False, 2)],
+)
+def test_optimizer_state_bytes(optimizer, master, bytes_per_param):
+    # torch optimizers keep state in the dtype of the weights they step: fp32 (mixed) or bf16 (pure)
+    assert est("ddp", optimizer=optimizer, master_weights=master).optimizer == bytes_per_param * P
+
+
+def test_totals_compose_allocated_reserved_and_context():
+    m = est("ddp", 1)
+    assert m.allocated == m.params + m.optimizer + m.buffers + max(m.activations + m.logits, m.grads + m.step)
+    assert m.reserved == m.allocated + m.allocator and m.total == m.reserved + m.overhead
+    assert m.overhead == CUDA_CONTEXT_BYTES  # one process, no NCCL communicator
+    assert est("ddp", 8).overhead == CUDA_CONTEXT_BYTES + NCCL_BYTES
+    assert est("zero2", 1).overhead == CUDA_CONTEXT_BYTES + NCCL_BYTES  # DeepSpeed creates them on one GPU too
+    cpu = est("zero3", 2, device="cpu")
+    assert cpu.overhead == 0 and cpu.allocator == 0
+
+
+def test_activations_hand_computed_for_tiny_llama_fp32():
+    spec = model_spec(tiny_llama_config())  # h=64, I=128, heads=4, kv=2, head_dim=16, vocab=256, 2 layers
+    m = estimate_memory(spec, "ddp", 1, seq_len=64, micro_batch_size=2, param_bytes=4, device="cpu")
+    # fp32, no autocast: each norm saves its input (4h) + normalised (4h) + output shared by consumers (4h);
+    # attention q (4*64) + k, v (4*32 each) + out + contiguous (4*64 each) + lse (4*4); MLP 4 * 4 * 128
+    norms = 2 * (12 * 64)
+    attn = 4 * (3 * 64 + 2 * 32) + 4 * 4
+    mlp = 4 * 4 * 128
+    tokens = 128
+    assert m.activations == 2 * (norms + attn + mlp) * tokens
+    # logits: final norm (12h) + 3 fp32 [tokens, vocab] tensors in cross-entropy's backward
+    assert m.logits == (12 * 64 + 3 * 4 * 256) * tokens
+    ckpt = estimate_memory(
+        spec, "ddp", 1, seq_len=64, micro_batch_size=2, param_bytes=4, device="cpu", activation_checkpointing=True
+    )
+    assert ckpt.activations == 2 * 64 * tokens * 4 + (norms + attn + mlp) * tokens  # layer inputs + one layer
+
+
+def test_autocast_keeps_fp32_residual_and_casts_per_consumer():
+    spec = model_spec(tiny_llama_config(num_hidden_layers=1))
+    m = estimate_memory(spec, "ddp", 1, seq_len=10)
+    # residual fp32: each norm saves 4h + 4h, then a bf16 cast per consumer (3 for attention, 2 for the MLP)
+    norms = (8 * 64 + 3 * 2 * 64) + (8 * 64 + 2 * 2 * 64)
+    attn = 2 * (3 * 64 + 2 * 32) + 4 * 4
+    mlp = 4 * 2 * 128
+    assert m.activations == (norms + attn + mlp) * 10
+
+
+def test_liger_saves_less_and_drops_the_logits():
+    spec = model_spec(tiny_llama_config(vocab_size=4096))
+    kw = dict(seq_len=256, micro_batch_size=2)
+    hf, liger = (estimate_memory(spec, "ddp", 1, use_liger_kernel=flag, **kw) for flag in (False, True))
+    assert liger.activations < hf.activations  # RMSNorm saves only its input; SwiGLU recomputes silu
+    assert liger.logits < hf.logits / 10  # no [tokens, vocab] fp32 tensors
+    assert liger.total < hf.total
+
+
+def test_eager_attention_keeps_the_score_matrix():
+    spec = model_spec(tiny_llama_config(num_hidden_layers=1))
+    sdpa = estimate_memory(spec, "ddp", 1, seq_len=100, master_weights=False)
+    eager = estimate_memory(spec, "ddp", 1, seq_len=100, master_weights=False, attention="eager")
+    # per token: fp32 softmax + bf16 copy per head per key ((4 + 2) * 4 heads * 100) instead of the lse (4 * 4)
+    assert eager.activations - sdpa.activations == (6 * 4 * 100 - 4 * 4) * 100
+
+
+def test_lora_trainable_count_matches_peft():
+    peft = pytest.importorskip("peft")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_llama_config()
+    spec = model_spec(config)
+    # per layer, rank 8: q (64+64) + k,v 2*(64+32) + o (64+64) + gate,up 2*(64+128) + down (128+64) = 1024 * 8
+    assert lora_trainable_params(spec, 8) == 2 * 1024 * 8
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft_model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=targets))
+    assert lora_trainable_params(spec, 8) == sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+
+
+def test_lora_and_qlora_memory():
+    spec = model_spec(tiny_llama_config())
+    t = lora_trainable_params(spec, 16)
+    lora = estimate_memory(spec, "ddp", 1, method="lora", seq_len=1)
+    assert lora.params == spec.num_params * 2 + t * 4  # 16-bit frozen base + fp32 adapters
+    assert (lora.grads, lora.optimizer) == (t * 4, t * 8)
+    q = estimate_memory(spec, "ddp", 1, method="qlora", seq_len=1)
+    embeddings = 2 * 256 * 64  # embed_tokens + untied lm_head stay 16-bit
+    base = (spec.num_params - embeddings) * QLORA_BASE_BYTES_PER_PARAM + embeddings * 2
+    assert q.params == math.ceil(base + t * 4)
+    assert abs(QLORA_BASE_BYTES_PER_PARAM - (0.5 + 0.127 / 8)) < 1e-3  # QLoRA paper: 0.127 bits of constants
+
+
+def test_fsdp_buffers_root_unit_two_layers_and_reduce_input():
+    spec = model_spec(tiny_llama_config())
+    m = estimate_memory(spec, "fsdp_full_shard", 2, seq_len=1)
+    # root (embedding 16384 + lm_head 16384) + 2 layers (2*36992) in bf16; + one layer's fp32 reduce-scatter input
+    assert m.buffers == (16384 * 2 + 2 * 36992) * 2 + 36992 * 4
+
+
+def test_estimates_monotone_in_sharding():
+    totals = [est(s).model_states for s in ("zero2", "zero3")]
+    assert totals == sorted(totals, reverse=True)
+    assert est("zero3", 64).total < est("zero3", 8).total
+    assert est("fsdp_full_shard", 64).total < est("fsdp_full_shard", 8).total < est("ddp", 8).total
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"strategy": "fsdp"}, "allowed: ddp, zero1"),
+        ({"offload": "gpu"}, "unknown offload"),
+        ({"method": "prefix"}, "unknown method"),
+        ({"optimizer": "adafactor"}, "unknown optimizer"),
+        ({"world_size": 0}, "world_size must be a positive int"),
+        ({"world_size": 6, "nodes": 4}, "not divisible by nodes"),
+        ({"strategy": "hsdp", "nodes": 1}, "needs nodes >= 2"),
+        ({"strategy": "ddp", "offload": "optimizer"}, "does not support offload"),
+        ({"strategy": "fsdp_full_shard", "offload": "optimizer"}, "only ZeRO offloads the optimizer alone"),
+        ({"param_bytes": 8}, "knows float32, bfloat16 and float16"),
+        ({"param_bytes": 1}, "param_bytes must be 2"),
+        ({"grad_bytes": 3}, "grad_bytes must be 2, 4 or None"),
+        ({"attention": "flex"}, "unknown attention"),
+        ({"device": "tpu"}, "unknown device"),
+        ({"method": "lora"}, "need the model's shape"),
+        ({"seq_len": 0}, "seq_len must be a positive int"),
+    ],
+)
+def test_bad_arguments_get_clear_errors(kwargs, message):
+    args = {"strategy": "zero2", "world_size": 8, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        estimate_memory(P, args.pop("strategy"), args.pop("world_size"), **args)
+
+
+def test_every_strategy_gives_positive_total():
+    for strategy in STRATEGIES:
+        nodes = 2 if strategy == "hsdp" else 1
+        assert estimate_memory(P, strategy, 16, nodes=nodes).total > GIB
+
+
+def test_peak_overlaps_grads_and_activations_only_without_accumulation():
+    spec = model_spec(tiny_llama_config())
+    kw = dict(seq_len=64, micro_batch_size=2, param_bytes=4, master_weights=False, device="cpu")
+    one = estimate_memory(spec, "fsdp_full_shard", 2, **kw)
+    assert one.activations + one.logits > one.grads
+    # grads are created in backward as activations are freed: the peak holds the larger phase
+    assert one.total == one.params + one.optimizer + one.buffers + one.activations + one.logits
+    accum = estimate_memory(spec, "fsdp_full_shard", 2, gradient_accumulation_steps=4, **kw)
+    assert accum.total == one.total + one.grads  # accumulated grads live through the next forward
+
+
+def test_lora_on_an_fp32_loaded_base_runs_under_autocast():
+    spec = model_spec(tiny_llama_config())
+    bf16 = estimate_memory(spec, "ddp", 1, method="lora", seq_len=8)
+    fp32 = estimate_memory(spec, "ddp", 1, method="lora", seq_len=8, base_bytes=4)
+    t = lora_trainable_params(spec, 16)
+    assert fp32.params == spec.num_params * 4 + t * 4  # the frozen base as loaded
+    assert fp32.buffers > 0 == bf16.buffers  # autocast's bf16 copies of the fp32 base weights
+    assert fp32.activations > bf16.activations  # fp32 residual stream
+    with pytest.raises(ValueError, match="base_bytes must be 2"):
+        estimate_memory(spec, "ddp", 1, method="lora", base_bytes=8)
