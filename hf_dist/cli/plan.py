@@ -12,13 +12,18 @@ EPILOG = """examples:
   hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --json > plan.json
   hf-dist plan ./my-model --gpus 1 --gpu-memory 80 --global-batch 64 --liger off   # without Liger kernels
   hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --pure-bf16   # bf16 weights and Adam state
+  hf-dist plan ./llama-3-8b --gpus 8 --gpu-memory 80 --seq-len 131072 --global-batch 8   # long context: cp/sp
+  hf-dist plan ./llama-3-70b --gpus 64 --nodes 8 --gpu-memory 80 --global-batch 16   # fewer sequences than GPUs
+  hf-dist plan ./llama-3-70b --gpus 8 --gpu-memory 80 --host-memory 256 --nvme-gbps 12   # may offload to NVMe
+  hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --tp-size 2   # pin a size (the others become 1)
 """
 
 
 HELP = "pick the fastest distributed strategy that fits, with per-rank memory by component"
 DESCRIPTION = (
     "Estimate per-rank memory for every strategy (DDP, ZeRO-1/2/3, FSDP2, HSDP, offload, "
-    "activation checkpointing) and pick the fastest that fits. Hardware is detected unless given."
+    "activation checkpointing; tensor / context / sequence parallelism and NVMe offload when data parallelism "
+    "is not enough) and pick the fastest that fits. Hardware is detected unless given."
 )
 
 
@@ -28,6 +33,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory", type=float, dest="gpu_memory", help="GiB per GPU (default: detected)")
     parser.add_argument("--nodes", type=int, help="number of nodes (default: from the launcher env, else 1)")
     parser.add_argument("--host-memory", type=float, dest="host_memory", help="GiB of RAM per node for CPU offload")
+    parser.add_argument(
+        "--nvme-gbps",
+        type=float,
+        dest="nvme_gbps",
+        help="aggregate GB/s of each node's local NVMe drives (~3 per PCIe 4.0 drive); given, NVMe offload "
+        "(ZeRO-Infinity) is considered when nothing else fits",
+    )
+    for dim, what in (("tp", "tensor"), ("cp", "context"), ("sp", "Ulysses sequence")):
+        parser.add_argument(
+            f"--{dim}-size",
+            type=int,
+            dest=f"{dim}_size",
+            help=f"pin the {what} parallel size (1 = off); default: searched when data parallelism is not enough. "
+            "Pinning one size sets the others to 1 unless given",
+        )
     parser.add_argument("--method", choices=("full", "lora", "qlora"), default="full")
     parser.add_argument("--seq-len", type=int, default=2048, dest="seq_len")
     parser.add_argument("--global-batch", type=int, dest="global_batch", help="sequences per optimizer step")
@@ -65,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         nodes=args.nodes,
         host_memory_gib=args.host_memory,
         liger_kernel=True if described else None,
+        nvme_gbps=args.nvme_gbps,
     )
     spec = model_spec(args.model, trust_remote_code=args.trust_remote_code)
     result = plan(
@@ -79,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
         safety_margin=args.safety_margin,
         use_liger_kernel={"auto": None, "on": True, "off": False}[args.liger],
         pure_bf16=args.pure_bf16,
+        tp_size=args.tp_size,
+        cp_size=args.cp_size,
+        sp_size=args.sp_size,
     )
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.explain())
     return 0

@@ -17,7 +17,16 @@ from __future__ import annotations
 from typing import Any
 
 from hf_dist.planning.layout import MIXED_PRECISIONS, OFFLOAD_DEVICES, OFFLOADS, Engine, by_engine, strategy
-from hf_dist.planning.memory import DS_PREFETCH_BUCKET_ELEMENTS, DS_REDUCE_BUCKET_ELEMENTS
+from hf_dist.planning.memory import (
+    DS_PREFETCH_BUCKET_ELEMENTS,
+    DS_REDUCE_BUCKET_ELEMENTS,
+    DS_SUB_GROUP_ELEMENTS,
+    NVME_OPTIMIZER_BUFFER_COUNT,
+    NVME_PARAM_BUFFER_COUNT,
+    NVME_PARAM_BUFFER_SIZE,
+    NVME_PARAM_MAX_IN_CPU,
+    NVME_SUB_GROUP_SIZE,
+)
 from hf_dist.validation import check_choice
 
 __all__ = ["deepspeed_config", "zero_stage"]
@@ -112,11 +121,6 @@ AIO_DEFAULTS = {
     "overlap_events": True,
     "use_gds": False,
 }
-# DeepSpeed's NVMe swap-buffer defaults (deepspeed/runtime/zero/offload_config.py)
-NVME_OPTIMIZER_BUFFER_COUNT = 4
-NVME_PARAM_BUFFER_COUNT = 5
-NVME_PARAM_BUFFER_SIZE = 100_000_000  # elements per parameter swap buffer
-NVME_PARAM_MAX_IN_CPU = 1_000_000_000  # elements of parameters kept in CPU memory
 
 
 def _check_model_parallel(strategy: str, stage: int, tp_size: int, sp_size: int) -> None:
@@ -194,7 +198,7 @@ def _zero_section(
                 "stage3_param_persistence_threshold": "auto",  # 10 * hidden_size: tiny params stay gathered
                 "stage3_max_live_parameters": 1_000_000_000,
                 "stage3_max_reuse_distance": 1_000_000_000,
-                "sub_group_size": 1_000_000_000,
+                "sub_group_size": NVME_SUB_GROUP_SIZE if offload_device == "nvme" else DS_SUB_GROUP_ELEMENTS,
                 # save_model() writes a consolidated 16-bit model instead of only ZeRO shards
                 "stage3_gather_16bit_weights_on_model_save": True,
             }

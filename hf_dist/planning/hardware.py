@@ -72,6 +72,7 @@ class Hardware:
     host_memory_gib: float | None = None  # RAM per node for CPU offload; None = unknown
     memory_gbps: float | None = None  # device memory bandwidth, when known
     liger_kernel: bool = False  # liger-kernel importable where the run happens (it needs CUDA + Triton)
+    nvme_gbps: float | None = None  # aggregate NVMe bandwidth per node for ZeRO-Infinity; None = no NVMe offload
 
     # assumed host RAM when unknown: 2x the node's GPU memory (a DGX H100 has 2 TiB for 640 GB of HBM)
     HOST_TO_GPU_MEMORY = 2.0
@@ -86,12 +87,10 @@ class Hardware:
         from hf_dist.validation import check_number
 
         check_number("Hardware.gpu_memory_gib", self.gpu_memory_gib, above=0, hint="Pass --gpu-memory GIB, e.g. 80.")
-        for name, flag in (("host_memory_gib", "--host-memory"), ("intra_node_gbps", None),
-                           ("inter_node_gbps", None), ("peak_tflops", None)):  # fmt: skip
+        for name, flag in (("host_memory_gib", "--host-memory GIB"), ("intra_node_gbps", None),
+                           ("inter_node_gbps", None), ("peak_tflops", None), ("nvme_gbps", "--nvme-gbps GBPS")):  # fmt: skip
             if getattr(self, name) is not None:
-                check_number(
-                    f"Hardware.{name}", getattr(self, name), above=0, hint=f"Pass {flag} GIB." if flag else ""
-                )
+                check_number(f"Hardware.{name}", getattr(self, name), above=0, hint=f"Pass {flag}." if flag else "")
 
     @property
     def host_memory_limit_gib(self) -> float:
@@ -194,6 +193,7 @@ def detect_hardware(
     intra_node_gbps: float | None = None,
     inter_node_gbps: float | None = None,
     liger_kernel: bool | None = None,
+    nvme_gbps: float | None = None,
 ) -> Hardware:
     """Detect the local hardware; every argument given overrides what is detected.
 
@@ -203,6 +203,8 @@ def detect_hardware(
     bf16 on CPU is allowed (torch supports it); on a CUDA GPU without bf16 it is an error.
     ``liger_kernel``: whether Liger kernels can be used there (default: CUDA GPUs, real or described,
     with the package installed here; pass True to plan for a cluster that has it).
+    ``nvme_gbps``: aggregate bandwidth of each node's local NVMe drives (about 3 GB/s per PCIe 4.0 drive under
+    mixed reads and writes); given, the planner may offload to NVMe (ZeRO-Infinity) when host RAM is too small.
     """
     _check_optional_positive("gpus", gpus, int)
     _check_optional_positive("nodes", nodes, int)
@@ -243,6 +245,7 @@ def detect_hardware(
         peak_tflops=peak_tflops_for(detected.get("gpu_name")),
         memory_gbps=memory_gbps_for(detected.get("gpu_name")),
         liger_kernel=bool(liger_kernel),
+        nvme_gbps=nvme_gbps,
         **detected,
     )
 

@@ -262,6 +262,12 @@ class Layout:
                 f"({self.world_size} GPUs / {self.nodes} nodes): tensor parallelism all-reduces inside every layer "
                 "and only runs inside a node (NVLink); use tp_size <= GPUs per node and shard across nodes instead"
             )
+        if s.replicates_across_nodes and self.dp_size % self.nodes:
+            raise ValueError(
+                f"{s.name} keeps one replica per node, but the data-parallel size world_size / (tp * cp * sp) = "
+                f"{self.world_size} / {self.tp_size * self.cp_size * self.sp_size} = {self.dp_size} is not a multiple "
+                f"of the {self.nodes} nodes; use fsdp_full_shard, or sizes that stay inside a node"
+            )
         if self.tp_size > 1 and s.is_deepspeed and s.zero_stage > 2:
             raise ValueError(
                 f"tp_size {self.tp_size} with {s.name}: DeepSpeed AutoTP runs with ZeRO stage <= 2; use zero1/zero2, "
@@ -308,7 +314,7 @@ class Layout:
                         f"{name} {size} does not divide the model's {count} {what} ({count} % {size} = "
                         f"{count % size}); choose a {name} that divides {count}"
                     )
-        chunks = {"cp_size": 2 * self.cp_size, "sp_size": self.sp_size}
+        chunks = {"cp_size": 2 * self.cp_size if self.cp_size > 1 else 1, "sp_size": self.sp_size}
         for name, chunk in chunks.items():
             if chunk > 1 and seq_len % chunk:
                 raise ValueError(
@@ -324,6 +330,17 @@ class Layout:
     def dp_shard_size(self) -> int:
         """Ranks that split the sharded states (1 under DDP)."""
         return self.strategy.shard_degree(self.dp_size, self.nodes)
+
+    @property
+    def state_shard_size(self) -> int:
+        """Ranks that split the sharded model states: FSDP2 shards over dp_shard x cp (accelerate's ``dp_shard_cp``
+        mesh), ZeRO over dp x sp (DeepSpeed's sequence-data-parallel group); tensor parallelism splits them first."""
+        return self.dp_shard_size * self.cp_size * self.sp_size
+
+    @property
+    def seq_shards(self) -> int:
+        """Pieces each sequence is split into (context or sequence parallelism)."""
+        return self.cp_size * self.sp_size
 
     @property
     def dp_replicate_size(self) -> int:

@@ -49,6 +49,15 @@ GIB = 1024**3
 DS_REDUCE_BUCKET_ELEMENTS = int(5e8)
 DS_PREFETCH_BUCKET_ELEMENTS = int(5e7)
 DS_SUB_GROUP_ELEMENTS = int(1e9)
+# DeepSpeed's NVMe swap-buffer defaults (deepspeed/runtime/zero/offload_config.py)
+NVME_OPTIMIZER_BUFFER_COUNT = 4
+# ZeRO-Infinity swaps the optimizer one sub-group at a time through NVME_OPTIMIZER_BUFFER_COUNT pinned fp32 buffers
+# of the largest sub-group: DeepSpeed's default sub_group_size (1e9 elements) pins 16 GB per rank; 1e8 pins 1.6 GB
+# and still moves 400 MB per read, well above what an NVMe drive needs to reach its bandwidth.
+NVME_SUB_GROUP_SIZE = 100_000_000
+NVME_PARAM_BUFFER_COUNT = 5
+NVME_PARAM_BUFFER_SIZE = 100_000_000  # elements per parameter swap buffer
+NVME_PARAM_MAX_IN_CPU = 1_000_000_000  # 16-bit parameter elements DeepSpeed keeps in host memory next to NVMe
 # Outside torch's allocator, measured as device_used - max_memory_reserved on an H100 (torch 2.11,
 # CUDA 13; ../shared/gpu): 1.30 GiB in every single-process case (CUDA context, cuBLAS/cuBLASLt
 # workspaces, loaded kernel images), 0.38 GiB more once NCCL communicators exist (the DeepSpeed cases,
@@ -283,10 +292,26 @@ def optimizer_bytes_per_rank(s: Strategy, degree, trainable, offload, optimizer,
     return _split(full, s.shards.optimizer, degree)
 
 
-def cpu_bytes_per_rank(spec, degree, trainable, method, offload, optimizer, lay: Dtypes, compute) -> int:
-    """Host memory per rank holding offloaded states (fp32 gradients on the host for ZeRO-Offload)."""
+def cpu_bytes_per_rank(spec, degree, trainable, method, offload, optimizer, lay: Dtypes, compute, nvme=False) -> int:
+    """Host memory per rank holding offloaded states (fp32 gradients on the host for ZeRO-Offload).
+
+    NVMe (ZeRO-Infinity, stage3.py): the states live in swap files, but the host still holds, pinned, the fp32
+    gradient partition (``grad_partitions_flat_buffer`` is on the CPU whenever the optimizer is offloaded), the
+    optimizer swapper's ``buffer_count`` fp32 buffers of the largest sub-group partition
+    (swap_tensor/optimizer_utils.py: a sub-group's master weights, two moments and gradient) and, with the
+    parameters on NVMe, ``buffer_count`` parameter buffers of ``buffer_size`` elements
+    (swap_tensor/partitioned_param_swapper.py) plus up to ``max_in_cpu`` 16-bit parameter elements kept in host
+    memory (stage3.py ``param_groups_fp16_flat_cpu_memory``). The settings are the ones hf_dist's DeepSpeed JSON writes.
+    """
     if offload == "none":
         return 0
+    if nvme:
+        partition = math.ceil(trainable / degree)
+        out = partition * FP32 + NVME_OPTIMIZER_BUFFER_COUNT * min(NVME_SUB_GROUP_SIZE, partition) * FP32
+        if offload == "optimizer+params":
+            in_cpu = min(NVME_PARAM_MAX_IN_CPU, math.ceil(base_weight_bytes(spec, method, 1) / degree))
+            out += (NVME_PARAM_BUFFER_COUNT * NVME_PARAM_BUFFER_SIZE + in_cpu) * compute
+        return out
     states = trainable * (optimizer_state_bytes(optimizer, FP32) + FP32 + FP32)  # moments, master, fp32 grads
     if offload == "optimizer+params":
         states += base_weight_bytes(spec, method, compute)
@@ -337,7 +362,14 @@ def _norm_bytes(h: int, lay: Dtypes, consumers: int, liger: bool) -> int:
 
 
 def layer_activation_bytes(
-    spec, seq_len: int, micro_batch_size: int, lay: Dtypes, *, attention: str = "sdpa", liger: bool = False
+    spec,
+    seq_len: int,
+    micro_batch_size: int,
+    lay: Dtypes,
+    *,
+    attention: str = "sdpa",
+    liger: bool = False,
+    keys: int | None = None,
 ) -> int:
     """Saved-for-backward bytes of one Llama-style decoder layer (transformers' modeling_llama.py).
 
@@ -352,7 +384,10 @@ def layer_activation_bytes(
         gate and up and recomputes silu (3cI).
     Korthikanti et al. eq. 1 gives 34h for a GPT block in 16-bit; this block with I = 4h is larger
     because SwiGLU keeps four I-sized tensors where GELU keeps two.
+    ``seq_len`` is the tokens this rank holds; ``keys`` the length each query attends over (the whole sequence
+    under context / sequence parallelism; default ``seq_len``).
     """
+    keys = seq_len if keys is None else keys
     h, kv, a, c = spec.hidden_size, spec.num_key_value_heads * spec.head_dim, spec.num_attention_heads, lay.compute
     q = spec.num_attention_heads * spec.head_dim
     # the first norm feeds q, k, v and the second gate, up; extra norms (Gemma 2/3's post-attention and
@@ -360,7 +395,7 @@ def layer_activation_bytes(
     extra = max(spec.norms_per_layer - 2, 0)
     norms = _norm_bytes(h, lay, 3, liger) + _norm_bytes(h, lay, 2, liger) + extra * _norm_bytes(h, lay, 1, liger)
     attn = c * (3 * q + 2 * kv)
-    attn += (FP32 + c) * a * seq_len if attention == "eager" else FP32 * a
+    attn += (FP32 + c) * a * keys if attention == "eager" else FP32 * a
     mlp = (3 if liger else 4) * c * spec.intermediate_size
     return (norms + attn + mlp) * seq_len * micro_batch_size
 
@@ -527,6 +562,10 @@ def estimate_memory(
     attention: str = "sdpa",
     device: str = "cuda",
     base_bytes: int | None = None,
+    tp_size: int = 1,
+    cp_size: int = 1,
+    sp_size: int = 1,
+    offload_device: str = "cpu",
 ) -> MemoryEstimate:
     """Per-rank memory of training ``model_or_num_params`` with ``strategy`` on ``world_size`` ranks.
 
@@ -540,10 +579,20 @@ def estimate_memory(
     ``base_bytes``: bytes per element of a LoRA/QLoRA model's frozen base as loaded (default: the
     compute dtype's; 4 for a model loaded in fp32). ``overhead`` overrides the context term. ``gradient_accumulation_steps`` > 1 keeps gradients
     alive next to activations (see MemoryEstimate).
+
+    Model parallelism (:class:`~hf_dist.planning.layout.Layout` checks the sizes): ``tp_size`` splits the linear
+    weights, their gradients and optimizer state and the head / MLP activations
+    (:meth:`~hf_dist.planning.modelinfo.ModelSpec.tensor_parallel_shard`); ``cp_size`` / ``sp_size`` split each
+    sequence, so every activation and the logits, and widen the group the states are sharded over
+    (``Layout.state_shard_size``). ``offload_device="nvme"`` keeps the offloaded states in swap files and counts
+    DeepSpeed's pinned host buffers instead (:func:`cpu_bytes_per_rank`).
     """
     from hf_dist.planning.modelinfo import model_spec
 
-    run = Layout(strategy, world_size, nodes, offload, activation_checkpointing)
+    run = Layout(
+        strategy, world_size, nodes, offload, activation_checkpointing,
+        tp_size=tp_size, cp_size=cp_size, sp_size=sp_size, offload_device=offload_device,
+    )  # fmt: skip
     s = run.strategy
     validate_args(run, method, optimizer, param_bytes, grad_bytes, lora_rank)
     check_positive_int("seq_len", seq_len)
@@ -552,24 +601,28 @@ def estimate_memory(
     check_choice("attention", attention, ATTENTIONS)
     check_choice("device", device, DEVICES)
     spec = model_spec(model_or_num_params)
+    run.check_model(spec, seq_len)
+    spec = spec.tensor_parallel_shard(run.tp_size)
+    keys, seq_len = seq_len, seq_len // run.seq_shards
     base_bytes = param_bytes if base_bytes is None else base_bytes
     if base_bytes not in (2, 4):
         raise ValueError(f"base_bytes must be 2 (bf16/fp16 weights) or 4 (fp32), got {base_bytes!r}")
     lay = engine_dtypes(s, param_bytes, master_weights, method, base_bytes)
     if grad_bytes is not None:
         lay = replace(lay, grads=grad_bytes)
-    degree = run.dp_shard_size
+    degree = run.state_shard_size
     trainable = trainable_params(spec, method, lora_rank)
     ckpt = activation_checkpointing
-    act_kw = {"attention": attention, "liger": use_liger_kernel}
+    act_kw = {"attention": attention, "liger": use_liger_kernel, "keys": keys}
     params = param_bytes_per_rank(spec, s, degree, method, offload, lay, base_bytes, lora_rank)
     grads = grad_bytes_per_rank(s, degree, trainable, offload, lay, gradient_accumulation_steps)
     optim = optimizer_bytes_per_rank(s, degree, trainable, offload, optimizer, lay)
     acts = activation_bytes(spec, seq_len, micro_batch_size, ckpt, lay, **act_kw)
     head = logits_bytes(spec, seq_len, micro_batch_size, lay, liger=use_liger_kernel) if spec.has_shape else 0
-    buffers = buffer_bytes(spec, s, world_size, trainable, lay, ckpt)
+    buffers = buffer_bytes(spec, s, world_size // run.tp_size, trainable, lay, ckpt)
     step = step_bytes_per_rank(spec, s, degree, trainable, offload, lay)
-    cpu = cpu_bytes_per_rank(spec, degree, trainable, method, offload, optimizer, lay, param_bytes)
+    nvme = run.offload_device == "nvme"
+    cpu = cpu_bytes_per_rank(spec, degree, trainable, method, offload, optimizer, lay, param_bytes, nvme)
     on_gpu = device == "cuda"
     allocator = 0
     if on_gpu:

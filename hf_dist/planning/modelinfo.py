@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -36,6 +36,7 @@ class ModelSpec:
     head_dim: int = 0  # attention head size (hidden_size // heads unless the config says otherwise)
     norms_per_layer: int = 2  # normalisation modules in one decoder layer (Gemma 2/3 have 4)
     logit_softcapping: bool = False  # the LM head applies tanh soft-capping to the logits (Gemma 2)
+    tp_plan: bool = False  # the config has a tensor-parallel plan (``base_model_tp_plan``: from_pretrained(tp_plan=))
 
     def __post_init__(self) -> None:
         for field in ("num_params", "num_layers", "hidden_size", "layer_params", "embedding_params"):
@@ -54,6 +55,34 @@ class ModelSpec:
     def lm_head_params(self) -> int:
         """Params of the output projection when it is a separate matrix (0 when tied)."""
         return 0 if self.tie_word_embeddings else self.embedding_params
+
+    def tensor_parallel_shard(self, tp_size: int) -> ModelSpec:
+        """What one rank of a ``tp_size`` tensor-parallel group holds, as a spec the memory model reads unchanged.
+
+        transformers' Llama-style plan (``base_model_tp_plan``): q/k/v/gate/up column-wise and o/down row-wise, so
+        every linear weight, the heads, KV heads and the MLP width split; ``embed_tokens`` is split by vocabulary
+        rows (``embedding_rowwise``) and ``lm_head`` column-wise with ``gather_output``, so both weights split but
+        the logits come back whole (``vocab_size`` stays). Norms and the residual stream (``hidden_size``) are
+        replicated.
+        """
+        if tp_size == 1:
+            return self
+        if not self.has_shape:
+            raise ValueError("tensor parallelism needs the model's shape; pass a config, folder or model, not a count")
+        norms = self.norms_per_layer * self.hidden_size
+        layer = math.ceil((self.layer_params - norms) / tp_size) + norms
+        embedding = math.ceil(self.embedding_params / tp_size)
+        rest = self.num_params - self.num_layers * self.layer_params - self.embedding_params - self.lm_head_params
+        head = 0 if self.tie_word_embeddings else embedding
+        return replace(
+            self,
+            num_params=rest + self.num_layers * layer + embedding + head,
+            layer_params=layer,
+            embedding_params=embedding,
+            num_attention_heads=self.num_attention_heads // tp_size,
+            num_key_value_heads=max(self.num_key_value_heads // tp_size, 1),
+            intermediate_size=math.ceil(self.intermediate_size / tp_size),
+        )
 
 
 def model_spec(model: Any, *, trust_remote_code: bool = False) -> ModelSpec:
@@ -326,4 +355,5 @@ def _spec(config: Any, total: int, layer: int, embedding: int, norms: int, *, na
         head_dim=int(head_dim),
         norms_per_layer=norms,
         logit_softcapping=bool(getattr(text, "final_logit_softcapping", None)),
+        tp_plan=bool(getattr(text, "base_model_tp_plan", None)),
     )

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from hf_dist.planning.hardware import Hardware, detect_hardware
 from hf_dist.planning.layout import OFFLOADS, REGISTRY, STRATEGIES, Layout
 from hf_dist.planning.memory import GIB, METHODS, MemoryEstimate, estimate_memory
+from hf_dist.planning.model_parallel import pinned_sizes, size_options
 from hf_dist.planning.modelinfo import ModelSpec, model_spec
-from hf_dist.planning.throughput import StepTime, comm_seconds, step_time
+from hf_dist.planning.throughput import StepTime, comm_seconds, model_parallel_seconds, nvme_seconds, step_time
 from hf_dist.validation import restrict
 
 __all__ = ["Plan", "PlanError", "Candidate", "plan", "comm_seconds", "micro_batch_options"]
@@ -56,14 +57,35 @@ class Candidate:
     comm_seconds: float | None
     use_liger_kernel: bool = False
     time: StepTime | None = None
+    tp_size: int = 1
+    cp_size: int = 1
+    sp_size: int = 1
+    offload_device: str = "cpu"
 
     @property
     def tokens_per_s(self) -> float | None:
         return None if self.time is None else self.time.tokens_per_s
 
     @property
-    def key(self) -> tuple[str, str, bool, bool]:
-        return (self.strategy, self.offload, self.activation_checkpointing, self.use_liger_kernel)
+    def key(self) -> Combo:
+        return Combo(
+            self.strategy, self.offload, self.activation_checkpointing, self.use_liger_kernel,
+            self.tp_size, self.cp_size, self.sp_size, self.offload_device == "nvme",
+        )  # fmt: skip
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp_size * self.cp_size * self.sp_size
+
+    @property
+    def label(self) -> str:
+        """``fsdp_full_shard/none+ckpt tp=2``: the candidate in one token for the reasons list."""
+        flags = ("+ckpt" if self.activation_checkpointing else "") + ("+liger" if self.use_liger_kernel else "")
+        where = "@nvme" if self.offload_device == "nvme" else ""
+        sizes = "".join(
+            f" {n}={v}" for n, v in (("tp", self.tp_size), ("cp", self.cp_size), ("sp", self.sp_size)) if v > 1
+        )
+        return f"{self.strategy}/{self.offload}{where}{flags}{sizes}"
 
 
 @dataclass
@@ -93,13 +115,18 @@ class Plan:
     liger_note: str = ""  # what Liger kernels would gain when they are not available
     pure_bf16: bool = False  # bf16 weights and Adam state, no fp32 master weights (only when asked for)
     model_dtype: str | None = None  # dtype the given module was loaded in; None for a name/config/count
+    tp_size: int = 1  # tensor parallel group (inside a node)
+    cp_size: int = 1  # context parallel group (FSDP2, torch ring attention)
+    sp_size: int = 1  # Ulysses sequence parallel group (DeepSpeed)
+    offload_device: str = "cpu"  # where offloaded states live: "cpu", or "nvme" (ZeRO-Infinity)
+    dimensions: list[str] = field(default_factory=list)  # why each model-parallel dimension was or was not used
 
     @property
     def layout(self) -> Layout:
         """The chosen layout as one typed object (strategy, sizes, offload, checkpointing, precision)."""
         return Layout(
             self.strategy, self.world_size, self.nodes, self.offload, self.activation_checkpointing,
-            self.mixed_precision, self.pure_bf16,
+            self.mixed_precision, self.pure_bf16, self.tp_size, self.cp_size, self.sp_size, self.offload_device,
         )  # fmt: skip
 
     @property
@@ -145,43 +172,57 @@ class Plan:
             + (f", model loaded in {self.model_dtype}" if self.model_dtype else ""),
             f"hardware: {hw.nodes} node(s) x {hw.gpus_per_node} {hw.gpu_name or hw.device} "
             f"({hw.gpu_memory_gib:.1f} GiB, usable {self.usable_gib:.1f} GiB after safety margin)",
-            f"chosen: {self.strategy}, offload={self.offload}, activation_checkpointing={self.activation_checkpointing}, "
-            f"use_liger_kernel={self.use_liger_kernel}, micro_batch={self.micro_batch_size} x accumulation="
-            f"{self.gradient_accumulation_steps} x world={self.world_size} = global_batch {self.global_batch_size}{speed}",
+            f"chosen: {self.strategy}{self._sizes_text()}, offload={self.offload}"
+            f"{' to NVMe' if self.offload_device == 'nvme' else ''}, activation_checkpointing="
+            f"{self.activation_checkpointing}, use_liger_kernel={self.use_liger_kernel}, micro_batch="
+            f"{self.micro_batch_size} x accumulation={self.gradient_accumulation_steps} x data_parallel="
+            f"{self.layout.dp_size} = global_batch {self.global_batch_size}{speed}",
             f"why: {self.reason}",
         ]
         if self.liger_note:
             lines.append(f"liger: {self.liger_note}")
+        lines += [f"parallelism: {note}" for note in self.dimensions]
         lines.append(
             f"per-rank memory in {unit} (total = device memory in use at the peak: allocated tensors + caching "
             "allocator + CUDA context):"
         )
         terms = ("params", "grads", "optimizer", "activations", "logits", "buffers", "allocator", "overhead", "total")
-        header = ("strategy", "offload", "ckpt", "liger", "mb", "params", "grads", "optim", "acts", "logits")
-        header += ("buffers", "allocator", "overhead", "total", "tok/s", "verdict")
+        sized = any(c.model_parallel > 1 or c.offload_device == "nvme" for c in self.candidates)
+        header = ("strategy", "offload", "ckpt", "liger") + (("tp/cp/sp",) if sized else ()) + ("mb", "params")
+        header += ("grads", "optim", "acts", "logits", "buffers", "allocator", "overhead", "total", "tok/s", "verdict")
         rows = [header]
         for c in self.candidates:
             verdict = "CHOSEN" if c.key == self._chosen_key else ("fits" if c.fits else "no fit")
             sizes = [f"{getattr(c.memory, t) / div:.2f}" for t in terms]
             speed = "-" if c.tokens_per_s is None else f"{c.tokens_per_s:,.0f}"
             flags = ("yes" if c.activation_checkpointing else "no", "yes" if c.use_liger_kernel else "no")
-            rows.append((c.strategy, c.offload, *flags, str(c.micro_batch_size), *sizes, speed, verdict))
+            offload = c.offload + ("@nvme" if c.offload_device == "nvme" else "")
+            dims = (f"{c.tp_size}/{c.cp_size}/{c.sp_size}",) if sized else ()
+            rows.append((c.strategy, offload, *flags, *dims, str(c.micro_batch_size), *sizes, speed, verdict))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        first_number = 5 if sized else 4
         for row in rows:
             cells = [
-                cell.rjust(w) if i >= 4 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+                cell.rjust(w) if i >= first_number else cell.ljust(w)
+                for i, (cell, w) in enumerate(zip(row, widths, strict=True))
             ]
             lines.append("  ".join(cells))
         lines.append("")
         lines.append("reasons:")
         for c in self.candidates:
-            flags = ("+ckpt" if c.activation_checkpointing else "") + ("+liger" if c.use_liger_kernel else "")
-            lines.append(f"  {c.strategy}/{c.offload}{flags}: {c.reason}")
+            lines.append(f"  {c.label}: {c.reason}")
         return "\n".join(lines)
 
+    def _sizes_text(self) -> str:
+        sizes = [f"{n}={getattr(self, n + '_size')}" for n in ("tp", "cp", "sp") if getattr(self, n + "_size") > 1]
+        return (" " + " ".join(sizes)) if sizes else ""
+
     @property
-    def _chosen_key(self) -> tuple[str, str, bool, bool]:
-        return (self.strategy, self.offload, self.activation_checkpointing, self.use_liger_kernel)
+    def _chosen_key(self) -> Combo:
+        return Combo(
+            self.strategy, self.offload, self.activation_checkpointing, self.use_liger_kernel,
+            self.tp_size, self.cp_size, self.sp_size, self.offload_device == "nvme",
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------- batch math
@@ -223,50 +264,78 @@ class _Setup:
     base_bytes: int  # a LoRA model's frozen base as loaded: 4 for fp32, else 2
     usable: float
     trainable: int
+    global_batch: int | None = None
+    micro_batch: int | None = None
 
 
-Combo = tuple[str, str, bool, bool]  # strategy, offload, activation checkpointing, Liger kernels
+class Combo(NamedTuple):
+    """One point of the search: a strategy with its offload, checkpointing, kernels and model-parallel sizes."""
+
+    strategy: str
+    offload: str
+    ckpt: bool
+    liger: bool
+    tp: int = 1
+    cp: int = 1
+    sp: int = 1
+    nvme: bool = False
+
+    def layout(self, hw: Hardware, world: int | None = None, nodes: int | None = None) -> Layout:
+        return Layout(
+            self.strategy, world or hw.world_size, nodes or hw.nodes, self.offload, self.ckpt,
+            tp_size=self.tp, cp_size=self.cp, sp_size=self.sp, offload_device="nvme" if self.nvme else "cpu",
+        )  # fmt: skip
 
 
 def _estimate(s: _Setup, combo: Combo, mb, world=None, nodes=None, accum=1) -> MemoryEstimate:
-    strategy, offload, ckpt, liger = combo
     return estimate_memory(
         s.spec,
-        strategy,
+        combo.strategy,
         world or s.hw.world_size,
         nodes=nodes or s.hw.nodes,
         method=s.method,
-        offload=offload,
+        offload=combo.offload,
         optimizer=s.optimizer,
         master_weights=s.master,
         base_bytes=s.base_bytes,
         param_bytes=s.pb,
         seq_len=s.seq_len,
         micro_batch_size=mb,
-        activation_checkpointing=ckpt,
+        activation_checkpointing=combo.ckpt,
         lora_rank=s.lora_rank,
         gradient_accumulation_steps=accum,
-        use_liger_kernel=liger,
+        use_liger_kernel=combo.liger,
         device=s.hw.device,
+        tp_size=combo.tp,
+        cp_size=combo.cp,
+        sp_size=combo.sp,
+        offload_device="nvme" if combo.nvme else "cpu",
     )
 
 
 def _time(s: _Setup, combo: Combo, mb: int, accum: int, memory: MemoryEstimate) -> StepTime:
-    strategy, offload, ckpt, liger = combo
-    hw = s.hw
+    hw, layout = s.hw, combo.layout(s.hw)
+    strategy = REGISTRY[combo.strategy]
+    spec = s.spec.tensor_parallel_shard(combo.tp)  # what one rank of a TP group holds and computes
+    trainable = s.trainable // combo.tp
     grad_bytes = 4 if s.pb == 4 else 2  # what the collectives move (DeepSpeed reduces in the compute dtype)
-    comm = comm_seconds(
-        REGISTRY[strategy], offload, s.spec, s.trainable, hw.world_size, hw.nodes, accum, s.pb, grad_bytes, hw
-    )
+    # the data-parallel collectives run over the ranks that hold the same TP slice
+    comm = comm_seconds(strategy, combo.offload, spec, trainable, hw.world_size // combo.tp, hw.nodes, accum, s.pb,
+                        grad_bytes, hw)  # fmt: skip
+    comm += model_parallel_seconds(layout, s.spec, s.seq_len, mb, hw, combo.ckpt) * accum
+    if combo.nvme:
+        comm += nvme_seconds(s.spec, s.trainable, combo.offload, accum, s.pb, hw)
     return step_time(
-        s.spec, hw, memory, strategy=REGISTRY[strategy], offload=offload, trainable=s.trainable, micro_batch_size=mb,
-        accumulation=accum, seq_len=s.seq_len, activation_checkpointing=ckpt, use_liger_kernel=liger, comm=comm,
+        spec, hw, memory, strategy=strategy, offload=combo.offload, trainable=trainable, micro_batch_size=mb,
+        accumulation=accum, seq_len=s.seq_len, activation_checkpointing=combo.ckpt, use_liger_kernel=combo.liger,
+        comm=comm, dp_size=layout.dp_size, seq_shards=layout.seq_shards, tp_size=combo.tp,
     )  # fmt: skip
 
 
-def _combos(strategies, offloads, ckpts, ligers, hw: Hardware, pinned: bool) -> list[Combo]:
+def _combos(strategies, offloads, ckpts, ligers, hw: Hardware, pinned: bool, sizes=((1, 1, 1),)) -> list[Combo]:
     """Every allowed combination. On one GPU there is nothing to shard: a sharding engine is only
-    searched with offload (it would add its overhead for nothing), unless the strategy is pinned."""
+    searched with offload (it would add its overhead for nothing), unless the strategy is pinned.
+    ``sizes``: the (tp, cp, sp) triples to combine with them; those a layout refuses are left out."""
     out = []
     for liger in ligers:
         for offload in offloads:
@@ -277,46 +346,75 @@ def _combos(strategies, offloads, ckpts, ligers, hw: Hardware, pinned: bool) -> 
                         hw.world_size == 1 and not s.is_ddp and offload == "none" and not pinned
                     ):
                         continue
-                    if offload in s.offloads:
-                        out.append((name, offload, ckpt, liger))
+                    if offload not in s.offloads:
+                        continue
+                    for tp, cp, sp in sizes:
+                        combo = Combo(name, offload, ckpt, liger, tp, cp, sp)
+                        if _valid(combo, hw):
+                            out.append(combo)
     return out
 
 
-def _candidate(s: _Setup, combo: Combo, mbs, global_batch) -> Candidate:
-    world = s.hw.world_size
+def _valid(combo: Combo, hw: Hardware) -> bool:
+    try:
+        layout = combo.layout(hw)
+    except ValueError:
+        return False
+    # accelerate composes TP only with sharded data parallelism: DDP takes TP only when nothing is replicated
+    return not (layout.strategy.is_ddp and combo.tp > 1 and layout.dp_size > 1)
+
+
+def _candidate(s: _Setup, combo: Combo) -> Candidate:
+    layout = combo.layout(s.hw)
+    extra = dict(tp_size=combo.tp, cp_size=combo.cp, sp_size=combo.sp, offload_device="nvme" if combo.nvme else "cpu")
+    strategy, offload, ckpt, liger = combo.strategy, combo.offload, combo.ckpt, combo.liger
+    try:
+        mbs = micro_batch_options(s.global_batch, s.micro_batch, layout.dp_size)
+    except ValueError as e:
+        mem = _estimate(s, combo, s.micro_batch or 1)
+        return Candidate(strategy, offload, ckpt, s.micro_batch or 1, mem, False, str(e), None, liger, **extra)
     host_need = _estimate(s, combo, mbs[-1]).cpu * s.hw.gpus_per_node
     host_usable = s.usable / (s.hw.gpu_memory_gib * GIB) * s.hw.host_memory_limit_gib * GIB
-    strategy, offload, ckpt, liger = combo
     if host_need > host_usable:
         mem = _estimate(s, combo, mbs[-1])
+        what = "NVMe offload's pinned buffers and gradients" if combo.nvme else "offloaded states"
         reason = (
-            f"offloaded states need {_fmt(host_need)} of host RAM per node, more than the usable {_fmt(host_usable)} "
-            "(pass --host-memory / detect_hardware(host_memory_gib=...) if it is larger)"
+            f"{what} need {_fmt(host_need)} of host RAM per node, more than the usable {_fmt(host_usable)} "
+            "(pass --host-memory / plan(host_memory_gib=...) if it is larger)"
         )
-        return Candidate(strategy, offload, ckpt, mbs[-1], mem, False, reason, None, liger)
+        return Candidate(strategy, offload, ckpt, mbs[-1], mem, False, reason, None, liger, **extra)
     best = None
     for mb in mbs:  # largest first; memory only grows with the micro-batch
-        accum = (global_batch // (mb * world)) if global_batch else 1
+        accum = (s.global_batch // (mb * layout.dp_size)) if s.global_batch else 1
         mem = _estimate(s, combo, mb, accum=accum)
         if mem.total > s.usable:
             continue
         time = _time(s, combo, mb, accum, mem)
         if best is None or time.tokens_per_s > best.time.tokens_per_s * (1 + TIE_FRACTION):
-            best = Candidate(strategy, offload, ckpt, mb, mem, True, "", time.comm, liger, time)
+            best = Candidate(strategy, offload, ckpt, mb, mem, True, "", time.comm, liger, time, **extra)
     if best is not None:
         return best
     short = mem.total - s.usable
     reason = f"needs {_fmt(mem.total)} per rank at micro_batch {mbs[-1]}, {_fmt(short)} over the usable memory"
-    return Candidate(strategy, offload, ckpt, mbs[-1], mem, False, reason, None, liger)
+    return Candidate(strategy, offload, ckpt, mbs[-1], mem, False, reason, None, liger, **extra)
+
+
+def _offload_level(c: Candidate) -> int:
+    """The ladder's order of last resorts: no offload, CPU offload (optimizer, then parameters), then NVMe."""
+    return OFFLOADS.index(c.offload) + (len(OFFLOADS) if c.offload_device == "nvme" else 0)
 
 
 def _best(fitting: list[Candidate]) -> Candidate:
-    """Least offload, then the fastest; estimates within TIE_FRACTION of it go to the simpler layout."""
-    level = min(OFFLOADS.index(c.offload) for c in fitting)
-    pool = [c for c in fitting if OFFLOADS.index(c.offload) == level]
+    """Least offload, then the fastest; estimates within TIE_FRACTION of it go to the simpler layout (no
+    checkpointing, fewer model-parallel ranks, the registry's preference)."""
+    level = min(_offload_level(c) for c in fitting)
+    pool = [c for c in fitting if _offload_level(c) == level]
     fastest = max(c.tokens_per_s for c in pool)
     close = [c for c in pool if c.tokens_per_s >= fastest * (1 - TIE_FRACTION)]
-    return min(close, key=lambda c: (c.activation_checkpointing, REGISTRY[c.strategy].preference, -c.tokens_per_s))
+    return min(
+        close,
+        key=lambda c: (c.activation_checkpointing, c.model_parallel, REGISTRY[c.strategy].preference, -c.tokens_per_s),
+    )
 
 
 def _reason_for(c: Candidate, best: Candidate) -> str:
@@ -325,7 +423,11 @@ def _reason_for(c: Candidate, best: Candidate) -> str:
         if REGISTRY[c.strategy].is_deepspeed and c.offload == "optimizer":
             notes.append("DeepSpeed because FSDP2 cannot offload only the optimizer")
         if c.offload != "none":
-            notes.append(f"offload={c.offload} because nothing fits without it")
+            where = "NVMe (ZeRO-Infinity)" if c.offload_device == "nvme" else "CPU"
+            notes.append(f"offload={c.offload} to {where} because nothing fits without it")
+        if c.model_parallel > 1:
+            notes.append(f"{c.label.split(' ', 1)[1]} because no data-parallel layout fits without offload or splits "
+                         "the global batch")  # fmt: skip
         if c.activation_checkpointing:
             notes.append("activation checkpointing: its recompute costs less than the smaller micro-batch without it")
         if c.use_liger_kernel:
@@ -338,8 +440,9 @@ def _reason_for(c: Candidate, best: Candidate) -> str:
         )
     if not c.fits:
         return c.reason
-    if c.offload != best.offload:
-        return f"fits but uses CPU offload ({c.offload}), which the chosen plan avoids"
+    if _offload_level(c) != _offload_level(best):
+        where = " to NVMe" if c.offload_device == "nvme" else ""
+        return f"fits but offloads ({c.offload}{where}), which the chosen plan avoids"
     if c.tokens_per_s < best.tokens_per_s * (1 - TIE_FRACTION):
         why = []
         if c.activation_checkpointing and not best.activation_checkpointing:
@@ -352,7 +455,7 @@ def _reason_for(c: Candidate, best: Candidate) -> str:
             why.append(f"communicates more ({c.time.comm:.3f} s/step vs {best.time.comm:.3f})")
         because = f" ({', '.join(why)})" if why else ""
         return f"fits but is slower: ~{c.tokens_per_s:,.0f} vs ~{best.tokens_per_s:,.0f} tokens/s{because}"
-    return f"fits at about the same speed; {best.strategy} is simpler"
+    return f"fits at about the same speed; {best.label} is simpler"
 
 
 def _precision(hw: Hardware) -> tuple[str, int, bool]:
@@ -402,6 +505,12 @@ def plan(
     safety_margin: float = 0.1,
     hardware: Hardware | None = None,
     pure_bf16: bool = False,
+    tp_size: int | None = None,
+    cp_size: int | None = None,
+    sp_size: int | None = None,
+    host_memory_gib: float | None = None,
+    nvme_gbps: float | None = None,
+    features: Any = None,
 ) -> Plan:
     """Plan distributed training of ``model`` (count, config, module, folder, config.json or hub name).
 
@@ -410,6 +519,13 @@ def plan(
     ``pure_bf16=True`` plans bf16 weights and bf16 Adam state without fp32 master weights (less memory,
     less accurate updates); by default mixed precision keeps fp32 masters. A module's loaded dtype is
     read (``Plan.model_dtype``); dtypes other than float32/bfloat16/float16 raise ValueError.
+
+    Model parallelism: ``tp_size`` / ``cp_size`` / ``sp_size`` pin a size (1 turns the dimension off); left
+    None, the sizes the model, hardware and installed libraries allow (:mod:`hf_dist.planning.model_parallel`)
+    are searched when no data-parallel layout fits without offload or the global batch is smaller than the
+    GPUs. ``host_memory_gib`` (RAM per node) and ``nvme_gbps`` (the nodes' NVMe bandwidth; given, NVMe offload
+    is searched when nothing else fits) describe the hardware when ``hardware`` is not passed. ``features``: what
+    the libraries accept (default: the installed ones, ``hf_dist.runtime.support.installed_features()``).
     Raises PlanError (a ValueError) naming the minimum hardware when nothing fits.
     """
     if method not in METHODS:
@@ -419,7 +535,12 @@ def plan(
     for name, value in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    hw = hardware or detect_hardware(gpus=gpus, gpu_memory_gib=gpu_memory_gib, nodes=nodes)
+    for name, value in (("tp_size", tp_size), ("cp_size", cp_size), ("sp_size", sp_size)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name} must be a positive int (1 = off) or None (search), got {value!r}")
+    hw = hardware or detect_hardware(
+        gpus=gpus, gpu_memory_gib=gpu_memory_gib, nodes=nodes, host_memory_gib=host_memory_gib, nvme_gbps=nvme_gbps
+    )
     if method == "qlora" and hw.device != "cuda":
         raise ValueError("qlora needs CUDA GPUs (bitsandbytes 4-bit kernels); use method='lora' on CPU")
     if hw.device == "cpu" and offload not in (None, "none"):
@@ -448,36 +569,40 @@ def plan(
         spec, hw, method, optimizer, seq_len, lora_rank, pb, master, 4 if model_dtype == "float32" else pb,
         usable=(1 - safety_margin) * hw.gpu_memory_gib * GIB,
         trainable=trainable_params(spec, method, lora_rank),
+        global_batch=global_batch_size,
+        micro_batch=micro_batch_size,
     )  # fmt: skip
-    world = hw.world_size
-    mbs = micro_batch_options(global_batch_size, micro_batch_size, world)
-    combos = _combos(strategies, offloads, ckpts, ligers, hw, pinned=strategy is not None)
-    if not combos:
-        raise ValueError(
-            f"strategy {strategy!r} cannot use offload {offload!r}; allowed: {REGISTRY[strategy].offloads}"
-        )
-    candidates = [_candidate(setup, combo, mbs, global_batch_size) for combo in combos]
+    if features is None:
+        from hf_dist.runtime.support import installed_features
+
+        features = installed_features()
+    options = size_options(spec, hw, seq_len, features)
+    sizes_pinned = any(v is not None for v in (tp_size, cp_size, sp_size))
+    pinned = pinned_sizes(spec, options, tp_size or 1, cp_size or 1, sp_size or 1) if sizes_pinned else None
+    search = _Search(setup, strategies, offloads, ckpts, ligers, pinned_strategy=strategy is not None)
+    candidates, dims = search.run(options, pinned)
     fitting = [c for c in candidates if c.fits]
     if not fitting:
-        raise PlanError(_nothing_fits_message(setup, combos, candidates))
+        raise PlanError(_nothing_fits_message(setup, search.dp_combos, candidates, dims))
     best = _best(fitting)
     for c in candidates:
         c.reason = _reason_for(c, best)
-    global_batch = global_batch_size or best.micro_batch_size * world
+    layout = best.key.layout(hw)
+    global_batch = global_batch_size or best.micro_batch_size * layout.dp_size
     note = ""
     if use_liger_kernel is None and hw.device == "cuda" and not hw.liger_kernel and spec.has_shape:
-        note = _liger_gain(setup, best, mbs, global_batch_size)
+        note = _liger_gain(setup, best)
     return Plan(
         strategy=best.strategy,
         offload=best.offload,
         activation_checkpointing=best.activation_checkpointing,
         micro_batch_size=best.micro_batch_size,
-        gradient_accumulation_steps=global_batch // (best.micro_batch_size * world),
+        gradient_accumulation_steps=global_batch // (best.micro_batch_size * layout.dp_size),
         global_batch_size=global_batch,
         num_params=spec.num_params,
         memory=best.memory,
         candidates=candidates,
-        world_size=world,
+        world_size=hw.world_size,
         nodes=hw.nodes,
         method=method,
         seq_len=seq_len,
@@ -493,13 +618,85 @@ def plan(
         liger_note=note,
         pure_bf16=pure_bf16,
         model_dtype=model_dtype,
+        tp_size=best.tp_size,
+        cp_size=best.cp_size,
+        sp_size=best.sp_size,
+        offload_device=best.offload_device,
+        dimensions=dims + _chosen_dimensions(best),
     )
 
 
-def _liger_gain(s: _Setup, best: Candidate, mbs, global_batch) -> str:
+class _Search:
+    """The ladder: data parallelism (with CPU offload as a last resort), then model parallelism without offload
+    when no data-parallel layout fits without it or splits the global batch, then NVMe offload when nothing fits."""
+
+    def __init__(self, setup: _Setup, strategies, offloads, ckpts, ligers, pinned_strategy: bool):
+        self.s, self.strategies, self.offloads, self.ckpts, self.ligers = setup, strategies, offloads, ckpts, ligers
+        self.pinned_strategy = pinned_strategy
+        self.dp_combos = _combos(strategies, offloads, ckpts, ligers, setup.hw, pinned_strategy)
+
+    def _evaluate(self, combos: list[Combo]) -> list[Candidate]:
+        return [_candidate(self.s, combo) for combo in combos]
+
+    def run(self, options, pinned: tuple[int, int, int] | None) -> tuple[list[Candidate], list[str]]:
+        hw, dims = self.s.hw, [f"{n}: {why}" for n, why in options.unavailable.items()]
+        if pinned is not None:
+            combos = _combos(
+                self.strategies, self.offloads, self.ckpts, self.ligers, hw, self.pinned_strategy, [pinned]
+            )
+            if not combos:
+                raise ValueError(_no_layout_for(pinned, self.strategies, hw))
+            return self._evaluate(combos), dims
+        if not self.dp_combos:
+            raise ValueError(f"no strategy among {list(self.strategies)} can use offload {list(self.offloads)}")
+        candidates = self._evaluate(self.dp_combos)
+        if any(c.fits and c.offload == "none" for c in candidates):
+            return candidates, dims + ["tp/cp/sp not searched: a data-parallel layout fits without offload"]
+        if "none" not in self.offloads:
+            return candidates, dims + ["tp/cp/sp not searched: offload was asked for (model parallelism is searched "
+                                       "without offload)"]  # fmt: skip
+        triples = options.triples(hw.world_size)
+        mp = _combos(self.strategies, ("none",), self.ckpts, self.ligers, hw, self.pinned_strategy, triples)
+        candidates += self._evaluate(mp)
+        dims.append(f"searched {options.describe()} ({len(mp)} layouts) because no data-parallel layout fits "
+                    "without offload" + self._batch_note(candidates))  # fmt: skip
+        if any(c.fits for c in candidates):
+            return candidates, dims
+        if hw.nvme_gbps is None:
+            return candidates, dims + ["nvme: not searched: pass nvme_gbps (hf-dist plan --nvme-gbps) for the "
+                                       "nodes' local NVMe drives to consider ZeRO-Infinity"]  # fmt: skip
+        sp = [(1, 1, 1)] + [t for t in triples if t[0] == t[1] == 1]
+        nvme = [c._replace(nvme=True) for c in _combos(["zero3"] if "zero3" in self.strategies else [],
+                ("optimizer", "optimizer+params"), self.ckpts, self.ligers, hw, self.pinned_strategy, sp)]  # fmt: skip
+        nvme = [c for c in nvme if _valid(c, hw)]
+        candidates += self._evaluate(nvme)
+        return candidates, dims + [f"nvme: searched zero3 offload to NVMe ({len(nvme)} layouts): nothing else fits"]
+
+    def _batch_note(self, candidates: list[Candidate]) -> str:
+        split = [c for c in candidates if c.model_parallel == 1 and "global_batch" in c.reason]
+        return f" or splits the global batch ({split[0].reason.split(';')[0]})" if split else ""
+
+
+def _no_layout_for(sizes, strategies, hw: Hardware) -> str:
+    tp, cp, sp = sizes
+    return (
+        f"no layout runs tp_size={tp} cp_size={cp} sp_size={sp} with strategy {'/'.join(strategies)} on "
+        f"{hw.world_size} GPU(s) in {hw.nodes} node(s): TP needs FSDP2 (or DDP with nothing replicated, or "
+        "zero1/zero2 AutoTP) inside a node, CP needs FSDP2, SP needs DeepSpeed ZeRO, and their product must divide "
+        "the world size"
+    )
+
+
+def _chosen_dimensions(best: Candidate) -> list[str]:
+    if best.model_parallel == 1 and best.offload_device != "nvme":
+        return []
+    return [f"chosen {best.label}: {best.reason.split('; ', 1)[-1]}"]
+
+
+def _liger_gain(s: _Setup, best: Candidate) -> str:
     """What Liger kernels would change for the chosen layout, when the package is missing."""
-    strategy, offload, _, _ = best.key
-    options = [_candidate(s, (strategy, offload, ckpt, True), mbs, global_batch) for ckpt in (False, True)]
+    strategy = best.strategy
+    options = [_candidate(s, best.key._replace(ckpt=ckpt, liger=True)) for ckpt in (False, True)]
     fitting = [c for c in options if c.fits]
     if not fitting:
         return ""
@@ -517,26 +714,34 @@ def _liger_gain(s: _Setup, best: Candidate, mbs, global_batch) -> str:
 # ---------------------------------------------------------------- when nothing fits
 
 
-def _nothing_fits_message(s: _Setup, combos, candidates: list[Candidate]) -> str:
+def _nothing_fits_message(s: _Setup, combos, candidates: list[Candidate], dims: list[str]) -> str:
     hw = s.hw
+    model_parallel = "; ".join(d for d in dims if not d.startswith("tp/cp/sp not searched"))
+    batch = [c for c in candidates if c.reason.startswith("global_batch")]
+    if len(batch) == len(candidates):  # no layout can split the batch: the arithmetic is the message
+        return candidates[0].reason + (f" (model parallelism: {model_parallel})" if model_parallel else "")
     # the GPU memory that would suffice is stated for plans without offload (offload also needs host RAM)
     smallest = min([c for c in candidates if c.offload == "none"] or candidates, key=lambda c: c.memory.total)
     margin = s.usable / (hw.gpu_memory_gib * GIB)
     msg = f"nothing fits on {hw.world_size} x {hw.gpu_memory_gib:.0f} GiB"
     if smallest.memory.total > s.usable:
         msg += (
-            f": the smallest candidate ({smallest.strategy}, offload={smallest.offload}, activation_checkpointing="
-            f"{smallest.activation_checkpointing}, micro_batch={smallest.micro_batch_size}) needs "
+            f": the smallest candidate ({smallest.label}, micro_batch={smallest.micro_batch_size}) needs "
             f"{_fmt(smallest.memory.total)} per rank (usable {_fmt(s.usable)}); it would fit with "
             f"{smallest.memory.total / margin / GIB:.0f} GiB per GPU"
         )
-    host = [c for c in candidates if c.reason.startswith("offloaded states")]
-    if host:
-        msg += f"; with CPU offload the {host[0].reason}"
+    for nvme in (False, True):  # the least host RAM any CPU / NVMe offload layout asks for
+        host = [c for c in candidates if "of host RAM per node" in c.reason and (c.offload_device == "nvme") == nvme]
+        if host:
+            least = min(host, key=lambda c: c.memory.cpu)
+            msg += f"; with {'NVMe' if nvme else 'CPU'} offload ({least.label}) the {least.reason}"
+    if model_parallel:
+        msg += f"; model parallelism: {model_parallel}"
     if _needs_tensor_parallel(s):
         return msg + (
             f". A single decoder layer ({s.spec.layer_params / 1e6:.0f}M params) with its gradients and activations "
-            "does not fit on one GPU even with full sharding: tensor parallelism is needed (not covered by hf_dist)"
+            "does not fit on one GPU even with full sharding: it needs tensor parallelism (above) or, beyond one "
+            "node's GPUs, pipeline parallelism (not covered by hf_dist)"
         )
     fully_sharded = [c for c in combos if REGISTRY[c[0]].shards.params and not REGISTRY[c[0]].gathers_params]
     sharded = fully_sharded or combos

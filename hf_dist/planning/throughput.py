@@ -52,11 +52,17 @@ TENSORS_PER_LAYER = 9  # q, k, v, o, gate, up, down, two norms
 DEFAULT_INTRA_GBPS = 150.0
 DEFAULT_INTER_GBPS = 25.0
 PCIE_GBPS = 25.0
+# One PCIe 4.0 NVMe drive sustains ~3 GB/s of mixed reads and writes (7 GB/s sequential reads); pass the node's
+# aggregate (``--nvme-gbps``) for a RAID of several.
+DEFAULT_NVME_GBPS = 3.0
 # Unknown devices: a mid-range GPU, or a CPU socket share (only the ranking matters there).
 DEFAULT_GPU_TFLOPS, DEFAULT_GPU_HBM_GBPS = 300.0, 2000.0
 CPU_TFLOPS, CPU_MEMORY_GBPS = 1.0, 50.0
 # DeepSpeedCPUAdam steps ~1e9 params/s per node (AVX-512, all cores); torch's AdamW on CPU ~4x slower.
 CPU_ADAM_PARAMS_PER_S = 1e9
+# ZeRO-Infinity per optimizer step, per node: the fp32 master weights and both moments are read and written back
+# (24 bytes per param) and the fp32 gradients written (4): stage3.py swaps each sub-group in, steps, swaps it out.
+NVME_BYTES_PER_PARAM_STEP = 28
 
 
 @dataclass(frozen=True)
@@ -126,6 +132,50 @@ def comm_seconds(s: Strategy | str, offload, spec, trainable, world, nodes, accu
     return seconds
 
 
+def model_parallel_seconds(layout, spec, seq_len: int, micro_batch_size: int, hw: Hardware, ckpt: bool) -> float:
+    """Per micro-step, seconds one rank spends in the activation collectives of tensor / context / sequence
+    parallelism (not overlapped with compute: an upper bound). ``spec`` is the whole model, ``seq_len`` the whole
+    sequence. Inside one node (accelerate's mesh puts tp, then cp/sp, innermost) they use the NVLink-class link.
+
+    - TP (Megatron-style column/row pairs, Shoeybi et al. 2019): per layer two all-reduces of the ``[tokens, h]``
+      activations in forward and two of their gradients in backward, plus the gather of ``lm_head``'s output;
+    - CP (torch ring attention): per layer each rank receives the other ranks' K and V in forward, and K, V and
+      their gradients in backward;
+    - SP (DeepSpeed Ulysses, Jacobs et al. 2023): per layer all-to-alls of q, k, v and the attention output in
+      forward and of their gradients in backward, each moving ``(sp-1)/sp`` of the tensor.
+    Activation checkpointing runs each layer's forward, and its collectives, again.
+    """
+    if layout.tp_size * layout.seq_shards == 1 or not spec.has_shape:
+        return 0.0
+    group = layout.tp_size * layout.seq_shards
+    link = (hw.intra_node_gbps or DEFAULT_INTRA_GBPS) if group <= layout.gpus_per_node else None
+    link = (link or hw.inter_node_gbps or DEFAULT_INTER_GBPS) * 1e9
+    c = 2  # activations travel in the compute dtype
+    tokens = seq_len * micro_batch_size // layout.seq_shards
+    h, kv, q = spec.hidden_size, spec.num_key_value_heads * spec.head_dim, spec.num_attention_heads * spec.head_dim
+    passes = 3 if ckpt else 2  # forward (+ recompute) and backward
+    per_layer = 0.0
+    tp, cp, sp = layout.tp_size, layout.cp_size, layout.sp_size
+    if tp > 1:
+        per_layer += passes * 2 * 2 * (tp - 1) / tp * tokens * h * c
+    if cp > 1:
+        per_layer += (passes + 1) * (cp - 1) * tokens * 2 * kv // tp * c
+    if sp > 1:
+        per_layer += passes * (sp - 1) / sp * tokens * (2 * q + 2 * kv) // tp * c
+    head = (tp - 1) / tp * tokens * spec.vocab_size * c if tp > 1 else 0.0
+    return (per_layer * spec.num_layers + head) / link
+
+
+def nvme_seconds(spec, trainable: int, offload: str, accum: int, pb: int, hw: Hardware) -> float:
+    """Per optimizer step, seconds the node's NVMe drives spend swapping ZeRO-Infinity's states (``hw.nvme_gbps``:
+    the node's aggregate bandwidth): the optimizer's sub-groups every step, and with the parameters on NVMe each
+    rank's partition read for forward and again for backward on every micro-step."""
+    per_node = trainable * NVME_BYTES_PER_PARAM_STEP / hw.nodes
+    if offload == "optimizer+params":
+        per_node += 2 * spec.num_params * pb * accum / hw.nodes
+    return per_node / ((hw.nvme_gbps or DEFAULT_NVME_GBPS) * 1e9)
+
+
 def _engine_hooks_s(s: Strategy, spec) -> float:
     layers = max(spec.num_layers, 1)
     if s.is_deepspeed:
@@ -138,10 +188,17 @@ def _engine_hooks_s(s: Strategy, spec) -> float:
 def step_time(
     spec, hw: Hardware, memory, *, strategy: Strategy, offload: str, trainable: int, micro_batch_size: int,
     accumulation: int, seq_len: int, activation_checkpointing: bool, use_liger_kernel: bool, comm: float,
+    dp_size: int | None = None, seq_shards: int = 1, tp_size: int = 1,
 ) -> StepTime:  # fmt: skip
-    """Estimated seconds per optimizer step on each rank, from ``memory`` (a MemoryEstimate of the same layout)."""
+    """Estimated seconds per optimizer step on each rank, from ``memory`` (a MemoryEstimate of the same layout).
+
+    Under model parallelism ``spec`` and ``trainable`` are one tensor-parallel rank's share
+    (``ModelSpec.tensor_parallel_shard``), each rank computes ``seq_len / seq_shards`` tokens of a sequence
+    against all ``seq_len`` keys, and only the ``dp_size`` data-parallel groups see different sequences;
+    ``comm`` then includes :func:`model_parallel_seconds` for every micro-step."""
     flops_s, bytes_s = device_rates(hw)
-    tokens = seq_len * micro_batch_size
+    dp_size = hw.world_size if dp_size is None else dp_size
+    tokens = seq_len * micro_batch_size // seq_shards
     per_token = flops_per_token_from_spec(spec, seq_len) if spec.has_shape else 6 * spec.num_params
     if trainable < spec.num_params:  # frozen weights: no weight gradients (2 of the 6 FLOPs per param)
         per_token -= 2 * (spec.num_params - trainable)
@@ -155,7 +212,8 @@ def step_time(
         # AdamW reads weights, gradients and both moments and writes weights and moments back
         optimizer = (memory.params + memory.grads + 2 * memory.optimizer) / bytes_s
     else:
-        optimizer = trainable / max(hw.world_size, 1) * hw.gpus_per_node / CPU_ADAM_PARAMS_PER_S
+        # each node's CPUs step the node's share of all trainable parameters (every TP rank's slice)
+        optimizer = trainable * tp_size / hw.nodes / CPU_ADAM_PARAMS_PER_S
     per_micro = accumulation
     return StepTime(compute * per_micro, traffic / bytes_s * per_micro, dispatch * per_micro, optimizer, comm,
-                    tokens * accumulation * hw.world_size)  # fmt: skip
+                    seq_len * micro_batch_size * accumulation * dp_size)  # fmt: skip

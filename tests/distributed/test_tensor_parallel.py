@@ -117,6 +117,19 @@ def test_tp2_shards_every_linear_and_the_embeddings(tp_runs):
     assert norms and all(params[name] is None for name in norms), "norms stay plain, replicated tensors"
 
 
+def test_memory_model_counts_what_a_tp_rank_holds(tp_runs):
+    """The planner's memory model reads ModelSpec.tensor_parallel_shard: it counts exactly the parameters one TP
+    rank held in this run, the DTensors' local shards plus the replicated plain tensors (the norms)."""
+    from hf_dist.planning.modelinfo import model_spec
+    from hf_dist.testing import tiny_llama_config
+
+    config = tiny_llama_config()
+    params = tp_runs.get("tp")["placements"]
+    sharded = sum(math.prod(f["local_shape"]) for f in params.values() if f is not None)
+    plain = sum(1 for f in params.values() if f is None) * config.hidden_size  # every plain tensor is a norm
+    assert model_spec(config).tensor_parallel_shard(2).num_params == sharded + plain
+
+
 def test_tp2_loss_matches_ddp(tp_runs):
     ddp, tp = tp_runs.get("ddp"), tp_runs.get("tp")
     diff = max_rel_diff(tp["losses"], ddp["losses"])

@@ -37,8 +37,11 @@ def test_plan_errors_exit_1_with_message(tmp_path, capsys):
     tiny_llama_config().save_pretrained(tmp_path)
     assert main(["plan", str(tmp_path), "--gpus", "10", "--nodes", "4", "--gpu-memory", "80"]) == 1
     assert "not divisible by nodes" in capsys.readouterr().err
-    assert main(["plan", str(tmp_path), "--gpus", "8", "--gpu-memory", "80", "--global-batch", "12"]) == 1
+    pinned = ["--tp-size", "1", "--cp-size", "1", "--sp-size", "1"]  # data parallelism only
+    assert main(["plan", str(tmp_path), "--gpus", "8", "--gpu-memory", "80", "--global-batch", "12", *pinned]) == 1
     assert "not divisible by world size (8)" in capsys.readouterr().err
+    assert main(["plan", str(tmp_path), "--gpus", "8", "--gpu-memory", "80", "--tp-size", "3"]) == 1
+    assert "no layout runs tp_size=3" in capsys.readouterr().err
 
 
 def test_env_text_and_json(capsys, monkeypatch):

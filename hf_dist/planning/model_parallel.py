@@ -1,0 +1,88 @@
+"""The tensor / context / sequence parallel sizes the planner may search, and why the others are left out.
+
+Sizes are powers of two. TP stays inside a node (it all-reduces inside every layer) and needs a model whose
+config carries a tensor-parallel plan; CP (torch ring attention through accelerate's ``ParallelismConfig``)
+needs FSDP2 and CUDA; SP (DeepSpeed Ulysses) needs accelerate >= 1.12 and deepspeed >= 0.18.2. What the
+installed libraries accept comes in as a ``LibraryFeatures`` (``hf_dist.runtime.support.installed_features``);
+a size the model cannot be split by (heads, KV heads, sequence length) is never offered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+Sizes = tuple[int, int, int]  # tp, cp, sp
+
+
+@dataclass(frozen=True)
+class SizeOptions:
+    """What may be searched per dimension, and a reason for each dimension that may not."""
+
+    tp: tuple[int, ...] = ()
+    cp: tuple[int, ...] = ()
+    sp: tuple[int, ...] = ()
+    unavailable: dict[str, str] = field(default_factory=dict)
+
+    def triples(self, world_size: int) -> list[Sizes]:
+        """Every (tp, cp, sp) other than (1, 1, 1) whose product divides the world (cp and sp never together)."""
+        out = []
+        for tp in (1, *self.tp):
+            for cp, sp in [(1, 1)] + [(c, 1) for c in self.cp] + [(1, s) for s in self.sp]:
+                if (tp, cp, sp) != (1, 1, 1) and world_size % (tp * cp * sp) == 0:
+                    out.append((tp, cp, sp))
+        return out
+
+    def describe(self) -> str:
+        parts = [
+            f"{n} in {{{', '.join(map(str, v))}}}" for n, v in (("tp", self.tp), ("cp", self.cp), ("sp", self.sp)) if v
+        ]
+        return ", ".join(parts) or "nothing"
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, n = [], 2
+    while n <= limit:
+        out.append(n)
+        n *= 2
+    return out
+
+
+def size_options(spec, hw, seq_len: int, features) -> SizeOptions:
+    """The sizes the model, the hardware and the installed libraries allow, per dimension."""
+    unavailable: dict[str, str] = {}
+    if not spec.has_shape:
+        reason = "the model is a bare parameter count; pass a config to split it"
+        return SizeOptions(unavailable={"tp": reason, "cp": reason, "sp": reason})
+    heads, kv = spec.num_attention_heads, spec.num_key_value_heads
+    tp = [t for t in _powers_of_two(hw.gpus_per_node) if hw.gpus_per_node % t == 0 and heads % t == 0 and kv % t == 0]
+    if not spec.tp_plan:
+        unavailable["tp"] = "the model's config has no tensor-parallel plan (base_model_tp_plan)"
+    elif not features.parallelism_config:
+        unavailable["tp"] = "the installed accelerate/transformers lack ParallelismConfig (accelerate >= 1.10)"
+    elif not tp:
+        unavailable["tp"] = f"no size > 1 divides the {hw.gpus_per_node} GPU(s) per node and the {kv} KV heads"
+    cp = [c for c in _powers_of_two(hw.world_size) if seq_len % (2 * c) == 0]
+    if hw.device != "cuda":
+        unavailable["cp"] = "CPU ranks: torch's context_parallel has no CPU attention kernels"
+    elif not (features.parallelism_config and features.fsdp_version == 2):
+        unavailable["cp"] = (
+            "the installed accelerate/transformers lack FSDP2 with ParallelismConfig (accelerate >= 1.10)"
+        )
+    elif not cp:
+        unavailable["cp"] = f"seq_len {seq_len} is not divisible by 4"
+    sp = [s for s in _powers_of_two(hw.world_size) if heads % s == 0 and seq_len % s == 0]
+    if not features.sequence_parallel:
+        unavailable["sp"] = "needs accelerate >= 1.12 and deepspeed >= 0.18.2 (DeepSpeed Ulysses)"
+    elif not sp:
+        unavailable["sp"] = f"no size > 1 divides the {heads} attention heads and seq_len {seq_len}"
+    keep = {n: tuple(v) if n not in unavailable else () for n, v in (("tp", tp), ("cp", cp), ("sp", sp))}
+    return SizeOptions(**keep, unavailable=unavailable)
+
+
+def pinned_sizes(spec, options: SizeOptions, tp_size: int, cp_size: int, sp_size: int) -> Sizes:
+    """Sizes the user asked for, refused here (before any model is built) when the model, the hardware or the
+    installed libraries cannot run them (``options`` from :func:`size_options`)."""
+    for name, size in (("tp", tp_size), ("cp", cp_size), ("sp", sp_size)):
+        if size > 1 and name in options.unavailable:
+            raise ValueError(f"{name}_size {size} cannot run here: {options.unavailable[name]}")
+    return (tp_size, cp_size, sp_size)

@@ -1,0 +1,182 @@
+"""Tensor / context / sequence parallelism and NVMe offload in the memory model, the throughput model and the
+planner's search (configs only: nothing is allocated). What a TP rank really holds is checked against a real run
+in tests/distributed/test_tensor_parallel.py."""
+
+import dataclasses
+import math
+
+import pytest
+from transformers import GPT2Config, LlamaConfig
+
+from hf_dist.configs.features import LibraryFeatures
+from hf_dist.planning.hardware import detect_hardware
+from hf_dist.planning.layout import Layout
+from hf_dist.planning.memory import GIB, estimate_memory
+from hf_dist.planning.modelinfo import model_spec
+from hf_dist.planning.planner import PlanError, plan
+from hf_dist.planning.throughput import model_parallel_seconds, nvme_seconds
+
+LLAMA_8B = LlamaConfig(
+    hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    intermediate_size=14336, vocab_size=128256,
+)  # fmt: skip
+LLAMA_70B = LlamaConfig(
+    hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+    intermediate_size=28672, vocab_size=128256,
+)  # fmt: skip
+ALL = LibraryFeatures()
+
+
+# ---------------------------------------------------------------- memory per dimension
+
+
+def test_tp_shard_splits_every_weight_but_the_norms():
+    spec = model_spec(LLAMA_8B)
+    local = spec.tensor_parallel_shard(2)
+    norms = spec.num_layers * spec.norms_per_layer * spec.hidden_size + spec.hidden_size
+    assert 2 * local.num_params == spec.num_params + norms
+    assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size) == (16, 4, 7168)
+    assert local.vocab_size == spec.vocab_size  # lm_head gathers its output: the logits stay whole
+    assert spec.tensor_parallel_shard(1) is spec
+    with pytest.raises(ValueError, match="needs the model's shape"):
+        model_spec(8_000_000_000).tensor_parallel_shard(2)
+
+
+def test_tp_divides_model_states_and_head_activations_not_logits():
+    base = estimate_memory(LLAMA_8B, "ddp", 2, tp_size=1, seq_len=4096)
+    tp = estimate_memory(LLAMA_8B, "ddp", 2, tp_size=2, seq_len=4096)
+    local = model_spec(LLAMA_8B).tensor_parallel_shard(2)
+    assert tp.params == local.num_params * 4  # fp32 weights under autocast, nothing replicated: dp = 1
+    assert tp.logits == base.logits
+    assert base.activations / 2 < tp.activations < base.activations  # norms and residual stay replicated
+
+
+@pytest.mark.parametrize("dim", ["cp_size", "sp_size"])
+def test_sequence_split_divides_activations_and_logits(dim):
+    strategy = "fsdp_full_shard" if dim == "cp_size" else "zero3"
+    split = estimate_memory(LLAMA_8B, strategy, 8, seq_len=32768, **{dim: 4})
+    short = estimate_memory(LLAMA_8B, strategy, 8, seq_len=8192)
+    assert (split.activations, split.logits) == (short.activations, short.logits)
+    # the states are sharded over the whole group (FSDP2: dp_shard x cp; ZeRO: dp x sp)
+    assert split.optimizer == short.optimizer
+
+
+def test_eager_attention_under_sp_attends_over_the_whole_sequence():
+    split = estimate_memory(LLAMA_8B, "zero3", 8, seq_len=8192, sp_size=4, attention="eager")
+    short = estimate_memory(LLAMA_8B, "zero3", 8, seq_len=2048, attention="eager")
+    assert split.activations > short.activations
+
+
+def test_nvme_offload_keeps_gpu_side_and_counts_pinned_buffers():
+    cpu = estimate_memory(LLAMA_70B, "zero3", 8, offload="optimizer+params")
+    nvme = estimate_memory(LLAMA_70B, "zero3", 8, offload="optimizer+params", offload_device="nvme")
+    assert dataclasses.replace(nvme, cpu=0) == dataclasses.replace(cpu, cpu=0)
+    partition = math.ceil(model_spec(LLAMA_70B).num_params / 8)
+    # fp32 gradient partition + 4 optimizer swap buffers of 1e8 fp32 + 5 x 1e8 bf16 param buffers + 1e9 bf16 in CPU
+    assert nvme.cpu == partition * 4 + 4 * 10**8 * 4 + (5 * 10**8 + 10**9) * 2
+    assert nvme.cpu < cpu.cpu / 3
+
+
+def test_hsdp_needs_whole_replicas_per_node():
+    with pytest.raises(ValueError, match="data-parallel size .* = 1 is not a multiple of the 2 nodes"):
+        Layout("hsdp", 16, 2, cp_size=16)
+
+
+# ---------------------------------------------------------------- throughput
+
+
+def test_model_parallel_traffic():
+    hw = detect_hardware(gpus=8, gpu_memory_gib=80)
+    spec = model_spec(LLAMA_8B)
+    assert model_parallel_seconds(Layout("fsdp_full_shard", 8), spec, 4096, 1, hw, False) == 0
+    tp2 = model_parallel_seconds(Layout("fsdp_full_shard", 8, tp_size=2), spec, 4096, 1, hw, False)
+    tp8 = model_parallel_seconds(Layout("fsdp_full_shard", 8, tp_size=8), spec, 4096, 1, hw, False)
+    assert 0 < tp2 < tp8
+    recompute = model_parallel_seconds(Layout("fsdp_full_shard", 8, tp_size=2), spec, 4096, 1, hw, True)
+    assert recompute > tp2
+    slow = detect_hardware(gpus=8, gpu_memory_gib=80, nvme_gbps=3)
+    fast = detect_hardware(gpus=8, gpu_memory_gib=80, nvme_gbps=12)
+    assert nvme_seconds(spec, spec.num_params, "optimizer", 1, 2, slow) == pytest.approx(
+        4 * nvme_seconds(spec, spec.num_params, "optimizer", 1, 2, fast)
+    )
+
+
+# ---------------------------------------------------------------- the planner's search
+
+
+def test_data_parallel_first():
+    p = plan(LLAMA_8B, gpus=8, gpu_memory_gib=80, global_batch_size=64, features=ALL)
+    assert (p.tp_size, p.cp_size, p.sp_size, p.offload_device) == (1, 1, 1, "cpu")
+    assert "tp/cp/sp not searched: a data-parallel layout fits without offload" in p.explain()
+
+
+def test_long_context_splits_the_sequence():
+    p = plan(LLAMA_8B, gpus=8, gpu_memory_gib=80, seq_len=131072, global_batch_size=8, features=ALL)
+    assert p.cp_size * p.sp_size > 1 and p.memory.total <= p.usable_gib * GIB
+    assert p.layout.seq_shards == p.cp_size * p.sp_size
+    assert p.micro_batch_size * p.gradient_accumulation_steps * p.layout.dp_size == 8
+    assert "parallelism: searched" in p.explain()
+
+
+def test_global_batch_smaller_than_the_gpus():
+    p = plan(LLAMA_70B, gpus=64, nodes=8, gpu_memory_gib=80, global_batch_size=16, features=ALL)
+    assert p.layout.dp_size <= 16 and p.tp_size * p.cp_size * p.sp_size > 1
+    assert p.micro_batch_size * p.gradient_accumulation_steps * p.layout.dp_size == 16
+    assert p.tp_size <= 8  # inside a node
+    assert "splits the global batch" in p.explain()
+
+
+def test_cpu_ranks_never_get_context_parallelism():
+    p = plan(LLAMA_8B, hardware=detect_hardware(gpus=8, gpu_memory_gib=80), seq_len=131072, global_batch_size=8,
+             features=ALL)  # fmt: skip
+    assert p.cp_size > 1 or p.sp_size > 1
+    cpu = detect_hardware(gpus=2)
+    with pytest.raises(ValueError, match="cp_size 2 cannot run here: CPU ranks"):
+        plan(LLAMA_8B, hardware=cpu, cp_size=2, features=ALL)
+
+
+def test_versions_without_a_dimension_are_never_proposed():
+    old = LibraryFeatures(sequence_parallel=False, parallelism_config=False)
+    # 128k tokens need the sequence split (the fp32 logits alone are 192 GiB): without it nothing fits, and says why
+    with pytest.raises(PlanError, match="sp: needs accelerate >= 1.12 .*searched nothing"):
+        plan(LLAMA_8B, gpus=8, gpu_memory_gib=80, seq_len=131072, global_batch_size=8, features=old)
+    p = plan(LLAMA_70B, gpus=64, nodes=8, gpu_memory_gib=80, global_batch_size=64, features=old)
+    assert (p.tp_size, p.cp_size, p.sp_size) == (1, 1, 1)
+    with pytest.raises(ValueError, match="sp_size 2 cannot run here: needs accelerate >= 1.12"):
+        plan(LLAMA_8B, gpus=8, gpu_memory_gib=80, sp_size=2, features=old)
+
+
+def test_pinned_sizes_and_bad_sizes():
+    p = plan(LLAMA_8B, gpus=8, gpu_memory_gib=80, tp_size=2, features=ALL)
+    assert p.tp_size == 2 and all(c.tp_size == 2 for c in p.candidates)
+    with pytest.raises(ValueError, match="no layout runs tp_size=16"):
+        plan(LLAMA_8B, gpus=16, nodes=2, gpu_memory_gib=80, tp_size=16, features=ALL)  # across nodes
+    with pytest.raises(ValueError, match="tp_size must be a positive int"):
+        plan(LLAMA_8B, gpus=8, gpu_memory_gib=80, tp_size=0)
+    with pytest.raises(ValueError, match="tp_size 3 does not divide the model's 32 attention heads"):
+        estimate_memory(LLAMA_8B, "fsdp_full_shard", 6, tp_size=3)
+
+
+def test_tp_needs_a_tensor_parallel_plan():
+    gpt2 = GPT2Config(n_embd=256, n_layer=2, n_head=4)
+    with pytest.raises(ValueError, match="tp_size 2 cannot run here: the model's config has no tensor-parallel plan"):
+        plan(gpt2, gpus=2, gpu_memory_gib=80, tp_size=2, features=ALL)
+
+
+def test_nvme_when_host_ram_is_too_small_for_cpu_offload():
+    kw = dict(gpus=8, gpu_memory_gib=80, host_memory_gib=512, global_batch_size=16, features=ALL)
+    with pytest.raises(PlanError, match="nvme: not searched: pass nvme_gbps"):
+        plan(LLAMA_70B, **kw)
+    p = plan(LLAMA_70B, nvme_gbps=12, **kw)
+    assert p.offload_device == "nvme" and p.strategy == "zero3" and p.offload != "none"
+    assert p.layout.offload_device == "nvme" and p.memory.cpu * 8 <= 512 * GIB
+    assert "to NVMe (ZeRO-Infinity) because nothing fits without it" in p.reason
+
+
+def test_plan_layout_reaches_the_configs():
+    from hf_dist.configs.training_args import from_pretrained_kwargs, strategy_args
+
+    p = plan(LLAMA_8B, gpus=8, gpu_memory_gib=80, tp_size=2, strategy="fsdp_full_shard", features=ALL)
+    out = strategy_args(p.layout, wrap_classes=["LlamaDecoderLayer"])
+    assert out["parallelism_config"]["tp_size"] == 2 and from_pretrained_kwargs(p.layout) == {"tp_plan": "auto"}
+    assert p.to_dict()["tp_size"] == 2
