@@ -116,7 +116,9 @@ def strategy_args(
 
     Model parallelism: ``tp_size``/``cp_size`` (FSDP2 or TP alone) and ``sp_size`` (DeepSpeed Ulysses) add
     ``parallelism_config``; DeepSpeed TP is AutoTP inside the JSON. Loading a TP model needs
-    :func:`from_pretrained_kwargs`. ``nvme_path``: where ZeRO-Infinity swaps (required with NVMe offload).
+    :func:`from_pretrained_kwargs`, and its checkpoints hold the weights only (``save_only_model=True``:
+    transformers cannot checkpoint or resume the optimizer state of a model sharded at load).
+    ``nvme_path``: where ZeRO-Infinity swaps (required with NVMe offload).
     Layouts the ``features`` cannot run are refused with the versions they need.
     """
     check_features(layout, features)
@@ -135,7 +137,7 @@ def strategy_args(
         )
         if features.fsdp_version == 2 and (layout.dp_replicate_size > 1 or _model_parallel(layout)):
             out["parallelism_config"] = parallelism_kwargs(layout)
-        return out
+        return {**out, **_sharded_at_load(layout)}
     if s.is_deepspeed:
         ds = deepspeed_config(
             s.name,
@@ -161,7 +163,14 @@ def strategy_args(
                 "by ParallelismConfig); use fsdp_full_shard for FSDP2 x TP, or tp_size = world_size"
             )
         out["parallelism_config"] = parallelism_kwargs(layout)
-    return out
+    return {**out, **_sharded_at_load(layout)}
+
+
+def _sharded_at_load(layout: Layout) -> dict[str, Any]:
+    """A model that transformers shards at load (``tp_plan``) can only checkpoint its weights: the Trainer
+    refuses to save its optimizer state and to resume it ("Resuming is not supported for models sharded at
+    load time"), unless ``save_only_model=True``."""
+    return {"save_only_model": True} if "tp_plan" in from_pretrained_kwargs(layout) else {}
 
 
 SP_ATTN_IMPLEMENTATION = "sdpa"  # DeepSpeedSequenceParallelConfig(sp_attn_implementation=...): must match the model's

@@ -130,6 +130,30 @@ def test_memory_model_counts_what_a_tp_rank_holds(tp_runs):
     assert model_spec(config).tensor_parallel_shard(2).num_params == sharded + plain
 
 
+def test_tp_dcp_checkpoint_converts_to_an_hf_folder(tp_runs, tmp_path):
+    """hf-dist convert reassembles the DTensor shards of a TP DCP save into an HF folder equal to the gathered
+    full state dict, which from_pretrained loads."""
+    report = tp_runs.get("tp")
+    workdir = Path(report["workdir"])
+    out = tmp_path / "hf"
+    convert = [sys.executable, "-m", "hf_dist.cli.main", "convert", str(workdir / "dcp"), str(out)]
+    run_checked([*convert, "--model-config", str(tp_runs.model_dir), "--no-progress"], env=cpu_env(), timeout=120)
+    code = f"""
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+full = torch.load({str(workdir / "full_state_dict.pt")!r})
+hf = load_file({str(out / "model.safetensors")!r})
+assert set(hf) == set(full), set(hf) ^ set(full)
+assert not [k for k in full if not torch.equal(hf[k], full[k])]
+model = AutoModelForCausalLM.from_pretrained({str(out)!r})
+assert all(torch.equal(p, full[n]) for n, p in model.state_dict().items())
+print("equal")
+"""
+    proc = run_checked([sys.executable, "-c", code], env=cpu_env(), timeout=120)
+    assert proc.stdout.strip().endswith("equal")
+
+
 def test_tp2_loss_matches_ddp(tp_runs):
     ddp, tp = tp_runs.get("ddp"), tp_runs.get("tp")
     diff = max_rel_diff(tp["losses"], ddp["losses"])

@@ -16,6 +16,10 @@ def test_fsdp2_x_tp_emits_parallelism_config_and_tp_plan():
     out = strategy_args(layout, wrap_classes=["LlamaDecoderLayer"])
     assert out["fsdp"] and out["parallelism_config"] == {"dp_replicate_size": 1, "dp_shard_size": 4, "tp_size": 2}
     assert from_pretrained_kwargs(layout) == {"tp_plan": "auto"}
+    # transformers refuses to checkpoint the optimizer of a model sharded at load: weights only, said up front
+    assert out["save_only_model"] is True
+    assert "save_only_model" not in strategy_args(Layout("fsdp_full_shard", 8))
+    assert "save_only_model" not in strategy_args(Layout("zero1", 8, tp_size=2))  # AutoTP shards after load
 
 
 def test_tp_alone_under_ddp():
