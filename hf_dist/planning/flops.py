@@ -44,7 +44,8 @@ def flops_per_token_from_spec(spec: Any, seq_len: int) -> int:
     return training_flops_per_token(
         num_params=spec.num_params,
         num_layers=spec.num_layers,
-        hidden_size=spec.hidden_size,
+        # H heads x Q head dim: the hidden size, unless the config sets head_dim (Gemma) or TP split the heads
+        hidden_size=(spec.num_attention_heads * spec.head_dim) or spec.hidden_size,
         seq_len=seq_len,
         embedding_params=spec.embedding_params,
         tie_word_embeddings=spec.tie_word_embeddings,
