@@ -34,7 +34,6 @@ Ends with eval loss/perplexity and an HF folder in ``<output_dir>/final``; on th
 from __future__ import annotations
 
 from hf_dist import recipe_utils as ru
-from hf_dist.runtime.cpu_fsdp import enable_fsdp_on_cpu
 
 EMBEDDED_DEFAULTS = dict(ru.EMBEDDED_TRAINING_DEFAULTS, output_dir="outputs/pretrain")
 REAL_DEFAULTS = dict(ru.REAL_TRAINING_DEFAULTS, output_dir="outputs/pretrain", learning_rate=1e-5, warmup_steps=0.01,
@@ -48,8 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
         embedded_defaults=EMBEDDED_DEFAULTS,
         real_defaults=REAL_DEFAULTS,
     )
-    if run_args.fsdp_on_cpu:
-        enable_fsdp_on_cpu()  # tests and CPU development only: accelerate would otherwise train DDP on CPU
+    ru.cpu_test_modes(run_args)  # --fsdp_on_cpu / --model_parallel_on_cpu: tests and CPU development only
     tokenizer = ru.load_tokenizer(model_args, chat=False)
     config = ru.model_config(model_args, tokenizer)
     seq_len = ru.resolve_seq_len(data_args.max_seq_length, config, embedded=model_args.embedded)
@@ -58,13 +56,16 @@ def main(argv: list[str] | None = None) -> dict:
     model = ru.build_model(model_args, config, seed=train_kwargs["seed"]) if model_args.embedded else None
     args = ru.training_arguments(
         train_kwargs, explicit, config, method="full", seq_len=seq_len, strategy=model_args.strategy,
-        deepspeed_on_cpu=run_args.deepspeed_on_cpu,
+        deepspeed_on_cpu=run_args.deepspeed_on_cpu, sizes=model_args.sizes,
     )  # fmt: skip
+    load = ru.parallel_load_kwargs(args)  # tp_plan="auto" under tensor parallelism: sharded as it loads
     with args.main_process_first(desc="packing"):
         train_ds, eval_ds, task = ru.text_datasets(data_args, tokenizer, seq_len=seq_len, seed=args.seed)
 
+    if model is not None and "tp_plan" in load:  # a TP model is sharded as it loads: from disk
+        model = ru.embedded_base_on_disk(model, tokenizer, model_args, args, reload=True)
     if model is None:
-        model = ru.build_model(model_args, config, seed=args.seed)
+        model = ru.build_model(model_args, config, seed=args.seed, **load)
     ru.print_plan(config, method="full", seq_len=seq_len, args=args, strategy=model_args.strategy)
     before = ru.baseline_accuracy(model, tokenizer, task, mode="text", args=args)
 

@@ -3,7 +3,9 @@
 The loss is computed on assistant tokens only; conversations are rendered with the tokenizer's
 chat template (or hf_dist's documented default when it has none). The strategy (DDP, FSDP2,
 ZeRO) comes from ``hf_dist.auto_args`` unless you pass ``--strategy``, ``--fsdp``/``--deepspeed``
-or an accelerate FSDP/DeepSpeed config. Every ``TrainingArguments`` flag works.
+or an accelerate FSDP/DeepSpeed config; ``--tp_size``/``--cp_size``/``--sp_size`` pin tensor, context and
+sequence parallelism (the plan chooses them otherwise; a TP model is loaded with ``tp_plan="auto"``). Every
+``TrainingArguments`` flag works.
 
 Data: ``--dataset`` is a local .jsonl/.json/.parquet/.csv file (or folder, or ``save_to_disk``
 folder) with a ``messages`` column (``[{"role": "user"|"assistant"|"system", "content": ...}]``)
@@ -43,10 +45,7 @@ the only differences, each an ``if`` below).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from hf_dist import recipe_utils as ru
-from hf_dist.runtime.cpu_fsdp import enable_fsdp_on_cpu
 
 # A tiny Llama on the embedded task: ~2-3 min on 2 CPU processes to high exact-match accuracy.
 # Adapters on a frozen *random* base learn slowly and diverge at high LRs. Measured with recipes/lora.py (1 CPU
@@ -74,8 +73,7 @@ def main(argv: list[str] | None = None, *, method: str = "full") -> dict:
         embedded_defaults=EMBEDDED_DEFAULTS[method],
         real_defaults=REAL_DEFAULTS[method],
     )
-    if run_args.fsdp_on_cpu:
-        enable_fsdp_on_cpu()  # tests and CPU development only: accelerate would otherwise train DDP on CPU
+    ru.cpu_test_modes(run_args)  # --fsdp_on_cpu / --model_parallel_on_cpu: tests and CPU development only
     if method == "qlora":
         ru.require_cuda(RECIPE[method])  # bitsandbytes has no CPU kernels: fail before anything is loaded
     # everything that can reject the input runs before the model is built
@@ -89,20 +87,19 @@ def main(argv: list[str] | None = None, *, method: str = "full") -> dict:
     model = ru.build_model(model_args, config, seed=train_kwargs["seed"]) if model_args.embedded else None
     args = ru.training_arguments(
         train_kwargs, explicit, config, method=method, seq_len=seq_len, strategy=model_args.strategy,
-        lora_rank=lora_args.lora_r, deepspeed_on_cpu=run_args.deepspeed_on_cpu,
+        lora_rank=lora_args.lora_r, deepspeed_on_cpu=run_args.deepspeed_on_cpu, sizes=model_args.sizes,
     )  # fmt: skip
+    load = ru.parallel_load_kwargs(args)  # tp_plan="auto" under tensor parallelism: sharded as it loads
     with args.main_process_first(desc="tokenizing"):
         train_ds, eval_ds, task = ru.chat_datasets(data_args, tokenizer, seq_len=seq_len, seed=args.seed)
 
-    if method != "full" and model is not None:  # the random base must be on disk for the adapter to load later
-        base_dir = Path(args.output_dir) / "base"
-        with args.main_process_first(desc="saving base"):
-            ru.save_base_model(model, tokenizer, base_dir, args)
-        if method == "qlora":  # 4-bit weights come from a checkpoint: reload the tiny base quantized
-            model_args.model_name_or_path, model = str(base_dir), None
+    # the random base must be on disk for the adapter to load later, and to be reloaded sharded (TP) or quantized
+    if (method != "full" or "tp_plan" in load) and model is not None:
+        reload = method == "qlora" or "tp_plan" in load
+        model = ru.embedded_base_on_disk(model, tokenizer, model_args, args, reload=reload)
     if model is None:
         quantization = ru.bnb_config(quant_args) if method == "qlora" else None
-        model = ru.build_model(model_args, config, seed=args.seed, quantization_config=quantization)
+        model = ru.build_model(model_args, config, seed=args.seed, quantization_config=quantization, **load)
     ru.print_plan(config, method=method, seq_len=seq_len, args=args, strategy=model_args.strategy)
     before = ru.baseline_accuracy(model, tokenizer, task, mode="chat", args=args)
     if method != "full":

@@ -45,6 +45,11 @@ PLAN_KEYS = (
     "safety_margin",
     "hardware",
     "pure_bf16",
+    "tp_size",
+    "cp_size",
+    "sp_size",
+    "host_memory_gib",
+    "nvme_gbps",
 )
 # Keywords auto_args itself consumes.
 CONFIG_KEYS = (
@@ -205,10 +210,15 @@ def from_pretrained_kwargs(layout: Layout) -> dict[str, Any]:
     ``attn_implementation`` that DeepSpeed's Ulysses wraps under sequence parallelism. DeepSpeed AutoTP shards
     the plain model itself, so it needs nothing at load.
     """
+    return load_kwargs(layout.tp_size, layout.sp_size, deepspeed=layout.strategy.is_deepspeed)
+
+
+def load_kwargs(tp_size: int, sp_size: int, *, deepspeed: bool) -> dict[str, Any]:
+    """:func:`from_pretrained_kwargs` from the sizes alone (what a ``TrainingArguments.parallelism_config`` holds)."""
     out: dict[str, Any] = {}
-    if layout.tp_size > 1 and not layout.strategy.is_deepspeed:
+    if tp_size > 1 and not deepspeed:
         out["tp_plan"] = "auto"
-    if layout.sp_size > 1:
+    if sp_size > 1:
         out["attn_implementation"] = SP_ATTN_IMPLEMENTATION
     return out
 

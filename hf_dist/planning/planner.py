@@ -417,7 +417,7 @@ def _best(fitting: list[Candidate]) -> Candidate:
     )
 
 
-def _reason_for(c: Candidate, best: Candidate) -> str:
+def _reason_for(c: Candidate, best: Candidate, pinned: bool = False) -> str:
     if c is best:
         notes = []
         if REGISTRY[c.strategy].is_deepspeed and c.offload == "optimizer":
@@ -425,9 +425,11 @@ def _reason_for(c: Candidate, best: Candidate) -> str:
         if c.offload != "none":
             where = "NVMe (ZeRO-Infinity)" if c.offload_device == "nvme" else "CPU"
             notes.append(f"offload={c.offload} to {where} because nothing fits without it")
-        if c.model_parallel > 1:
+        if c.model_parallel > 1 and not pinned:
             notes.append(f"{c.label.split(' ', 1)[1]} because no data-parallel layout fits without offload or splits "
                          "the global batch")  # fmt: skip
+        elif c.model_parallel > 1:
+            notes.append(f"{c.label.split(' ', 1)[1]} as asked")
         if c.activation_checkpointing:
             notes.append("activation checkpointing: its recompute costs less than the smaller micro-batch without it")
         if c.use_liger_kernel:
@@ -586,7 +588,7 @@ def plan(
         raise PlanError(_nothing_fits_message(setup, search.dp_combos, candidates, dims))
     best = _best(fitting)
     for c in candidates:
-        c.reason = _reason_for(c, best)
+        c.reason = _reason_for(c, best, pinned=sizes_pinned)
     layout = best.key.layout(hw)
     global_batch = global_batch_size or best.micro_batch_size * layout.dp_size
     note = ""

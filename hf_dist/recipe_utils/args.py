@@ -52,6 +52,14 @@ class RunArguments:
             "silently replaces with DDP (hf_dist.runtime.cpu_fsdp.enable_fsdp_on_cpu). Never needed on GPUs."
         },
     )
+    model_parallel_on_cpu: bool = field(
+        default=False,
+        metadata={
+            "help": "Tests and CPU development only: let accelerate accept a ParallelismConfig (--tp_size, "
+            "--sp_size) on CPU ranks, which it otherwise refuses "
+            "(hf_dist.runtime.cpu_fsdp.allow_parallelism_config_on_cpu). Never needed on GPUs."
+        },
+    )
     deepspeed_on_cpu: bool = field(
         default=False,
         metadata={
@@ -86,7 +94,21 @@ class ModelArguments:
         metadata={"help": f"Force a strategy ({', '.join(STRATEGY_CHOICES)}); default: the plan's choice."},
     )
 
+    tp_size: int | None = field(
+        default=None, metadata={"help": "Tensor parallel size (inside a node; 1 = off); default: the plan's choice."}
+    )
+    cp_size: int | None = field(
+        default=None, metadata={"help": "Context parallel size (FSDP2, GPUs); default: the plan's choice."}
+    )
+    sp_size: int | None = field(
+        default=None, metadata={"help": "Ulysses sequence parallel size (DeepSpeed); default: the plan's choice."}
+    )
+
     def __post_init__(self) -> None:
+        for name in ("tp_size", "cp_size", "sp_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name} must be a positive int (1 = off), got {value}")
         if self.torch_dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"--torch_dtype {self.torch_dtype!r} is not one of auto, bfloat16, float16, float32")
         if self.strategy is not None and self.strategy not in STRATEGY_CHOICES:
@@ -100,6 +122,11 @@ class ModelArguments:
     @property
     def embedded(self) -> bool:
         return self.model_name_or_path is None
+
+    @property
+    def sizes(self) -> dict[str, int | None]:
+        """``--tp_size``/``--cp_size``/``--sp_size`` as planner keywords (None: the plan's choice)."""
+        return {"tp_size": self.tp_size, "cp_size": self.cp_size, "sp_size": self.sp_size}
 
 
 @dataclass
@@ -244,11 +271,13 @@ def training_arguments(
     strategy: str | None,
     lora_rank: int = 16,
     deepspeed_on_cpu: bool = False,
+    sizes: dict[str, int | None] | None = None,
 ):
     """``TrainingArguments`` = recipe defaults < ``hf_dist.auto_args`` (the plan) < explicit user flags.
 
     The plan is skipped when the user chose the strategy with ``--fsdp``/``--deepspeed`` or an
     accelerate FSDP/DeepSpeed config; ``--strategy`` pins the plan's strategy instead.
+    ``sizes``: the recipes' ``--tp_size``/``--cp_size``/``--sp_size`` (None: the plan searches them).
     ``deepspeed_on_cpu`` (the recipes' ``--deepspeed_on_cpu``, tests and CPU development only) lets a
     DeepSpeed run count every CPU rank (:func:`hf_dist.runtime.cpu_fsdp.cpu_deepspeed_training_kwargs`);
     without it DeepSpeed on several CPU ranks is refused here, before DeepSpeed's own batch-size error.
@@ -260,6 +289,7 @@ def training_arguments(
         import hf_dist
 
         plan_kwargs: dict[str, Any] = {"method": method, "seq_len": seq_len, "strategy": strategy}
+        plan_kwargs.update({k: v for k, v in (sizes or {}).items() if v is not None})  # --tp_size/--cp_size/--sp_size
         if method != "full":
             plan_kwargs["lora_rank"] = lora_rank
         if "per_device_train_batch_size" in kwargs:  # a user flag or a recipe default pins the micro batch

@@ -67,19 +67,36 @@ def resolve_seq_len(requested: int | None, config: Any, *, embedded: bool) -> in
     return requested
 
 
-def build_model(model_args: ModelArguments, config: Any, *, seed: int, quantization_config: Any = None) -> Any:
+def parallel_load_kwargs(args: Any) -> dict[str, Any]:
+    """What ``from_pretrained`` needs for the layout in ``args`` (``TrainingArguments``): ``tp_plan="auto"`` when
+    torch TP shards the model at load, the attention Ulysses wraps under sequence parallelism
+    (:func:`hf_dist.configs.training_args.load_kwargs`)."""
+    from hf_dist.configs.training_args import load_kwargs
+
+    pc = getattr(args, "parallelism_config", None)
+    tp, sp = (getattr(pc, "tp_size", 1) or 1), (getattr(pc, "sp_size", 1) or 1)
+    return load_kwargs(tp, sp, deepspeed=bool(args.deepspeed))
+
+
+def build_model(
+    model_args: ModelArguments, config: Any, *, seed: int, quantization_config: Any = None, **load: Any
+) -> Any:
     """The model on CPU (the Trainer/accelerate move and shard it), seeded so every rank agrees.
 
     Build the embedded tiny model *before* :func:`training_arguments`: it is then created whole and
     ZeRO-3 partitions it when the engine starts, instead of inside ``deepspeed.zero.Init``, which
     needs DeepSpeed's own communication backend that accelerate does not start on CPU ranks.
-    Pretrained models are loaded after it, under ``zero.Init`` when ZeRO-3 is on (GPU machines).
+    Pretrained models are loaded after it, under ``zero.Init`` when ZeRO-3 is on (GPU machines). ``load``: more
+    ``from_pretrained`` keywords (:func:`parallel_load_kwargs`: a TP model is sharded as it loads).
     """
     import torch
     from transformers import AutoModelForCausalLM, set_seed
 
     set_seed(seed)
     extra = {"attn_implementation": model_args.attn_implementation} if model_args.attn_implementation else {}
+    extra.update(load)
+    if model_args.embedded and "tp_plan" in extra:
+        raise ValueError("a tensor-parallel model is sharded as it loads: save the embedded model and load it by path")
     if model_args.embedded:
         with _outside_zero3():  # whole, even if a ZeRO-3 config is registered (see above)
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
@@ -144,6 +161,19 @@ def save_base_model(model: Any, tokenizer: Any, base_dir: Path, args: Any) -> No
         tokenizer.save_pretrained(base_dir)
     model.name_or_path = str(base_dir)
     model.config._name_or_path = str(base_dir)
+
+
+def embedded_base_on_disk(model: Any, tokenizer: Any, model_args: ModelArguments, args: Any, *, reload: bool) -> Any:
+    """Save the embedded model as ``<output_dir>/base`` (an adapter's base must be loadable later); with
+    ``reload`` (QLoRA's 4-bit weights, a TP model sharded as it loads) point ``model_args`` at it and return
+    None, so the model is built again from disk; else return ``model``."""
+    base_dir = Path(args.output_dir) / "base"
+    with args.main_process_first(desc="saving base"):
+        save_base_model(model, tokenizer, base_dir, args)
+    if not reload:
+        return model
+    model_args.model_name_or_path = str(base_dir)
+    return None
 
 
 def apply_lora(model: Any, lora_args: LoraArguments, *, quantized: bool = False) -> Any:

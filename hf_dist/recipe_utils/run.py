@@ -83,6 +83,18 @@ def resume_checkpoint(args: Any) -> str | None:
     return prepare_resume(value, training_args=args)
 
 
+def cpu_test_modes(run_args: Any) -> None:
+    """The recipes' CPU test opt-ins (tests and CPU development only, never needed on GPUs): ``--fsdp_on_cpu``
+    keeps FSDP2, which accelerate drops on CPU; ``--model_parallel_on_cpu`` lets accelerate accept a
+    ``ParallelismConfig`` (TP/SP), which it refuses on CPU (:mod:`hf_dist.runtime.cpu_fsdp`)."""
+    from hf_dist.runtime.cpu_fsdp import allow_parallelism_config_on_cpu, enable_fsdp_on_cpu
+
+    if run_args.fsdp_on_cpu:
+        enable_fsdp_on_cpu()
+    if run_args.model_parallel_on_cpu:
+        allow_parallelism_config_on_cpu()
+
+
 def train(trainer: Any, resume: str | None) -> str:
     """Check the strategy really runs, add hf_dist's callbacks, train (resuming from ``resume``); returns the strategy.
 
@@ -118,9 +130,32 @@ def check_strategy(trainer: Any) -> str:
             f"FSDP was requested but accelerate runs {actual}: on CPU it drops FSDP unless the recipe runs with "
             "--fsdp_on_cpu (tests and CPU development only)"
         )
+    sizes = _live_sizes(trainer)
     if trainer.args.process_index == 0:
-        print(f"[hf_dist] running {actual} ({actual.engine.value}, {type(trainer.model).__name__})", flush=True)
+        dims = "".join(f", {name}={size}" for name, size in sizes.items() if size > 1)
+        print(f"[hf_dist] running {actual} ({actual.engine.value}, {type(trainer.model).__name__}{dims})", flush=True)
     return actual.name
+
+
+def _live_sizes(trainer: Any) -> dict[str, int]:
+    """tp / cp / sp of the mesh accelerate built; a RuntimeError when TP was asked for and the weights are not
+    sharded over a ``tp`` mesh dimension of that size (a model loaded without ``tp_plan``)."""
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    sizes = {name: int(getattr(pc, f"{name}_size", 1) or 1) for name in ("tp", "cp", "sp")}
+    if sizes["tp"] > 1 and not trainer.args.deepspeed:
+        from torch.distributed.tensor import DTensor
+
+        meshes = {
+            dict(zip(p.device_mesh.mesh_dim_names or (), p.device_mesh.shape, strict=True)).get("tp")
+            for p in trainer.model.parameters()
+            if isinstance(p, DTensor)
+        }
+        if sizes["tp"] not in meshes:
+            raise RuntimeError(
+                f"tp_size {sizes['tp']} was requested but no weight is sharded over a 'tp' mesh of that size: load "
+                "the model with from_pretrained(..., tp_plan='auto') (hf_dist.from_pretrained_kwargs(plan.layout))"
+            )
+    return sizes
 
 
 def print_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy: str | None = None) -> None:
@@ -130,18 +165,26 @@ def print_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy: s
 
 
 def describe_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy: str | None = None) -> str:
-    """The planner's explanation for this model/method on the detected hardware, plus the batch math."""
+    """The planner's explanation for this model/method on the detected hardware, plus the batch math (over the
+    data-parallel ranks: the ranks of one tensor / context / sequence parallel group share each sequence)."""
     world = args.world_size
-    batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+    pc = getattr(args, "parallelism_config", None)
+    sizes = {f"{n}_size": int(getattr(pc, f"{n}_size", 1) or 1) for n in ("tp", "cp", "sp")}
+    dp = world // (sizes["tp_size"] * sizes["cp_size"] * sizes["sp_size"])
+    batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * dp
+    shared = "".join(f" {n[:2]}={v}" for n, v in sizes.items() if v > 1)
     lines = [
-        f"[hf_dist] {method} training, {world} process(es) on {args.device.type}: micro batch "
-        f"{args.per_device_train_batch_size} x grad accum {args.gradient_accumulation_steps} x world {world} "
+        f"[hf_dist] {method} training, {world} process(es) on {args.device.type}{shared}: micro batch "
+        f"{args.per_device_train_batch_size} x grad accum {args.gradient_accumulation_steps} x data parallel {dp} "
         f"= global batch {batch} sequences of <= {seq_len} tokens"
     ]
     from hf_dist.planning.planner import plan
 
+    pinned = sizes if shared else {}
     try:
-        explained = plan(config, method=method, seq_len=seq_len, global_batch_size=batch, strategy=strategy).explain()
+        explained = plan(
+            config, gpus=world, method=method, seq_len=seq_len, global_batch_size=batch, strategy=strategy, **pinned
+        ).explain()
         # model / hardware / chosen / why; `hf-dist plan` prints the full per-strategy table
         lines += ["[hf_dist] plan: " + line for line in explained.splitlines()[:4]]
     except ValueError as exc:  # PlanError: e.g. no strategy fits the detected hardware
@@ -150,16 +193,21 @@ def describe_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy
 
 
 def baseline_accuracy(model: Any, tokenizer: Any, task: Any, *, mode: str, args: Any) -> float | None:
-    """Task accuracy before training, computed once on the main process (others wait)."""
+    """Task accuracy before training, computed once on the main process (others wait); a model transformers
+    sharded at load (tensor parallelism) runs collectives in every forward, so there every rank evaluates."""
     from hf_dist.embedded.task_eval import exact_match
 
     if task is None:
         return None
     accuracy = None
-    with args.main_process_first(desc="baseline accuracy"):
-        if args.process_index == 0:
-            accuracy = exact_match(model, tokenizer, task, mode=mode)
-            print(f"[hf_dist] task accuracy before training: {accuracy:.0%} ({len(task)} held-out examples)")
+    if getattr(model, "is_distributed_loading_by_transformers", False):
+        accuracy = exact_match(model, tokenizer, task, mode=mode)
+    else:
+        with args.main_process_first(desc="baseline accuracy"):
+            if args.process_index == 0:
+                accuracy = exact_match(model, tokenizer, task, mode=mode)
+    if args.process_index == 0:
+        print(f"[hf_dist] task accuracy before training: {accuracy:.0%} ({len(task)} held-out examples)")
     return accuracy
 
 
@@ -192,6 +240,7 @@ def finish_run(
         "wrapped_model": type(trainer.model_wrapped).__name__,
         "model": type(trainer.model).__name__,
         "world_size": trainer.args.world_size,
+        **{f"{name}_size": size for name, size in _live_sizes(trainer).items()},
         "steps": trainer.state.global_step,
         "train_losses": losses,
         "eval_loss": eval_loss,
@@ -322,8 +371,11 @@ def format_results(results: dict) -> str:
     """The end-of-run summary printed by every recipe."""
     losses = results["train_losses"]
     lines = [
-        f"[hf_dist] strategy run: {results['strategy']} ({results['wrapped_model']}), "
-        f"{results['steps']} steps on {results['world_size']} process(es)",
+        f"[hf_dist] strategy run: {results['strategy']} ({results['wrapped_model']}"
+        + "".join(
+            f", {n}={results.get(f'{n}_size', 1)}" for n in ("tp", "cp", "sp") if results.get(f"{n}_size", 1) > 1
+        )
+        + f"), {results['steps']} steps on {results['world_size']} process(es)",
         f"[hf_dist] train loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "[hf_dist] no train loss logged",
         f"[hf_dist] eval loss {results['eval_loss']:.4f}, perplexity {results['perplexity']:.2f}",
         f"[hf_dist] exported {results['export_dir']} via {results['exported_with']}",

@@ -141,3 +141,35 @@ def cpu_deepspeed_training_kwargs() -> dict[str, Any]:
     os.environ["ACCELERATE_USE_CPU"] = "false"
     PartialState(backend="gloo")
     return {"use_cpu": False, "accelerator_config": {"use_configured_state": True}}
+
+
+def allow_parallelism_config_on_cpu() -> None:
+    """Let accelerate's ``ParallelismConfig`` validation accept a distributed CPU run (tensor/sequence parallelism
+    on gloo ranks). For tests and CPU development only; called by the recipes under ``--model_parallel_on_cpu``.
+
+    ``ParallelismConfig._validate_accelerator`` refuses any parallelism config on ``DistributedType.MULTI_CPU``
+    ("ParallelismConfig is only compatible DistributedType.FSDP (version 2) or DistributedType.Multi{Device} or
+    DistributedType.DEEPSPEED, but got DistributedType.MULTI_CPU."), although nothing after that check needs a
+    GPU: a model sharded at load time is not wrapped again by the Trainer. This lets that one check treat a
+    distributed CPU run like a multi-device one; nothing else is patched. Idempotent.
+    """
+    from accelerate import Accelerator
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DistributedType
+
+    original = ParallelismConfig._validate_accelerator
+    if getattr(original, "_hf_dist_cpu", False):
+        return
+
+    def validate(self, accelerator):
+        if not (accelerator.distributed_type == DistributedType.MULTI_CPU and accelerator.use_distributed):
+            return original(self, accelerator)
+        saved = Accelerator.multi_device
+        Accelerator.multi_device = property(lambda _: True)
+        try:
+            return original(self, accelerator)
+        finally:
+            Accelerator.multi_device = saved
+
+    validate._hf_dist_cpu = True
+    ParallelismConfig._validate_accelerator = validate

@@ -37,6 +37,8 @@ LAUNCHES = {
     "zero3": ("zero3", ("sft",), {"ACCELERATE_USE_CPU": "false"}, ("--deepspeed_on_cpu",)),
     "zero3_lora": ("zero3", ("lora",), {"ACCELERATE_USE_CPU": "false"}, ("--deepspeed_on_cpu",)),
     "zero3_pretrain": ("zero3", ("pretrain",), {"ACCELERATE_USE_CPU": "false"}, ("--deepspeed_on_cpu",)),
+    # tensor parallelism: the TP group is one data-parallel replica (global batch halves: no golden loss)
+    "ddp_tp2": ("ddp", ("sft",), {}, ("--tp_size", "2", "--model_parallel_on_cpu")),
 }
 EXPECTED = {
     "ddp": ("ddp", "DistributedDataParallel"),
@@ -47,7 +49,8 @@ EXPECTED = {
 # Tolerance 2e-3 absolute: the strategies reduce gradients in different orders (fp32 rounding).
 GOLDEN = {"sft": (4.6236, 4.1940), "pretrain": (4.6584, 4.1935), "lora": (4.6236, 4.4171)}
 GOLDEN_ATOL = 2e-3
-CASES = [(launch, r) for launch, (_, recipes, _, _) in LAUNCHES.items() for r in recipes]
+TP_LAUNCH = "ddp_tp2"  # its own tests below; the others compare launches at the same global batch
+CASES = [(launch, r) for launch, (_, recipes, _, _) in LAUNCHES.items() for r in recipes if launch != TP_LAUNCH]
 
 
 @pytest.fixture(scope="session")
@@ -153,7 +156,7 @@ def test_exported_weights_agree_across_strategies(recipe_runs, recipe, filename)
     weights = {
         s: load_file(recipe_runs(s) / recipe / Path(results(recipe_runs, s, recipe)["export_dir"]).name / filename)
         for s in LAUNCHES
-        if recipe in LAUNCHES[s][1]
+        if recipe in LAUNCHES[s][1] and s != TP_LAUNCH
     }
     reference = weights.pop("ddp")
     for strategy, tensors in weights.items():
@@ -166,3 +169,21 @@ def torch_allclose(a, b) -> bool:
     import torch
 
     return a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=1e-4, rtol=1e-3)
+
+
+def test_tp_recipe_runs_tensor_parallel(recipe_runs):
+    """--tp_size 2: the plan pins TP, the recipe loads the model with tp_plan="auto", the run line and the
+    results say tp=2, the weights-only checkpoints and the export work (the DTensor placements themselves are
+    checked in test_tensor_parallel.py)."""
+    res = results(recipe_runs, TP_LAUNCH, "sft")
+    assert (res["strategy"], res["tp_size"], res["world_size"]) == ("ddp", 2, 2)
+    assert res["wrapped_model"] == "LlamaForCausalLM"  # sharded at load by transformers, not wrapped in DDP
+    log = (recipe_runs(TP_LAUNCH) / "launch.log").read_text()
+    assert "[hf_dist] running ddp (ddp, LlamaForCausalLM, tp=2)" in log, log[-3000:]
+    assert "plan: chosen: ddp tp=2" in log and "x data parallel 1 = global batch" in log
+    losses = res["train_losses"]
+    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.1
+    checkpoints = sorted((recipe_runs(TP_LAUNCH) / "sft").glob("checkpoint-*"))
+    assert checkpoints and all((c / "model.safetensors").is_file() for c in checkpoints)
+    assert not any((c / "optimizer.pt").exists() for c in checkpoints)  # save_only_model: transformers' limit
+    assert res["exported_with"] and math.isfinite(res["eval_loss"])

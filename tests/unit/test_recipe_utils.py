@@ -216,3 +216,51 @@ def test_deepspeed_on_cpu_ranks_needs_the_explicit_flag(tmp_path, monkeypatch):
     _, kwargs, explicit = parse(["--output_dir", str(tmp_path)], (ru.ModelArguments,))
     with pytest.raises(ValueError, match="pass --deepspeed_on_cpu"):
         ru.training_arguments(kwargs, explicit, tiny_llama_config(), method="full", seq_len=32, strategy="zero3")
+
+
+def test_model_parallel_flags_reach_the_plan_and_the_loader(monkeypatch):
+    """--tp_size pins the plan's TP (auto_args emits its ParallelismConfig and save_only_model) and the model is
+    then loaded with tp_plan="auto"; the batch math counts data-parallel ranks, not processes."""
+    from types import SimpleNamespace
+
+    from accelerate.parallelism_config import ParallelismConfig
+
+    for key in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ValueError, match="--tp_size must be a positive int"):
+        ru.ModelArguments(tp_size=0)
+    model_args, kwargs, explicit = ru.parse_recipe_args(
+        (ru.ModelArguments,), ["--tp_size", "2"], embedded_defaults=EMBEDDED, real_defaults=REAL
+    )
+    assert model_args.sizes == {"tp_size": 2, "cp_size": None, "sp_size": None}
+    planned = __import__("hf_dist").auto_args(tiny_llama_config(), gpus=2, **{"tp_size": 2, "strategy": "ddp"})
+    assert planned["parallelism_config"].tp_size == 2 and planned["save_only_model"] is True
+    args = SimpleNamespace(parallelism_config=ParallelismConfig(tp_size=2), deepspeed=None)
+    assert ru.parallel_load_kwargs(args) == {"tp_plan": "auto"}
+    assert ru.parallel_load_kwargs(SimpleNamespace(parallelism_config=None, deepspeed=None)) == {}
+    args = SimpleNamespace(
+        parallelism_config=ParallelismConfig(tp_size=2), world_size=2, per_device_train_batch_size=4,
+        gradient_accumulation_steps=2, device=SimpleNamespace(type="cpu"),
+    )  # fmt: skip
+    text = ru.describe_plan(tiny_llama_config(), method="full", seq_len=32, args=args, strategy="ddp")
+    assert "2 process(es) on cpu tp=2: micro batch 4 x grad accum 2 x data parallel 1 = global batch 8" in text
+    assert "chosen: ddp tp=2" in text and "tp=2 as asked" in text
+
+
+def test_a_tp_run_whose_weights_are_not_sharded_is_refused():
+    from types import SimpleNamespace
+
+    import torch
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from hf_dist.recipe_utils.run import _live_sizes
+
+    trainer = SimpleNamespace(
+        accelerator=SimpleNamespace(parallelism_config=ParallelismConfig(tp_size=2)),
+        args=SimpleNamespace(deepspeed=None),
+        model=torch.nn.Linear(2, 2),
+    )
+    with pytest.raises(RuntimeError, match="tp_size 2 was requested but no weight is sharded.*tp_plan='auto'"):
+        _live_sizes(trainer)
+    trainer.accelerator.parallelism_config = None
+    assert _live_sizes(trainer) == {"tp": 1, "cp": 1, "sp": 1}

@@ -16,7 +16,7 @@ the same global batch per optimizer step, in dataset order, fp32:
   (transformers applies TP and FSDP2 at load time) + ``ParallelismConfig(dp_shard_size=2, tp_size=2)``;
   micro-batch 2 per data-parallel rank (global 4).
 
-CPU shim (test-only, this script only): accelerate's ``ParallelismConfig._validate_accelerator`` refuses any
+CPU shim (tests and CPU development only, ``hf_dist.runtime.cpu_fsdp``): accelerate's ``ParallelismConfig._validate_accelerator`` refuses any
 parallelism config on ``DistributedType.MULTI_CPU`` ("ParallelismConfig is only compatible
 DistributedType.FSDP (version 2) or DistributedType.Multi{Device} or DistributedType.DEEPSPEED, but got
 DistributedType.MULTI_CPU."), although nothing after that check needs a GPU: a model sharded at load
@@ -51,27 +51,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--save", action="store_true", help="Trainer checkpoint + DCP save + full state dict")
     parser.add_argument("--out", required=True, help="JSON report written by rank 0")
     return parser.parse_args()
-
-
-def allow_parallelism_config_on_cpu() -> None:
-    """Let accelerate's ParallelismConfig validation accept a distributed MULTI_CPU run (see module doc)."""
-    from accelerate import Accelerator
-    from accelerate.parallelism_config import ParallelismConfig
-    from accelerate.utils import DistributedType
-
-    original = ParallelismConfig._validate_accelerator
-
-    def validate(self, accelerator):
-        if not (accelerator.distributed_type == DistributedType.MULTI_CPU and accelerator.use_distributed):
-            return original(self, accelerator)
-        saved = Accelerator.multi_device
-        Accelerator.multi_device = property(lambda _: True)
-        try:
-            return original(self, accelerator)
-        finally:
-            Accelerator.multi_device = saved
-
-    ParallelismConfig._validate_accelerator = validate
 
 
 def write_model(folder: Path) -> None:
@@ -142,6 +121,7 @@ def main() -> None:
     from accelerate import PartialState
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
+    from hf_dist.runtime.cpu_fsdp import allow_parallelism_config_on_cpu
     from hf_dist.runtime.dist import shutdown
 
     allow_parallelism_config_on_cpu()
