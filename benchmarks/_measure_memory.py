@@ -2,6 +2,9 @@
 
 Usage: torchrun --nproc_per_node=2 benchmarks/_measure_memory.py STRATEGY OUT.json NAME:HIDDEN:INTER:LAYERS:HEADS:KV:VOCAB ...
 
+STRATEGY is a registry name, or ``ddp+tp2``: tensor parallelism over both ranks (transformers'
+``from_pretrained(tp_plan="auto")``, the model's own Llama plan; no data parallelism, so no DDP wrapper).
+
 For each model: one warm-up step (creates the optimizer state), then a measured step:
 - tensor walk (storages de-duplicated): parameters (local shards; ZeRO-3 ``ds_tensor``), optimizer state
   (+ DeepSpeed's fp32 master partitions), gradients (``.grad`` of the local params, or the ZeRO
@@ -26,7 +29,7 @@ from hf_dist.planning.layout import strategy as registry_strategy
 SEQ, MICRO = 128, 2
 
 
-def build(spec: str):
+def build(spec: str, tp_size: int = 1):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     name, h, inter, layers, heads, kv, vocab = spec.split(":")
@@ -36,7 +39,31 @@ def build(spec: str):
         max_position_embeddings=SEQ, tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(0)
-    return name, config, AutoModelForCausalLM.from_config(config)
+    if tp_size == 1:
+        return name, config, AutoModelForCausalLM.from_config(config)
+    # a TP model is sharded as it loads: rank 0 writes it once, every rank loads its shards (the whole model is
+    # never alive in a rank at the same time as its shards)
+    folder = os.path.join(os.environ.get("HF_DIST_MEASURE_DIR", "."), f"tp_model_{name}")
+    if dist.get_rank() == 0 and not os.path.exists(os.path.join(folder, "config.json")):
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    dist.barrier()
+    model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.float32)
+    compact_cpu_shards(model)
+    return name, config, model
+
+
+def compact_cpu_shards(model) -> None:
+    """transformers' TP loader slices each row-sharded (``Shard(0)``) weight out of the loaded tensor and moves it
+    to the target device; on a GPU that copy holds only the slice, on CPU the move is a no-op and the local shard
+    stays a view of the whole weight's storage (measured: every q/k/v/gate/up/embedding shard holds 2x its
+    bytes on 2 ranks). Copy such views, so the CPU run holds what a GPU run does."""
+    for param in model.parameters():
+        local = getattr(param, "_local_tensor", param)  # the DTensor's own local tensor, not an alias of it
+        if local.untyped_storage().nbytes() > local.numel() * local.element_size():
+            if local is param:
+                param.data = param.data.clone()
+            else:
+                param._local_tensor = local.clone()
 
 
 def storage_key(t: torch.Tensor):
@@ -54,10 +81,13 @@ def nbytes(keyset: set) -> int:
     return sum(size for _, size in keyset)
 
 
-def wrap(strategy: str, model):
+def wrap(strategy: str, model, tp_size: int = 1):
     """Returns (module, optimizer, step_fn(ids, probe)), probe called between backward and step."""
     s = registry_strategy(strategy)
-    if s.is_ddp:
+    if tp_size > 1:  # the TP group is the whole world: one replica, nothing to wrap
+        module = model
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    elif s.is_ddp:
         from torch.nn.parallel import DistributedDataParallel
 
         module = DistributedDataParallel(model)
@@ -142,16 +172,22 @@ def memory_curve(prof) -> list[tuple[int, int]]:
     return curve
 
 
-def measure(strategy: str, spec: str) -> dict:
+def measure(layout: str, spec: str) -> dict:
     """Everything from model creation on runs under the profiler, so its allocation stream is the absolute
     tensor memory of this run (including C++-only tensors such as DDP buckets that a gc walk cannot see)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    strategy, _, tp = layout.partition("+tp")
+    tp_size = int(tp or 1)
     seen = {}
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        name, config, model = build(spec)
-        module, optimizer, step = wrap(strategy, model)
-        generator = torch.Generator().manual_seed(dist.get_rank())
+        name, config, model = build(spec, tp_size)
+        gc.collect()
+        with record_function("built"):
+            held = nbytes(keys([*model.parameters(), *model.buffers()]))
+        module, optimizer, step = wrap(strategy, model, tp_size)
+        # every rank of a TP group sees the same tokens; data-parallel ranks see different ones
+        generator = torch.Generator().manual_seed(0 if tp_size > 1 else dist.get_rank())
         ids = torch.randint(0, config.vocab_size, (MICRO, SEQ), generator=generator)
         step(ids, lambda: None)  # warm-up: optimizer state exists from now on
         params = keys(param_tensors(module))
@@ -169,24 +205,31 @@ def measure(strategy: str, spec: str) -> dict:
     before = [live for t, live in curve if t < start_ns]
     resident = before[-1] if before else 0
     in_step = [live for t, live in curve if start_ns <= t <= end_ns] or [resident]
+    # Loading a TP model, the profiler records the checkpoint's whole tensors being allocated but not freed,
+    # although no tensor holds them once the model is built (the gc walk finds only the shards): that residue,
+    # measured here, is left out of the live memory (0 for every other layout, built in memory).
+    built = next(e for e in prof.profiler.kineto_results.events() if e.name() == "built").start_ns()
+    residue = max(0, [live for t, live in curve if t < built][-1] - held) if tp_size > 1 else 0
+    resident, in_step = resident - residue, [live - residue for live in in_step]
     partitioned = registry_strategy(strategy).zero_stage == 3  # ZeRO-3 leaves empty placeholders in the module
     result = {
         "model": name,
-        "strategy": strategy,
-        "num_params": None if partitioned else sum(p.numel() for p in model.parameters()),
+        "strategy": layout,
+        "num_params": None if partitioned or tp_size > 1 else sum(p.numel() for p in model.parameters()),
         "params": nbytes(params),
         "optimizer": nbytes(optim),
         "grads": nbytes(seen["grads"]),
         "resident_before_step": resident,
         "peak": max(in_step),
         "step_ms": (end_ns - start_ns) / 1e6,
+        "load_residue": residue,
     }
     return result
 
 
 def main() -> None:
     strategy, out, *specs = sys.argv[1:]
-    if not registry_strategy(strategy).is_deepspeed:  # DeepSpeed initialises its own process group
+    if not registry_strategy(strategy.partition("+")[0]).is_deepspeed:  # DeepSpeed starts its own process group
         dist.init_process_group("gloo")
     torch.set_num_threads(1)
     results = [measure(strategy, spec) for spec in specs]

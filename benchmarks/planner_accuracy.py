@@ -1,6 +1,6 @@
 """Planner accuracy: predicted vs measured per-rank memory on 2 CPU ranks, next to accelerate's and DeepSpeed's estimators.
 
-Usage:  python benchmarks/planner_accuracy.py [--strategies ddp,zero1,zero2,zero3,fsdp_full_shard] [--out results.json]
+Usage:  python benchmarks/planner_accuracy.py [--strategies ddp,zero1,zero2,zero3,fsdp_full_shard,ddp+tp2] [--out results.json]
 
 For each small Llama config and strategy, ``_measure_memory.py`` trains one warm-up and one measured
 step (fp32, AdamW, seq 128, micro-batch 2) on 2 gloo ranks and reports, per rank:
@@ -47,19 +47,20 @@ def llama_config(spec: str):
     )  # fmt: skip
 
 
-def predictions(spec_text: str, strategy: str) -> dict:
+def predictions(spec_text: str, layout: str) -> dict:
     from accelerate.commands.estimate import estimate_training_usage
 
     from hf_dist.planning.layout import strategy as registry_strategy
     from hf_dist.planning.memory import estimate_memory
     from hf_dist.planning.modelinfo import model_spec
 
+    strategy, _, tp = layout.partition("+tp")
     s = registry_strategy(strategy)
     spec = model_spec(llama_config(spec_text))
     n = spec.num_params
     ours = estimate_memory(
         spec, s, WORLD, param_bytes=4, master_weights=s.zero_stage in (1, 2),
-        seq_len=SEQ, micro_batch_size=MICRO, device="cpu",
+        seq_len=SEQ, micro_batch_size=MICRO, device="cpu", tp_size=int(tp or 1),
     )  # fmt: skip
     acc = estimate_training_usage(n * 4, "float32")
     out = {
@@ -90,7 +91,8 @@ def measure(strategy: str, models: tuple[str, ...]) -> list[dict]:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "measured.json")
-        torchrun(ROOT / "benchmarks" / "_measure_memory.py", [strategy, out, *models], timeout=1200)
+        env = {"HF_DIST_MEASURE_DIR": tmp}  # where a TP layout's model is written once and loaded sharded
+        torchrun(ROOT / "benchmarks" / "_measure_memory.py", [strategy, out, *models], timeout=1200, env=env)
         with open(out) as fh:
             return json.load(fh)
 

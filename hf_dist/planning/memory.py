@@ -602,7 +602,7 @@ def estimate_memory(
     check_choice("device", device, DEVICES)
     spec = model_spec(model_or_num_params)
     run.check_model(spec, seq_len)
-    spec = spec.tensor_parallel_shard(run.tp_size)
+    whole, spec = spec, spec.tensor_parallel_shard(run.tp_size)
     keys, seq_len = seq_len, seq_len // run.seq_shards
     base_bytes = param_bytes if base_bytes is None else base_bytes
     if base_bytes not in (2, 4):
@@ -616,6 +616,10 @@ def estimate_memory(
     act_kw = {"attention": attention, "liger": use_liger_kernel, "keys": keys}
     params = param_bytes_per_rank(spec, s, degree, method, offload, lay, base_bytes, lora_rank)
     grads = grad_bytes_per_rank(s, degree, trainable, offload, lay, gradient_accumulation_steps)
+    if run.tp_size > 1 and method == "full" and not s.shards.grads:
+        # the vocabulary-parallel embedding (embedding_rowwise) gets a replicated, full-vocabulary gradient
+        # (DTensor Replicate, measured on 2 TP ranks), not its shard
+        grads += (whole.embedding_params - spec.embedding_params) * lay.grads
     optim = optimizer_bytes_per_rank(s, degree, trainable, offload, optimizer, lay)
     acts = activation_bytes(spec, seq_len, micro_batch_size, ckpt, lay, **act_kw)
     head = logits_bytes(spec, seq_len, micro_batch_size, lay, liger=use_liger_kernel) if spec.has_shape else 0
