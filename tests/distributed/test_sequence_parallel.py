@@ -43,3 +43,23 @@ def test_ulysses_sp2_runs_and_matches_one_process(tmp_path):
     assert len(sp["losses"]) == len(base["losses"]) == 2
     diff = max(abs(a - b) / abs(b) for a, b in zip(sp["losses"], base["losses"], strict=True))
     assert diff <= LOSS_RTOL, f"SP losses {sp['losses']} vs one process {base['losses']}: max rel {diff:.2e}"
+
+    # A Ulysses-SP DeepSpeed checkpoint converts like any ZeRO checkpoint: equal to the trained weights
+    out = tmp_path / "hf"
+    checkpoint = tmp_path / "sp" / "checkpoint-2"
+    convert = [sys.executable, "-m", "hf_dist.cli.main", "convert", str(checkpoint), str(out), "--no-progress"]
+    converted = run_checked([*convert, "--dtype", "fp32"], env=cpu_env(), timeout=200)
+    assert "deepspeed" in converted.stdout.split("wrote:")[0], converted.stdout  # read from the ZeRO shards
+    code = f"""
+import torch
+from safetensors.torch import load_file
+full = torch.load({str(tmp_path / "sp" / "full_state_dict.pt")!r})
+hf = load_file({str(out / "model.safetensors")!r})
+full = {{k: v for k, v in full.items() if k in hf or not k.endswith("rotary_emb.inv_freq")}}
+assert set(hf) == set(full), set(hf) ^ set(full)
+bad = [k for k in full if not torch.equal(hf[k], full[k])]
+assert not bad, bad
+print("equal")
+"""
+    proc = run_checked([sys.executable, "-c", code], env=cpu_env(), timeout=120)
+    assert proc.stdout.strip().endswith("equal")

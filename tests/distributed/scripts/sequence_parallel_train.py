@@ -65,7 +65,8 @@ def main() -> None:
         max_steps=2,
         per_device_train_batch_size=1,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if args.sp else "no",  # the last step's ZeRO checkpoint, for hf-dist convert
+        save_steps=2,
         report_to=[],
         disable_tqdm=True,
         **kwargs,
@@ -83,6 +84,9 @@ def main() -> None:
         "embedding_seq_lens": sorted(set(seen)),
     }
     if trainer.is_world_process_zero():
+        if args.sp:  # ZeRO-1 keeps whole weights in every rank's module: the reference for the conversion
+            state = {k: v.detach().clone() for k, v in trainer.model_wrapped.module.state_dict().items()}
+            torch.save(state, Path(args.output_dir) / "full_state_dict.pt")
         tmp = Path(args.out).with_suffix(".tmp")
         tmp.write_text(json.dumps(report, indent=2))
         os.replace(tmp, args.out)
