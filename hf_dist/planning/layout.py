@@ -7,10 +7,9 @@ its one-line description. Memory, planner, configs, callbacks, resume and bench 
 :class:`Strategy` (``strategy("zero3").zero_stage``) instead of comparing names.
 
 :class:`Layout` is one run's layout (torchtitan's ``ParallelDims`` is the model): the strategy, the
-data-parallel sizes in accelerate's ``ParallelismConfig`` names (``dp_replicate_size``,
-``dp_shard_size``, with ``tp_size``/``cp_size``/``sp_size`` fixed to 1 until those dimensions are
-planned), offload, activation checkpointing and precision. It validates itself and prints the
-arithmetic when the numbers do not fit.
+sizes in accelerate's ``ParallelismConfig`` names (``dp_replicate_size``, ``dp_shard_size``, ``tp_size``,
+``cp_size``, ``sp_size``), offload and its device (CPU or NVMe), activation checkpointing and precision. It
+validates itself and prints the arithmetic when the numbers do not fit.
 
 User-facing names stay strings (``plan(strategy="zero3")``, ``hf-dist plan --strategy zero3``); they
 are turned into a :class:`Strategy` once, by :func:`strategy`.
