@@ -664,12 +664,15 @@ class _Search:
                     "without offload" + self._batch_note(candidates))  # fmt: skip
         if any(c.fits for c in candidates):
             return candidates, dims
+        if self.offloads == ("none",):
+            return candidates, dims + ["nvme: not searched: offload is 'none' here (asked for, QLoRA or CPU ranks)"]
         if hw.nvme_gbps is None:
             return candidates, dims + ["nvme: not searched: pass nvme_gbps (hf-dist plan --nvme-gbps) for the "
                                        "nodes' local NVMe drives to consider ZeRO-Infinity"]  # fmt: skip
         sp = [(1, 1, 1)] + [t for t in triples if t[0] == t[1] == 1]
+        offloads = [o for o in ("optimizer", "optimizer+params") if o in self.offloads]  # unless offload is pinned
         nvme = [c._replace(nvme=True) for c in _combos(["zero3"] if "zero3" in self.strategies else [],
-                ("optimizer", "optimizer+params"), self.ckpts, self.ligers, hw, self.pinned_strategy, sp)]  # fmt: skip
+                offloads, self.ckpts, self.ligers, hw, self.pinned_strategy, sp)]  # fmt: skip
         nvme = [c for c in nvme if _valid(c, hw)]
         candidates += self._evaluate(nvme)
         return candidates, dims + [f"nvme: searched zero3 offload to NVMe ({len(nvme)} layouts): nothing else fits"]
