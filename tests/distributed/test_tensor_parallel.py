@@ -54,7 +54,7 @@ class Runs:
             workdir = self.root / layout
             out = workdir / "report.json"
             args = ["--layout", layout, "--model-dir", self.model_dir, "--output-dir", workdir, "--steps", STEPS]
-            args += ["--out", out, *(["--save"] if layout == "tp" else [])]
+            args += ["--out", out, *(["--save"] if layout in ("tp", "fsdp_tp") else [])]
             try:
                 cmd = torchrun_command(SCRIPT, args, nproc=NPROC[layout])
                 run_checked(cmd, env=cpu_env(), timeout=LAUNCH_TIMEOUT_S)
@@ -130,10 +130,13 @@ def test_memory_model_counts_what_a_tp_rank_holds(tp_runs):
     assert model_spec(config).tensor_parallel_shard(2).num_params == sharded + plain
 
 
-def test_tp_dcp_checkpoint_converts_to_an_hf_folder(tp_runs, tmp_path):
-    """hf-dist convert reassembles the DTensor shards of a TP DCP save into an HF folder equal to the gathered
-    full state dict, which from_pretrained loads."""
-    report = tp_runs.get("tp")
+@pytest.mark.parametrize("layout", ["tp", "fsdp_tp"])
+def test_tp_dcp_checkpoint_converts_to_an_hf_folder(tp_runs, tmp_path, layout):
+    """hf-dist convert reassembles the DTensor shards of a DCP save (TP: Shard on a 1-D mesh; FSDP2 x TP:
+    _StridedShard x Shard on a 2-D mesh, 4 files) into an HF folder equal to the gathered full state dict,
+    which from_pretrained loads."""
+    report = tp_runs.get(layout)
+    assert len(report["dcp_files"]) == 1 + report["world_size"]  # .metadata + one file per rank
     workdir = Path(report["workdir"])
     out = tmp_path / "hf"
     convert = [sys.executable, "-m", "hf_dist.cli.main", "convert", str(workdir / "dcp"), str(out)]

@@ -48,7 +48,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--save", action="store_true", help="Trainer checkpoint + DCP save + full state dict")
+    parser.add_argument(
+        "--save", action="store_true", help="DCP save + full state dict (and, for tp, a Trainer checkpoint)"
+    )
     parser.add_argument("--out", required=True, help="JSON report written by rank 0")
     return parser.parse_args()
 
@@ -149,7 +151,7 @@ def main() -> None:
         weight_decay=0.0,
         logging_steps=1,
         # A model sharded at load time may only save its weights (the Trainer refuses optimizer state).
-        save_strategy="steps" if args.save else "no",
+        save_strategy="steps" if args.save and args.layout == "tp" else "no",
         save_steps=args.steps,
         save_only_model=True,
         report_to=[],
@@ -188,7 +190,8 @@ def main() -> None:
         if state.is_main_process:
             torch.save(full, out_dir / "full_state_dict.pt")
             root = out_dir / f"checkpoint-{args.steps}"
-            report["checkpoint_files"] = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+            if root.is_dir():
+                report["checkpoint_files"] = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
             report["dcp_files"] = sorted(p.name for p in (out_dir / "dcp").iterdir())
         dist.barrier()
     if state.is_main_process:
