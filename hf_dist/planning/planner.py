@@ -17,212 +17,24 @@ estimated tokens/s; gradient accumulation keeps the global batch: global = micro
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 from hf_dist.planning.hardware import Hardware, detect_hardware
-from hf_dist.planning.layout import OFFLOADS, REGISTRY, STRATEGIES, Layout
+from hf_dist.planning.layout import OFFLOADS, REGISTRY, STRATEGIES
 from hf_dist.planning.memory import GIB, METHODS, MemoryEstimate, estimate_memory
 from hf_dist.planning.model_parallel import pinned_sizes, size_options
 from hf_dist.planning.modelinfo import ModelSpec, model_spec
+from hf_dist.planning.plan_result import Candidate, Combo, Plan, PlanError, format_bytes
 from hf_dist.planning.throughput import StepTime, comm_seconds, model_parallel_seconds, nvme_seconds, step_time
 from hf_dist.validation import restrict
 
-__all__ = ["Plan", "PlanError", "Candidate", "plan", "comm_seconds", "micro_batch_options"]
+__all__ = ["Plan", "PlanError", "Candidate", "Combo", "plan", "comm_seconds", "micro_batch_options"]
 
 MAX_MICRO_BATCH = 16
 # estimates closer than this are ties, which go to the simpler layout (the throughput model is not
 # more precise than that)
 TIE_FRACTION = 0.03
-
-
-def _fmt(num_bytes: float) -> str:
-    return f"{num_bytes / GIB:.2f} GiB" if abs(num_bytes) >= GIB else f"{num_bytes / 1024**2:.1f} MiB"
-
-
-class PlanError(ValueError):
-    """Nothing fits; the message names the minimum hardware that would."""
-
-
-@dataclass
-class Candidate:
-    strategy: str
-    offload: str
-    activation_checkpointing: bool
-    micro_batch_size: int
-    memory: MemoryEstimate
-    fits: bool
-    reason: str
-    comm_seconds: float | None
-    use_liger_kernel: bool = False
-    time: StepTime | None = None
-    tp_size: int = 1
-    cp_size: int = 1
-    sp_size: int = 1
-    offload_device: str = "cpu"
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        return None if self.time is None else self.time.tokens_per_s
-
-    @property
-    def key(self) -> Combo:
-        return Combo(
-            self.strategy, self.offload, self.activation_checkpointing, self.use_liger_kernel,
-            self.tp_size, self.cp_size, self.sp_size, self.offload_device == "nvme",
-        )  # fmt: skip
-
-    @property
-    def model_parallel(self) -> int:
-        return self.tp_size * self.cp_size * self.sp_size
-
-    @property
-    def label(self) -> str:
-        """``fsdp_full_shard/none+ckpt tp=2``: the candidate in one token for the reasons list."""
-        flags = ("+ckpt" if self.activation_checkpointing else "") + ("+liger" if self.use_liger_kernel else "")
-        where = "@nvme" if self.offload_device == "nvme" else ""
-        sizes = "".join(
-            f" {n}={v}" for n, v in (("tp", self.tp_size), ("cp", self.cp_size), ("sp", self.sp_size)) if v > 1
-        )
-        return f"{self.strategy}/{self.offload}{where}{flags}{sizes}"
-
-
-@dataclass
-class Plan:
-    strategy: str
-    offload: str
-    activation_checkpointing: bool
-    micro_batch_size: int
-    gradient_accumulation_steps: int
-    global_batch_size: int
-    num_params: int
-    memory: MemoryEstimate
-    candidates: list[Candidate]
-    world_size: int
-    nodes: int
-    method: str
-    seq_len: int
-    mixed_precision: str  # "bf16" | "fp16" | "no"
-    hardware: Hardware
-    model: ModelSpec
-    optimizer: str
-    lora_rank: int
-    reason: str = ""
-    usable_gib: float = field(default=0.0)
-    use_liger_kernel: bool = False
-    tokens_per_s: float | None = None  # estimated, all ranks
-    liger_note: str = ""  # what Liger kernels would gain when they are not available
-    pure_bf16: bool = False  # bf16 weights and Adam state, no fp32 master weights (only when asked for)
-    model_dtype: str | None = None  # dtype the given module was loaded in; None for a name/config/count
-    tp_size: int = 1  # tensor parallel group (inside a node)
-    cp_size: int = 1  # context parallel group (FSDP2, torch ring attention)
-    sp_size: int = 1  # Ulysses sequence parallel group (DeepSpeed)
-    offload_device: str = "cpu"  # where offloaded states live: "cpu", or "nvme" (ZeRO-Infinity)
-    dimensions: list[str] = field(default_factory=list)  # why each model-parallel dimension was or was not used
-
-    @property
-    def layout(self) -> Layout:
-        """The chosen layout as one typed object (strategy, sizes, offload, checkpointing, precision)."""
-        return Layout(
-            self.strategy, self.world_size, self.nodes, self.offload, self.activation_checkpointing,
-            self.mixed_precision, self.pure_bf16, self.tp_size, self.cp_size, self.sp_size, self.offload_device,
-        )  # fmt: skip
-
-    @property
-    def optimizer_state_dtype(self) -> str:
-        """dtype of the master weights and Adam state: "bfloat16" under pure bf16, else "float32"."""
-        return "bfloat16" if self.pure_bf16 else "float32"
-
-    def _precision_text(self) -> str:
-        if self.pure_bf16:
-            return "bf16 (pure bf16: bf16 weights and Adam state, no fp32 master weights)"
-        if self.mixed_precision == "no":
-            return "fp32"
-        return f"{self.mixed_precision} mixed precision (fp32 master weights and Adam state)"
-
-    def to_dict(self) -> dict:
-        """JSON-serializable summary (the transformers config object is left out)."""
-        out = {k: v for k, v in asdict(self).items() if k not in ("memory", "candidates", "hardware", "model")}
-        out["memory"] = self.memory.to_dict()
-        out["optimizer_state_dtype"] = self.optimizer_state_dtype
-        out["hardware"] = self.hardware.to_dict()
-        out["model"] = {k: v for k, v in asdict(self.model).items() if k != "config"}
-        out["candidates"] = [
-            {
-                **{k: v for k, v in asdict(c).items() if k not in ("memory", "time")},
-                "memory": c.memory.to_dict(),
-                "tokens_per_s": c.tokens_per_s,
-            }
-            for c in self.candidates
-        ]
-        json.dumps(out)  # fail here, not in the caller, if something is not serializable
-        return out
-
-    def explain(self) -> str:
-        """A readable table of every candidate by component (per rank) with its verdict and reason."""
-        hw = self.hardware
-        size = f"{self.num_params / 1e9:.2f}B" if self.num_params >= 1e9 else f"{self.num_params / 1e6:.2f}M"
-        # small models read better in MiB
-        unit, div = ("GiB", GIB) if max(c.memory.total for c in self.candidates) >= GIB else ("MiB", 1024**2)
-        speed = f", ~{self.tokens_per_s:,.0f} tokens/s estimated" if self.tokens_per_s else ""
-        lines = [
-            f"model: {self.model.name or 'model'} ({size} params), method={self.method}, optimizer={self.optimizer}, "
-            f"seq_len={self.seq_len}, precision={self._precision_text()}"
-            + (f", model loaded in {self.model_dtype}" if self.model_dtype else ""),
-            f"hardware: {hw.nodes} node(s) x {hw.gpus_per_node} {hw.gpu_name or hw.device} "
-            f"({hw.gpu_memory_gib:.1f} GiB, usable {self.usable_gib:.1f} GiB after safety margin)",
-            f"chosen: {self.strategy}{self._sizes_text()}, offload={self.offload}"
-            f"{' to NVMe' if self.offload_device == 'nvme' else ''}, activation_checkpointing="
-            f"{self.activation_checkpointing}, use_liger_kernel={self.use_liger_kernel}, micro_batch="
-            f"{self.micro_batch_size} x accumulation={self.gradient_accumulation_steps} x data_parallel="
-            f"{self.layout.dp_size} = global_batch {self.global_batch_size}{speed}",
-            f"why: {self.reason}",
-        ]
-        if self.liger_note:
-            lines.append(f"liger: {self.liger_note}")
-        lines += [f"parallelism: {note}" for note in self.dimensions]
-        lines.append(
-            f"per-rank memory in {unit} (total = device memory in use at the peak: allocated tensors + caching "
-            "allocator + CUDA context):"
-        )
-        terms = ("params", "grads", "optimizer", "activations", "logits", "buffers", "allocator", "overhead", "total")
-        sized = any(c.model_parallel > 1 or c.offload_device == "nvme" for c in self.candidates)
-        header = ("strategy", "offload", "ckpt", "liger") + (("tp/cp/sp",) if sized else ()) + ("mb", "params")
-        header += ("grads", "optim", "acts", "logits", "buffers", "allocator", "overhead", "total", "tok/s", "verdict")
-        rows = [header]
-        for c in self.candidates:
-            verdict = "CHOSEN" if c.key == self._chosen_key else ("fits" if c.fits else "no fit")
-            sizes = [f"{getattr(c.memory, t) / div:.2f}" for t in terms]
-            speed = "-" if c.tokens_per_s is None else f"{c.tokens_per_s:,.0f}"
-            flags = ("yes" if c.activation_checkpointing else "no", "yes" if c.use_liger_kernel else "no")
-            offload = c.offload + ("@nvme" if c.offload_device == "nvme" else "")
-            dims = (f"{c.tp_size}/{c.cp_size}/{c.sp_size}",) if sized else ()
-            rows.append((c.strategy, offload, *flags, *dims, str(c.micro_batch_size), *sizes, speed, verdict))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        first_number = 5 if sized else 4
-        for row in rows:
-            cells = [
-                cell.rjust(w) if i >= first_number else cell.ljust(w)
-                for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-            ]
-            lines.append("  ".join(cells))
-        lines.append("")
-        lines.append("reasons:")
-        for c in self.candidates:
-            lines.append(f"  {c.label}: {c.reason}")
-        return "\n".join(lines)
-
-    def _sizes_text(self) -> str:
-        sizes = [f"{n}={getattr(self, n + '_size')}" for n in ("tp", "cp", "sp") if getattr(self, n + "_size") > 1]
-        return (" " + " ".join(sizes)) if sizes else ""
-
-    @property
-    def _chosen_key(self) -> Combo:
-        return Combo(
-            self.strategy, self.offload, self.activation_checkpointing, self.use_liger_kernel,
-            self.tp_size, self.cp_size, self.sp_size, self.offload_device == "nvme",
-        )  # fmt: skip
 
 
 # ---------------------------------------------------------------- batch math
@@ -266,25 +78,6 @@ class _Setup:
     trainable: int
     global_batch: int | None = None
     micro_batch: int | None = None
-
-
-class Combo(NamedTuple):
-    """One point of the search: a strategy with its offload, checkpointing, kernels and model-parallel sizes."""
-
-    strategy: str
-    offload: str
-    ckpt: bool
-    liger: bool
-    tp: int = 1
-    cp: int = 1
-    sp: int = 1
-    nvme: bool = False
-
-    def layout(self, hw: Hardware, world: int | None = None, nodes: int | None = None) -> Layout:
-        return Layout(
-            self.strategy, world or hw.world_size, nodes or hw.nodes, self.offload, self.ckpt,
-            tp_size=self.tp, cp_size=self.cp, sp_size=self.sp, offload_device="nvme" if self.nvme else "cpu",
-        )  # fmt: skip
 
 
 def _estimate(s: _Setup, combo: Combo, mb, world=None, nodes=None, accum=1) -> MemoryEstimate:
@@ -379,7 +172,7 @@ def _candidate(s: _Setup, combo: Combo) -> Candidate:
         mem = _estimate(s, combo, mbs[-1])
         what = "NVMe offload's pinned buffers and gradients" if combo.nvme else "offloaded states"
         reason = (
-            f"{what} need {_fmt(host_need)} of host RAM per node, more than the usable {_fmt(host_usable)} "
+            f"{what} need {format_bytes(host_need)} of host RAM per node, more than the usable {format_bytes(host_usable)} "
             "(pass --host-memory / plan(host_memory_gib=...) if it is larger)"
         )
         return Candidate(strategy, offload, ckpt, mbs[-1], mem, False, reason, None, liger, **extra)
@@ -395,7 +188,7 @@ def _candidate(s: _Setup, combo: Combo) -> Candidate:
     if best is not None:
         return best
     short = mem.total - s.usable
-    reason = f"needs {_fmt(mem.total)} per rank at micro_batch {mbs[-1]}, {_fmt(short)} over the usable memory"
+    reason = f"needs {format_bytes(mem.total)} per rank at micro_batch {mbs[-1]}, {format_bytes(short)} over the usable memory"
     return Candidate(strategy, offload, ckpt, mbs[-1], mem, False, reason, None, liger, **extra)
 
 
@@ -437,7 +230,7 @@ def _reason_for(c: Candidate, best: Candidate, pinned: bool = False) -> str:
         t = c.time
         extra = ("; " + "; ".join(notes)) if notes else ""
         return (
-            f"fits ({_fmt(c.memory.total)}) with the highest estimated throughput (~{t.tokens_per_s:,.0f} tokens/s: "
+            f"fits ({format_bytes(c.memory.total)}) with the highest estimated throughput (~{t.tokens_per_s:,.0f} tokens/s: "
             f"{t.seconds:.3f} s/step, {t.comm:.3f} s communication){extra}"
         )
     if not c.fits:
@@ -712,7 +505,7 @@ def _liger_gain(s: _Setup, best: Candidate) -> str:
     return (
         f"not installed; with liger-kernel (pip install 'hf_dist[liger]') {strategy} would fit micro_batch "
         f"{alt.micro_batch_size}{' with checkpointing' if alt.activation_checkpointing else ''} at "
-        f"{_fmt(alt.memory.total)} and run ~{gain:.0%} faster (~{alt.tokens_per_s:,.0f} tokens/s)"
+        f"{format_bytes(alt.memory.total)} and run ~{gain:.0%} faster (~{alt.tokens_per_s:,.0f} tokens/s)"
     )
 
 
@@ -732,7 +525,7 @@ def _nothing_fits_message(s: _Setup, combos, candidates: list[Candidate], dims: 
     if smallest.memory.total > s.usable:
         msg += (
             f": the smallest candidate ({smallest.label}, micro_batch={smallest.micro_batch_size}) needs "
-            f"{_fmt(smallest.memory.total)} per rank (usable {_fmt(s.usable)}); it would fit with "
+            f"{format_bytes(smallest.memory.total)} per rank (usable {format_bytes(s.usable)}); it would fit with "
             f"{smallest.memory.total / margin / GIB:.0f} GiB per GPU"
         )
     for nvme in (False, True):  # the least host RAM any CPU / NVMe offload layout asks for
