@@ -2,7 +2,7 @@
 
 Usage:  python benchmarks/parallelism_examples.py [--full]
 
-Each example is a public Llama 3 shape written out by hand (no hub access) planned for hardware described by
+Each example is a public Llama 3 shape written out by hand (``hf_dist.testing.LLAMA3_SHAPES``, no hub access) planned for hardware described by
 its numbers (H100 SXM GPUs: 80 GiB, 989 dense bf16 TFLOPs); ``--full`` prints every candidate's table (``Plan.explain()``). Pure arithmetic: a laptop plans
 these in about a second each. The features are the newest tested versions' (accelerate >= 1.12,
 deepspeed >= 0.18.2), so every dimension is available whatever is installed here.
@@ -17,12 +17,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# Llama 3 / 3.1 text configs (hidden, intermediate, layers, heads, KV heads; vocab 128256)
-SHAPES = {
-    "Llama-3-8B": (4096, 14336, 32, 32, 8),
-    "Llama-3-70B": (8192, 28672, 80, 64, 8),
-    "Llama-3.1-405B": (16384, 53248, 126, 128, 8),
-}
 EXAMPLES = (
     ("Llama-3-8B at 128k-token context on 8 x 80 GB", "Llama-3-8B",
      dict(gpus=8, gpu_memory_gib=80, seq_len=131072, global_batch_size=8)),
@@ -40,16 +34,6 @@ EXAMPLES = (
 )  # fmt: skip
 
 
-def config(name: str):
-    from transformers import LlamaConfig
-
-    hidden, inter, layers, heads, kv = SHAPES[name]
-    return LlamaConfig(
-        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, vocab_size=128256,
-    )  # fmt: skip
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full", action="store_true", help="print every candidate (Plan.explain())")
@@ -57,6 +41,7 @@ def main() -> None:
     from hf_dist.configs.features import NEWEST_TESTED_FEATURES
     from hf_dist.planning.hardware import detect_hardware
     from hf_dist.planning.planner import PlanError, plan
+    from hf_dist.testing import llama3_config
 
     for title, shape, kw in EXAMPLES:
         print(f"## {title}")
@@ -64,7 +49,7 @@ def main() -> None:
         try:
             hw = {k: kw.pop(k) for k in ("gpus", "nodes", "gpu_memory_gib", "host_memory_gib", "nvme_gbps") if k in kw}
             hardware = detect_hardware(gpu_name="NVIDIA H100 80GB HBM3", liger_kernel=False, **hw)
-            p = plan(config(shape), hardware=hardware, features=NEWEST_TESTED_FEATURES, **kw)
+            p = plan(llama3_config(shape), hardware=hardware, features=NEWEST_TESTED_FEATURES, **kw)
         except PlanError as e:
             print(f"PlanError ({time.perf_counter() - start:.2f} s): {e}\n")
             continue

@@ -17,6 +17,25 @@ from pathlib import Path
 from hf_dist.embedded.model import tiny_llama_config  # noqa: F401  (tests build the embedded model)
 from hf_dist.runtime.launch import REPO_ROOT, cpu_env, free_port  # noqa: F401  (re-exported for tests)
 
+# Public Llama 3 / 3.1 text shapes, written out by hand (no hub access): hidden, intermediate, layers, heads,
+# KV heads; vocabulary 128256, untied embeddings. For planner tests and benchmarks (configs only).
+LLAMA3_SHAPES = {
+    "Llama-3-8B": (4096, 14336, 32, 32, 8),
+    "Llama-3-70B": (8192, 28672, 80, 64, 8),
+    "Llama-3.1-405B": (16384, 53248, 126, 128, 8),
+}
+
+
+def llama3_config(name: str):
+    """A ``LlamaConfig`` with the shape of a public Llama 3 model (:data:`LLAMA3_SHAPES`)."""
+    from transformers import LlamaConfig
+
+    hidden, inter, layers, heads, kv = LLAMA3_SHAPES[name]
+    return LlamaConfig(
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, vocab_size=128256,
+    )  # fmt: skip
+
 
 def torchrun(
     script: str | Path,

@@ -6,7 +6,7 @@ import dataclasses
 import math
 
 import pytest
-from transformers import GPT2Config, LlamaConfig
+from transformers import GPT2Config
 
 from hf_dist.configs.features import LibraryFeatures
 from hf_dist.planning.hardware import detect_hardware
@@ -15,15 +15,10 @@ from hf_dist.planning.memory import GIB, estimate_memory
 from hf_dist.planning.modelinfo import model_spec
 from hf_dist.planning.planner import PlanError, plan
 from hf_dist.planning.throughput import model_parallel_seconds, nvme_seconds
+from hf_dist.testing import llama3_config
 
-LLAMA_8B = LlamaConfig(
-    hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-    intermediate_size=14336, vocab_size=128256,
-)  # fmt: skip
-LLAMA_70B = LlamaConfig(
-    hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-    intermediate_size=28672, vocab_size=128256,
-)  # fmt: skip
+LLAMA_8B = llama3_config("Llama-3-8B")
+LLAMA_70B = llama3_config("Llama-3-70B")
 ALL = LibraryFeatures()
 
 

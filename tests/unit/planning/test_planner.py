@@ -4,34 +4,16 @@ import json
 import time
 
 import pytest
-from transformers import LlamaConfig
 
 from hf_dist.planning.hardware import detect_hardware
 from hf_dist.planning.memory import GIB
 from hf_dist.planning.planner import PlanError, micro_batch_options, plan
 from hf_dist.planning.throughput import comm_seconds
-from hf_dist.testing import tiny_llama_config
+from hf_dist.testing import llama3_config, tiny_llama_config
 
-LLAMA_8B = LlamaConfig(
-    hidden_size=4096,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    intermediate_size=14336,
-    vocab_size=128256,
-)
-LLAMA_70B = LlamaConfig(
-    hidden_size=8192,
-    num_hidden_layers=80,
-    num_attention_heads=64,
-    num_key_value_heads=8,
-    intermediate_size=28672,
-    vocab_size=128256,
-)
-LLAMA_405B = LlamaConfig(
-    hidden_size=16384, num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8,
-    intermediate_size=53248, vocab_size=128256,
-)  # fmt: skip
+LLAMA_8B = llama3_config("Llama-3-8B")
+LLAMA_70B = llama3_config("Llama-3-70B")
+LLAMA_405B = llama3_config("Llama-3.1-405B")
 SHARDED = {"zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op", "hsdp"}
 
 
