@@ -17,9 +17,9 @@ Rank 0 writes the losses, grad norms and the sequence length the embedding layer
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from pathlib import Path
+
+from hf_dist.atomic_io import atomic_write_json
 
 SEQ_LEN = 32
 
@@ -87,9 +87,7 @@ def main() -> None:
         if args.sp:  # ZeRO-1 keeps whole weights in every rank's module: the reference for the conversion
             state = {k: v.detach().clone() for k, v in trainer.model_wrapped.module.state_dict().items()}
             torch.save(state, Path(args.output_dir) / "full_state_dict.pt")
-        tmp = Path(args.out).with_suffix(".tmp")
-        tmp.write_text(json.dumps(report, indent=2))
-        os.replace(tmp, args.out)
+        atomic_write_json(args.out, report)
     shutdown()
 
 

@@ -31,12 +31,13 @@ state dict, next to the gathered full state dict (``full_state_dict.pt``) to com
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from pathlib import Path
 
+from strategies_train import build_dataset  # the same learnable sequences as the strategy runs (a sibling script)
+
+from hf_dist.atomic_io import atomic_write_json
+
 SEED = 1234
-SEQ_LEN = 32
 GLOBAL_BATCH = 4
 NUM_SAMPLES = 64  # the first GLOBAL_BATCH * steps are used, in order
 
@@ -84,17 +85,6 @@ def load_model(layout: str, folder: Path):
     config = DistributedConfig(tp_size=2, fsdp_size=2)
     model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=config, dtype=torch.float32)
     return model, {"parallelism_config": ParallelismConfig(dp_shard_size=2, tp_size=2)}, GLOBAL_BATCH // 2
-
-
-def build_dataset(num_samples: int, vocab_size: int):
-    import torch
-
-    # Random arithmetic progressions mod vocab (as strategies_train.py): the loss moves within a few steps.
-    generator = torch.Generator().manual_seed(SEED)
-    start = torch.randint(0, vocab_size, (num_samples, 1), generator=generator)
-    stride = torch.randint(1, 5, (num_samples, 1), generator=generator)
-    ids = (start + stride * torch.arange(SEQ_LEN)) % vocab_size
-    return [{"input_ids": row, "labels": row.clone()} for row in ids]
 
 
 def placements(model) -> dict:
@@ -195,9 +185,7 @@ def main() -> None:
             report["dcp_files"] = sorted(p.name for p in (out_dir / "dcp").iterdir())
         dist.barrier()
     if state.is_main_process:
-        tmp = Path(args.out).with_suffix(".tmp")
-        tmp.write_text(json.dumps(report, indent=2))
-        os.replace(tmp, args.out)
+        atomic_write_json(args.out, report)
     shutdown()
 
 
