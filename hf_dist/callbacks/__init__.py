@@ -26,6 +26,7 @@ _NAMES = {
     "ExportCallback": "hf_dist.callbacks.export",
     "ProfilerCallback": "hf_dist.callbacks.profiler",
     "CompleteCheckpointCallback": "hf_dist.callbacks.resume",
+    "ShardedResumeCallback": "hf_dist.callbacks.resume",
     "auto_resume": "hf_dist.checkpoint.auto_resume",
     "is_complete": "hf_dist.checkpoint.marker",
 }
@@ -45,19 +46,27 @@ def __getattr__(name: str) -> Any:
 
 def default(plan: Any = None) -> list[TrainerCallback]:
     """The recommended set: complete-checkpoint markers, NaN guard, throughput, memory, the plan when given,
-    and the repair DeepSpeed's universal-checkpoint loads need (:func:`hf_dist.checkpoint.reshard.reshard_callback`).
+    the optimizer checkpoint of models sharded at load (TP; :class:`~hf_dist.callbacks.resume.ShardedResumeCallback`,
+    before the markers) and the repair DeepSpeed's universal-checkpoint loads need
+    (:func:`hf_dist.checkpoint.reshard.reshard_callback`).
 
     Export and profiling cost disk and time, so they are opt-in (``ExportCallback``, ``ProfilerCallback``).
     """
     from hf_dist.callbacks.memory import MemoryCallback
     from hf_dist.callbacks.nan_guard import NanGuardCallback
     from hf_dist.callbacks.plan import PlanCallback
-    from hf_dist.callbacks.resume import CompleteCheckpointCallback
+    from hf_dist.callbacks.resume import CompleteCheckpointCallback, ShardedResumeCallback
     from hf_dist.callbacks.throughput import ThroughputCallback
     from hf_dist.checkpoint.reshard import reshard_callback
 
     callbacks: list[TrainerCallback] = [PlanCallback(plan)] if plan is not None else []
-    callbacks += [CompleteCheckpointCallback(), NanGuardCallback(), ThroughputCallback(plan), MemoryCallback(plan)]
+    callbacks += [
+        ShardedResumeCallback(),
+        CompleteCheckpointCallback(),
+        NanGuardCallback(),
+        ThroughputCallback(plan),
+        MemoryCallback(plan),
+    ]
     callbacks.append(reshard_callback())
     return callbacks
 
@@ -66,7 +75,8 @@ def attach(trainer: Any, callbacks: list[TrainerCallback] | None = None, *, plan
     """Insert ``callbacks`` (default: ``default(plan)``) right after the Trainer's flow callback.
 
     There they run before the ``report_to`` integrations and the console printer, so the keys they
-    add to the logs reach TensorBoard, W&B, etc. Returns the inserted callbacks.
+    add to the logs reach TensorBoard, W&B, etc. They get the ``on_init_end`` event they missed (the
+    Trainer was built before them). Returns the inserted callbacks.
     """
     from transformers.trainer_callback import DefaultFlowCallback
 
@@ -75,4 +85,6 @@ def attach(trainer: Any, callbacks: list[TrainerCallback] | None = None, *, plan
     flow = [i for i, cb in enumerate(handler) if isinstance(cb, DefaultFlowCallback)]
     position = flow[-1] + 1 if flow else 0
     handler[position:position] = callbacks
+    for callback in callbacks:
+        callback.on_init_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
     return callbacks

@@ -17,7 +17,9 @@ Accepted layouts (any of them given directly, or the Trainer ``checkpoint-N/`` f
 * Hugging Face: ``model.safetensors[.index.json]``, ``pytorch_model.bin[.index.json]`` or a PEFT
   ``adapter_model.safetensors``.
 
-A Trainer checkpoint also holds one ``rng_state_R.pth`` per rank.
+A Trainer checkpoint also holds one ``rng_state_R.pth`` per rank; one of a model sharded at load time (tensor
+parallelism) holds ``model.safetensors`` and hf_dist's optimizer DCP ``hf_dist_optimizer/``
+(:mod:`hf_dist.checkpoint.sharded_state`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ HF_WEIGHT_NAMES = (
     "adapter_model.safetensors",
     "adapter_model.bin",
 )
+SHARDED_OPTIMIZER_DIR = "hf_dist_optimizer"  # written by hf_dist.checkpoint.sharded_state
 UNIVERSAL_SUFFIX = "_universal"
 LATEST_UNIVERSAL = "latest_universal"
 
@@ -56,6 +59,7 @@ ZERO_OPTIM = "DeepSpeed optimizer shard"
 ZERO3_MODEL = "DeepSpeed ZeRO-3 model shard"
 DCP_MODEL = "FSDP model shard"
 DCP_OPTIM = "FSDP optimizer shard"
+SHARDED_OPTIM = "sharded optimizer shard (hf_dist)"
 # Per-rank files: kind -> (the folder they sit in, relative to the checkpoint root; their file name).
 # When one rank's file of a kind exists, every rank's must.
 RANK_FILES = {
@@ -64,6 +68,7 @@ RANK_FILES = {
     ZERO3_MODEL: (re.compile(r"^global_step\d+$"), ZERO3_MODEL_FILE_RE),
     DCP_MODEL: (re.compile(r"^pytorch_model_fsdp_\d+$"), DCP_SHARD_FILE_RE),
     DCP_OPTIM: (re.compile(r"^optimizer_\d+$"), DCP_SHARD_FILE_RE),
+    SHARDED_OPTIM: (re.compile(rf"^{SHARDED_OPTIMIZER_DIR}$"), DCP_SHARD_FILE_RE),
 }
 # The per-rank kinds that tell how many ranks wrote a checkpoint of each family.
 _WORLD_KIND = {

@@ -121,8 +121,9 @@ def strategy_args(
 
     Model parallelism: ``tp_size``/``cp_size`` (FSDP2 or TP alone) and ``sp_size`` (DeepSpeed Ulysses) add
     ``parallelism_config``; DeepSpeed TP is AutoTP inside the JSON. Loading a TP model needs
-    :func:`from_pretrained_kwargs`, and its checkpoints hold the weights only (``save_only_model=True``:
-    transformers cannot checkpoint or resume the optimizer state of a model sharded at load).
+    :func:`from_pretrained_kwargs`, and the Trainer checkpoints its weights only (``save_only_model=True``:
+    transformers cannot checkpoint or resume the optimizer state of a model sharded at load;
+    :class:`hf_dist.callbacks.ShardedResumeCallback` adds it).
     ``nvme_path``: where ZeRO-Infinity swaps (required with NVMe offload).
     Layouts the ``features`` cannot run are refused with the versions they need.
     """
@@ -172,9 +173,9 @@ def strategy_args(
 
 
 def _sharded_at_load(layout: Layout) -> dict[str, Any]:
-    """A model that transformers shards at load (``tp_plan``) can only checkpoint its weights: the Trainer
-    refuses to save its optimizer state and to resume it ("Resuming is not supported for models sharded at
-    load time"), unless ``save_only_model=True``."""
+    """A model that transformers shards at load (``tp_plan``) can only checkpoint its weights through the Trainer:
+    it refuses to save its optimizer state and to resume it ("Resuming is not supported for models sharded at
+    load time"), unless ``save_only_model=True``. hf_dist's ``ShardedResumeCallback`` saves the optimizer."""
     return {"save_only_model": True} if "tp_plan" in from_pretrained_kwargs(layout) else {}
 
 

@@ -47,6 +47,14 @@ def world_size() -> int:
     return 1
 
 
+def rank() -> int:
+    if is_distributed():
+        import torch.distributed as dist
+
+        return dist.get_rank()
+    return 0
+
+
 def gather_floats(values: list[float]) -> list[list[float]]:
     """All ranks' ``values`` (same length on every rank), indexed by rank; collective."""
     if not is_distributed():

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_dist.checkpoint.marker import MARKER_NAME
+from hf_dist.checkpoint.marker import MARKER_NAME, is_complete
 from hf_dist.testing import cpu_env, free_port
 
 pytestmark = pytest.mark.distributed
@@ -173,7 +173,7 @@ def torch_allclose(a, b) -> bool:
 
 def test_tp_recipe_runs_tensor_parallel(recipe_runs):
     """--tp_size 2: the plan pins TP, the recipe loads the model with tp_plan="auto", the run line and the
-    results say tp=2, the weights-only checkpoints and the export work (the DTensor placements themselves are
+    results say tp=2, the checkpoints (weights + hf_dist's optimizer DCP) and the export work (the DTensor placements themselves are
     checked in test_tensor_parallel.py)."""
     res = results(recipe_runs, TP_LAUNCH, "sft")
     assert (res["strategy"], res["tp_size"], res["world_size"]) == ("ddp", 2, 2)
@@ -186,4 +186,6 @@ def test_tp_recipe_runs_tensor_parallel(recipe_runs):
     checkpoints = sorted((recipe_runs(TP_LAUNCH) / "sft").glob("checkpoint-*"))
     assert checkpoints and all((c / "model.safetensors").is_file() for c in checkpoints)
     assert not any((c / "optimizer.pt").exists() for c in checkpoints)  # save_only_model: transformers' limit
+    # ... lifted by hf_dist.callbacks.ShardedResumeCallback: the optimizer as DCP, listed by the complete marker
+    assert all((c / "hf_dist_optimizer" / ".metadata").is_file() and is_complete(c) for c in checkpoints)
     assert res["exported_with"] and math.isfinite(res["eval_loss"])

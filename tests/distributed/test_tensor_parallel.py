@@ -11,9 +11,15 @@ same saved tiny Llama, on the same 4 samples per optimizer step in dataset order
 
 Why LOSS_RTOL = 1e-5: TP splits each matmul's reduction (o_proj/down_proj, Shard(1)) into two partial sums
 that are added by an all-reduce, so the fp32 results differ from DDP's in the last bits. Measured max
-|rel diff| vs DDP over 4 steps (torch 2.13 CPU, transformers 5.23, accelerate 1.15): TP 2.6e-7,
+|rel diff| vs DDP over 4 steps (torch 2.13 CPU, transformers 5.23, accelerate 1.15): TP 1.8e-7,
 FSDP2 x TP 1.7e-7. 1e-5 leaves ~40x room for another BLAS/ISA, while the curve spans 0.16 nats (3 %)
 over the 4 steps, and a TP group that double-counts or drops a shard's contribution moves it by far more.
+
+Resume (hf_dist's ShardedResumeCallback; the Trainer alone cannot resume a model sharded at load): the ``tp``
+run also saves ``checkpoint-2``; three more launches resume from a copy of it, through ``auto_resume``, on the
+same layout (``tp_resume``), on FSDP2 x TP over 4 ranks (``fsdp_tp_resume``) and on DDP (``ddp_resume``), and
+must log the straight run's step-3 and step-4 losses (LOSS_RTOL). The schedule is linear, so a scheduler that
+restarted would change them too; a control run without the optimizer state shows what a lost Adam state does.
 
 accelerate refuses a ParallelismConfig on DistributedType.MULTI_CPU; the script lets that one validation
 through (see its docstring). That shim is test-only and is the only patch.
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -34,37 +41,55 @@ pytestmark = pytest.mark.distributed
 
 SCRIPT = Path(__file__).parent / "scripts" / "tensor_parallel_train.py"
 STEPS = 4
+RESUME_STEP = 2
 LOSS_RTOL = 1e-5
 LAUNCH_TIMEOUT_S = 300
-NPROC = {"ddp": 2, "tp": 2, "fsdp_tp": 4}
+# launch name: (layout, ranks, script arguments); the *_resume launches start from the tp run's checkpoint-2
+LAUNCHES = {
+    "ddp": ("ddp", 2, []),
+    "tp": ("tp", 2, ["--save", "--save-steps", RESUME_STEP]),
+    "fsdp_tp": ("fsdp_tp", 4, ["--save"]),
+    "tp_resume": ("tp", 2, ["--resume", "auto"]),
+    "fsdp_tp_resume": ("fsdp_tp", 4, ["--resume", "auto"]),
+    "ddp_resume": ("ddp", 2, ["--resume", "auto"]),
+}
 LINEAR_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 LINEAR_ROWWISE = ("o_proj", "down_proj")
 
 
 class Runs:
-    """Each layout launched at most once per session (a failure is cached and re-raised)."""
+    """Each launch at most once per session (a failure is cached and re-raised)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.model_dir = root / "model"
         self._results: dict[str, dict | BaseException] = {}
 
-    def get(self, layout: str) -> dict:
-        if layout not in self._results:
-            workdir = self.root / layout
-            out = workdir / "report.json"
-            args = ["--layout", layout, "--model-dir", self.model_dir, "--output-dir", workdir, "--steps", STEPS]
-            args += ["--out", out, *(["--save"] if layout in ("tp", "fsdp_tp") else [])]
+    def launch(self, layout: str, nproc: int, workdir: Path, extra: list) -> dict:
+        out = workdir / "report.json"
+        args = ["--layout", layout, "--model-dir", self.model_dir, "--output-dir", workdir, "--steps", STEPS]
+        cmd = torchrun_command(SCRIPT, [*args, "--out", out, *extra], nproc=nproc)
+        run_checked(cmd, env=cpu_env(), timeout=LAUNCH_TIMEOUT_S)
+        return {**json.loads(out.read_text()), "workdir": str(workdir)}
+
+    def get(self, name: str) -> dict:
+        if name not in self._results:
+            layout, nproc, extra = LAUNCHES[name]
+            workdir = self.root / name
             try:
-                cmd = torchrun_command(SCRIPT, args, nproc=NPROC[layout])
-                run_checked(cmd, env=cpu_env(), timeout=LAUNCH_TIMEOUT_S)
-                self._results[layout] = {**json.loads(out.read_text()), "workdir": str(workdir)}
+                if name.endswith("_resume"):
+                    shutil.copytree(self.checkpoint(), workdir / f"checkpoint-{RESUME_STEP}")
+                self._results[name] = self.launch(layout, nproc, workdir, extra)
             except Exception as exc:
-                self._results[layout] = exc
-        result = self._results[layout]
+                self._results[name] = exc
+        result = self._results[name]
         if isinstance(result, BaseException):
-            raise RuntimeError(f"launch {layout!r} failed (cached): {result}") from result
+            raise RuntimeError(f"launch {name!r} failed (cached): {result}") from result
         return result
+
+    def checkpoint(self) -> Path:
+        """The tp run's checkpoint-2, which the resume launches start from."""
+        return Path(self.get("tp")["workdir"]) / f"checkpoint-{RESUME_STEP}"
 
 
 @pytest.fixture(scope="session")
@@ -213,3 +238,43 @@ print("equal")
 """
     proc = run_checked([sys.executable, "-c", code], env=cpu_env(), timeout=120)
     assert proc.stdout.strip().endswith("equal")
+
+
+@pytest.mark.parametrize("name", ["tp_resume", "fsdp_tp_resume", "ddp_resume"])
+def test_tp_checkpoint_resumes_on_the_same_and_other_layouts(tp_runs, name):
+    """auto_resume + ShardedResumeCallback: the tp run's checkpoint-2 resumes on TP, FSDP2 x TP (4 ranks) and DDP,
+    and the resumed steps log the straight run's losses: weights, Adam moments and the linear schedule came back."""
+    straight, resumed = tp_runs.get("tp"), tp_runs.get(name)
+    assert resumed["resumed_from"].endswith(f"checkpoint-{RESUME_STEP}")
+    assert len(resumed["losses"]) == STEPS - RESUME_STEP
+    diff = max_rel_diff(resumed["losses"], straight["losses"][RESUME_STEP:])
+    assert diff <= LOSS_RTOL, f"{name} losses {resumed['losses']} vs straight {straight['losses']}: max rel {diff:.2e}"
+
+
+def test_tp_checkpoint_holds_the_optimizer_of_every_rank(tp_runs):
+    files = set(tp_runs.get("tp")["checkpoint_files"])
+    assert {"hf_dist_optimizer/.metadata", "hf_dist_optimizer/__0_0.distcp", "hf_dist_optimizer/__1_0.distcp"} <= files
+    assert {"hf_dist_scheduler.json", "hf_dist_complete.json", "trainer_state.json"} <= files
+    marker = json.loads((tp_runs.checkpoint() / "hf_dist_complete.json").read_text())
+    assert "hf_dist_optimizer/__1_0.distcp" in marker["files"]  # the marker waited for every rank's shard
+
+
+def without_optimizer_state(tp_runs, tmp_path: Path) -> Path:
+    copy = tmp_path / f"checkpoint-{RESUME_STEP}"
+    shutil.copytree(tp_runs.checkpoint(), copy, ignore=shutil.ignore_patterns("hf_dist_optimizer"))
+    return copy
+
+
+def test_losing_the_optimizer_state_changes_the_losses(tp_runs, tmp_path):
+    """The control: DDP resumed from the same weights and schedule but a fresh Adam logs other losses, so the
+    parity above really measures the restored optimizer state."""
+    checkpoint = without_optimizer_state(tp_runs, tmp_path)
+    fresh = tp_runs.launch("ddp", 2, tmp_path, ["--resume", checkpoint])
+    diff = max_rel_diff(fresh["losses"], tp_runs.get("tp")["losses"][RESUME_STEP:])
+    assert diff > 100 * LOSS_RTOL, f"a fresh optimizer moved the losses by only {diff:.2e}"
+
+
+def test_tp_resume_without_optimizer_state_is_refused(tp_runs, tmp_path):
+    checkpoint = without_optimizer_state(tp_runs, tmp_path)
+    with pytest.raises(RuntimeError, match="holds no optimizer state"):
+        tp_runs.launch("tp", 2, tmp_path, ["--resume", checkpoint])

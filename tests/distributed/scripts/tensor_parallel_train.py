@@ -26,6 +26,11 @@ treat a distributed CPU run like a multi-device one. Nothing else is patched.
 Rank 0 writes a JSON report: per-step losses, the DTensor placements/mesh/local shape of every
 parameter, and (``--save``) the files of the Trainer checkpoint and of a DCP save of the model's
 state dict, next to the gathered full state dict (``full_state_dict.pt``) to compare them with.
+
+Checkpoints: ``--save-steps N`` saves ``checkpoint-N`` every N steps with hf_dist's
+``ShardedResumeCallback`` (the optimizer and scheduler of a model sharded at load, which the Trainer cannot
+save) and ``CompleteCheckpointCallback``, added with ``hf_dist.callbacks.attach``; ``--resume auto`` resumes
+from ``hf_dist.auto_resume(output_dir, training_args=...)``, the way the recipes do, ``--resume PATH`` from PATH.
 """
 
 from __future__ import annotations
@@ -50,7 +55,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument(
-        "--save", action="store_true", help="DCP save + full state dict (and, for tp, a Trainer checkpoint)"
+        "--save", action="store_true", help="after training: a DCP save of the model + the gathered full state dict"
+    )
+    parser.add_argument("--save-steps", type=int, default=0, help="save checkpoint-N every N steps (0: never)")
+    parser.add_argument(
+        "--resume", help="'auto' (the newest complete checkpoint in --output-dir) or a checkpoint path"
     )
     parser.add_argument("--out", required=True, help="JSON report written by rank 0")
     return parser.parse_args()
@@ -113,6 +122,8 @@ def main() -> None:
     from accelerate import PartialState
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
+    from hf_dist.callbacks import CompleteCheckpointCallback, ShardedResumeCallback, attach
+    from hf_dist.checkpoint.auto_resume import auto_resume
     from hf_dist.runtime.cpu_fsdp import allow_parallelism_config_on_cpu
     from hf_dist.runtime.dist import shutdown
 
@@ -136,14 +147,15 @@ def main() -> None:
         max_steps=args.steps,
         per_device_train_batch_size=micro_batch,
         learning_rate=args.lr,
-        lr_scheduler_type="constant",
+        lr_scheduler_type="linear",  # a schedule with state, so a resume must restore it
         warmup_steps=0,
         weight_decay=0.0,
         logging_steps=1,
-        # A model sharded at load time may only save its weights (the Trainer refuses optimizer state).
-        save_strategy="steps" if args.save and args.layout == "tp" else "no",
-        save_steps=args.steps,
-        save_only_model=True,
+        # A model sharded at load time may only save its weights (the Trainer refuses optimizer state);
+        # hf_dist's ShardedResumeCallback adds the optimizer and scheduler.
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or args.steps,
+        save_only_model=args.layout != "ddp",
         report_to=[],
         seed=SEED,
         data_seed=SEED,
@@ -154,12 +166,15 @@ def main() -> None:
         **extra,
     )
     dataset = build_dataset(NUM_SAMPLES, model.config.vocab_size)
+    resume = auto_resume(args.output_dir, training_args=training_args) if args.resume == "auto" else args.resume
     trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=[Recorder()])
-    trainer.train()
+    attach(trainer, [ShardedResumeCallback(), CompleteCheckpointCallback()])
+    trainer.train(resume_from_checkpoint=resume)
 
     accel = trainer.accelerator
     report = {
         "layout": args.layout,
+        "resumed_from": resume,
         "world_size": accel.num_processes,
         "losses": losses,
         "distributed_type": str(accel.distributed_type).split(".")[-1],
@@ -180,7 +195,7 @@ def main() -> None:
         if state.is_main_process:
             torch.save(full, out_dir / "full_state_dict.pt")
             root = out_dir / f"checkpoint-{args.steps}"
-            if root.is_dir():
+            if root.is_dir():  # the last checkpoint's files
                 report["checkpoint_files"] = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
             report["dcp_files"] = sorted(p.name for p in (out_dir / "dcp").iterdir())
         dist.barrier()

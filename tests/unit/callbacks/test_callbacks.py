@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 import hf_dist
 from hf_dist.callbacks import (
@@ -21,7 +22,7 @@ from hf_dist.callbacks import (
 )
 from hf_dist.callbacks.plan import plan_mismatches
 from hf_dist.callbacks.profiler import comm_time_us
-from hf_dist.callbacks.resume import CompleteCheckpointCallback
+from hf_dist.callbacks.resume import CompleteCheckpointCallback, ShardedResumeCallback
 from hf_dist.testing import tiny_llama_config
 
 TOKENS_PER_STEP = 2 * 16  # batch 2 x 16 tokens
@@ -181,10 +182,24 @@ def test_comm_time_counts_collectives_only():
     assert comm_time_us(events) == 35.0
 
 
+def test_attach_replays_init_end_for_late_callbacks(make_trainer):
+    trainer = make_trainer()
+    seen = []
+
+    class Recorder(TrainerCallback):
+        def on_init_end(self, args, state, control, model=None, **kwargs):
+            seen.append(model)
+
+    attach(trainer, [Recorder()])
+    assert seen == [trainer.model]
+
+
 def test_default_set(tiny_plan):
     kinds = [type(c) for c in default()]
-    assert kinds[:4] == [CompleteCheckpointCallback, NanGuardCallback, ThroughputCallback, MemoryCallback]
-    assert [k.__name__ for k in kinds[4:]] == ["ReshardCallback"]
+    assert kinds[:5] == [
+        ShardedResumeCallback, CompleteCheckpointCallback, NanGuardCallback, ThroughputCallback, MemoryCallback
+    ]  # fmt: skip  # the optimizer shards are written before the marker lists the files
+    assert [k.__name__ for k in kinds[5:]] == ["ReshardCallback"]
     with_plan = default(tiny_plan)
     assert isinstance(with_plan[0], PlanCallback) and with_plan[-2].plan is tiny_plan
 
