@@ -71,11 +71,13 @@ class ShardedResumeCallback(TrainerCallback):
 
     ``resume_from``: the checkpoint being resumed when it is not ``output_dir/checkpoint-<global step>``.
     A resumed model sharded at load whose checkpoint has no optimizer state raises: Adam would silently
-    restart from zero moments.
+    restart from zero moments. The optimizer folder passes hf_dist's loading gate before DCP unpickles it
+    (``trust_pickles=True`` skips it).
     """
 
-    def __init__(self, *, resume_from: str | None = None) -> None:
+    def __init__(self, *, resume_from: str | None = None, trust_pickles: bool = False) -> None:
         self.resume_from = resume_from
+        self.trust_pickles = trust_pickles
         self.sharded_at_load = False
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
@@ -89,7 +91,9 @@ class ShardedResumeCallback(TrainerCallback):
             return
         checkpoint = Path(self.resume_from or Path(args.output_dir) / f"checkpoint-{state.global_step}")
         if sharded_state.has_optimizer_state(checkpoint):
-            sharded_state.load_optimizer_state(checkpoint, model, optimizer, lr_scheduler)
+            sharded_state.load_optimizer_state(
+                checkpoint, model, optimizer, lr_scheduler, trust_pickles=self.trust_pickles
+            )
             if state.is_world_process_zero:
                 logger.info("resumed the optimizer and scheduler of step %d from %s", state.global_step, checkpoint)
         elif self.sharded_at_load:

@@ -2,9 +2,10 @@
 
 ``FileSystemReader.read_metadata`` unpickles ``.metadata`` with plain ``pickle.load``, which runs
 whatever the file names. :func:`load_metadata` unpickles it with only DCP's own metadata
-dataclasses, ``torch.Size``, dtypes/layouts and ``pathlib`` paths allowed; :class:`SafeFileSystemReader`
-uses it, so ``dcp.load`` (which already loads tensor payloads with ``weights_only=True``) never
-unpickles foreign code. The converter goes further and maps DCP's classes to inert stand-ins
+dataclasses, ``torch.Size``, dtypes/layouts and ``pathlib`` paths allowed; :func:`safe_filesystem_reader`
+uses it, so ``dcp.load`` (which loads tensor payloads with ``weights_only=True``) never unpickles foreign
+code from ``.metadata``; the non-tensor payloads, which it loads with ``weights_only=False``, are listed by
+:func:`byte_payloads` for the loading gate. The converter goes further and maps DCP's classes to inert stand-ins
 (``stand_ins=True``): no DCP code runs, and ``torch.distributed`` (about 1.8 s of imports) is never
 imported on the direct path.
 
@@ -100,23 +101,36 @@ def load_metadata(folder: Path, *, trust_pickles: bool = False, stand_ins: bool 
             raise CorruptCheckpointError(f"cannot read DCP metadata {path} ({type(exc).__name__}: {exc})") from None
 
 
-def _safe_reader_class():
+def byte_payloads(folder: Path) -> list[tuple[str, Path, int, int, bool]]:
+    """The non-tensor values of a DCP folder (an optimizer's ``param_groups``, ...): ``(name, .distcp file, offset,
+    length, transformed)`` each. DCP writes every one as a ``torch.save`` archive inside a ``.distcp`` file and
+    loads it with ``torch.load(weights_only=False)``; the loading gate checks them. Raises like
+    :func:`load_metadata` for an unsafe or unreadable ``.metadata``."""
+    metadata = load_metadata(folder, stand_ins=True)
+    kinds = getattr(metadata, "state_dict_metadata", None) or {}  # (not DCP metadata at all: nothing to list)
+    payloads = []
+    for index, info in (getattr(metadata, "storage_data", None) or {}).items():
+        if type(kinds.get(index.fqn)).__name__ == "BytesStorageMetadataStub":  # named by _stand_in
+            transformed = bool(getattr(info, "transform_descriptors", None))
+            payloads.append((index.fqn, Path(folder) / info.relative_path, info.offset, info.length, transformed))
+    return payloads
+
+
+def safe_filesystem_reader(folder: str | Path, *, trust_pickles: bool = False):
+    """A ``FileSystemReader`` for ``dcp.load`` whose ``.metadata`` is read by :func:`load_metadata`. The
+    ``.distcp`` payloads it unpickles must have passed :func:`hf_dist.checkpoint.safe_pickle.check_pickles`."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeFileSystemReader(FileSystemReader):
-        """FileSystemReader whose ``.metadata`` is read by :func:`load_metadata`."""
-
-        trust_pickles = False
-
         def read_metadata(self, *args: Any, **kwargs: Any):
-            metadata = load_metadata(Path(self.path), trust_pickles=self.trust_pickles)
+            metadata = load_metadata(Path(self.path), trust_pickles=trust_pickles)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
-    return SafeFileSystemReader
+    return SafeFileSystemReader(str(folder))
 
 
 class DCPReader(Reader):
@@ -280,8 +294,7 @@ class DCPReader(Reader):
         import torch.distributed.checkpoint as dcp
 
         state = {name: torch.empty(self._specs[name].shape, dtype=self._specs[name].dtype) for name in names}
-        reader = _safe_reader_class()(str(self.folder))
-        reader.trust_pickles = self.trust_pickles
+        reader = safe_filesystem_reader(self.folder, trust_pickles=self.trust_pickles)
         try:
             dcp.load(state, storage_reader=reader, no_dist=True)
         except (RuntimeError, EOFError, OSError, ValueError) as exc:

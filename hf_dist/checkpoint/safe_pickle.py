@@ -9,6 +9,7 @@ and the type named, unless the caller passes ``trust_pickles=True``.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import re
@@ -99,8 +100,9 @@ def _first_line_naming_type(message: str) -> str:
 # replaces it by an inert record, so nothing in the file is ever called; a file naming anything else is refused
 # before any library opens it.
 
-# A file is a pickle when its name ends like this (safetensors and .distcp payloads are not: torch loads the
-# latter with weights_only=True).
+# A file is a pickle when its name ends like this (safetensors are not; a .distcp file holds tensors, which DCP loads
+# with weights_only=True, and torch.save archives of non-tensor values, which it loads with weights_only=False:
+# those are checked through the .metadata that lists them).
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
 PICKLE_NAMES = (".metadata",)
 # What the Trainer pickles besides tensors: rng_state*.pth holds numpy's RNG state, training_args.bin the
@@ -140,28 +142,17 @@ def check_pickles(path: str | os.PathLike, *, trust_pickles: bool = False) -> li
     return files
 
 
-def _check_pickle_file(path: Path) -> None:
-    import zipfile
-
+def _check_pickle_file(path: Path, region: tuple[int, int] | None = None) -> None:
+    """Check one file, or with ``region`` (offset, length) one ``torch.save`` archive inside it (a DCP payload)."""
+    where = "" if region is None else f" at byte {region[0]}"
     try:
         with open(path, "rb") as handle:
-            is_zip = handle.read(4) == b"PK\x03\x04"  # torch.load's own test: anything else is read as pickles
-        if is_zip:  # torch.save's format: the pickle is <archive>/data.pkl, tensors are records
-            with zipfile.ZipFile(path) as archive:
-                for entry in archive.infolist():  # every entry, duplicates included: the loader may pick any
-                    if entry.filename.endswith(".pkl"):
-                        with archive.open(entry) as member:
-                            _CheckingUnpickler(member, path).load()
-            return
-        with open(path, "rb") as handle:
-            # a plain pickle (.metadata), or torch's legacy format: five pickles, then raw storage bytes
-            for index in range(5):
-                try:
-                    _CheckingUnpickler(handle, path).load()
-                except EOFError:
-                    if index == 0:
-                        raise
-                    return
+            if region is not None:
+                handle.seek(region[0])
+                handle = io.BytesIO(handle.read(region[1]))
+            _check_stream(handle, path)
+        if region is None and path.name in PICKLE_NAMES:
+            _check_dcp_payloads(path.parent)
     except UnsafePickleError:
         raise
     except Exception as exc:  # anything else the bytes make pickle raise: not a readable checkpoint file
@@ -170,9 +161,46 @@ def _check_pickle_file(path: Path) -> None:
                 f"checkpoint file {path} is empty (0 bytes); the save was interrupted"
             ) from None
         raise CorruptCheckpointError(
-            f"cannot read checkpoint file {path} ({type(exc).__name__}: {str(exc)[:200]}); it is truncated, corrupt "
-            "or not a checkpoint file; re-copy it or remove it"
+            f"cannot read checkpoint file {path}{where} ({type(exc).__name__}: {str(exc)[:200]}); it is truncated, "
+            "corrupt or not a checkpoint file; re-copy it or remove it"
         ) from None
+
+
+def _check_stream(handle: Any, path: Path) -> None:
+    import zipfile
+
+    is_zip = handle.read(4) == b"PK\x03\x04"  # torch.load's own test: anything else is read as pickles
+    handle.seek(0)
+    if is_zip:  # torch.save's format: the pickle is <archive>/data.pkl, tensors are records
+        with zipfile.ZipFile(handle) as archive:
+            for entry in archive.infolist():  # every entry, duplicates included: the loader may pick any
+                if entry.filename.endswith(".pkl"):
+                    with archive.open(entry) as member:
+                        _CheckingUnpickler(member, path).load()
+        return
+    # a plain pickle (.metadata), or torch's legacy format: five pickles, then raw storage bytes
+    for index in range(5):
+        try:
+            _CheckingUnpickler(handle, path).load()
+        except EOFError:
+            if index == 0:
+                raise
+            return
+
+
+def _check_dcp_payloads(folder: Path) -> None:
+    """The non-tensor values DCP stored in the ``.distcp`` files of ``folder`` (it unpickles them with
+    ``weights_only=False``), each checked like a file of its own."""
+    from hf_dist.checkpoint.dcp_reader import byte_payloads
+
+    for name, file, offset, length, transformed in byte_payloads(folder):
+        if transformed:
+            raise UnsafePickleError(
+                f"refusing to load {file}: the value {name!r} at byte {offset} is stored with a transform "
+                "(e.g. compression) the loading gate cannot check; pass --trust-pickles (trust_pickles=True) "
+                "only if you trust this checkpoint"
+            )
+        _check_pickle_file(file, (offset, length))
 
 
 class _Inert:

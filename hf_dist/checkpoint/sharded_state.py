@@ -108,16 +108,28 @@ def _json_state(lr_scheduler: Any) -> dict:
 
 
 def load_optimizer_state(
-    checkpoint_dir: str | os.PathLike, model: torch.nn.Module, optimizer: Any, lr_scheduler: Any = None
+    checkpoint_dir: str | os.PathLike,
+    model: torch.nn.Module,
+    optimizer: Any,
+    lr_scheduler: Any = None,
+    *,
+    trust_pickles: bool = False,
 ) -> None:
-    """Load what :func:`save_optimizer_state` wrote into this run's optimizer, resharded by DCP to its layout."""
+    """Load what :func:`save_optimizer_state` wrote into this run's optimizer, resharded by DCP to its layout.
+
+    The folder passes the loading gate first (:func:`~hf_dist.checkpoint.safe_pickle.check_pickles`: DCP unpickles
+    ``.metadata`` and the non-tensor values, e.g. ``param_groups``, without ``weights_only``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+    from hf_dist.checkpoint.dcp_reader import safe_filesystem_reader
+    from hf_dist.checkpoint.safe_pickle import check_pickles
+
     folder = Path(checkpoint_dir) / OPTIMIZER_DIR
+    check_pickles(folder, trust_pickles=trust_pickles)
     optim = _torch_optimizer(optimizer)
     state = {"optimizer": get_optimizer_state_dict(model, optim)}  # the target layout, state created if lazy
-    dcp.load(state, checkpoint_id=str(folder))
+    dcp.load(state, storage_reader=safe_filesystem_reader(folder, trust_pickles=trust_pickles))
     set_optimizer_state_dict(model, optim, state["optimizer"])
     scheduler_file = Path(checkpoint_dir) / SCHEDULER_FILE
     if lr_scheduler is not None and scheduler_file.is_file():

@@ -39,6 +39,14 @@ def _plant_torch(path: Path, marker: Path) -> None:
     torch.save(state, path)
 
 
+def _plant_dcp_value(folder: Path, marker: Path) -> None:
+    """A DCP save with a non-tensor value, stored the way DCP stores an optimizer's param_groups: a torch.save
+    archive inside the .distcp file, which dcp.load unpickles with weights_only=False."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"state": torch.ones(2), "param_groups": Payload(marker)}, checkpoint_id=str(folder), no_dist=True)
+
+
 def _trainer_files(ckpt: Path) -> None:
     for rank in range(2):
         torch.save({"python": None, "cpu": torch.zeros(4, dtype=torch.uint8)}, ckpt / f"rng_state_{rank}.pth")
@@ -85,6 +93,7 @@ KINDS = {
     "zero2 optimizer states": ("zero2", "global_step3/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"),
     "zero3 model states": ("zero3", "global_step3/zero_pp_rank_0_mp_rank_00_model_states.pt"),
     "dcp .metadata": ("dcp", "pytorch_model_fsdp_0/.metadata"),
+    "dcp non-tensor value in .distcp": ("dcp", "optimizer_0/__0_0.distcp"),
     "pytorch_model_fsdp.bin": ("fsdp_full", "pytorch_model_fsdp.bin"),
     "training_args.bin": ("zero2", "training_args.bin"),
     "rng_state_1.pth": ("dcp", "rng_state_1.pth"),
@@ -110,6 +119,8 @@ def _build(kind: str, tmp_path: Path, tiny_state) -> tuple[Path, Path, Path]:
         metadata.planted = Payload(marker)
         with open(planted, "wb") as handle:
             pickle.dump(metadata, handle)
+    elif planted.suffix == ".distcp":
+        _plant_dcp_value(planted.parent, marker)
     else:
         _plant_torch(planted, marker)
     # a valid, matching marker: authenticity is not what the marker proves, the gate must still refuse
@@ -147,6 +158,10 @@ def test_planted_payload_runs_when_loaded_without_the_gate(kind, tmp_path, tiny_
     if planted.name == ".metadata":
         with open(planted, "rb") as handle:
             pickle.load(handle)
+    elif planted.suffix == ".distcp":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load({"state": torch.zeros(2), "param_groups": None}, checkpoint_id=str(planted.parent), no_dist=True)
     else:
         torch.load(planted, weights_only=False)
     assert marker.is_dir()  # the payload is live: the tests below can fail

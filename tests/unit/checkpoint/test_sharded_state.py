@@ -109,3 +109,19 @@ def test_callback_wraps_only_models_sharded_at_load(one_rank_mesh, tmp_path):
     with pytest.raises(RuntimeError, match="checkpoint-2 holds no optimizer state"):
         sharded.on_train_begin(args, resumed, None)
     sharded.on_train_begin(args, SimpleNamespace(global_step=0), None)  # a fresh run loads nothing
+
+
+def test_loading_passes_the_gate_first(tmp_path):
+    """DCP unpickles the optimizer's non-tensor values with weights_only=False; a planted one is refused unread."""
+    import torch.distributed.checkpoint as dcp
+
+    from hf_dist.checkpoint.safe_pickle import UnsafePickleError
+    from tests.unit.checkpoint.test_loading_gate import Payload
+
+    model, optimizer, scheduler = trained()
+    sharded_state.save_optimizer_state(tmp_path, model, optimizer, scheduler)
+    folder = tmp_path / "hf_dist_optimizer"
+    dcp.save({"optimizer": {"param_groups": Payload(tmp_path / "RAN")}}, checkpoint_id=str(folder), no_dist=True)
+    with pytest.raises(UnsafePickleError, match="__0_0.distcp: it contains the type posix.mkdir"):
+        sharded_state.load_optimizer_state(tmp_path, model, optimizer, scheduler)
+    assert not (tmp_path / "RAN").exists()
