@@ -3,7 +3,9 @@
 Usage: torchrun --nproc_per_node=2 benchmarks/_measure_memory.py STRATEGY OUT.json NAME:HIDDEN:INTER:LAYERS:HEADS:KV:VOCAB ...
 
 STRATEGY is a registry name, or ``ddp+tp2``: tensor parallelism over both ranks (transformers'
-``from_pretrained(tp_plan="auto")``, the model's own Llama plan; no data parallelism, so no DDP wrapper).
+``from_pretrained(tp_plan="auto")``, the model's own Llama plan; no data parallelism, so no DDP wrapper), or
+``fsdp_full_shard+tp2`` on 4 ranks: FSDP2 x TP, both applied by transformers at load
+(``DistributedConfig(tp_size=2, fsdp_size=world // 2)``), the ``(fsdp, tp)`` mesh of the Trainer's runs.
 
 For each model: one warm-up step (creates the optimizer state), then a measured step:
 - tensor walk (storages de-duplicated): parameters (local shards; ZeRO-3 ``ds_tensor``), optimizer state
@@ -29,7 +31,7 @@ from hf_dist.planning.layout import strategy as registry_strategy
 SEQ, MICRO = 128, 2
 
 
-def build(spec: str, tp_size: int = 1):
+def build(spec: str, tp_size: int = 1, fsdp_size: int = 1):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     name, h, inter, layers, heads, kv, vocab = spec.split(":")
@@ -47,7 +49,13 @@ def build(spec: str, tp_size: int = 1):
     if dist.get_rank() == 0 and not os.path.exists(os.path.join(folder, "config.json")):
         AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     dist.barrier()
-    model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.float32)
+    if fsdp_size > 1:
+        from transformers.distributed.configuration_utils import DistributedConfig
+
+        sharding = {"distributed_config": DistributedConfig(tp_size=tp_size, fsdp_size=fsdp_size)}
+    else:
+        sharding = {"tp_plan": "auto"}
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **sharding)
     compact_cpu_shards(model)
     return name, config, model
 
@@ -84,7 +92,7 @@ def nbytes(keyset: set) -> int:
 def wrap(strategy: str, model, tp_size: int = 1):
     """Returns (module, optimizer, step_fn(ids, probe)), probe called between backward and step."""
     s = registry_strategy(strategy)
-    if tp_size > 1:  # the TP group is the whole world: one replica, nothing to wrap
+    if tp_size > 1:  # sharded at load (TP, or FSDP2 x TP): nothing left to wrap
         module = model
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     elif s.is_ddp:
@@ -179,15 +187,16 @@ def measure(layout: str, spec: str) -> dict:
 
     strategy, _, tp = layout.partition("+tp")
     tp_size = int(tp or 1)
+    fsdp_size = dist.get_world_size() // tp_size if tp_size > 1 and registry_strategy(strategy).is_fsdp else 1
     seen = {}
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        name, config, model = build(spec, tp_size)
+        name, config, model = build(spec, tp_size, fsdp_size)
         gc.collect()
         with record_function("built"):
             held = nbytes(keys([*model.parameters(), *model.buffers()]))
         module, optimizer, step = wrap(strategy, model, tp_size)
-        # every rank of a TP group sees the same tokens; data-parallel ranks see different ones
-        generator = torch.Generator().manual_seed(0 if tp_size > 1 else dist.get_rank())
+        # every rank of a TP group sees the same tokens; data-parallel ranks see different ones (mesh (fsdp, tp))
+        generator = torch.Generator().manual_seed(dist.get_rank() // tp_size)
         ids = torch.randint(0, config.vocab_size, (MICRO, SEQ), generator=generator)
         step(ids, lambda: None)  # warm-up: optimizer state exists from now on
         params = keys(param_tensors(module))

@@ -1,9 +1,10 @@
 """Planner accuracy: predicted vs measured per-rank memory on 2 CPU ranks, next to accelerate's and DeepSpeed's estimators.
 
-Usage:  python benchmarks/planner_accuracy.py [--strategies ddp,zero1,zero2,zero3,fsdp_full_shard,ddp+tp2] [--out results.json]
+Usage:  python benchmarks/planner_accuracy.py [--strategies ddp,zero1,zero2,zero3,fsdp_full_shard,ddp+tp2,fsdp_full_shard+tp2] [--out results.json]
 
 For each small Llama config and strategy, ``_measure_memory.py`` trains one warm-up and one measured
-step (fp32, AdamW, seq 128, micro-batch 2) on 2 gloo ranks and reports, per rank:
+step (fp32, AdamW, seq 128, micro-batch 2) on 2 gloo ranks (4 for FSDP2 x TP: ``fsdp_full_shard+tp2``, a
+2 x 2 mesh) and reports, per rank:
 parameters / gradients / optimizer state by walking the tensors (storages de-duplicated) and the peak
 of live tensor memory from torch.profiler's allocation stream. Predictions for the same runs:
 - hf_dist: ``estimate_memory(..., param_bytes=4, device="cpu")`` (fp32, no CUDA context or caching
@@ -32,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 # name:hidden:intermediate:layers:heads:kv_heads:vocab
 MODELS = ("A:256:688:4:4:2:8000", "B:384:1024:6:6:2:8000", "C:512:1376:6:8:4:8000")
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp_full_shard")
-SEQ, MICRO, WORLD = 128, 2, 2
+SEQ, MICRO = 128, 2
 MB = 1e6
 
 
@@ -47,6 +48,14 @@ def llama_config(spec: str):
     )  # fmt: skip
 
 
+def world_of(layout: str) -> int:
+    """2 ranks; FSDP2 x TP needs a 2-D mesh: 2 data-parallel shards x the TP size."""
+    from hf_dist.planning.layout import strategy as registry_strategy
+
+    strategy, _, tp = layout.partition("+tp")
+    return 2 * int(tp) if tp and registry_strategy(strategy).is_fsdp else 2
+
+
 def predictions(spec_text: str, layout: str) -> dict:
     from accelerate.commands.estimate import estimate_training_usage
 
@@ -58,8 +67,9 @@ def predictions(spec_text: str, layout: str) -> dict:
     s = registry_strategy(strategy)
     spec = model_spec(llama_config(spec_text))
     n = spec.num_params
+    world = world_of(layout)
     ours = estimate_memory(
-        spec, s, WORLD, param_bytes=4, master_weights=s.zero_stage in (1, 2),
+        spec, s, world, param_bytes=4, master_weights=s.zero_stage in (1, 2),
         seq_len=SEQ, micro_batch_size=MICRO, device="cpu", tp_size=int(tp or 1),
     )  # fmt: skip
     acc = estimate_training_usage(n * 4, "float32")
@@ -78,10 +88,10 @@ def predictions(spec_text: str, layout: str) -> dict:
         if s.zero_stage == 3:
             largest = max(spec.embedding_params, spec.layer_params)  # the embedding is the largest module here
             _, gpu, _ = estimate_zero3_model_states_mem_needs(
-                n, largest, num_gpus_per_node=WORLD, cpu_offload=False, cpu_offload_params=False
+                n, largest, num_gpus_per_node=world, cpu_offload=False, cpu_offload_params=False
             )
         else:  # DeepSpeed has no separate ZeRO-1 estimator
-            _, gpu = estimate_zero2_model_states_mem_needs(n, num_gpus_per_node=WORLD, cpu_offload=False)
+            _, gpu = estimate_zero2_model_states_mem_needs(n, num_gpus_per_node=world, cpu_offload=False)
         out["deepspeed_states"] = gpu
     return out
 
@@ -92,7 +102,8 @@ def measure(strategy: str, models: tuple[str, ...]) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "measured.json")
         env = {"HF_DIST_MEASURE_DIR": tmp}  # where a TP layout's model is written once and loaded sharded
-        torchrun(ROOT / "benchmarks" / "_measure_memory.py", [strategy, out, *models], timeout=1200, env=env)
+        script = ROOT / "benchmarks" / "_measure_memory.py"
+        torchrun(script, [strategy, out, *models], nproc=world_of(strategy), timeout=1200, env=env)
         with open(out) as fh:
             return json.load(fh)
 
@@ -131,7 +142,7 @@ def main() -> None:
     models = tuple(args.models.split(","))
     rows = []
     for strategy in args.strategies.split(","):
-        print(f"measuring {strategy} on {WORLD} CPU ranks ...", file=sys.stderr, flush=True)
+        print(f"measuring {strategy} on {world_of(strategy)} CPU ranks ...", file=sys.stderr, flush=True)
         for measured in measure(strategy, models):
             spec_text = next(m for m in models if m.split(":")[0] == measured["model"])
             rows.append({**measured, **predictions(spec_text, strategy)})
