@@ -22,7 +22,6 @@ and DTensor"). hf_dist closes both gaps with ``torch.distributed.checkpoint``:
 from __future__ import annotations
 
 import json
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -32,8 +31,6 @@ import torch
 from hf_dist.atomic_io import atomic_write_json
 from hf_dist.checkpoint.layout import SHARDED_OPTIMIZER_DIR as OPTIMIZER_DIR
 from hf_dist.runtime import dist as _dist
-
-logger = logging.getLogger(__name__)
 
 SCHEDULER_FILE = "hf_dist_scheduler.json"
 
