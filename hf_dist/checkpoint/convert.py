@@ -55,6 +55,10 @@ class ConversionReport:
 
 
 def open_reader(info: CheckpointLayout, *, trust_pickles: bool = False) -> Reader:
+    if info.format == "deepspeed" and info.tp_size > 1:
+        from hf_dist.checkpoint.autotp_reader import AutoTPReader
+
+        return AutoTPReader(info, trust_pickles=trust_pickles)
     if info.format == "deepspeed":
         from hf_dist.checkpoint.deepspeed_reader import DeepSpeedReader
 

@@ -45,16 +45,22 @@ class ParamSource:
 
 
 class DeepSpeedReader(Reader):
-    def __init__(self, info: CheckpointLayout, *, trust_pickles: bool = False) -> None:
+    """The data-parallel ZeRO checkpoint of one tensor-parallel rank ``mp_rank`` (0: the only one without AutoTP;
+    :class:`hf_dist.checkpoint.autotp_reader.AutoTPReader` merges the ranks of an AutoTP checkpoint)."""
+
+    def __init__(self, info: CheckpointLayout, *, trust_pickles: bool = False, mp_rank: int = 0) -> None:
         super().__init__()
         self.info = info
         self.trust_pickles = trust_pickles
+        self.mp_rank = mp_rank
         self._cache: dict[Path, Any] = {}
         self._group_offsets: dict[int, list[int | None]] = {}
         tag_dir = info.path
         self.optim_files = self._optim_files(tag_dir)
-        model_files = sorted(p for p in tag_dir.iterdir() if ZERO3_MODEL_FILE_RE.match(p.name))
-        self.model_file0 = model_files[0] if model_files else tag_dir / "mp_rank_00_model_states.pt"
+        model_files = sorted(
+            p for p in tag_dir.iterdir() if (m := ZERO3_MODEL_FILE_RE.match(p.name)) and int(m["mp"]) == mp_rank
+        )
+        self.model_file0 = model_files[0] if model_files else tag_dir / f"mp_rank_{mp_rank:02d}_model_states.pt"
         model_states = self._load(self.model_file0)
         for key in ("param_shapes", "module"):
             if key not in model_states:
@@ -86,16 +92,18 @@ class DeepSpeedReader(Reader):
                 f"no *_optim_states.pt files in {tag_dir}: the fp32 master weights are missing "
                 "(was the checkpoint saved with save_checkpoint on every rank?)"
             )
-        model_parallel = sorted({OPTIM_FILE_RE.match(p.name).group(3) for p in files} - {"00"})
-        if model_parallel or any(tag_dir.glob("layer_*")):
+        if any(tag_dir.glob("layer_*")):
             raise ValueError(
-                f"{tag_dir} is a tensor/pipeline-parallel DeepSpeed checkpoint (mp ranks {model_parallel or '00'}, "
-                "layer_* files); only data-parallel ZeRO-1/2/3 can be read. Use DeepSpeed's ds_to_universal.py"
+                f"{tag_dir} is a pipeline-parallel DeepSpeed checkpoint (layer_* files); only data-parallel ZeRO-1/2/3 "
+                "and AutoTP checkpoints can be read. Use DeepSpeed's ds_to_universal.py"
             )
-        return sorted(files, key=lambda p: int(OPTIM_FILE_RE.match(p.name).group(2)))
+        files = [p for p in files if int(OPTIM_FILE_RE.match(p.name)["mp"]) == self.mp_rank]
+        if not files:
+            raise FileNotFoundError(f"no *_mp_rank_{self.mp_rank:02d}_optim_states.pt files in {tag_dir}")
+        return sorted(files, key=lambda p: int(OPTIM_FILE_RE.match(p.name)["rank"]))
 
     def _check_ranks(self, tag_dir: Path, model_files: list[Path]) -> None:
-        ranks = [int(OPTIM_FILE_RE.match(p.name).group(2)) for p in self.optim_files]
+        ranks = [int(OPTIM_FILE_RE.match(p.name)["rank"]) for p in self.optim_files]
         expected = list(range(self.world_size))
         if ranks != expected:
             missing = sorted(set(expected) - set(ranks))

@@ -10,7 +10,8 @@ Accepted layouts (any of them given directly, or the Trainer ``checkpoint-N/`` f
 
 * DeepSpeed ZeRO-1/2/3: ``latest`` + ``global_stepN/`` holding ``*_model_states.pt`` and
   ``[bf16_|fp16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` (the tag folder itself is accepted too);
-  ZeRO-3 adds one ``zero_pp_rank_R_mp_rank_00_model_states.pt`` per rank.
+  ZeRO-3 adds one ``zero_pp_rank_R_mp_rank_00_model_states.pt`` per rank. DeepSpeed AutoTP writes the same files
+  once per tensor-parallel rank M (``mp_rank_0M``): ``tp_size`` > 1, per-rank files keyed by global rank.
 * FSDP2/FSDP1 sharded DCP: a folder with ``.metadata`` and ``__R_0.distcp`` (``pytorch_model_fsdp_0/``,
   with ``optimizer_0/`` beside it in a Trainer checkpoint).
 * FSDP full state dict: ``pytorch_model_fsdp.bin`` (a torch pickle, read with the safe loader).
@@ -47,9 +48,9 @@ UNIVERSAL_SUFFIX = "_universal"
 LATEST_UNIVERSAL = "latest_universal"
 
 # The file names, once: group 1 of the ZeRO optimizer file is the dtype prefix, 2 the data-parallel rank,
-# 3 the model-parallel rank; every pattern names its rank group "rank".
-OPTIM_FILE_RE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(?P<rank>\d+)_mp_rank_(\d+)_optim_states\.pt$")
-ZERO3_MODEL_FILE_RE = re.compile(r"^zero_pp_rank_(?P<rank>\d+)_mp_rank_(\d+)_model_states\.pt$")
+# 3 (named "mp") the tensor-parallel rank of DeepSpeed AutoTP; every pattern names its rank group "rank".
+OPTIM_FILE_RE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
+ZERO3_MODEL_FILE_RE = re.compile(r"^zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
 DCP_SHARD_FILE_RE = re.compile(r"^__(?P<rank>\d+)_\d+\.distcp$")
 RNG_STATE_FILE_RE = re.compile(r"^rng_state_(?P<rank>\d+)\.pth$")
 STEP_RE = re.compile(r"(?:global_step|checkpoint-|step_?)(\d+)$")
@@ -105,6 +106,7 @@ class CheckpointLayout:
     files: list[Path] = field(default_factory=list)
     rank_files: dict[str, dict[int, list[Path]]] = field(default_factory=dict)
     num_params: int | None = None
+    tp_size: int = 1  # DeepSpeed AutoTP: tensor-parallel ranks (mp_rank_XX files); world_size counts every rank
 
     def __post_init__(self) -> None:
         if self.format is not None and self.format not in FORMATS:
@@ -129,6 +131,7 @@ class CheckpointLayout:
         parts = [head]
         for label, value in (
             ("world size", self.world_size),
+            ("AutoTP size", self.tp_size if self.tp_size > 1 else None),
             ("step", self.step),
             ("tag", self.tag),
             ("universal copy", self.universal_tag),
@@ -239,7 +242,7 @@ def _choose_tag(root: Path, tag: str | None, tag_dirs: list[str]) -> str:
 def _deepspeed_layout(tag_dir: Path, root: Path) -> CheckpointLayout:
     optim_files = sorted(
         (p for p in tag_dir.iterdir() if OPTIM_FILE_RE.match(p.name)),
-        key=lambda p: int(OPTIM_FILE_RE.match(p.name)["rank"]),
+        key=lambda p: (int(OPTIM_FILE_RE.match(p.name)["rank"]), int(OPTIM_FILE_RE.match(p.name)["mp"])),
     )
     prefixes = {OPTIM_FILE_RE.match(p.name).group(1) or "" for p in optim_files}
     if len(prefixes) > 1:
@@ -255,6 +258,7 @@ def _deepspeed_layout(tag_dir: Path, root: Path) -> CheckpointLayout:
         tag=tag_dir.name,
         train_dtype={"bf16_": "bf16", "fp16_": "fp16"}.get(prefix),
         files=optim_files + sorted(tag_dir.glob("*_model_states.pt")),
+        tp_size=len({OPTIM_FILE_RE.match(p.name)["mp"] for p in optim_files}) or 1,
     )
 
 
@@ -271,11 +275,15 @@ def _rank_files(layout: CheckpointLayout) -> dict[str, dict[int, list[Path]]]:
     for folder, kinds in scans.items():
         if not kinds:
             continue
-        for file in sorted(folder.iterdir()):
-            for kind in kinds:
-                match = RANK_FILES[kind][1].match(file.name)
-                if match and file.is_file():
-                    found[kind].setdefault(int(match["rank"]), []).append(file)
+        files = sorted(folder.iterdir())
+        for kind in kinds:
+            matches = [(m, f) for f in files if (m := RANK_FILES[kind][1].match(f.name)) and f.is_file()]
+            # DeepSpeed AutoTP names files by data-parallel and tensor-parallel rank; its (dp, tp) mesh puts
+            # global rank = dp * tp_size + tp
+            tp_size = len({m["mp"] for m, _ in matches if "mp" in m.re.groupindex}) or 1
+            for m, f in matches:
+                tp = int(m["mp"]) if "mp" in m.re.groupindex else 0
+                found[kind].setdefault(int(m["rank"]) * tp_size + tp, []).append(f)
     return found
 
 

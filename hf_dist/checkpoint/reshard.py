@@ -67,6 +67,12 @@ def to_universal(
     from hf_dist.checkpoint.safe_pickle import check_pickles
 
     layout = inspect_checkpoint(checkpoint_dir)
+    if layout.tp_size > 1:
+        raise ValueError(
+            f"{layout.describe()} is a DeepSpeed AutoTP checkpoint; hf_dist reshards data-parallel ZeRO checkpoints "
+            f"only: resume it on {layout.world_size} ranks with autotp_size {layout.tp_size}, or export the weights "
+            "with hf-dist convert and start a new run from them"
+        )
     if not layout.family.is_zero:
         raise ValueError(
             f"{layout.describe()} is not a DeepSpeed ZeRO checkpoint; only those need a universal conversion "
@@ -145,6 +151,23 @@ def _run_ds_to_universal(src: Path, dst: Path, workers: int) -> None:
         ) from exc
 
 
+def _check_autotp_matches(layout: CheckpointLayout, training_args: Any, world_size: int) -> None:
+    """DeepSpeed loads an AutoTP checkpoint only at the TP size and world size it was written with."""
+    if not layout.family.is_zero or training_args is None:
+        return
+    from hf_dist.runtime.dist import deepspeed_config, parallel_sizes
+
+    tp = parallel_sizes(None, deepspeed_config(training_args))["tp"]
+    if layout.tp_size == tp and (tp == 1 or layout.world_size == world_size):
+        return
+    raise ValueError(
+        f"{layout.describe()} was written with DeepSpeed AutoTP size {layout.tp_size} on {layout.world_size} ranks; "
+        f"this run has AutoTP size {tp} on {world_size} ranks. DeepSpeed loads an AutoTP checkpoint only on the "
+        f"layout that wrote it: resume with autotp_size {layout.tp_size} on {layout.world_size} ranks, or export the "
+        "weights with hf-dist convert and start a new run from them"
+    )
+
+
 def prepare_resume(
     checkpoint_dir: str | Path,
     world_size: int | None = None,
@@ -171,6 +194,7 @@ def prepare_resume(
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     layout = inspect_checkpoint(checkpoint_dir)
     _check_strategy_matches(layout, training_args)
+    _check_autotp_matches(layout, training_args, world_size)
     gate_checkpoint(layout.root, trust_pickles=trust_pickles)
     if not layout.family.is_zero or layout.world_size == world_size:
         return str(layout.root)

@@ -282,6 +282,13 @@ class Layout:
                 f"sp_size {self.sp_size} with {s.name}: sequence parallelism (DeepSpeed Ulysses, accelerate "
                 "sp_backend='deepspeed') runs only with DeepSpeed ZeRO; use zero1/zero2/zero3, or cp_size with FSDP2"
             )
+        if self.tp_size > 1 and self.sp_size > 1:
+            raise ValueError(
+                f"tp_size {self.tp_size} and sp_size {self.sp_size}: DeepSpeed AutoTP and Ulysses do not compose "
+                "through accelerate and the Trainer (AutoTP replaces the engine's sequence-parallel groups with its own "
+                "TP x DP mesh; measured: DeepSpeed's batch-size check fails at start); choose one: sp_size with "
+                "zero1/zero2/zero3, or tp_size with zero1/zero2 (AutoTP) or fsdp_full_shard (FSDP2 x TP)"
+            )
         if self.cp_size > 1 and self.sp_size > 1:
             raise ValueError(
                 f"cp_size {self.cp_size} and sp_size {self.sp_size}: both split the sequence; choose one "
@@ -320,6 +327,11 @@ class Layout:
                     f"{name} {getattr(self, name)} needs a sequence length divisible by {chunk}, got {seq_len} "
                     f"({seq_len} % {chunk} = {seq_len % chunk}); pad or pack to a multiple of {chunk}"
                 )
+
+    def rank_spec(self, spec):
+        """What one rank of a tensor-parallel group holds and computes (the whole model without TP): torch TP
+        (transformers' plan) splits ``embed_tokens`` by vocabulary rows, DeepSpeed AutoTP leaves it whole."""
+        return spec.tensor_parallel_shard(self.tp_size, vocab_parallel_embedding=not self.strategy.is_deepspeed)
 
     @property
     def dp_size(self) -> int:

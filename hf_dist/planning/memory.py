@@ -602,7 +602,7 @@ def estimate_memory(
     check_choice("device", device, DEVICES)
     spec = model_spec(model_or_num_params)
     run.check_model(spec, seq_len)
-    whole, spec = spec, spec.tensor_parallel_shard(run.tp_size)
+    whole, spec = spec, run.rank_spec(spec)
     keys, seq_len = seq_len, seq_len // run.seq_shards
     base_bytes = param_bytes if base_bytes is None else base_bytes
     if base_bytes not in (2, 4):

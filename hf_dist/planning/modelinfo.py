@@ -56,14 +56,16 @@ class ModelSpec:
         """Params of the output projection when it is a separate matrix (0 when tied)."""
         return 0 if self.tie_word_embeddings else self.embedding_params
 
-    def tensor_parallel_shard(self, tp_size: int) -> ModelSpec:
+    def tensor_parallel_shard(self, tp_size: int, *, vocab_parallel_embedding: bool = True) -> ModelSpec:
         """What one rank of a ``tp_size`` tensor-parallel group holds, as a spec the memory model reads unchanged.
 
         transformers' Llama-style plan (``base_model_tp_plan``): q/k/v/gate/up column-wise and o/down row-wise, so
         every linear weight, the heads, KV heads and the MLP width split; ``embed_tokens`` is split by vocabulary
         rows (``embedding_rowwise``) and ``lm_head`` column-wise with ``gather_output``, so both weights split but
         the logits come back whole (``vocab_size`` stays). Norms and the residual stream (``hidden_size``) are
-        replicated.
+        replicated. ``vocab_parallel_embedding=False``: DeepSpeed AutoTP, which replaces the linears and
+        ``lm_head`` but leaves ``embed_tokens`` whole on every rank (measured on 2 CPU ranks); ``embedding_params``
+        then stays the whole embedding, ``num_params`` counts the head's shard.
         """
         if tp_size == 1:
             return self
@@ -71,9 +73,10 @@ class ModelSpec:
             raise ValueError("tensor parallelism needs the model's shape; pass a config, folder or model, not a count")
         norms = self.norms_per_layer * self.hidden_size
         layer = math.ceil((self.layer_params - norms) / tp_size) + norms
-        embedding = math.ceil(self.embedding_params / tp_size)
+        head_shard = math.ceil(self.embedding_params / tp_size)
+        embedding = head_shard if vocab_parallel_embedding else self.embedding_params
         rest = self.num_params - self.num_layers * self.layer_params - self.embedding_params - self.lm_head_params
-        head = 0 if self.tie_word_embeddings else embedding
+        head = 0 if self.tie_word_embeddings else head_shard
         return replace(
             self,
             num_params=rest + self.num_layers * layer + embedding + head,

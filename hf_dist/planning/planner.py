@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from hf_dist.configs.features import check_features
 from hf_dist.planning.hardware import Hardware, detect_hardware
 from hf_dist.planning.layout import OFFLOADS, REGISTRY, STRATEGIES
 from hf_dist.planning.memory import GIB, METHODS, MemoryEstimate, estimate_memory
@@ -111,7 +112,7 @@ def _estimate(s: _Setup, combo: Combo, mb, world=None, nodes=None, accum=1) -> M
 def _time(s: _Setup, combo: Combo, mb: int, accum: int, memory: MemoryEstimate) -> StepTime:
     hw, layout = s.hw, combo.layout(s.hw)
     strategy = REGISTRY[combo.strategy]
-    spec = s.spec.tensor_parallel_shard(combo.tp)  # what one rank of a TP group holds and computes
+    spec = layout.rank_spec(s.spec)  # what one rank of a TP group holds and computes
     trainable = s.trainable // combo.tp
     grad_bytes = 4 if s.pb == 4 else 2  # what the collectives move (DeepSpeed reduces in the compute dtype)
     # the data-parallel collectives run over the ranks that hold the same TP slice
@@ -127,10 +128,13 @@ def _time(s: _Setup, combo: Combo, mb: int, accum: int, memory: MemoryEstimate) 
     )  # fmt: skip
 
 
-def _combos(strategies, offloads, ckpts, ligers, hw: Hardware, pinned: bool, sizes=((1, 1, 1),)) -> list[Combo]:
+def _combos(
+    strategies, offloads, ckpts, ligers, hw: Hardware, pinned: bool, features, sizes=((1, 1, 1),)
+) -> list[Combo]:
     """Every allowed combination. On one GPU there is nothing to shard: a sharding engine is only
     searched with offload (it would add its overhead for nothing), unless the strategy is pinned.
-    ``sizes``: the (tp, cp, sp) triples to combine with them; those a layout refuses are left out."""
+    ``sizes``: the (tp, cp, sp) triples to combine with them; those a layout or the installed libraries
+    (``features``) refuse are left out."""
     out = []
     for liger in ligers:
         for offload in offloads:
@@ -145,18 +149,24 @@ def _combos(strategies, offloads, ckpts, ligers, hw: Hardware, pinned: bool, siz
                         continue
                     for tp, cp, sp in sizes:
                         combo = Combo(name, offload, ckpt, liger, tp, cp, sp)
-                        if _valid(combo, hw):
+                        if _refusal(combo, hw, features) is None:
                             out.append(combo)
     return out
 
 
-def _valid(combo: Combo, hw: Hardware) -> bool:
+def _refusal(combo: Combo, hw: Hardware, features) -> str | None:
+    """Why ``combo`` cannot run on ``hw`` with the libraries ``features`` describes; None when it can."""
     try:
         layout = combo.layout(hw)
-    except ValueError:
-        return False
-    # accelerate composes TP only with sharded data parallelism: DDP takes TP only when nothing is replicated
-    return not (layout.strategy.is_ddp and combo.tp > 1 and layout.dp_size > 1)
+        check_features(layout, features)
+    except ValueError as e:
+        return str(e)
+    if layout.strategy.is_ddp and combo.tp > 1 and layout.dp_size > 1:
+        return (
+            f"tp_size {combo.tp} with ddp over {hw.world_size} ranks: accelerate composes TP only with sharded data "
+            "parallelism; use fsdp_full_shard for FSDP2 x TP, or tp_size = world size"
+        )
+    return None
 
 
 def _candidate(s: _Setup, combo: Combo) -> Candidate:
@@ -376,7 +386,7 @@ def plan(
     options = size_options(spec, hw, seq_len, features)
     sizes_pinned = any(v is not None for v in (tp_size, cp_size, sp_size))
     pinned = pinned_sizes(spec, options, tp_size or 1, cp_size or 1, sp_size or 1) if sizes_pinned else None
-    search = _Search(setup, strategies, offloads, ckpts, ligers, pinned_strategy=strategy is not None)
+    search = _Search(setup, strategies, offloads, ckpts, ligers, strategy is not None, features)
     candidates, dims = search.run(options, pinned)
     fitting = [c for c in candidates if c.fits]
     if not fitting:
@@ -427,10 +437,14 @@ class _Search:
     """The ladder: data parallelism (with CPU offload as a last resort), then model parallelism without offload
     when no data-parallel layout fits without it or splits the global batch, then NVMe offload when nothing fits."""
 
-    def __init__(self, setup: _Setup, strategies, offloads, ckpts, ligers, pinned_strategy: bool):
+    def __init__(self, setup: _Setup, strategies, offloads, ckpts, ligers, pinned_strategy: bool, features):
         self.s, self.strategies, self.offloads, self.ckpts, self.ligers = setup, strategies, offloads, ckpts, ligers
-        self.pinned_strategy = pinned_strategy
-        self.dp_combos = _combos(strategies, offloads, ckpts, ligers, setup.hw, pinned_strategy)
+        self.pinned_strategy, self.features = pinned_strategy, features
+        self.dp_combos = self._combos(strategies, offloads, (1, 1, 1))
+
+    def _combos(self, strategies, offloads, *sizes) -> list[Combo]:
+        hw = self.s.hw
+        return _combos(strategies, offloads, self.ckpts, self.ligers, hw, self.pinned_strategy, self.features, sizes)
 
     def _evaluate(self, combos: list[Combo]) -> list[Candidate]:
         return [_candidate(self.s, combo) for combo in combos]
@@ -438,11 +452,9 @@ class _Search:
     def run(self, options, pinned: tuple[int, int, int] | None) -> tuple[list[Candidate], list[str]]:
         hw, dims = self.s.hw, [f"{n}: {why}" for n, why in options.unavailable.items()]
         if pinned is not None:
-            combos = _combos(
-                self.strategies, self.offloads, self.ckpts, self.ligers, hw, self.pinned_strategy, [pinned]
-            )
+            combos = self._combos(self.strategies, self.offloads, pinned)
             if not combos:
-                raise ValueError(_no_layout_for(pinned, self.strategies, hw))
+                raise ValueError(self._no_layout_for(pinned))
             return self._evaluate(combos), dims
         if not self.dp_combos:
             raise ValueError(f"no strategy among {list(self.strategies)} can use offload {list(self.offloads)}")
@@ -453,7 +465,7 @@ class _Search:
             return candidates, dims + ["tp/cp/sp not searched: offload was asked for (model parallelism is searched "
                                        "without offload)"]  # fmt: skip
         triples = options.triples(hw.world_size)
-        mp = _combos(self.strategies, ("none",), self.ckpts, self.ligers, hw, self.pinned_strategy, triples)
+        mp = self._combos(self.strategies, ("none",), *triples)
         candidates += self._evaluate(mp)
         dims.append(f"searched {options.describe()} ({len(mp)} layouts) because no data-parallel layout fits "
                     "without offload" + self._batch_note(candidates))  # fmt: skip
@@ -466,25 +478,31 @@ class _Search:
                                        "nodes' local NVMe drives to consider ZeRO-Infinity"]  # fmt: skip
         sp = [(1, 1, 1)] + [t for t in triples if t[0] == t[1] == 1]
         offloads = [o for o in ("optimizer", "optimizer+params") if o in self.offloads]  # unless offload is pinned
-        nvme = [c._replace(nvme=True) for c in _combos(["zero3"] if "zero3" in self.strategies else [],
-                offloads, self.ckpts, self.ligers, hw, self.pinned_strategy, sp)]  # fmt: skip
-        nvme = [c for c in nvme if _valid(c, hw)]
+        zero3 = ["zero3"] if "zero3" in self.strategies else []
+        nvme = [c._replace(nvme=True) for c in self._combos(zero3, offloads, *sp)]
+        nvme = [c for c in nvme if _refusal(c, hw, self.features) is None]
         candidates += self._evaluate(nvme)
         return candidates, dims + [f"nvme: searched zero3 offload to NVMe ({len(nvme)} layouts): nothing else fits"]
+
+    def _no_layout_for(self, sizes) -> str:
+        """Why no strategy runs the pinned sizes: the library's own reason when one strategy was asked for."""
+        tp, cp, sp = sizes
+        if self.pinned_strategy:
+            combo = Combo(self.strategies[0], "none", False, False, tp, cp, sp)
+            reason = _refusal(combo, self.s.hw, self.features)
+            if reason:
+                return reason
+        hw = self.s.hw
+        return (
+            f"no layout runs tp_size={tp} cp_size={cp} sp_size={sp} with strategy {'/'.join(self.strategies)} on "
+            f"{hw.world_size} GPU(s) in {hw.nodes} node(s): TP needs FSDP2 (or DDP with nothing replicated, or "
+            "zero1/zero2 AutoTP) inside a node, CP needs FSDP2, SP needs DeepSpeed ZeRO, and their product must "
+            "divide the world size"
+        )
 
     def _batch_note(self, candidates: list[Candidate]) -> str:
         split = [c for c in candidates if c.model_parallel == 1 and "global_batch" in c.reason]
         return f" or splits the global batch ({split[0].reason.split(';')[0]})" if split else ""
-
-
-def _no_layout_for(sizes, strategies, hw: Hardware) -> str:
-    tp, cp, sp = sizes
-    return (
-        f"no layout runs tp_size={tp} cp_size={cp} sp_size={sp} with strategy {'/'.join(strategies)} on "
-        f"{hw.world_size} GPU(s) in {hw.nodes} node(s): TP needs FSDP2 (or DDP with nothing replicated, or "
-        "zero1/zero2 AutoTP) inside a node, CP needs FSDP2, SP needs DeepSpeed ZeRO, and their product must divide "
-        "the world size"
-    )
 
 
 def _chosen_dimensions(best: Candidate) -> list[str]:

@@ -72,10 +72,10 @@ def parallel_load_kwargs(args: Any) -> dict[str, Any]:
     torch TP shards the model at load, the attention Ulysses wraps under sequence parallelism
     (:func:`hf_dist.configs.training_args.load_kwargs`)."""
     from hf_dist.configs.training_args import load_kwargs
+    from hf_dist.runtime.dist import deepspeed_config, parallel_sizes
 
-    pc = getattr(args, "parallelism_config", None)
-    tp, sp = (getattr(pc, "tp_size", 1) or 1), (getattr(pc, "sp_size", 1) or 1)
-    return load_kwargs(tp, sp, deepspeed=bool(args.deepspeed))
+    sizes = parallel_sizes(getattr(args, "parallelism_config", None), deepspeed_config(args))
+    return load_kwargs(sizes["tp"], sizes["sp"], deepspeed=bool(args.deepspeed))
 
 
 def build_model(

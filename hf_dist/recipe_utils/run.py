@@ -12,7 +12,7 @@ from hf_dist.atomic_io import atomic_write_json
 from hf_dist.data import generation_prompt
 from hf_dist.recipe_utils.data import collator
 from hf_dist.recipe_utils.model import _outside_zero3
-from hf_dist.runtime.dist import live_strategy
+from hf_dist.runtime.dist import deepspeed_config, live_strategy, parallel_sizes
 
 # ---------------------------------------------------------------- the run
 
@@ -138,11 +138,13 @@ def check_strategy(trainer: Any) -> str:
 
 
 def _live_sizes(trainer: Any) -> dict[str, int]:
-    """tp / cp / sp of the mesh accelerate built; a RuntimeError when TP was asked for and the weights are not
-    sharded over a ``tp`` mesh dimension of that size (a model loaded without ``tp_plan``)."""
-    pc = getattr(trainer.accelerator, "parallelism_config", None)
-    sizes = {name: int(getattr(pc, f"{name}_size", 1) or 1) for name in ("tp", "cp", "sp")}
-    if sizes["tp"] > 1 and not trainer.args.deepspeed:
+    """tp / cp / sp of the run (:func:`hf_dist.runtime.dist.parallel_sizes`); a RuntimeError when TP was asked for
+    and did not happen: torch TP with no weight sharded over a ``tp`` mesh of that size (a model loaded without
+    ``tp_plan``), or DeepSpeed AutoTP whose engine (once built) replaced no layer with a TP layer of that size."""
+    pc = getattr(trainer.accelerator, "parallelism_config", None)  # what accelerate built
+    sizes = parallel_sizes(pc, deepspeed_config(trainer.args))
+    tp = sizes["tp"]
+    if tp > 1 and not trainer.args.deepspeed:
         from torch.distributed.tensor import DTensor
 
         meshes = {
@@ -150,11 +152,22 @@ def _live_sizes(trainer: Any) -> dict[str, int]:
             for p in trainer.model.parameters()
             if isinstance(p, DTensor)
         }
-        if sizes["tp"] not in meshes:
+        if tp not in meshes:
             raise RuntimeError(
-                f"tp_size {sizes['tp']} was requested but no weight is sharded over a 'tp' mesh of that size: load "
+                f"tp_size {tp} was requested but no weight is sharded over a 'tp' mesh of that size: load "
                 "the model with from_pretrained(..., tp_plan='auto') (hf_dist.from_pretrained_kwargs(plan.layout))"
             )
+    engine = getattr(trainer, "deepspeed", None)  # set once the Trainer started DeepSpeed
+    # DeepSpeed's TP layers (module_inject.layers.TensorParallel_Layer) carry the TP group's size
+    if (
+        tp > 1
+        and engine is not None
+        and not any(getattr(m, "tp_world_size", None) == tp for m in engine.module.modules())
+    ):
+        raise RuntimeError(
+            f"DeepSpeed AutoTP was configured with autotp_size {tp} but no layer of the model was replaced by a "
+            "tensor-parallel layer of that size; check the model's linear layers and the DeepSpeed version"
+        )
     return sizes
 
 
@@ -168,8 +181,8 @@ def describe_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy
     """The planner's explanation for this model/method on the detected hardware, plus the batch math (over the
     data-parallel ranks: the ranks of one tensor / context / sequence parallel group share each sequence)."""
     world = args.world_size
-    pc = getattr(args, "parallelism_config", None)
-    sizes = {f"{n}_size": int(getattr(pc, f"{n}_size", 1) or 1) for n in ("tp", "cp", "sp")}
+    asked = parallel_sizes(getattr(args, "parallelism_config", None), deepspeed_config(args))
+    sizes = {f"{n}_size": size for n, size in asked.items()}
     dp = world // (sizes["tp_size"] * sizes["cp_size"] * sizes["sp_size"])
     batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * dp
     shared = "".join(f" {n[:2]}={v}" for n, v in sizes.items() if v > 1)

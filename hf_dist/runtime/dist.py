@@ -97,10 +97,25 @@ def live_strategy(args: Any = None) -> str:
         if fsdp is not None:
             return _fsdp_strategy(fsdp).name
         return "ddp"
-    ds_config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
+    ds_config = deepspeed_config(args)
     if ds_config:  # before the Trainer built its accelerator
         return _zero_strategy_name(ds_config.get("zero_optimization", {}).get("stage", 0))
     return "ddp"
+
+
+def deepspeed_config(args: Any) -> dict:
+    """The DeepSpeed config dict ``TrainingArguments(deepspeed=...)`` resolved (``{}`` without DeepSpeed)."""
+    return getattr(getattr(args, "hf_deepspeed_config", None), "config", None) or {}
+
+
+def parallel_sizes(parallelism_config: Any = None, ds_config: dict | None = None) -> dict[str, int]:
+    """``{"tp": .., "cp": .., "sp": ..}`` (1 when unused) from accelerate's ``ParallelismConfig`` and, for DeepSpeed
+    AutoTP, the DeepSpeed config's ``tensor_parallel.autotp_size``."""
+    sizes = {name: int(getattr(parallelism_config, f"{name}_size", 1) or 1) for name in ("tp", "cp", "sp")}
+    autotp = int(((ds_config or {}).get("tensor_parallel") or {}).get("autotp_size", 1) or 1)
+    if autotp > 1:
+        sizes["tp"] = autotp
+    return sizes
 
 
 def _zero_strategy_name(stage: Any) -> str:

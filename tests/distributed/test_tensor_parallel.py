@@ -1,13 +1,14 @@
 """Tensor parallelism really runs under the HF Trainer on CPU ranks (gloo), and learns what DDP learns.
 
-Three launches of tests/distributed/scripts/tensor_parallel_train.py, each once per session, from the
+Four launches of tests/distributed/scripts/tensor_parallel_train.py, each once per session, from the
 same saved tiny Llama, on the same 4 samples per optimizer step in dataset order, fp32:
 
 * ``ddp``: 2 ranks x micro-batch 2 (the reference);
 * ``tp``: 2 ranks, ``from_pretrained(tp_plan="auto")`` + ``ParallelismConfig(tp_size=2)``, micro-batch 4
   shared by the TP group; also saves a Trainer checkpoint and a DCP checkpoint;
 * ``fsdp_tp``: 4 ranks, ``DistributedConfig(tp_size=2, fsdp_size=2)`` + ``ParallelismConfig(dp_shard_size=2,
-  tp_size=2)``, 2 data-parallel ranks x micro-batch 2.
+  tp_size=2)``, 2 data-parallel ranks x micro-batch 2;
+* ``autotp``: 2 ranks, DeepSpeed AutoTP with ZeRO-2 (``"tensor_parallel": {"autotp_size": 2}``), micro-batch 4.
 
 Why LOSS_RTOL = 1e-5: TP splits each matmul's reduction (o_proj/down_proj, Shard(1)) into two partial sums
 that are added by an all-reduce, so the fp32 results differ from DDP's in the last bits. Measured max
@@ -52,6 +53,7 @@ LAUNCHES = {
     "tp_resume": ("tp", 2, ["--resume", "auto"]),
     "fsdp_tp_resume": ("fsdp_tp", 4, ["--resume", "auto"]),
     "ddp_resume": ("ddp", 2, ["--resume", "auto"]),
+    "autotp": ("autotp", 2, ["--save", "--save-steps", STEPS]),
 }
 LINEAR_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 LINEAR_ROWWISE = ("o_proj", "down_proj")
@@ -152,7 +154,9 @@ def test_memory_model_counts_what_a_tp_rank_holds(tp_runs):
     params = tp_runs.get("tp")["placements"]
     sharded = sum(math.prod(f["local_shape"]) for f in params.values() if f is not None)
     plain = sum(1 for f in params.values() if f is None) * config.hidden_size  # every plain tensor is a norm
-    assert model_spec(config).tensor_parallel_shard(2).num_params == sharded + plain
+    assert (
+        model_spec(config).tensor_parallel_shard(2).num_params == sharded + plain == tp_runs.get("tp")["local_params"]
+    )
 
 
 @pytest.mark.parametrize("layout", ["tp", "fsdp_tp"])
@@ -211,6 +215,70 @@ def test_fsdp2_x_tp_loss_matches_ddp(tp_runs):
     ddp, fsdp_tp = tp_runs.get("ddp"), tp_runs.get("fsdp_tp")
     diff = max_rel_diff(fsdp_tp["losses"], ddp["losses"])
     assert diff <= LOSS_RTOL, f"FSDP2xTP losses {fsdp_tp['losses']} vs DDP {ddp['losses']}: max rel {diff:.2e}"
+
+
+def test_deepspeed_autotp_shards_every_linear_and_matches_ddp(tp_runs):
+    """DeepSpeed AutoTP (ZeRO-2, the JSON hf_dist writes for zero2 x tp=2): the engine replaced the decoder's linears
+    with its TP layers (column-parallel q/k/v/gate/up, row-parallel o/down, each half of its weight), the TP group
+    is one data-parallel replica, and the losses are DDP's."""
+    report, ddp = tp_runs.get("autotp"), tp_runs.get("ddp")
+    assert (report["world_size"], report["distributed_type"], report["model_wrapped"]) == (
+        2, "DEEPSPEED", "DeepSpeedEngine",
+    )  # fmt: skip
+    assert report["total_train_batch_size"] == 4
+    layers = report["tp_layers"]
+    linears = [n for n in layers if n.rsplit(".", 1)[-1] in LINEAR_COLWISE + LINEAR_ROWWISE]
+    assert len(linears) == 2 * len(LINEAR_COLWISE + LINEAR_ROWWISE), sorted(layers)  # 2 decoder layers
+    shapes = {name: facts["shape"] for name, facts in tp_runs.get("tp")["placements"].items() if facts}
+    for name in linears:
+        facts, full = layers[name], shapes[f"{name}.weight"]
+        row_parallel = name.rsplit(".", 1)[-1] in LINEAR_ROWWISE
+        assert facts["class"] == ("LinearAllreduce" if row_parallel else "LinearLayer"), (name, facts)
+        assert facts["tp_world_size"] == 2
+        local = [full[0], full[1] // 2] if row_parallel else [full[0] // 2, full[1]]
+        assert facts["local_shape"] == local, (name, facts)
+    # the planner's memory model counts what an AutoTP rank holds: the embedding stays whole, lm_head is split
+    from hf_dist.planning.layout import Layout
+    from hf_dist.planning.modelinfo import model_spec
+    from hf_dist.testing import tiny_llama_config
+
+    assert (
+        Layout("zero2", 2, tp_size=2).rank_spec(model_spec(tiny_llama_config())).num_params == report["local_params"]
+    )
+    diff = max_rel_diff(report["losses"], ddp["losses"])
+    assert diff <= LOSS_RTOL, f"AutoTP losses {report['losses']} vs DDP {ddp['losses']}: max rel {diff:.2e}"
+
+
+def test_deepspeed_autotp_checkpoint_converts_to_an_hf_folder(tp_runs, tmp_path):
+    """hf-dist convert merges the AutoTP checkpoint's per-TP-rank ZeRO files (mp_rank_00/01) into an HF folder equal
+    to the weights gathered from the live layers, which from_pretrained loads; the completion marker counted both
+    ranks' files."""
+    report = tp_runs.get("autotp")
+    root = Path(report["workdir"]) / f"checkpoint-{STEPS}"
+    tag = f"global_step{STEPS}"
+    assert {f"{tag}/mp_rank_00_model_states.pt", f"{tag}/zero_pp_rank_0_mp_rank_01_optim_states.pt"} <= set(
+        report["checkpoint_files"]
+    )
+    assert "hf_dist_complete.json" in report["checkpoint_files"]
+    out = tmp_path / "hf"
+    convert = [sys.executable, "-m", "hf_dist.cli.main", "convert", str(root), str(out), "--no-progress"]
+    proc = run_checked(convert, env=cpu_env(), timeout=120)
+    assert "AutoTP size 2" in proc.stdout, proc.stdout
+    code = f"""
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+full = torch.load({str(Path(report["workdir"]) / "full_state_dict.pt")!r})
+hf = load_file({str(out / "model.safetensors")!r})
+assert set(hf) == set(full), set(hf) ^ set(full)
+assert full["lm_head.weight"].shape == (256, 64) and full["model.layers.0.self_attn.o_proj.weight"].shape == (64, 64)
+assert not [k for k in full if not torch.equal(hf[k], full[k])]
+model = AutoModelForCausalLM.from_pretrained({str(out)!r})
+assert all(torch.equal(p, full[n]) for n, p in model.state_dict().items())
+print("equal")
+"""
+    proc = run_checked([sys.executable, "-c", code], env=cpu_env(), timeout=120)
+    assert proc.stdout.strip().endswith("equal")
 
 
 def test_tp_checkpoints_hold_the_full_state_dict(tp_runs):

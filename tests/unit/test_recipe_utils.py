@@ -264,3 +264,31 @@ def test_a_tp_run_whose_weights_are_not_sharded_is_refused():
         _live_sizes(trainer)
     trainer.accelerator.parallelism_config = None
     assert _live_sizes(trainer) == {"tp": 1, "cp": 1, "sp": 1}
+
+
+def test_deepspeed_autotp_sizes_come_from_the_deepspeed_config():
+    """AutoTP has no ParallelismConfig: tp comes from the DeepSpeed config's tensor_parallel.autotp_size, in the batch
+    math, the loader (a plain model: DeepSpeed shards it when the engine starts) and the check of what ran."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hf_dist.recipe_utils.run import _live_sizes
+
+    ds = SimpleNamespace(config={"zero_optimization": {"stage": 2}, "tensor_parallel": {"autotp_size": 2}})
+    args = SimpleNamespace(
+        parallelism_config=None, hf_deepspeed_config=ds, deepspeed={"tensor_parallel": {"autotp_size": 2}},
+        world_size=4, per_device_train_batch_size=2, gradient_accumulation_steps=1, device=SimpleNamespace(type="cpu"),
+    )  # fmt: skip
+    assert ru.parallel_load_kwargs(args) == {}
+    text = ru.describe_plan(tiny_llama_config(), method="full", seq_len=32, args=args, strategy="zero2")
+    assert "4 process(es) on cpu tp=2: micro batch 2 x grad accum 1 x data parallel 2 = global batch 4" in text
+    assert "chosen: zero2 tp=2" in text
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(parallelism_config=None), args=args, deepspeed=None)
+    assert _live_sizes(trainer)["tp"] == 2  # before the engine exists: what was configured
+    trainer.deepspeed = SimpleNamespace(module=plain)
+    with pytest.raises(RuntimeError, match="AutoTP was configured with autotp_size 2 but no layer"):
+        _live_sizes(trainer)
+    plain[0].tp_world_size = 2  # what DeepSpeed's TensorParallel_Layer carries
+    assert _live_sizes(trainer) == {"tp": 2, "cp": 1, "sp": 1}

@@ -14,7 +14,10 @@ the same global batch per optimizer step, in dataset order, fp32:
   see the same micro-batch of 4 (the TP group is one data-parallel replica);
 * ``fsdp_tp``: 4 ranks, ``from_pretrained(distributed_config=DistributedConfig(tp_size=2, fsdp_size=2))``
   (transformers applies TP and FSDP2 at load time) + ``ParallelismConfig(dp_shard_size=2, tp_size=2)``;
-  micro-batch 2 per data-parallel rank (global 4).
+  micro-batch 2 per data-parallel rank (global 4);
+* ``autotp``: 2 ranks, DeepSpeed AutoTP (``"tensor_parallel": {"autotp_size": 2}``, ZeRO-2, the config
+  ``hf_dist.configs.deepspeed_config`` writes), the plain model sharded by DeepSpeed when the engine starts;
+  micro-batch 4 shared by the TP group. The report lists DeepSpeed's TP layers and their local weight shapes.
 
 CPU shim (tests and CPU development only, ``hf_dist.runtime.cpu_fsdp``): accelerate's ``ParallelismConfig._validate_accelerator`` refuses any
 parallelism config on ``DistributedType.MULTI_CPU`` ("ParallelismConfig is only compatible
@@ -49,7 +52,7 @@ NUM_SAMPLES = 64  # the first GLOBAL_BATCH * steps are used, in order
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layout", required=True, choices=["ddp", "tp", "fsdp_tp"])
+    parser.add_argument("--layout", required=True, choices=["ddp", "tp", "fsdp_tp", "autotp"])
     parser.add_argument("--model-dir", required=True, help="the tiny Llama; rank 0 writes it if absent")
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--steps", type=int, default=4)
@@ -86,6 +89,11 @@ def load_model(layout: str, folder: Path):
 
     if layout == "ddp":
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), {}, GLOBAL_BATCH // 2
+    if layout == "autotp":
+        from hf_dist.configs.deepspeed import deepspeed_config
+
+        ds = deepspeed_config("zero2", tp_size=2, mixed_precision="no")
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), {"deepspeed": ds}, GLOBAL_BATCH
     if layout == "tp":
         model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.float32)
         return model, {"parallelism_config": ParallelismConfig(tp_size=2)}, GLOBAL_BATCH
@@ -115,6 +123,32 @@ def placements(model) -> dict:
     return facts
 
 
+def tp_layers(module) -> dict:
+    """DeepSpeed's tensor-parallel layers (``module_inject.layers``): class, TP group size, local weight shape."""
+    return {
+        name: {"class": type(m).__name__, "tp_world_size": m.tp_world_size, "local_shape": list(m.weight.shape)}
+        for name, m in module.named_modules()
+        if hasattr(m, "tp_world_size") and getattr(m, "weight", None) is not None
+    }
+
+
+def autotp_full_state_dict(module) -> dict:
+    """The whole weights of an AutoTP model, gathered by layer class (not from the checkpoint's own split rules):
+    ``LinearAllreduce`` (row-parallel) along dim 1, DeepSpeed's other TP layers along dim 0, the rest whole."""
+    import torch
+    import torch.distributed as dist
+
+    full = {}
+    for name, tensor in module.state_dict().items():
+        owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+        if hasattr(owner, "tp_world_size") and tensor.dim() > 0:
+            pieces: list = [None] * dist.get_world_size(owner.mp_group)
+            dist.all_gather_object(pieces, tensor.detach().clone(), group=owner.mp_group)
+            tensor = torch.cat(pieces, dim=1 if type(owner).__name__ == "LinearAllreduce" else 0)
+        full[name] = tensor.detach().clone()
+    return full
+
+
 def main() -> None:
     args = parse_args()
     import torch
@@ -128,6 +162,12 @@ def main() -> None:
     from hf_dist.runtime.dist import shutdown
 
     allow_parallelism_config_on_cpu()
+    if args.layout == "autotp":  # accelerate's DeepSpeed state over gloo, before any other state exists
+        from hf_dist.runtime.cpu_fsdp import cpu_deepspeed_training_kwargs
+
+        cpu_kwargs = cpu_deepspeed_training_kwargs()
+    else:
+        cpu_kwargs = {"use_cpu": True}
     state = PartialState()  # the gloo process group
     model_dir = Path(args.model_dir)
     if state.is_main_process:
@@ -155,14 +195,14 @@ def main() -> None:
         # hf_dist's ShardedResumeCallback adds the optimizer and scheduler.
         save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or args.steps,
-        save_only_model=args.layout != "ddp",
+        save_only_model=args.layout in ("tp", "fsdp_tp"),
         report_to=[],
         seed=SEED,
         data_seed=SEED,
         dataloader_num_workers=0,
         disable_tqdm=True,
-        use_cpu=True,
         train_sampling_strategy="sequential",
+        **cpu_kwargs,
         **extra,
     )
     dataset = build_dataset(NUM_SAMPLES, model.config.vocab_size)
@@ -183,8 +223,16 @@ def main() -> None:
         "total_train_batch_size": trainer.get_total_train_batch_size(training_args),
         "tp_size": trainer.get_tp_size(),
         "placements": placements(trainer.model),
+        "tp_layers": tp_layers(trainer.model),
+        "local_params": sum(getattr(p, "_local_tensor", p).numel() for p in trainer.model.parameters()),
     }
-    if args.save:
+    if args.save and args.layout == "autotp":  # the reference for hf-dist convert of the AutoTP checkpoint
+        full = autotp_full_state_dict(trainer.model)
+        if state.is_main_process:
+            torch.save(full, Path(args.output_dir) / "full_state_dict.pt")
+            root = Path(args.output_dir) / f"checkpoint-{args.steps}"
+            report["checkpoint_files"] = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    elif args.save:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.tensor import DTensor
 

@@ -41,8 +41,11 @@ def make_zero_checkpoint(
     bf16: bool = True,
     tag: str = "global_step3",
     shared: dict[str, str] | None = None,
+    mp_rank: int = 0,
+    universal_info: dict | None = None,
 ) -> Path:
-    """Write ``root/{latest, config.json, tag/*}`` as deepspeed would; returns the tag folder."""
+    """Write ``root/{latest, config.json, tag/*}`` as deepspeed would; returns the tag folder. ``mp_rank``: the
+    AutoTP rank whose files these are (``state`` holds its slices); ``universal_info``: AutoTP's split rules."""
     tag_dir = Path(root) / tag
     tag_dir.mkdir(parents=True, exist_ok=True)
     (Path(root) / "latest").write_text(tag)
@@ -63,6 +66,8 @@ def make_zero_checkpoint(
         "ds_config": {"bf16": {"enabled": bf16}, "zero_optimization": {"stage": stage}},
         "ds_version": "0.19.8",
     }
+    if universal_info is not None:
+        model_states["universal_checkpoint_info"] = universal_info
     prefix = "bf16_" if bf16 else ""
     flats = _zero3_flats(state, groups, world_size) if stage == 3 else _zero12_flats(state, groups, world_size)
     for rank in range(world_size):
@@ -70,12 +75,33 @@ def make_zero_checkpoint(
         optim = {"zero_stage": stage, "partition_count": world_size if stage == 3 else [world_size] * len(groups),
                  key: flats[rank], "loss_scale": 1.0}  # fmt: skip
         torch.save(
-            {"optimizer_state_dict": optim}, tag_dir / f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+            {"optimizer_state_dict": optim},
+            tag_dir / f"{prefix}zero_pp_rank_{rank}_mp_rank_{mp_rank:02d}_optim_states.pt",
         )
         if stage == 3:
-            torch.save(model_states, tag_dir / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+            torch.save(model_states, tag_dir / f"zero_pp_rank_{rank}_mp_rank_{mp_rank:02d}_model_states.pt")
     if stage < 3:
-        torch.save(model_states, tag_dir / "mp_rank_00_model_states.pt")
+        torch.save(model_states, tag_dir / f"mp_rank_{mp_rank:02d}_model_states.pt")
+    return tag_dir
+
+
+ROW_PARALLEL = ("o_proj", "down_proj")  # DeepSpeed AutoTP's LinearAllreduce: split along dim 1
+REPLICATED = ("embed_tokens", "norm")  # whole on every TP rank
+
+
+def make_autotp_checkpoint(root: Path, config, state: dict[str, torch.Tensor], *, tp: int = 2, **kw) -> Path:
+    """A ZeRO-2 AutoTP checkpoint as deepspeed 0.19 writes it: one ZeRO checkpoint per TP rank holding its slices
+    (``torch.chunk``: uneven when a dim does not divide), with the split rules in ``universal_checkpoint_info``."""
+    info = {
+        "tp_replicated_parameter_patterns": [rf"^{n}$" for n in state if any(r in n for r in REPLICATED)],
+        "parameter_with_row_parallelism_patterns": [rf"^{n}$" for n in state if any(r in n for r in ROW_PARALLEL)],
+    }
+    for m in range(tp):
+        shard = OrderedDict()
+        for name, t in state.items():
+            whole = any(r in name for r in REPLICATED)
+            shard[name] = t if whole else t.chunk(tp, dim=1 if any(r in name for r in ROW_PARALLEL) else 0)[m]
+        tag_dir = make_zero_checkpoint(root, config, shard, stage=2, mp_rank=m, universal_info=info, **kw)
     return tag_dir
 
 

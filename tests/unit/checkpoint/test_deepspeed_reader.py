@@ -5,7 +5,7 @@ import torch
 from safetensors.torch import load_file
 
 from hf_dist.checkpoint.convert import convert
-from tests.unit.checkpoint.fakes import make_zero_checkpoint
+from tests.unit.checkpoint.fakes import make_autotp_checkpoint, make_zero_checkpoint
 
 
 def load_folder(path):
@@ -83,10 +83,38 @@ def test_shared_params_are_written_once_and_load_tied(tmp_path):
     assert torch.equal(model.model.embed_tokens.weight, state["model.embed_tokens.weight"])
 
 
-def test_model_parallel_checkpoints_are_refused(tmp_path, tiny_state):
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_autotp_ranks_are_merged_by_their_recorded_split(tmp_path, tiny_state, world_size):
+    """An AutoTP checkpoint (one ZeRO-2 checkpoint per TP rank, mp_rank_00/01): column-parallel tensors are joined on
+    dim 0 (the 67-row vocabulary splits 34 + 33), row-parallel ones on dim 1, replicated ones taken once."""
+    config, state = tiny_state
+    make_autotp_checkpoint(tmp_path / "ckpt", config, state, tp=2, world_size=world_size)
+    report = convert(tmp_path / "ckpt", tmp_path / "out", dtype="fp32", progress=False)
+    assert (report.source.tp_size, report.source.world_size) == (2, 2 * world_size)
+    assert "AutoTP size 2" in report.summary()
+    out = load_folder(tmp_path / "out")
+    assert set(out) == set(state)
+    for name, tensor in state.items():
+        assert torch.equal(out[name], tensor), name
+
+
+def test_autotp_without_its_split_rules_is_refused(tmp_path, tiny_state):
+    config, state = tiny_state
+    tag = make_autotp_checkpoint(tmp_path / "ckpt", config, state, tp=2)
+    for m in range(2):
+        path = tag / f"mp_rank_{m:02d}_model_states.pt"
+        states = torch.load(path, weights_only=False)
+        del states["universal_checkpoint_info"]
+        torch.save(states, path)
+    with pytest.raises(ValueError, match=r"does not record how AutoTP split its tensors.*trainer.save_model"):
+        convert(tmp_path / "ckpt", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_pipeline_parallel_checkpoints_are_refused(tmp_path, tiny_state):
     config, state = tiny_state
     tag = make_zero_checkpoint(tmp_path / "ckpt", config, state, stage=2)
-    (tag / "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt").write_bytes(b"x")
-    with pytest.raises(ValueError, match=r"tensor/pipeline-parallel DeepSpeed checkpoint .*\['01'\].*ds_to_universal"):
+    (tag / "layer_01-model_states.pt").write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"pipeline-parallel DeepSpeed checkpoint .*ds_to_universal"):
         convert(tmp_path / "ckpt", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()

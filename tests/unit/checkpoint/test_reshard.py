@@ -9,20 +9,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_dist.checkpoint.reshard import inspect_checkpoint, prepare_resume, untie_optimizer_steps
+from hf_dist.checkpoint.reshard import inspect_checkpoint, prepare_resume, to_universal, untie_optimizer_steps
 from hf_dist.cli.main import main
 from hf_dist.planning.layout import CheckpointFamily
 
 
-def make_deepspeed(path: Path, world: int, stage: int = 2, tag: str = "global_step10") -> Path:
+def make_deepspeed(path: Path, world: int, stage: int = 2, tag: str = "global_step10", tp: int = 1) -> Path:
+    """File names only (``world`` data-parallel ranks; ``tp`` > 1: DeepSpeed AutoTP's mp_rank_0M files)."""
     folder = path / tag
     folder.mkdir(parents=True)
     (path / "latest").write_text(tag)
-    torch.save({}, folder / "mp_rank_00_model_states.pt")
-    for rank in range(world):
-        torch.save({}, folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
-        if stage == 3:
-            torch.save({}, folder / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+    for mp in range(tp):
+        torch.save({}, folder / f"mp_rank_{mp:02d}_model_states.pt")
+        for rank in range(world):
+            torch.save({}, folder / f"zero_pp_rank_{rank}_mp_rank_{mp:02d}_optim_states.pt")
+            if stage == 3:
+                torch.save({}, folder / f"zero_pp_rank_{rank}_mp_rank_{mp:02d}_model_states.pt")
     return path
 
 
@@ -35,8 +37,10 @@ def make_dcp(path: Path, world: int) -> Path:
     return path
 
 
-def ds_args(fsdp: bool = False) -> SimpleNamespace:
+def ds_args(fsdp: bool = False, autotp: int = 0) -> SimpleNamespace:
     config: dict = {"zero_optimization": {"stage": 2}}
+    if autotp:
+        config["tensor_parallel"] = {"autotp_size": autotp}
     if fsdp:
         return SimpleNamespace(deepspeed=None, fsdp=True)
     plugin = SimpleNamespace(deepspeed_config=config, hf_ds_config=SimpleNamespace(config=config))
@@ -104,6 +108,22 @@ def test_prepare_resume_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(RuntimeError, match="waited 0s for rank 0"):
         prepare_resume(ds, 3, training_args=ds_args(), timeout_s=0.0)
+
+
+def test_autotp_checkpoints_resume_only_on_their_own_layout(tmp_path):
+    """AutoTP 2 x 2 data-parallel ranks: 4 ranks wrote it, and DeepSpeed loads it only there with autotp_size 2."""
+    ds = make_deepspeed(tmp_path / "ds", world=2, tp=2)
+    layout = inspect_checkpoint(ds)
+    assert (layout.world_size, layout.tp_size, layout.missing_rank_files(4)) == (4, 2, [])
+    assert prepare_resume(ds, 4, training_args=ds_args(autotp=2)) == str(ds)
+    for world, autotp in ((4, 0), (2, 2), (4, 4)):
+        with pytest.raises(ValueError, match=r"AutoTP size 2 on 4 ranks; this run has AutoTP size \d+ on \d+ ranks"):
+            prepare_resume(ds, world, training_args=ds_args(autotp=autotp))
+    plain = make_deepspeed(tmp_path / "plain", world=2)
+    with pytest.raises(ValueError, match="AutoTP size 1 on 2 ranks; this run has AutoTP size 2"):
+        prepare_resume(plain, 2, training_args=ds_args(autotp=2))
+    with pytest.raises(ValueError, match="is a DeepSpeed AutoTP checkpoint; hf_dist reshards data-parallel"):
+        to_universal(ds)
 
 
 def test_untie_optimizer_steps():

@@ -102,6 +102,7 @@ def test_layout_is_frozen_and_takes_a_name_or_a_strategy():
         (dict(strategy="zero3", world_size=8, tp_size=2), "AutoTP runs with ZeRO stage <= 2"),
         (dict(strategy="zero3", world_size=8, cp_size=2), "context parallelism .* runs only with FSDP2"),
         (dict(strategy="fsdp_full_shard", world_size=8, sp_size=2), "Ulysses.* runs only with DeepSpeed"),
+        (dict(strategy="zero2", world_size=8, tp_size=2, sp_size=2), "AutoTP and Ulysses do not compose"),
         (dict(strategy="ddp", world_size=8, tp_size=3), r"2 \* 1|does not divide world_size 8|= 3 does not divide"),
         (
             dict(strategy="zero2", world_size=8, offload="optimizer", offload_device="nvme"),

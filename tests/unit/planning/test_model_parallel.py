@@ -152,6 +152,23 @@ def test_pinned_sizes_and_bad_sizes():
         estimate_memory(LLAMA_8B, "fsdp_full_shard", 6, tp_size=3)
 
 
+def test_deepspeed_autotp_is_searched_only_where_deepspeed_has_it():
+    """70B on 8 nodes at global batch 16 must split the batch: AutoTP (zero1/zero2 x tp) is among the layouts searched
+    when the installed DeepSpeed trains AutoTP, never otherwise, and never together with Ulysses SP."""
+    kw = dict(gpus=64, nodes=8, gpu_memory_gib=80, global_batch_size=16)
+    autotp = [c for c in plan(LLAMA_70B, **kw, features=ALL).candidates if c.tp_size > 1 and c.strategy != "ddp"]
+    assert {c.strategy for c in autotp} >= {"zero1", "zero2", "fsdp_full_shard"}
+    assert not [c for c in autotp if c.sp_size > 1]  # AutoTP x Ulysses does not run (Layout refuses it)
+    old = dataclasses.replace(ALL, deepspeed_autotp=False)
+    searched = plan(LLAMA_70B, **kw, features=old).candidates
+    assert not [c for c in searched if c.tp_size > 1 and c.strategy.startswith("zero")]
+    assert [c for c in searched if c.tp_size > 1 and c.strategy == "fsdp_full_shard"]
+    with pytest.raises(
+        ValueError, match=r"tp_size 2 with zero2 needs DeepSpeed AutoTP training .*deepspeed >= 0\.16\.4"
+    ):
+        plan(LLAMA_8B, gpus=8, gpu_memory_gib=80, strategy="zero2", tp_size=2, features=old)
+
+
 def test_tp_needs_a_tensor_parallel_plan():
     gpt2 = GPT2Config(n_embd=256, n_layer=2, n_head=4)
     with pytest.raises(ValueError, match="tp_size 2 cannot run here: the model's config has no tensor-parallel plan"):
