@@ -5,7 +5,11 @@ Usage: torchrun --nproc_per_node=2 benchmarks/_measure_memory.py STRATEGY OUT.js
 STRATEGY is a registry name, or ``ddp+tp2``: tensor parallelism over both ranks (transformers'
 ``from_pretrained(tp_plan="auto")``, the model's own Llama plan; no data parallelism, so no DDP wrapper), or
 ``fsdp_full_shard+tp2`` on 4 ranks: FSDP2 x TP, both applied by transformers at load
-(``DistributedConfig(tp_size=2, fsdp_size=world // 2)``), the ``(fsdp, tp)`` mesh of the Trainer's runs.
+(``DistributedConfig(tp_size=2, fsdp_size=world // 2)``), the ``(fsdp, tp)`` mesh of the Trainer's runs, or
+``zero2+tp2`` (ZeRO-1/2): DeepSpeed AutoTP over both ranks (``"tensor_parallel": {"autotp_size": 2}``; the plain
+model is sharded when the engine starts), or ``zero1+sp2`` (any ZeRO stage): DeepSpeed Ulysses over both ranks, set up as accelerate does it
+(``UlyssesSPAttentionHF.register_with_transformers`` -> the engine's ``mpu``); each rank feeds its half of every
+sequence (input ids, positions and pre-shifted labels, what DeepSpeed's ``UlyssesSPDataLoaderAdapter`` hands it).
 
 For each model: one warm-up step (creates the optimizer state), then a measured step:
 - tensor walk (storages de-duplicated): parameters (local shards; ZeRO-3 ``ds_tensor``), optimizer state
@@ -29,6 +33,17 @@ import torch.distributed as dist
 from hf_dist.planning.layout import strategy as registry_strategy
 
 SEQ, MICRO = 128, 2
+
+
+def parse_layout(layout: str) -> tuple[str, int, int]:
+    """``zero1+sp2`` -> ("zero1", tp 1, sp 2); ``fsdp_full_shard+tp2`` -> ("fsdp_full_shard", 2, 1)."""
+    strategy, *dims = layout.split("+")
+    sizes = {"tp": 1, "sp": 1}
+    for dim in dims:
+        if dim[:2] not in sizes or not dim[2:].isdigit():
+            raise ValueError(f"unknown layout {layout!r}: expected STRATEGY, STRATEGY+tpN or STRATEGY+spN")
+        sizes[dim[:2]] = int(dim[2:])
+    return strategy, sizes["tp"], sizes["sp"]
 
 
 def build(spec: str, tp_size: int = 1, fsdp_size: int = 1):
@@ -89,10 +104,11 @@ def nbytes(keyset: set) -> int:
     return sum(size for _, size in keyset)
 
 
-def wrap(strategy: str, model, tp_size: int = 1):
-    """Returns (module, optimizer, step_fn(ids, probe)), probe called between backward and step."""
+def wrap(strategy: str, model, tp_size: int = 1, sp_size: int = 1):
+    """Returns (module, optimizer, step_fn(ids, probe)), probe called between backward and step; under SP ``ids`` is
+    the whole sequence and the step feeds this rank's slice."""
     s = registry_strategy(strategy)
-    if tp_size > 1:  # sharded at load (TP, or FSDP2 x TP): nothing left to wrap
+    if tp_size > 1 and not s.is_deepspeed:  # sharded at load (TP, or FSDP2 x TP): nothing left to wrap
         module = model
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     elif s.is_ddp:
@@ -117,11 +133,34 @@ def wrap(strategy: str, model, tp_size: int = 1):
             "zero_optimization": {"stage": s.zero_stage},
             "steps_per_print": 10**9,
         }
+        if tp_size > 1:
+            config["tensor_parallel"] = {"autotp_size": tp_size}
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        engine, optimizer, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        mpu = None
+        if sp_size > 1:
+            from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+            config["sequence_parallel_size"] = sp_size
+            deepspeed.init_distributed()  # what deepspeed.initialize would start; the SP groups need it first
+            mpu = UlyssesSPAttentionHF.register_with_transformers(
+                model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=sp_size,
+                micro_batch_size=MICRO, seq_length=SEQ, seq_length_is_variable=True,
+            )  # fmt: skip
+        engine, optimizer, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
 
         def ds_step(ids, probe):
-            loss = engine(input_ids=ids, labels=ids).loss
+            if sp_size > 1:  # this rank's slice of ids, positions and pre-shifted labels
+                shift = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
+                chunk = SEQ // sp_size
+                part = slice(dist.get_rank() % sp_size * chunk, (dist.get_rank() % sp_size + 1) * chunk)
+                positions = torch.arange(SEQ).expand(ids.shape[0], -1)
+                local = {
+                    k: v[:, part].contiguous()
+                    for k, v in (("input_ids", ids), ("position_ids", positions), ("shift_labels", shift))
+                }
+                loss = engine(**local, labels=local["shift_labels"]).loss  # labels: the model computes a loss at all
+            else:
+                loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             probe()
             engine.step()
@@ -185,18 +224,18 @@ def measure(layout: str, spec: str) -> dict:
     tensor memory of this run (including C++-only tensors such as DDP buckets that a gc walk cannot see)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    strategy, _, tp = layout.partition("+tp")
-    tp_size = int(tp or 1)
+    strategy, tp_size, sp_size = parse_layout(layout)
     fsdp_size = dist.get_world_size() // tp_size if tp_size > 1 and registry_strategy(strategy).is_fsdp else 1
+    loaded_sharded = tp_size > 1 and not registry_strategy(strategy).is_deepspeed  # AutoTP shards after the load
     seen = {}
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        name, config, model = build(spec, tp_size, fsdp_size)
+        name, config, model = build(spec, tp_size if loaded_sharded else 1, fsdp_size)
         gc.collect()
         with record_function("built"):
             held = nbytes(keys([*model.parameters(), *model.buffers()]))
-        module, optimizer, step = wrap(strategy, model, tp_size)
-        # every rank of a TP group sees the same tokens; data-parallel ranks see different ones (mesh (fsdp, tp))
-        generator = torch.Generator().manual_seed(dist.get_rank() // tp_size)
+        module, optimizer, step = wrap(strategy, model, tp_size, sp_size)
+        # every rank of a TP or SP group sees the same sequence; data-parallel ranks see different ones
+        generator = torch.Generator().manual_seed(dist.get_rank() // (tp_size * sp_size))
         ids = torch.randint(0, config.vocab_size, (MICRO, SEQ), generator=generator)
         step(ids, lambda: None)  # warm-up: optimizer state exists from now on
         params = keys(param_tensors(module))
@@ -218,7 +257,7 @@ def measure(layout: str, spec: str) -> dict:
     # although no tensor holds them once the model is built (the gc walk finds only the shards): that residue,
     # measured here, is left out of the live memory (0 for every other layout, built in memory).
     built = next(e for e in prof.profiler.kineto_results.events() if e.name() == "built").start_ns()
-    residue = max(0, [live for t, live in curve if t < built][-1] - held) if tp_size > 1 else 0
+    residue = max(0, [live for t, live in curve if t < built][-1] - held) if loaded_sharded else 0
     resident, in_step = resident - residue, [live - residue for live in in_step]
     partitioned = registry_strategy(strategy).zero_stage == 3  # ZeRO-3 leaves empty placeholders in the module
     result = {
@@ -238,7 +277,7 @@ def measure(layout: str, spec: str) -> dict:
 
 def main() -> None:
     strategy, out, *specs = sys.argv[1:]
-    if not registry_strategy(strategy.partition("+")[0]).is_deepspeed:  # DeepSpeed starts its own process group
+    if not registry_strategy(parse_layout(strategy)[0]).is_deepspeed:  # DeepSpeed starts its own process group
         dist.init_process_group("gloo")
     torch.set_num_threads(1)
     results = [measure(strategy, spec) for spec in specs]

@@ -1,10 +1,14 @@
 """Planner accuracy: predicted vs measured per-rank memory on 2 CPU ranks, next to accelerate's and DeepSpeed's estimators.
 
-Usage:  python benchmarks/planner_accuracy.py [--strategies ddp,zero1,zero2,zero3,fsdp_full_shard,ddp+tp2,fsdp_full_shard+tp2] [--out results.json]
+Usage:  python benchmarks/planner_accuracy.py [--strategies ddp,zero3,zero2+tp2,zero1+sp2] [--models A:256:688:4:4:2:8000] [--out results.json]
+
+Layouts (default: all): a strategy name, ``STRATEGY+tp2`` (torch TP for ddp/FSDP2, DeepSpeed AutoTP for ZeRO-1/2)
+or ``STRATEGY+sp2`` (DeepSpeed Ulysses, ZeRO).
 
 For each small Llama config and strategy, ``_measure_memory.py`` trains one warm-up and one measured
 step (fp32, AdamW, seq 128, micro-batch 2) on 2 gloo ranks (4 for FSDP2 x TP: ``fsdp_full_shard+tp2``, a
-2 x 2 mesh) and reports, per rank:
+2 x 2 mesh; ``zero2+tp2``: DeepSpeed AutoTP over the 2 ranks; ``zero1+sp2``: DeepSpeed Ulysses over the 2 ranks,
+each holding half of every sequence) and reports, per rank:
 parameters / gradients / optimizer state by walking the tensors (storages de-duplicated) and the peak
 of live tensor memory from torch.profiler's allocation stream. Predictions for the same runs:
 - hf_dist: ``estimate_memory(..., param_bytes=4, device="cpu")`` (fp32, no CUDA context or caching
@@ -29,10 +33,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _measure_memory import parse_layout  # noqa: E402  (the one parser of layout names, shared with the ranks)
 
 # name:hidden:intermediate:layers:heads:kv_heads:vocab
 MODELS = ("A:256:688:4:4:2:8000", "B:384:1024:6:6:2:8000", "C:512:1376:6:8:4:8000")
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp_full_shard")
+STRATEGIES = (
+    "ddp", "zero1", "zero2", "zero3", "fsdp_full_shard",
+    "ddp+tp2", "fsdp_full_shard+tp2", "zero2+tp2", "zero1+sp2", "zero2+sp2", "zero3+sp2",
+)  # fmt: skip
 SEQ, MICRO = 128, 2
 MB = 1e6
 
@@ -52,8 +62,8 @@ def world_of(layout: str) -> int:
     """2 ranks; FSDP2 x TP needs a 2-D mesh: 2 data-parallel shards x the TP size."""
     from hf_dist.planning.layout import strategy as registry_strategy
 
-    strategy, _, tp = layout.partition("+tp")
-    return 2 * int(tp) if tp and registry_strategy(strategy).is_fsdp else 2
+    strategy, tp, _ = parse_layout(layout)
+    return 2 * tp if tp > 1 and registry_strategy(strategy).is_fsdp else 2
 
 
 def predictions(spec_text: str, layout: str) -> dict:
@@ -63,14 +73,14 @@ def predictions(spec_text: str, layout: str) -> dict:
     from hf_dist.planning.memory import estimate_memory
     from hf_dist.planning.modelinfo import model_spec
 
-    strategy, _, tp = layout.partition("+tp")
+    strategy, tp, sp = parse_layout(layout)
     s = registry_strategy(strategy)
     spec = model_spec(llama_config(spec_text))
     n = spec.num_params
     world = world_of(layout)
     ours = estimate_memory(
         spec, s, world, param_bytes=4, master_weights=s.zero_stage in (1, 2),
-        seq_len=SEQ, micro_batch_size=MICRO, device="cpu", tp_size=int(tp or 1),
+        seq_len=SEQ, micro_batch_size=MICRO, device="cpu", tp_size=tp, sp_size=sp,
     )  # fmt: skip
     acc = estimate_training_usage(n * 4, "float32")
     out = {
@@ -97,15 +107,21 @@ def predictions(spec_text: str, layout: str) -> dict:
 
 
 def measure(strategy: str, models: tuple[str, ...]) -> list[dict]:
+    """All models in one launch; one launch per model under Ulysses SP (DeepSpeed sets its SP groups up once per
+    process)."""
     from hf_dist.testing import torchrun
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "measured.json")
-        env = {"HF_DIST_MEASURE_DIR": tmp}  # where a TP layout's model is written once and loaded sharded
-        script = ROOT / "benchmarks" / "_measure_memory.py"
-        torchrun(script, [strategy, out, *models], nproc=world_of(strategy), timeout=1200, env=env)
-        with open(out) as fh:
-            return json.load(fh)
+    batches = [[m] for m in models] if parse_layout(strategy)[2] > 1 else [list(models)]
+    rows = []
+    for batch in batches:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "measured.json")
+            env = {"HF_DIST_MEASURE_DIR": tmp}  # where a TP layout's model is written once and loaded sharded
+            script = ROOT / "benchmarks" / "_measure_memory.py"
+            torchrun(script, [strategy, out, *batch], nproc=world_of(strategy), timeout=1200, env=env)
+            with open(out) as fh:
+                rows += json.load(fh)
+    return rows
 
 
 def ratio(pred, measured) -> str:

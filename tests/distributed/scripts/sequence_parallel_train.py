@@ -10,7 +10,8 @@ Both runs: same init (seed 0), same 16 random sequences of 32 tokens, micro-batc
 sampler (seed 42), AdamW lr 5e-5 linear, 2 steps, fp32. The SP run is ZeRO-1 with
 ``"sequence_parallel_size": 2`` and ``ParallelismConfig(sp_backend="deepspeed", sp_size=2)``; the 2 ranks
 share one sample per step, each attending over half of its tokens after DeepSpeed's all-to-all.
-Micro-batch 1 because micro-batch 2 fails in transformers' loss with these versions (docs/parallelism.md).
+Micro-batch 1 because micro-batch 2 fails in transformers' loss on CPU ranks: DeepSpeed's SP data adapter keeps each
+rank's slice as a strided view there (docs/parallelism.md).
 Rank 0 writes the losses, grad norms and the sequence length the embedding layer saw on each rank.
 """
 
