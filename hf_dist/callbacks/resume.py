@@ -63,7 +63,8 @@ class ShardedResumeCallback(TrainerCallback):
     """Checkpoint and resume the optimizer and LR scheduler of a model sharded at load time (TP, FSDP2 x TP).
 
     Such a model must train with ``save_only_model=True`` (the Trainer refuses more); this callback adds
-    ``hf_dist_optimizer/`` (DCP) and ``hf_dist_scheduler.json`` to each ``checkpoint-N`` and lets the Trainer's
+    ``hf_dist_optimizer/`` (DCP), ``hf_dist_scheduler.json`` and the Trainer's own per-rank ``rng_state_R.pth``
+    (which the Trainer restores itself) to each ``checkpoint-N`` and lets the Trainer's
     own weight load accept the gathered ``model.safetensors``. A resumed run (``trainer.train(
     resume_from_checkpoint=...)``) gets them back at ``on_train_begin``, resharded to its layout: the same TP
     size, FSDP2 x TP, or DDP. It must run before :class:`CompleteCheckpointCallback` (as in
@@ -108,3 +109,5 @@ class ShardedResumeCallback(TrainerCallback):
         if self.sharded_at_load:
             checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             sharded_state.save_optimizer_state(checkpoint, model, optimizer, lr_scheduler)
+            if args.save_only_model:  # the Trainer left its RNG files out; it reads them back on resume itself
+                sharded_state.save_rng_state(checkpoint, args.world_size)

@@ -15,6 +15,8 @@ and DTensor"). hf_dist closes both gaps with ``torch.distributed.checkpoint``:
   scheduler as JSON (``hf_dist_scheduler.json``).
 * :func:`load_optimizer_state`: loads them into whatever layout DCP can reshard to: the same TP size, FSDP2 x TP
   on more ranks, or plain replicated parameters (DDP).
+* :func:`save_rng_state`: each rank's random generators as the Trainer's own ``rng_state_R.pth``, which
+  ``save_only_model`` leaves out; the Trainer restores them itself on resume (``Trainer._load_rng_state``).
 
 :class:`hf_dist.callbacks.resume.ShardedResumeCallback` calls these at each save and when a run resumes.
 """
@@ -90,6 +92,29 @@ def save_optimizer_state(
     if scheduler_state is not None and _dist.rank() == 0:
         atomic_write_json(Path(checkpoint_dir) / SCHEDULER_FILE, scheduler_state)
     return folder
+
+
+def save_rng_state(checkpoint_dir: str | os.PathLike, world_size: int) -> Path:
+    """This rank's random generators in the file and format ``Trainer._save_rng_state`` writes (python, numpy, torch
+    CPU and, on CUDA, every device's generator), which ``Trainer._load_rng_state`` reads back; call on every rank."""
+    import io
+    import random
+
+    import numpy as np
+
+    from hf_dist.atomic_io import atomic_write_bytes
+
+    states: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cpu": torch.random.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.random.get_rng_state_all() if world_size > 1 else torch.cuda.random.get_rng_state()
+    name = f"rng_state_{_dist.rank()}.pth" if world_size > 1 else "rng_state.pth"
+    buffer = io.BytesIO()
+    torch.save(states, buffer)
+    return atomic_write_bytes(Path(checkpoint_dir) / name, buffer.getvalue())
 
 
 def _json_state(lr_scheduler: Any) -> dict:

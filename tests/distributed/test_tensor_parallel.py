@@ -286,7 +286,8 @@ def test_tp_checkpoints_hold_the_full_state_dict(tp_runs):
     report = tp_runs.get("tp")
     workdir = Path(report["workdir"])
     assert {"model.safetensors", "config.json"} <= set(report["checkpoint_files"])
-    assert not any(f.startswith(("optimizer", "rng_state")) for f in report["checkpoint_files"])  # save_only_model
+    assert not any(f.startswith("optimizer") for f in report["checkpoint_files"])  # save_only_model
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(report["checkpoint_files"])  # written by hf_dist
     assert report["dcp_files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     code = f"""
 import torch
@@ -317,6 +318,10 @@ def test_tp_checkpoint_resumes_on_the_same_and_other_layouts(tp_runs, name):
     assert len(resumed["losses"]) == STEPS - RESUME_STEP
     diff = max_rel_diff(resumed["losses"], straight["losses"][RESUME_STEP:])
     assert diff <= LOSS_RTOL, f"{name} losses {resumed['losses']} vs straight {straight['losses']}: max rel {diff:.2e}"
+    # the random generators too (each step draws once, as dropout would): the Trainer restored the rng_state_R.pth
+    # files hf_dist wrote, which save_only_model leaves out
+    assert resumed["rng_at_step_end"] == straight["rng_at_step_end"][RESUME_STEP:]
+    assert len(set(straight["rng_at_step_end"])) == STEPS  # the draws really moved the generator
 
 
 def test_tp_checkpoint_holds_the_optimizer_of_every_rank(tp_runs):

@@ -151,6 +151,8 @@ def autotp_full_state_dict(module) -> dict:
 
 def main() -> None:
     args = parse_args()
+    import hashlib
+
     import torch
     import torch.distributed as dist
     from accelerate import PartialState
@@ -177,10 +179,17 @@ def main() -> None:
 
     losses: list[float] = []
 
+    rng_states: list[str] = []
+
     class Recorder(TrainerCallback):
         def on_log(self, _args, _state, _control, logs=None, **kwargs):
             if logs and "loss" in logs:
                 losses.append(float(logs["loss"]))
+
+        def on_step_end(self, _args, _state, _control, **kwargs):
+            # the torch RNG as each step ends, then one draw, as dropout would: a resume must restore the generators
+            rng_states.append(hashlib.sha1(torch.random.get_rng_state().numpy().tobytes()).hexdigest()[:16])
+            torch.rand(1)
 
     training_args = TrainingArguments(
         output_dir=args.output_dir,
@@ -224,6 +233,7 @@ def main() -> None:
         "tp_size": trainer.get_tp_size(),
         "placements": placements(trainer.model),
         "tp_layers": tp_layers(trainer.model),
+        "rng_at_step_end": rng_states,
         "local_params": sum(getattr(p, "_local_tensor", p).numel() for p in trainer.model.parameters()),
     }
     if args.save and args.layout == "autotp":  # the reference for hf-dist convert of the AutoTP checkpoint

@@ -125,3 +125,25 @@ def test_loading_passes_the_gate_first(tmp_path):
     with pytest.raises(UnsafePickleError, match="__0_0.distcp: it contains the type posix.mkdir"):
         sharded_state.load_optimizer_state(tmp_path, model, optimizer, scheduler)
     assert not (tmp_path / "RAN").exists()
+
+
+def test_rng_state_is_written_in_the_trainers_format(tmp_path):
+    """save_only_model leaves the Trainer's RNG files out; hf_dist writes them, and the Trainer's own loader (a
+    weights_only load under its safe globals) restores the generators from them."""
+    import random
+
+    import numpy as np
+    from transformers import Trainer
+
+    torch.manual_seed(3)
+    random.seed(3)
+    np.random.seed(3)
+    path = sharded_state.save_rng_state(tmp_path, world_size=1)
+    assert path.name == "rng_state.pth"
+    expected = (torch.rand(2), random.random(), np.random.rand())
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)
+    trainer = SimpleNamespace(args=SimpleNamespace(world_size=1, parallel_mode=None))
+    Trainer._load_rng_state(trainer, str(tmp_path))
+    assert torch.equal(torch.rand(2), expected[0]) and random.random() == expected[1]
+    assert np.random.rand() == expected[2]
+    assert sharded_state.save_rng_state(tmp_path, world_size=2).name == "rng_state_0.pth"
