@@ -230,7 +230,10 @@ def _reason_for(c: Candidate, best: Candidate, pinned: bool = False) -> str:
         if c.offload != "none":
             where = "NVMe (ZeRO-Infinity)" if c.offload_device == "nvme" else "CPU"
             notes.append(f"offload={c.offload} to {where} because nothing fits without it")
-        if c.model_parallel > 1 and not pinned:
+        if c.model_parallel > 1 and not pinned and c.offload != "none":
+            notes.append(f"{c.label.split(' ', 1)[1]} because no layout fits without offload and no data-parallel "
+                         "layout fits with it")  # fmt: skip
+        elif c.model_parallel > 1 and not pinned:
             notes.append(f"{c.label.split(' ', 1)[1]} because no data-parallel layout fits without offload or splits "
                          "the global batch")  # fmt: skip
         elif c.model_parallel > 1:
@@ -435,7 +438,8 @@ def plan(
 
 class _Search:
     """The ladder: data parallelism (with CPU offload as a last resort), then model parallelism without offload
-    when no data-parallel layout fits without it or splits the global batch, then NVMe offload when nothing fits."""
+    when no data-parallel layout fits without it or splits the global batch, then Ulysses SP with ZeRO CPU offload,
+    then NVMe offload when nothing fits."""
 
     def __init__(self, setup: _Setup, strategies, offloads, ckpts, ligers, pinned_strategy: bool, features):
         self.s, self.strategies, self.offloads, self.ckpts, self.ligers = setup, strategies, offloads, ckpts, ligers
@@ -472,14 +476,23 @@ class _Search:
         if any(c.fits for c in candidates):
             return candidates, dims
         if self.offloads == ("none",):
-            return candidates, dims + ["nvme: not searched: offload is 'none' here (asked for, QLoRA or CPU ranks)"]
+            return candidates, dims + ["offload with sp, nvme: not searched: offload is 'none' here (asked for, "
+                                       "QLoRA or CPU ranks)"]  # fmt: skip
+        seq = [t for t in triples if t[0] == t[1] == 1]  # Ulysses SP alone
+        offloads = [o for o in ("optimizer", "optimizer+params") if o in self.offloads]  # unless offload is pinned
+        # ZeRO CPU offload with Ulysses SP: DeepSpeed ALST's recipe for long sequences on few GPUs
+        zero = [name for name in self.strategies if REGISTRY[name].is_deepspeed]
+        offloaded = self._combos(zero, offloads, *seq)
+        candidates += self._evaluate(offloaded)
+        dims.append(f"searched sp with ZeRO CPU offload ({len(offloaded)} layouts, DeepSpeed ALST's recipe): nothing "
+                    "fits without offload")  # fmt: skip
+        if any(c.fits for c in candidates):
+            return candidates, dims
         if hw.nvme_gbps is None:
             return candidates, dims + ["nvme: not searched: pass nvme_gbps (hf-dist plan --nvme-gbps) for the "
                                        "nodes' local NVMe drives to consider ZeRO-Infinity"]  # fmt: skip
-        sp = [(1, 1, 1)] + [t for t in triples if t[0] == t[1] == 1]
-        offloads = [o for o in ("optimizer", "optimizer+params") if o in self.offloads]  # unless offload is pinned
         zero3 = ["zero3"] if "zero3" in self.strategies else []
-        nvme = [c._replace(nvme=True) for c in self._combos(zero3, offloads, *sp)]
+        nvme = [c._replace(nvme=True) for c in self._combos(zero3, offloads, (1, 1, 1), *seq)]
         nvme = [c for c in nvme if _refusal(c, hw, self.features) is None]
         candidates += self._evaluate(nvme)
         return candidates, dims + [f"nvme: searched zero3 offload to NVMe ({len(nvme)} layouts): nothing else fits"]

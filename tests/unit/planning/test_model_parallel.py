@@ -175,6 +175,21 @@ def test_tp_needs_a_tensor_parallel_plan():
         plan(gpt2, gpus=2, gpu_memory_gib=80, tp_size=2, features=ALL)
 
 
+def test_long_context_on_one_node_offloads_with_sequence_parallelism():
+    """70B at 64k tokens on 8 x 80 GB: no layout fits without offload, and CPU offload fits only with the sequence
+    split too (ZeRO-3 + offload + Ulysses SP, DeepSpeed ALST's recipe); its configs carry both."""
+    from hf_dist.configs.training_args import strategy_args
+
+    kw = dict(gpus=8, gpu_memory_gib=80, host_memory_gib=4096, seq_len=65536, global_batch_size=8, features=ALL)
+    p = plan(LLAMA_70B, **kw)
+    assert (p.strategy, p.sp_size > 1, p.offload != "none", p.offload_device) == ("zero3", True, True, "cpu")
+    assert not [c for c in p.candidates if c.fits and c.offload == "none"]
+    assert not [c for c in p.candidates if c.fits and c.model_parallel == 1]  # DP + offload alone does not fit
+    assert "searched sp with ZeRO CPU offload" in p.explain()
+    ds = strategy_args(p.layout)["deepspeed"]
+    assert ds["sequence_parallel_size"] == p.sp_size and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+
+
 def test_nvme_when_host_ram_is_too_small_for_cpu_offload():
     kw = dict(gpus=8, gpu_memory_gib=80, host_memory_gib=512, global_batch_size=16, features=ALL)
     with pytest.raises(PlanError, match="nvme: not searched: pass nvme_gbps"):
