@@ -187,7 +187,9 @@ def test_long_context_on_one_node_offloads_with_sequence_parallelism():
     assert not [c for c in p.candidates if c.fits and c.model_parallel == 1]  # DP + offload alone does not fit
     assert "searched sp with ZeRO CPU offload" in p.explain()
     ds = strategy_args(p.layout)["deepspeed"]
-    assert ds["sequence_parallel_size"] == p.sp_size and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert (
+        ds["sequence_parallel_size"] == p.sp_size and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    )
 
 
 def test_nvme_when_host_ram_is_too_small_for_cpu_offload():
