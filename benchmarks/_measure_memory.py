@@ -16,7 +16,8 @@ For each model: one warm-up step (creates the optimizer state), then a measured 
   (+ DeepSpeed's fp32 master partitions), gradients (``.grad`` of the local params, or the ZeRO
   engine's gradient partitions) read between backward and step;
 - peak: torch.profiler(profile_memory=True) records every CPU tensor allocation/free from model creation
-  on; the running sum is the live tensor memory, its maximum inside the measured step is the peak.
+  on, each with the process-wide live tensor bytes (counted in every thread: :func:`track_all_threads`); their
+  maximum inside the measured step is the peak.
 Training is fp32 (no mixed precision on CPU), AdamW, seq 128, micro-batch 2.
 """
 
@@ -208,20 +209,49 @@ def grad_tensors(module, optimizer) -> list:
     return out
 
 
-def memory_curve(prof) -> list[tuple[int, int]]:
-    """(time_ns, live bytes) after every CPU allocation/free the profiler recorded, in time order."""
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    live, curve = 0, []
+def track_all_threads() -> None:
+    """Make torch's CPU allocator count every tensor of the process, whichever thread frees it.
+
+    Under the profiler, c10's ``ProfiledCPUMemoryReporter`` counts allocations and frees only in threads where
+    memory profiling is on (``memoryProfilingEnabled()`` is thread-local), so a tensor allocated in the main
+    thread and freed by a gloo or autograd worker thread (async collectives: FSDP2, TP, DDP's buckets) stays
+    "live" forever: the old running sum drifted up step after step and from run to run (FSDP2 model A: 107 ->
+    119 MB over 4 steps, 124 -> 152 MB in another run). With ``FLAGS_caffe2_report_cpu_memory_usage`` (a c10
+    flag, set through its exported symbol; its log lines are below c10's default log level) the reporter counts
+    every thread, and each allocation event the profiler records carries that process-wide total: steady across
+    steps and runs (FSDP2 model A: 107.4 MB in every step of two runs). Set before any tensor to measure exists.
+    """
+    import ctypes
+
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage").value = True
+
+
+def _walk(events):
     for e in events:
-        live += e.nbytes()
-        curve.append((e.start_ns(), live))
-    return curve
+        yield e
+        yield from _walk(e.children)
+
+
+def memory_curve(prof) -> tuple[list[tuple[int, int]], dict[str, tuple[int, int]]]:
+    """((time_ns, live tensor bytes of the process) at every allocation/free recorded, in time order, counted from
+    the first one; {record_function name: (start_ns, end_ns)})."""
+    allocation = torch._C._profiler._ExtraFields_Allocation
+    points, marks = [], {}
+    for e in _walk(prof.profiler.kineto_results.experimental_event_tree()):
+        if isinstance(e.extra_fields, allocation):
+            points.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.total_allocated))
+        else:
+            marks.setdefault(e.name, (e.start_time_ns, e.end_time_ns))
+    points.sort()
+    base = points[0][2] - points[0][1]  # what was live before the first event (an earlier model's leftovers)
+    return [(t, total - base) for t, _, total in points], marks
 
 
 def measure(layout: str, spec: str) -> dict:
     """Everything from model creation on runs under the profiler, so its allocation stream is the absolute
-    tensor memory of this run (including C++-only tensors such as DDP buckets that a gc walk cannot see)."""
+    tensor memory of this run (including C++-only tensors such as DDP buckets that a gc walk cannot see), counted
+    across every thread (:func:`track_all_threads`)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     strategy, tp_size, sp_size = parse_layout(layout)
@@ -230,9 +260,6 @@ def measure(layout: str, spec: str) -> dict:
     seen = {}
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         name, config, model = build(spec, tp_size if loaded_sharded else 1, fsdp_size)
-        gc.collect()
-        with record_function("built"):
-            held = nbytes(keys([*model.parameters(), *model.buffers()]))
         module, optimizer, step = wrap(strategy, model, tp_size, sp_size)
         # every rank of a TP or SP group sees the same sequence; data-parallel ranks see different ones
         generator = torch.Generator().manual_seed(dist.get_rank() // (tp_size * sp_size))
@@ -247,20 +274,13 @@ def measure(layout: str, spec: str) -> dict:
 
         with record_function("measured_step"):
             step(ids, probe)
-    curve = memory_curve(prof)
-    marker = next(e for e in prof.profiler.kineto_results.events() if e.name() == "measured_step")
-    start_ns, end_ns = marker.start_ns(), marker.end_ns()
+    curve, marks = memory_curve(prof)
+    start_ns, end_ns = marks["measured_step"]
     before = [live for t, live in curve if t < start_ns]
     resident = before[-1] if before else 0
     in_step = [live for t, live in curve if start_ns <= t <= end_ns] or [resident]
-    # Loading a TP model, the profiler records the checkpoint's whole tensors being allocated but not freed,
-    # although no tensor holds them once the model is built (the gc walk finds only the shards): that residue,
-    # measured here, is left out of the live memory (0 for every other layout, built in memory).
-    built = next(e for e in prof.profiler.kineto_results.events() if e.name() == "built").start_ns()
-    residue = max(0, [live for t, live in curve if t < built][-1] - held) if loaded_sharded else 0
-    resident, in_step = resident - residue, [live - residue for live in in_step]
     partitioned = registry_strategy(strategy).zero_stage == 3  # ZeRO-3 leaves empty placeholders in the module
-    result = {
+    return {
         "model": name,
         "strategy": layout,
         "num_params": None if partitioned or tp_size > 1 else sum(p.numel() for p in model.parameters()),
@@ -270,13 +290,12 @@ def measure(layout: str, spec: str) -> dict:
         "resident_before_step": resident,
         "peak": max(in_step),
         "step_ms": (end_ns - start_ns) / 1e6,
-        "load_residue": residue,
     }
-    return result
 
 
 def main() -> None:
     strategy, out, *specs = sys.argv[1:]
+    track_all_threads()
     if not registry_strategy(parse_layout(strategy)[0]).is_deepspeed:  # DeepSpeed starts its own process group
         dist.init_process_group("gloo")
     torch.set_num_threads(1)

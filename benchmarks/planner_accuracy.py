@@ -107,21 +107,33 @@ def predictions(spec_text: str, layout: str) -> dict:
 
 
 def measure(strategy: str, models: tuple[str, ...]) -> list[dict]:
-    """All models in one launch; one launch per model under Ulysses SP (DeepSpeed sets its SP groups up once per
-    process)."""
-    from hf_dist.testing import torchrun
-
-    batches = [[m] for m in models] if parse_layout(strategy)[2] > 1 else [list(models)]
+    """One launch per model: the process-wide tensor count must not see an earlier model's tensors freed during
+    the measured step (and DeepSpeed sets its SP groups up once per process)."""
     rows = []
-    for batch in batches:
+    for model in models:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "measured.json")
-            env = {"HF_DIST_MEASURE_DIR": tmp}  # where a TP layout's model is written once and loaded sharded
-            script = ROOT / "benchmarks" / "_measure_memory.py"
-            torchrun(script, [strategy, out, *batch], nproc=world_of(strategy), timeout=1200, env=env)
+            launch(strategy, model, out, tmp)
             with open(out) as fh:
                 rows += json.load(fh)
     return rows
+
+
+def launch(strategy: str, model: str, out: str, tmp: str) -> None:
+    """One measuring launch, retried once when a rank aborts at exit (gloo's rare teardown abort,
+    benchmarks/gloo_exit.py): the measurement itself is deterministic."""
+    from hf_dist.testing import torchrun
+
+    env = {"HF_DIST_MEASURE_DIR": tmp}  # where a TP layout's model is written once and loaded sharded
+    script = ROOT / "benchmarks" / "_measure_memory.py"
+    for attempt in (1, 2):
+        try:
+            torchrun(script, [strategy, out, model], nproc=world_of(strategy), timeout=1200, env=env)
+            return
+        except RuntimeError as exc:
+            if attempt == 2 or "terminate called without an active exception" not in str(exc):
+                raise
+            print(f"  {strategy} {model.split(':')[0]}: a rank aborted at exit; measuring again", file=sys.stderr)
 
 
 def ratio(pred, measured) -> str:
