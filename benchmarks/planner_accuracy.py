@@ -120,20 +120,15 @@ def measure(strategy: str, models: tuple[str, ...]) -> list[dict]:
 
 
 def launch(strategy: str, model: str, out: str, tmp: str) -> None:
-    """One measuring launch, retried once when a rank aborts at exit (gloo's rare teardown abort,
-    benchmarks/gloo_exit.py): the measurement itself is deterministic."""
-    from hf_dist.testing import torchrun
+    """One measuring launch, retried once when a rank dies of gloo's rare abort (benchmarks/gloo_exit.py): the
+    measurement itself is deterministic."""
+    from hf_dist.testing import retry_gloo_abort, torchrun
 
     env = {"HF_DIST_MEASURE_DIR": tmp}  # where a TP layout's model is written once and loaded sharded
     script = ROOT / "benchmarks" / "_measure_memory.py"
-    for attempt in (1, 2):
-        try:
-            torchrun(script, [strategy, out, model], nproc=world_of(strategy), timeout=1200, env=env)
-            return
-        except RuntimeError as exc:
-            if attempt == 2 or "terminate called without an active exception" not in str(exc):
-                raise
-            print(f"  {strategy} {model.split(':')[0]}: a rank aborted at exit; measuring again", file=sys.stderr)
+    retry_gloo_abort(
+        lambda _: torchrun(script, [strategy, out, model], nproc=world_of(strategy), timeout=1200, env=env)
+    )
 
 
 def ratio(pred, measured) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from hf_dist.planning.layout import Engine, strategy
-from hf_dist.testing import REPO_ROOT, cpu_env, free_port, run_checked, torchrun
+from hf_dist.testing import REPO_ROOT, cpu_env, free_port, retry_gloo_abort, run_checked, torchrun
 
 SCRIPTS = Path(__file__).parent / "scripts"
 CONFIG_DIR = REPO_ROOT / "accelerate_configs"
@@ -82,22 +82,25 @@ class LaunchCache:
 
     def get(self, key: str) -> dict:
         if key not in self._results:
-            workdir = self.root / key
-            workdir.mkdir(parents=True)
-            out = workdir / "report.json"
-            start = time.perf_counter()
             try:
-                self._launch(key, workdir, out)
-                report = json.loads(out.read_text())
-                report["launch_seconds"] = round(time.perf_counter() - start, 1)
-                report["workdir"] = str(workdir)
-                self._results[key] = report
+                self._results[key] = retry_gloo_abort(lambda attempt: self._run(key, attempt))
             except Exception as exc:  # cached so dependent tests fail fast with the same output
                 self._results[key] = exc
         result = self._results[key]
         if isinstance(result, BaseException):
             raise RuntimeError(f"launch {key!r} failed (cached): {result}") from result
         return result
+
+    def _run(self, key: str, attempt: int) -> dict:
+        workdir = self.root / (key if attempt == 0 else f"{key}-retry{attempt}")  # a retry starts afresh
+        workdir.mkdir(parents=True)
+        out = workdir / "report.json"
+        start = time.perf_counter()
+        self._launch(key, workdir, out)
+        report = json.loads(out.read_text())
+        report["launch_seconds"] = round(time.perf_counter() - start, 1)
+        report["workdir"] = str(workdir)
+        return report
 
 
 def launch_strategy(case: StrategyCase, workdir: Path, out: Path) -> None:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_dist.testing import cpu_env, run_checked, torchrun_command
+from hf_dist.testing import cpu_env, retry_gloo_abort, run_checked, torchrun_command
 
 pytestmark = pytest.mark.distributed
 
@@ -76,18 +76,21 @@ class Runs:
 
     def get(self, name: str) -> dict:
         if name not in self._results:
-            layout, nproc, extra = LAUNCHES[name]
-            workdir = self.root / name
             try:
-                if name.endswith("_resume"):
-                    shutil.copytree(self.checkpoint(), workdir / f"checkpoint-{RESUME_STEP}")
-                self._results[name] = self.launch(layout, nproc, workdir, extra)
+                self._results[name] = retry_gloo_abort(lambda attempt: self._run(name, attempt))
             except Exception as exc:
                 self._results[name] = exc
         result = self._results[name]
         if isinstance(result, BaseException):
             raise RuntimeError(f"launch {name!r} failed (cached): {result}") from result
         return result
+
+    def _run(self, name: str, attempt: int) -> dict:
+        layout, nproc, extra = LAUNCHES[name]
+        workdir = self.root / (name if attempt == 0 else f"{name}-retry{attempt}")  # a retry starts afresh
+        if name.endswith("_resume"):
+            shutil.copytree(self.checkpoint(), workdir / f"checkpoint-{RESUME_STEP}")
+        return self.launch(layout, nproc, workdir, extra)
 
     def checkpoint(self) -> Path:
         """The tp run's checkpoint-2, which the resume launches start from."""

@@ -59,3 +59,34 @@ def torch_float16_in(dtypes) -> bool:
     import torch
 
     return torch.float16 in dtypes
+
+
+def test_a_gloo_abort_is_launched_once_more_and_nothing_else_is():
+    from hf_dist.testing import GLOO_ABORT, retry_gloo_abort
+
+    attempts = []
+
+    def aborts_once(attempt):
+        attempts.append(attempt)
+        if attempt == 0:
+            raise RuntimeError(f"command failed with exit code 1: ...\n{GLOO_ABORT}\nFatal Python error: Aborted")
+        return "report"
+
+    with pytest.warns(RuntimeWarning, match="gloo's rare abort"):
+        assert retry_gloo_abort(aborts_once) == "report"
+    assert attempts == [0, 1]
+
+    def always_aborts(attempt):
+        raise RuntimeError(GLOO_ABORT)
+
+    with pytest.warns(RuntimeWarning), pytest.raises(RuntimeError, match="terminate called"):
+        retry_gloo_abort(always_aborts)
+    calls = []
+
+    def other_failure(attempt):
+        calls.append(attempt)
+        raise RuntimeError("ValueError: a real failure")
+
+    with pytest.raises(RuntimeError, match="a real failure"):
+        retry_gloo_abort(other_failure)
+    assert calls == [0]  # a real failure is never retried
