@@ -173,15 +173,22 @@ def test_tp_dcp_checkpoint_converts_to_an_hf_folder(tp_runs, tmp_path, layout):
     out = tmp_path / "hf"
     convert = [sys.executable, "-m", "hf_dist.cli.main", "convert", str(workdir / "dcp"), str(out)]
     run_checked([*convert, "--model-config", str(tp_runs.model_dir), "--no-progress"], env=cpu_env(), timeout=120)
+    assert_hf_folder_equals(out, workdir / "full_state_dict.pt")
+
+
+def assert_hf_folder_equals(folder: Path, full_state_dict: Path) -> None:
+    """The converted folder holds exactly the tensors of ``full_state_dict`` (torch.equal) and from_pretrained loads
+    them (in a fresh process: the test process has no distributed state)."""
     code = f"""
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
-full = torch.load({str(workdir / "full_state_dict.pt")!r})
-hf = load_file({str(out / "model.safetensors")!r})
+full = torch.load({str(full_state_dict)!r})
+hf = load_file({str(folder / "model.safetensors")!r})
 assert set(hf) == set(full), set(hf) ^ set(full)
+assert full["lm_head.weight"].shape == (256, 64), full["lm_head.weight"].shape  # whole, not a shard
 assert not [k for k in full if not torch.equal(hf[k], full[k])]
-model = AutoModelForCausalLM.from_pretrained({str(out)!r})
+model = AutoModelForCausalLM.from_pretrained({str(folder)!r})
 assert all(torch.equal(p, full[n]) for n, p in model.state_dict().items())
 print("equal")
 """
@@ -267,21 +274,7 @@ def test_deepspeed_autotp_checkpoint_converts_to_an_hf_folder(tp_runs, tmp_path)
     convert = [sys.executable, "-m", "hf_dist.cli.main", "convert", str(root), str(out), "--no-progress"]
     proc = run_checked(convert, env=cpu_env(), timeout=120)
     assert "AutoTP size 2" in proc.stdout, proc.stdout
-    code = f"""
-import torch
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
-full = torch.load({str(Path(report["workdir"]) / "full_state_dict.pt")!r})
-hf = load_file({str(out / "model.safetensors")!r})
-assert set(hf) == set(full), set(hf) ^ set(full)
-assert full["lm_head.weight"].shape == (256, 64) and full["model.layers.0.self_attn.o_proj.weight"].shape == (64, 64)
-assert not [k for k in full if not torch.equal(hf[k], full[k])]
-model = AutoModelForCausalLM.from_pretrained({str(out)!r})
-assert all(torch.equal(p, full[n]) for n, p in model.state_dict().items())
-print("equal")
-"""
-    proc = run_checked([sys.executable, "-c", code], env=cpu_env(), timeout=120)
-    assert proc.stdout.strip().endswith("equal")
+    assert_hf_folder_equals(out, Path(report["workdir"]) / "full_state_dict.pt")
 
 
 def test_tp_checkpoints_hold_the_full_state_dict(tp_runs):
