@@ -39,6 +39,8 @@ LAUNCHES = {
     "zero3_pretrain": ("zero3", ("pretrain",), {"ACCELERATE_USE_CPU": "false"}, ("--deepspeed_on_cpu",)),
     # tensor parallelism: the TP group is one data-parallel replica (global batch halves: no golden loss)
     "ddp_tp2": ("ddp", ("sft",), {}, ("--tp_size", "2", "--model_parallel_on_cpu")),
+    # DeepSpeed AutoTP (ZeRO-2): DeepSpeed shards the plain model when the engine starts
+    "zero2_tp2": ("zero2", ("sft",), {"ACCELERATE_USE_CPU": "false"}, ("--tp_size", "2", "--deepspeed_on_cpu")),
 }
 EXPECTED = {
     "ddp": ("ddp", "DistributedDataParallel"),
@@ -49,8 +51,9 @@ EXPECTED = {
 # Tolerance 2e-3 absolute: the strategies reduce gradients in different orders (fp32 rounding).
 GOLDEN = {"sft": (4.6236, 4.1940), "pretrain": (4.6584, 4.1935), "lora": (4.6236, 4.4171)}
 GOLDEN_ATOL = 2e-3
-TP_LAUNCH = "ddp_tp2"  # its own tests below; the others compare launches at the same global batch
-CASES = [(launch, r) for launch, (_, recipes, _, _) in LAUNCHES.items() for r in recipes if launch != TP_LAUNCH]
+TP_LAUNCH, AUTOTP_LAUNCH = "ddp_tp2", "zero2_tp2"  # their own tests below; the others share one global batch
+TP_LAUNCHES = (TP_LAUNCH, AUTOTP_LAUNCH)
+CASES = [(launch, r) for launch, (_, recipes, _, _) in LAUNCHES.items() for r in recipes if launch not in TP_LAUNCHES]
 
 
 @pytest.fixture(scope="session")
@@ -169,7 +172,7 @@ def test_exported_weights_agree_across_strategies(recipe_runs, recipe, filename)
     weights = {
         s: load_file(recipe_runs(s) / recipe / Path(results(recipe_runs, s, recipe)["export_dir"]).name / filename)
         for s in LAUNCHES
-        if recipe in LAUNCHES[s][1] and s != TP_LAUNCH
+        if recipe in LAUNCHES[s][1] and s not in TP_LAUNCHES
     }
     reference = weights.pop("ddp")
     for strategy, tensors in weights.items():
@@ -202,3 +205,21 @@ def test_tp_recipe_runs_tensor_parallel(recipe_runs):
     # ... lifted by hf_dist.callbacks.ShardedResumeCallback: the optimizer as DCP, listed by the complete marker
     assert all((c / "hf_dist_optimizer" / ".metadata").is_file() and is_complete(c) for c in checkpoints)
     assert res["exported_with"] and math.isfinite(res["eval_loss"])
+
+
+def test_autotp_recipe_runs_deepspeed_tensor_parallel(recipe_runs):
+    """--strategy zero2 --tp_size 2: the plan pins DeepSpeed AutoTP, the run line and the results say tp=2 (checked
+    against the engine's TP layers), the batch math counts one data-parallel replica, each checkpoint holds both TP
+    ranks' files and is marked complete, and the export goes through hf-dist convert (the AutoTP reader)."""
+    res = results(recipe_runs, AUTOTP_LAUNCH, "sft")
+    assert (res["strategy"], res["tp_size"], res["world_size"]) == ("zero2", 2, 2)
+    assert res["wrapped_model"] == "DeepSpeedEngine"
+    log = (recipe_runs(AUTOTP_LAUNCH) / "launch.log").read_text()
+    assert "[hf_dist] running zero2 (deepspeed, LlamaForCausalLM, tp=2)" in log, log[-3000:]
+    assert "plan: chosen: zero2 tp=2" in log and "x data parallel 1 = global batch" in log
+    losses = res["train_losses"]
+    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.1
+    checkpoints = sorted((recipe_runs(AUTOTP_LAUNCH) / "sft").glob("checkpoint-*"))
+    assert checkpoints and all(is_complete(c) for c in checkpoints)
+    assert all(list(c.glob("global_step*/zero_pp_rank_0_mp_rank_01_optim_states.pt")) for c in checkpoints)
+    assert "hf_dist.convert" in res["exported_with"] and math.isfinite(res["eval_loss"])
