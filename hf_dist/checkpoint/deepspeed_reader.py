@@ -99,7 +99,10 @@ class DeepSpeedReader(Reader):
             )
         files = [p for p in files if int(OPTIM_FILE_RE.match(p.name)["mp"]) == self.mp_rank]
         if not files:
-            raise FileNotFoundError(f"no *_mp_rank_{self.mp_rank:02d}_optim_states.pt files in {tag_dir}")
+            raise FileNotFoundError(
+                f"no *_mp_rank_{self.mp_rank:02d}_optim_states.pt files in {tag_dir}, although other tensor-parallel "
+                "ranks wrote theirs: copy the complete checkpoint folder (every rank's files of one save)"
+            )
         return sorted(files, key=lambda p: int(OPTIM_FILE_RE.match(p.name)["rank"]))
 
     def _check_ranks(self, tag_dir: Path, model_files: list[Path]) -> None:

@@ -187,20 +187,29 @@ def torch_allclose(a, b) -> bool:
     return a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=1e-4, rtol=1e-3)
 
 
+def check_tp_launch(recipe_runs, launch: str, strategy: str, engine: str, wrapped: str) -> tuple[dict, list[Path]]:
+    """What every tp=2 sft launch shows: results and run line say tp=2 under ``strategy``, the plan pinned it, the batch
+    counts one data-parallel replica, the loss falls; returns the results and the run's checkpoints (at least one)."""
+    res = results(recipe_runs, launch, "sft")
+    assert (res["strategy"], res["tp_size"], res["world_size"]) == (strategy, 2, 2)
+    assert res["wrapped_model"] == wrapped
+    log = (recipe_runs(launch) / "launch.log").read_text()
+    assert f"[hf_dist] running {strategy} ({engine}, LlamaForCausalLM, tp=2)" in log, log[-3000:]
+    assert f"plan: chosen: {strategy} tp=2" in log and "x data parallel 1 = global batch" in log
+    losses = res["train_losses"]
+    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.1
+    checkpoints = sorted((recipe_runs(launch) / "sft").glob("checkpoint-*"))
+    assert checkpoints
+    return res, checkpoints
+
+
 def test_tp_recipe_runs_tensor_parallel(recipe_runs):
     """--tp_size 2: the plan pins TP, the recipe loads the model with tp_plan="auto", the run line and the
     results say tp=2, the checkpoints (weights + hf_dist's optimizer DCP) and the export work (the DTensor placements themselves are
     checked in test_tensor_parallel.py)."""
-    res = results(recipe_runs, TP_LAUNCH, "sft")
-    assert (res["strategy"], res["tp_size"], res["world_size"]) == ("ddp", 2, 2)
-    assert res["wrapped_model"] == "LlamaForCausalLM"  # sharded at load by transformers, not wrapped in DDP
-    log = (recipe_runs(TP_LAUNCH) / "launch.log").read_text()
-    assert "[hf_dist] running ddp (ddp, LlamaForCausalLM, tp=2)" in log, log[-3000:]
-    assert "plan: chosen: ddp tp=2" in log and "x data parallel 1 = global batch" in log
-    losses = res["train_losses"]
-    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.1
-    checkpoints = sorted((recipe_runs(TP_LAUNCH) / "sft").glob("checkpoint-*"))
-    assert checkpoints and all((c / "model.safetensors").is_file() for c in checkpoints)
+    # sharded at load by transformers, not wrapped in DDP
+    res, checkpoints = check_tp_launch(recipe_runs, TP_LAUNCH, "ddp", "ddp", "LlamaForCausalLM")
+    assert all((c / "model.safetensors").is_file() for c in checkpoints)
     assert not any((c / "optimizer.pt").exists() for c in checkpoints)  # save_only_model: transformers' limit
     # ... lifted by hf_dist.callbacks.ShardedResumeCallback: the optimizer as DCP, listed by the complete marker
     assert all((c / "hf_dist_optimizer" / ".metadata").is_file() and is_complete(c) for c in checkpoints)
@@ -211,15 +220,7 @@ def test_autotp_recipe_runs_deepspeed_tensor_parallel(recipe_runs):
     """--strategy zero2 --tp_size 2: the plan pins DeepSpeed AutoTP, the run line and the results say tp=2 (checked
     against the engine's TP layers), the batch math counts one data-parallel replica, each checkpoint holds both TP
     ranks' files and is marked complete, and the export goes through hf-dist convert (the AutoTP reader)."""
-    res = results(recipe_runs, AUTOTP_LAUNCH, "sft")
-    assert (res["strategy"], res["tp_size"], res["world_size"]) == ("zero2", 2, 2)
-    assert res["wrapped_model"] == "DeepSpeedEngine"
-    log = (recipe_runs(AUTOTP_LAUNCH) / "launch.log").read_text()
-    assert "[hf_dist] running zero2 (deepspeed, LlamaForCausalLM, tp=2)" in log, log[-3000:]
-    assert "plan: chosen: zero2 tp=2" in log and "x data parallel 1 = global batch" in log
-    losses = res["train_losses"]
-    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.1
-    checkpoints = sorted((recipe_runs(AUTOTP_LAUNCH) / "sft").glob("checkpoint-*"))
-    assert checkpoints and all(is_complete(c) for c in checkpoints)
+    res, checkpoints = check_tp_launch(recipe_runs, AUTOTP_LAUNCH, "zero2", "deepspeed", "DeepSpeedEngine")
+    assert all(is_complete(c) for c in checkpoints)
     assert all(list(c.glob("global_step*/zero_pp_rank_0_mp_rank_01_optim_states.pt")) for c in checkpoints)
     assert "hf_dist.convert" in res["exported_with"] and math.isfinite(res["eval_loss"])
