@@ -13,6 +13,7 @@ import io
 import os
 import pickle
 import re
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -67,11 +68,16 @@ def safe_load(path: str | os.PathLike, *, trust_pickles: bool = False, mmap: boo
     if path.stat().st_size == 0:
         raise CorruptCheckpointError(f"checkpoint file {path} is empty (0 bytes); the save was interrupted")
     try:
+        if not trust_pickles:
+            with open(path, "rb") as handle:
+                _check_container(handle, path)
         where = {"map_location": "meta"} if meta else {"map_location": "cpu", "mmap": mmap}
         if trust_pickles:
             return torch.load(path, weights_only=False, **where)
         with torch.serialization.safe_globals(DEEPSPEED_GLOBALS):
             return torch.load(path, weights_only=True, **where)
+    except UnsafePickleError:
+        raise
     except pickle.UnpicklingError as exc:
         if "weights_only" in str(exc) or "Unsupported global" in str(exc) or "allowlisted" in str(exc):
             raise UnsafePickleError(
@@ -80,7 +86,7 @@ def safe_load(path: str | os.PathLike, *, trust_pickles: bool = False, mmap: boo
                 "only if you trust this file"
             ) from None
         raise CorruptCheckpointError(f"cannot read checkpoint file {path}: {exc}") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as exc:
         raise CorruptCheckpointError(
             f"cannot read checkpoint file {path} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); "
             "it is truncated or corrupt, re-copy it or convert an earlier checkpoint"
@@ -167,11 +173,8 @@ def _check_pickle_file(path: Path, region: tuple[int, int] | None = None) -> Non
 
 
 def _check_stream(handle: Any, path: Path) -> None:
-    import zipfile
-
-    is_zip = handle.read(4) == b"PK\x03\x04"  # torch.load's own test: anything else is read as pickles
-    handle.seek(0)
-    if is_zip:  # torch.save's format: the pickle is <archive>/data.pkl, tensors are records
+    """Check what ``torch.load(..., weights_only=False)`` would unpickle from ``handle``."""
+    if _check_container(handle, path) == "zip":  # torch.save's format: the pickle is <archive>/data.pkl
         with zipfile.ZipFile(handle) as archive:
             for entry in archive.infolist():  # every entry, duplicates included: the loader may pick any
                 if entry.filename.endswith(".pkl"):
@@ -186,6 +189,47 @@ def _check_stream(handle: Any, path: Path) -> None:
             if index == 0:
                 raise
             return
+
+
+def _check_container(handle: Any, path: Path) -> str:
+    """``"zip"`` or ``"stream"``, decided the way ``torch.load`` dispatches (``torch/serialization.py``: ``load``,
+    ``_legacy_load``); a TorchScript archive and the legacy tar format, which it loads by running code or
+    unpickling with no allowlist, are refused. Reads no pickle; leaves ``handle`` at its start."""
+    is_zip = handle.read(4) == b"PK\x03\x04"  # torch's _is_zipfile: only the first bytes count
+    handle.seek(0)
+    if is_zip:
+        with zipfile.ZipFile(handle) as archive:
+            torchscript = any(name.rsplit("/", 1)[-1] == "constants.pkl" for name in archive.namelist())
+        handle.seek(0)
+        if torchscript:  # torch's _is_torchscript_zip
+            _refuse_format(path, "a TorchScript archive (torch.load hands it to torch.jit.load, which runs its code)")
+        return "zip"
+    if _is_tar(handle):
+        _refuse_format(
+            path, "in torch's legacy tar format (torch < 0.4), which torch.load unpickles with no allowlist"
+        )
+    return "stream"
+
+
+def _is_tar(handle: Any) -> bool:
+    """torch's own test (``_legacy_load``): a file that ``tarfile`` opens is loaded as the legacy tar format."""
+    import tarfile
+
+    try:
+        with tarfile.open(fileobj=handle, mode="r:", format=tarfile.PAX_FORMAT):
+            return True
+    except tarfile.TarError:
+        return False
+    finally:
+        handle.seek(0)
+
+
+def _refuse_format(path: Path, what: str) -> None:
+    raise UnsafePickleError(
+        f"refusing to load {path}: it is {what}; no training checkpoint is written that way and the loading gate "
+        "cannot check it, so nothing was loaded. Remove the file, or pass --trust-pickles (trust_pickles=True) "
+        "only if you trust it"
+    )
 
 
 def _check_dcp_payloads(folder: Path) -> None:

@@ -39,6 +39,21 @@ def _plant_torch(path: Path, marker: Path) -> None:
     torch.save(state, path)
 
 
+def _plant_tar(path: Path, marker: Path) -> None:
+    """torch's legacy tar format (``torch/serialization.py``, ``_legacy_load``): the magic member, then
+    ``storages``, whose first pickle torch.load unpickles with no allowlist; ``tensors`` and ``pickle`` follow."""
+    import io
+    import tarfile
+
+    members = {"N.N.N.N.N.": b"", "storages": pickle.dumps(Payload(marker), protocol=2),
+               "tensors": pickle.dumps(0, protocol=2), "pickle": pickle.dumps({}, protocol=2)}  # fmt: skip
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
 def _plant_dcp_value(folder: Path, marker: Path) -> None:
     """A DCP save with a non-tensor value, stored the way DCP stores an optimizer's param_groups: a torch.save
     archive inside the .distcp file, which dcp.load unpickles with weights_only=False."""
@@ -101,7 +116,15 @@ KINDS = {
 }
 
 
-def _build(kind: str, tmp_path: Path, tiny_state) -> tuple[Path, Path, Path]:
+# How the payload is stored in a file torch.load reads: torch.save's zip archive, or torch's legacy tar format
+# (which torch.load still accepts and unpickles without looking; it carries no type name to report).
+FORMATS = {"zip": "posix.mkdir", "tar": "legacy tar format"}
+CASES = [(kind, "zip") for kind in sorted(KINDS)] + [
+    (kind, "tar") for kind in sorted(KINDS) if not KINDS[kind][1].endswith((".metadata", ".distcp"))
+]
+
+
+def _build(kind: str, tmp_path: Path, tiny_state, fmt: str = "zip") -> tuple[Path, Path, Path]:
     """(checkpoint, planted file, marker path the payload would create); the checkpoint is marked complete."""
     layout, rel = KINDS[kind]
     builders = {
@@ -121,6 +144,8 @@ def _build(kind: str, tmp_path: Path, tiny_state) -> tuple[Path, Path, Path]:
             pickle.dump(metadata, handle)
     elif planted.suffix == ".distcp":
         _plant_dcp_value(planted.parent, marker)
+    elif fmt == "tar":
+        _plant_tar(planted, marker)
     else:
         _plant_torch(planted, marker)
     # a valid, matching marker: authenticity is not what the marker proves, the gate must still refuse
@@ -152,9 +177,9 @@ def _reads_weights(kind: str) -> bool:
                     "pytorch_model_fsdp.bin")  # fmt: skip
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
-def test_planted_payload_runs_when_loaded_without_the_gate(kind, tmp_path, tiny_state):
-    _, planted, marker = _build(kind, tmp_path, tiny_state)
+@pytest.mark.parametrize(("kind", "fmt"), CASES)
+def test_planted_payload_runs_when_loaded_without_the_gate(kind, fmt, tmp_path, tiny_state):
+    _, planted, marker = _build(kind, tmp_path, tiny_state, fmt)
     if planted.name == ".metadata":
         with open(planted, "rb") as handle:
             pickle.load(handle)
@@ -163,16 +188,19 @@ def test_planted_payload_runs_when_loaded_without_the_gate(kind, tmp_path, tiny_
 
         dcp.load({"state": torch.zeros(2), "param_groups": None}, checkpoint_id=str(planted.parent), no_dist=True)
     else:
-        torch.load(planted, weights_only=False)
+        # the tar payload returns mkdir's None where torch expects a storage count: it ran, then torch fails
+        with contextlib.suppress(TypeError) if fmt == "tar" else contextlib.nullcontext():
+            torch.load(planted, weights_only=False)
     assert marker.is_dir()  # the payload is live: the tests below can fail
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
-def test_every_entry_point_refuses_the_payload(kind, tmp_path, tiny_state, capsys, monkeypatch):
+@pytest.mark.parametrize(("kind", "fmt"), CASES)
+def test_every_entry_point_refuses_the_payload(kind, fmt, tmp_path, tiny_state, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")  # resuming on another world size: the reshard path is taken
-    ckpt, planted, marker = _build(kind, tmp_path, tiny_state)
+    ckpt, planted, marker = _build(kind, tmp_path, tiny_state, fmt)
     run = ckpt.parent
-    with pytest.raises(UnsafePickleError, match=rf"refusing to load {planted}: .*posix\.mkdir"):
+    named = FORMATS[fmt]
+    with pytest.raises(UnsafePickleError, match=rf"refusing to load {planted}: .*{named}"):
         check_pickles(ckpt)
     with pytest.raises(UnsafePickleError, match=str(planted)):
         auto_resume(run)
@@ -194,9 +222,9 @@ def test_every_entry_point_refuses_the_payload(kind, tmp_path, tiny_state, capsy
     code = main(["convert", str(ckpt), str(tmp_path / "hf"), "--no-progress"])
     err = capsys.readouterr().err
     if _reads_weights(kind):
-        assert code == 1 and f"{planted}" in err and "posix.mkdir" in err
+        assert code == 1 and f"{planted}" in err and named in err
         assert main(["verify", str(ckpt), str(ckpt)]) == 1
-        assert "posix.mkdir" in capsys.readouterr().err
+        assert named in capsys.readouterr().err
     else:
         assert code == 0
     assert not marker.exists()
@@ -240,3 +268,18 @@ def test_polyglot_file_is_checked_as_torch_reads_it(tmp_path):
     with pytest.raises(UnsafePickleError, match="evil.pt"):
         check_pickles(evil)
     assert not (tmp_path / "RAN").exists()
+
+
+def test_torchscript_archive_is_refused(tmp_path):
+    """torch.load(weights_only=False) hands a TorchScript zip to torch.jit.load, which runs the module's code
+    (its ``__setstate__``); no checkpoint is one, so the gate and safe_load refuse it by torch's own test."""
+    from hf_dist.checkpoint.safe_pickle import safe_load
+
+    path = tmp_path / "pytorch_model.bin"
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), path)
+    with pytest.warns(UserWarning, match="TorchScript archive"):
+        torch.load(path, weights_only=False)  # the path is live: torch dispatches to torch.jit.load
+    with pytest.raises(UnsafePickleError, match=rf"refusing to load {path}: it is a TorchScript archive"):
+        check_pickles(tmp_path)
+    with pytest.raises(UnsafePickleError, match="TorchScript archive"):
+        safe_load(path)
