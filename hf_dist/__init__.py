@@ -37,6 +37,8 @@ _LAZY = {
     "attach": "hf_dist.callbacks",
     "prepare_resume": "hf_dist.checkpoint.reshard",
     "run_bench": "hf_dist.bench",
+    "trace_memory": "hf_dist.tracing",
+    "TraceResult": "hf_dist.tracing",
 }
 
 # public subpackages, imported on first use: ``hf_dist.callbacks.attach(trainer)`` after a bare ``import hf_dist``

@@ -1,0 +1,133 @@
+"""``trace_memory``: the public entry point, and the worker process it runs the trace in."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from hf_dist.tracing.setup import TraceSetup, TraceUnsupported
+from hf_dist.tracing.trace import TraceError, TraceResult, TraceTimeout, trace_here
+
+DEFAULT_TIME_LIMIT_S = 120.0
+# the worker's start (importing torch, transformers, accelerate, peft) on top of the trace's own limit
+STARTUP_ALLOWANCE_S = 60.0
+# a launcher's variables would make the worker a rank of the caller's job
+_LAUNCH_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+_LAUNCH_PREFIXES = ("ACCELERATE_", "FSDP_", "TORCHELASTIC_")
+_ERRORS = {"TraceUnsupported": TraceUnsupported, "TraceError": TraceError, "ValueError": ValueError}
+
+
+def trace_memory(
+    model: Any,
+    plan: Any = None,
+    *,
+    candidate: Any = None,
+    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    isolate: bool = True,
+    trust_remote_code: bool = False,
+    **setup: Any,
+) -> TraceResult:
+    """Trace rank 0's training memory of ``model`` laid out as ``plan`` (or one of its ``candidate`` alternatives).
+
+    ``model``: a transformers config, config dict, local folder / config.json, hub name or ``nn.Module`` (its
+    config is used: the trace builds its own weightless copy). Without a plan, ``setup`` takes
+    :class:`TraceSetup`'s fields (``strategy=``, ``world_size=``, ``seq_len=``, ``micro_batch_size=``, ...); with
+    one, they override the plan's. ``isolate`` runs the trace in a separate process (the default: the caller may
+    be a rank with a real process group, and a hard limit can stop it); ``time_limit_s`` bounds it.
+
+    Raises :class:`TraceUnsupported` (a layout that cannot be traced; the message says which part and why),
+    :class:`TraceTimeout` (past the limit; ``.partial`` is the peak of what ran, when the worker got that far),
+    :class:`TraceError` (the model failed under the layout), ``ValueError`` (bad input: an unbuildable config, a
+    world size the mesh cannot take).
+    """
+    config = _config_of(model, trust_remote_code)
+    spec = TraceSetup.from_plan(plan, candidate, **setup) if plan is not None else TraceSetup(**setup)
+    reason = spec.untraceable_reason()
+    if reason:
+        raise TraceUnsupported(f"cannot trace {spec.layout.describe()}: {reason}; the analytic estimate stands")
+    if time_limit_s <= 0:
+        raise ValueError(f"time_limit_s must be positive, got {time_limit_s!r}")
+    if not isolate:
+        return trace_here(config, spec, time_limit_s=time_limit_s)
+    source = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
+    return _run_worker(config, source, trust_remote_code, spec, time_limit_s)
+
+
+def _config_of(model: Any, trust_remote_code: bool) -> Any:
+    from hf_dist.planning.modelinfo import check_dimensions, resolve_config
+
+    if hasattr(model, "config") and not isinstance(model, (str, dict)) and hasattr(model, "parameters"):
+        config = model.config
+        base = getattr(model, "get_base_model", None)
+        config = base().config if callable(base) else config
+    else:
+        config = resolve_config(model, trust_remote_code=trust_remote_code)
+    check_dimensions(config)
+    return config
+
+
+def _run_worker(config: Any, source: str | None, trust_remote_code: bool, setup: TraceSetup, limit: float):
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES and not k.startswith(_LAUNCH_PREFIXES)}
+    with tempfile.TemporaryDirectory(prefix="hf_dist_trace_") as tmp:
+        request, result = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        request.write_text(json.dumps({
+            "config": config.to_dict(), "source": source if getattr(config, "auto_map", None) else None,
+            "trust_remote_code": trust_remote_code, "setup": setup.to_dict(), "time_limit_s": limit,
+        }))  # fmt: skip
+        command = [sys.executable, "-m", "hf_dist.tracing", str(request), str(result)]
+        try:
+            proc = subprocess.run(
+                command, env=env, capture_output=True, text=True, timeout=limit + STARTUP_ALLOWANCE_S
+            )
+        except subprocess.TimeoutExpired:
+            raise TraceTimeout(
+                f"the trace of {setup.layout.describe()} did not finish within {limit + STARTUP_ALLOWANCE_S:g} s "
+                "(its limit plus the worker's start) and was stopped; the analytic estimate stands"
+            ) from None
+        if not result.is_file():
+            tail = " | ".join(proc.stderr.strip().splitlines()[-3:])[:500]
+            raise TraceError(f"the trace worker exited with code {proc.returncode} and no result ({tail})")
+        answer = json.loads(result.read_text())
+    if "result" in answer:
+        return TraceResult.from_dict(answer["result"])
+    error = answer["error"]
+    if error["type"] == "TraceTimeout":
+        partial = error.get("partial")
+        raise TraceTimeout(error["message"], TraceResult.from_dict(partial) if partial else None)
+    raise _ERRORS.get(error["type"], TraceError)(error["message"])
+
+
+def worker_main(argv: list[str] | None = None) -> int:
+    """Read a request, trace, write ``{"result": ...}`` or ``{"error": {type, message, partial}}`` atomically."""
+    from hf_dist.atomic_io import atomic_write_json
+    from hf_dist.planning.modelinfo import config_from_dict, resolve_config
+
+    request_path, result_path = (argv or sys.argv[1:])[:2]
+    request = json.loads(Path(request_path).read_text())
+    try:
+        if request.get("source"):
+            config = resolve_config(request["source"], trust_remote_code=request["trust_remote_code"])
+        else:
+            config = config_from_dict(request["config"])
+        answer = {"result": trace_here(config, TraceSetup.from_dict(request["setup"]),
+                                       time_limit_s=request["time_limit_s"]).to_dict()}  # fmt: skip
+    except TraceTimeout as exc:
+        answer = {"error": {"type": "TraceTimeout", "message": str(exc),
+                            "partial": exc.partial.to_dict() if exc.partial else None}}  # fmt: skip
+    except (TraceUnsupported, TraceError, ValueError) as exc:
+        answer = {"error": {"type": type(exc).__name__, "message": str(exc)}}
+    atomic_write_json(result_path, answer)
+    return 0

@@ -1,0 +1,214 @@
+"""Build the real model of a config on the meta device and prepare it as ``auto_args()`` + the Trainer would.
+
+Nothing here allocates: the model is built on ``meta``, wrapped (PEFT LoRA, activation checkpointing, FSDP2 through
+accelerate's own ``fsdp2_apply_ac`` / ``fsdp2_prepare_model``), and only then materialised as fake tensors by
+:func:`materialize`. Preparation calls the installed libraries' functions rather than copies of them, so the trace
+follows the versions the run will use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Any
+
+from hf_dist.tracing.setup import LORA_TARGETS, TraceSetup
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, _DTYPES[name])
+
+
+def compute_dtype(setup: TraceSetup) -> Any:
+    import torch
+
+    return torch.float32 if setup.mixed_precision == "no" else _dtype(setup.mixed_precision)
+
+
+def trainable_dtype(setup: TraceSetup) -> Any:
+    """fp32 master weights under mixed precision (auto_args upcasts for DDP, accelerate for FSDP2); 16-bit
+    weights under pure bf16; fp32 when training is fp32."""
+    import torch
+
+    return torch.bfloat16 if setup.pure_bf16 else torch.float32
+
+
+def native_amp(setup: TraceSetup) -> bool:
+    """Whether accelerate wraps the forward in autocast: mixed precision on, except pure bf16 FSDP2, which
+    hf_dist runs with mixed precision "no" (``hf_dist.runtime.precision.trainer_mixed_precision``)."""
+    return setup.mixed_precision != "no" and not (setup.pure_bf16 and setup.layout.strategy.is_fsdp)
+
+
+def build_model(config: Any, setup: TraceSetup) -> Any:
+    """The causal LM of ``config`` on the meta device, in the dtypes the run keeps, with LoRA when planned."""
+    import copy
+
+    from hf_dist.planning.modelinfo import meta_model
+
+    config = copy.deepcopy(config)
+    config._attn_implementation = setup.attention
+    model = meta_model(config)
+    if setup.method == "full":
+        return model.to(trainable_dtype(setup))
+    model = model.to(_dtype(setup.base_dtype))
+    model.requires_grad_(False)
+    return _add_lora(model, setup)
+
+
+def _add_lora(model: Any, setup: TraceSetup) -> Any:
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    linears = {name.rsplit(".", 1)[-1] for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
+    targets = [t for t in LORA_TARGETS if t in linears]
+    if not targets:
+        raise ValueError(
+            f"LoRA: none of the target modules {list(LORA_TARGETS)} is a linear layer of {type(model).__name__} "
+            f"(its linear layers: {sorted(linears)}); the tracer adapts what the recipes adapt"
+        )
+    lora = LoraConfig(r=setup.lora_rank, lora_alpha=setup.lora_alpha, lora_dropout=setup.lora_dropout,
+                      target_modules=targets, task_type="CAUSAL_LM")  # fmt: skip
+    model = get_peft_model(model, lora)
+    for param in model.parameters():  # PEFT keeps adapters in fp32 (autocast_adapter_dtype); pure bf16 does not
+        if param.requires_grad:
+            param.data = param.data.to(trainable_dtype(setup))
+    return model
+
+
+def enable_checkpointing(model: Any, setup: TraceSetup) -> Any:
+    """Activation checkpointing as the Trainer applies it for DDP (``gradient_checkpointing_enable`` with
+    ``use_reentrant=False``, what auto_args asks for); FSDP2 gets it from accelerate in :func:`shard`."""
+    if setup.activation_checkpointing and not setup.layout.strategy.is_fsdp:
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23 (the Trainer's own choice)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
+
+
+def shard(model: Any, setup: TraceSetup, mesh: Any) -> Any:
+    """FSDP2 exactly as accelerate prepares it for hf_dist's plugin settings (``hf_dist.configs.fsdp``); with
+    tensor parallelism, transformers' own TP plan and FSDP2 over the rest (:func:`distribute_tensor_parallel`)."""
+    if setup.tp_size > 1:
+        return distribute_tensor_parallel(model, setup)
+    if not setup.layout.strategy.is_fsdp:
+        return model
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_apply_ac, fsdp2_prepare_model
+
+    from hf_dist.configs.fsdp import fsdp_plugin_kwargs
+    from hf_dist.planning.wrap import fsdp_wrap_classes
+
+    mixed = "no" if not native_amp(setup) else setup.mixed_precision
+    kwargs = fsdp_plugin_kwargs(
+        setup.strategy, wrap_classes=fsdp_wrap_classes(model), activation_checkpointing=setup.activation_checkpointing,
+        mixed_precision=mixed,
+    )  # fmt: skip
+    kwargs["cpu_ram_efficient_loading"] = False  # a loading-time choice: no weights are loaded here
+    with _no_accelerate_env():
+        plugin = FullyShardedDataParallelPlugin(**kwargs)
+    plugin.set_auto_wrap_policy(model)
+    accelerator = types.SimpleNamespace(
+        state=types.SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=mesh,
+        parallelism_config=types.SimpleNamespace(fsdp_dim_names=mesh.mesh_dim_names), mixed_precision=mixed,
+        is_main_process=True, device=_cpu(),
+    )  # fmt: skip
+    if setup.activation_checkpointing:
+        model = fsdp2_apply_ac(accelerator, model)
+    return fsdp2_prepare_model(accelerator, model)
+
+
+def distribute_tensor_parallel(model: Any, setup: TraceSetup) -> Any:
+    """What ``from_pretrained(tp_plan="auto")`` does to the meta model before loading weights: transformers'
+    ``prepare_distribute_model`` builds its (fsdp, tp) mesh, ``maybe_distribute_model`` applies the model's TP plan
+    (DTensor placements, input/output hooks) and FSDP2 over the ``fsdp`` dimension."""
+    from transformers.distributed import DistributedConfig
+
+    cls = type(model)
+    fsdp = setup.layout.dp_shard_size if setup.layout.strategy.is_fsdp else 1
+    config, _, mesh_manager = cls.prepare_distribute_model(DistributedConfig(tp_size=setup.tp_size, fsdp_size=fsdp))
+    return cls.maybe_distribute_model(model, config, mesh_manager)
+
+
+def _cpu() -> Any:
+    import torch
+
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _no_accelerate_env():
+    """The plugin reads ``FSDP_*`` / ``ACCELERATE_*`` variables of a launched process; the trace must follow the
+    setup, not the caller's launch."""
+    import os
+
+    saved = {k: v for k, v in os.environ.items() if k.startswith(("FSDP_", "ACCELERATE_"))}
+    for key in saved:
+        del os.environ[key]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def ddp_buckets(model: Any, setup: TraceSetup) -> list[Any]:
+    """DDP's gradient buckets, allocated as the Reducer does at construction (torch ``reducer.cpp``
+    ``initialize_buckets``; ``gradient_as_bucket_view=False``, accelerate's default): one flat copy of every
+    trainable gradient, in its dtype. The Reducer itself cannot run on fake tensors (it reads raw storage), and a
+    real all-reduce works in place on these buckets, so they are all the memory DDP adds. Call inside
+    ``FakeTensorMode``; empty without data-parallel replicas."""
+    if not setup.layout.strategy.is_ddp or setup.layout.dp_size == 1:
+        return []
+    import torch
+
+    sizes: dict[Any, int] = {}
+    for param in model.parameters():
+        if param.requires_grad:
+            sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
+    return [torch.empty(numel, dtype=dtype) for dtype, numel in sizes.items()]
+
+
+def materialize(model: Any) -> Any:
+    """Give every meta parameter and buffer fake storage (call inside ``FakeTensorMode``); tied weights stay tied."""
+    model.to_empty(device="cpu")
+    inner = getattr(model, "module", model)
+    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    if hasattr(base, "tie_weights"):
+        base.tie_weights()
+    model.train()
+    return model
+
+
+def autocast_forward(model: Any, setup: TraceSetup) -> Any:
+    """accelerate's ``prepare_model`` for native AMP: forward under autocast, outputs converted to fp32."""
+    if not native_amp(setup):
+        return model
+    import torch
+    from accelerate.utils import convert_outputs_to_fp32
+
+    forward = model.forward
+    dtype = compute_dtype(setup)
+
+    def amp_forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type="cpu", dtype=dtype):
+            return forward(*args, **kwargs)
+
+    model.forward = convert_outputs_to_fp32(amp_forward)
+    return model
+
+
+def trainer_optimizer() -> tuple[Any, dict[str, Any]]:
+    """The optimizer class and kwargs the Trainer builds by default (``Trainer.get_optimizer_cls_and_kwargs``:
+    fused AdamW on torch >= 2.8)."""
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    with tempfile.TemporaryDirectory() as tmp, _no_accelerate_env():
+        args = TrainingArguments(output_dir=tmp, report_to="none")
+        return Trainer.get_optimizer_cls_and_kwargs(args)

@@ -1,0 +1,148 @@
+"""What the tracer runs: one rank of one planned layout (:class:`TraceSetup`), and which layouts it can run.
+
+A setup is plain data (JSON-able), so the trace can run in a separate process: the fake process group, the fake
+tensor mode and the trackers' monkey-patches never touch the caller's process, which may be a training rank with
+a real process group of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from hf_dist.planning.layout import MIXED_PRECISIONS, Engine, Layout
+from hf_dist.validation import check_choice, check_positive_int
+
+METHODS = ("full", "lora")
+DTYPES = ("float32", "bfloat16", "float16")
+# PEFT LoRA as the recipes apply it (hf_dist.recipe_utils.LoraArguments): every linear of a Llama-style block
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class TraceUnsupported(ValueError):
+    """The layout cannot be traced here; the message says which part and why (the analytic estimate stands)."""
+
+
+@dataclass(frozen=True)
+class TraceSetup:
+    """One rank of a layout, prepared the way ``hf_dist.auto_args()`` + the Trainer run it.
+
+    ``mixed_precision``: ``bf16``/``fp16`` (autocast with fp32 weights under DDP, FSDP2's
+    ``MixedPrecisionPolicy`` with fp32 shards) or ``no`` (fp32); ``pure_bf16``: bf16 weights and Adam state.
+    ``base_dtype``: the dtype the model is loaded in (a LoRA base stays in it; trainable weights are fp32 under
+    mixed precision). ``device``: the hardware planned for (``cuda`` or ``cpu``), which decides the optimizer the
+    Trainer builds there. ``lora_dropout``: PEFT's dropout on each adapter's input (0 = ``nn.Identity``).
+    """
+
+    strategy: str
+    world_size: int = 1
+    nodes: int = 1
+    method: str = "full"
+    seq_len: int = 2048
+    micro_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    activation_checkpointing: bool = False
+    mixed_precision: str = "bf16"
+    pure_bf16: bool = False
+    base_dtype: str = "bfloat16"
+    lora_rank: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    offload: str = "none"
+    use_liger_kernel: bool = False
+    tp_size: int = 1
+    cp_size: int = 1
+    sp_size: int = 1
+    attention: str = "sdpa"
+    device: str = "cuda"
+
+    def __post_init__(self) -> None:
+        check_choice("method", self.method, ("full", "lora", "qlora"))
+        check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
+        check_choice("base_dtype", self.base_dtype, DTYPES)
+        check_choice("device", self.device, ("cuda", "cpu"))
+        for name in ("seq_len", "micro_batch_size", "gradient_accumulation_steps", "lora_rank"):
+            check_positive_int(name, getattr(self, name))
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
+        self.layout  # noqa: B018  (the layout checks world size, nodes and parallel sizes, naming the arithmetic)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(
+            self.strategy, self.world_size, self.nodes, self.offload, self.activation_checkpointing,
+            self.mixed_precision, self.pure_bf16, self.tp_size, self.cp_size, self.sp_size,
+        )  # fmt: skip
+
+    def untraceable_reason(self) -> str | None:
+        """Why this layout cannot be traced on this machine, or None. Each reason was found by trying
+        (docs/planner.md, "Tracing"); the analytic estimate stands for these layouts."""
+        layout = self.layout
+        s = layout.strategy
+        if s.engine is Engine.DEEPSPEED:
+            return _DEEPSPEED_REASON
+        if self.method == "qlora":
+            return "QLoRA: bitsandbytes' 4-bit weights and kernels are CUDA-only and have no fake-tensor kernels"
+        if self.use_liger_kernel:
+            return (
+                "Liger kernels: Triton kernels, which run only on a GPU (their terms are derived from Liger's source)"
+            )
+        if self.offload != "none":
+            return "CPU offload: the trace runs on CPU tensors, where offloaded and device memory cannot be told apart"
+        if self.cp_size > 1:
+            return (
+                "context parallelism: torch's context_parallel has no sharding rule for the CPU attention kernel "
+                "(aten._scaled_dot_product_flash_attention_for_cpu), and a CPU build of torch cannot fake CUDA"
+            )
+        if self.tp_size > 1 and not _transformers_distributes_meta_models():
+            return (
+                "tensor parallelism: this transformers has no DTensor loading path to apply the model's TP plan to a "
+                "weightless model (PreTrainedModel.maybe_distribute_model, transformers >= 5.23)"
+            )
+        if self.tp_size > 1 and self.method != "full":
+            return "LoRA with tensor parallelism: PEFT's LoRA layers do not run on DTensor-sharded weights"
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TraceSetup:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def from_plan(cls, plan: Any, candidate: Any = None, **overrides: Any) -> TraceSetup:
+        """The setup of ``plan``'s chosen layout, or of one of its ``candidate`` alternatives."""
+        c = candidate or plan
+        accumulation = plan.gradient_accumulation_steps
+        if candidate is not None:
+            dp = candidate.layout.dp_size
+            accumulation = max(plan.global_batch_size // (candidate.micro_batch_size * dp), 1)
+        pb = "float32" if plan.mixed_precision == "no" else "bfloat16"
+        values = dict(
+            strategy=c.strategy, world_size=plan.world_size, nodes=plan.nodes, method=plan.method,
+            seq_len=plan.seq_len, micro_batch_size=c.micro_batch_size, gradient_accumulation_steps=accumulation,
+            activation_checkpointing=c.activation_checkpointing, mixed_precision=plan.mixed_precision,
+            pure_bf16=plan.pure_bf16, base_dtype=plan.model_dtype or pb, lora_rank=plan.lora_rank,
+            offload=c.offload, use_liger_kernel=c.use_liger_kernel, tp_size=c.tp_size, cp_size=c.cp_size,
+            sp_size=c.sp_size, device=plan.hardware.device,
+        )  # fmt: skip
+        values.update(overrides)
+        return cls(**values)
+
+
+def _transformers_distributes_meta_models() -> bool:
+    from transformers import PreTrainedModel
+
+    return hasattr(PreTrainedModel, "maybe_distribute_model") and hasattr(PreTrainedModel, "prepare_distribute_model")
+
+
+# Found by trying (deepspeed 0.19.8, torch 2.13, a fake process group and FakeTensorMode; docs/planner.md, "Tracing").
+_DEEPSPEED_REASON = (
+    "DeepSpeed ZeRO: its engine cannot run on fake tensors without changing what it does: "
+    "engine.py _configure_distributed_model calls module.to(device), which a fake-materialised module refuses "
+    "(torch swaps the parameters, and FakeTensorMode holds weak references to them), and the optimizer step "
+    "branches on tensor values in Python (stage_1_and_2.py has_overflow and stage3.py is_invalid_grad_norm call "
+    ".item()), which fake tensors do not have"
+)

@@ -1,0 +1,336 @@
+"""Trace one rank's training memory with fake tensors and a fake process group: exact, allocation-free, no GPU.
+
+The real model of the config is built and prepared as the run will be (:mod:`hf_dist.tracing.prepare`), then one
+warm-up step (which creates the optimizer state) and one measured step run the Trainer's loop body: forward with
+the labels (the model's own loss), ``backward`` of the loss over the accumulation steps, ``optimizer.step()``,
+``zero_grad(set_to_none=True)``. torch's ``MemTracker`` (``FSDPMemTracker`` for FSDP2) records every storage made
+or freed under ``FakeTensorMode``; the peak and its breakdown are rank 0's. Collectives go to torch's fake process
+group of the plan's world size, so 512 ranks cost what 8 do.
+
+What it measures is ``torch.cuda.max_memory_allocated`` of the run: live tensors. The caching allocator's reserve
+and the CUDA context are not tensors; :meth:`TraceResult.device_total` adds the memory model's terms for them.
+A CPU build of torch cannot fake CUDA tensors, so the trace runs CPU kernels' shapes (autocast on CPU; sdpa's CPU
+flash kernel saves what the CUDA one does for these shapes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hf_dist.tracing.setup import TraceSetup, TraceUnsupported
+
+# the trackers' categories as the memory model names its terms (hf_dist.planning.memory.MemoryEstimate)
+TERMS = {
+    "Parameter": "params", "Sharded Param": "params",
+    "Gradient": "grads", "Sharded Grad": "grads", "Unsharded Grad": "grads",
+    "Optstate": "optimizer", "OptState": "optimizer",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Buffer": "buffers", "Unsharded Param": "buffers", "All Gather": "buffers", "Reduce Scatter": "buffers",
+    "Other": "buffers",  # DDP's Reducer buckets (prepare.ddp_buckets)
+    "Inputs": "inputs",
+}  # fmt: skip
+TERM_ORDER = ("params", "grads", "optimizer", "activations", "temporaries", "buffers", "inputs")
+
+
+class TraceError(RuntimeError):
+    """The trace could not run to the end; the message says where, and that the analytic estimate stands."""
+
+
+class TraceTimeout(TraceError):
+    """The trace ran past its time limit; ``partial`` holds the peak of what ran."""
+
+    def __init__(self, message: str, partial: TraceResult | None = None) -> None:
+        super().__init__(message)
+        self.partial = partial
+
+
+@dataclass(frozen=True)
+class TraceResult:
+    """Rank 0's traced memory for one layout.
+
+    ``peak_bytes``: the largest sum of live tensors (what ``torch.cuda.max_memory_allocated`` reports);
+    ``terms``: that peak by memory-model term (params, grads, optimizer, activations, temporaries — gradients of
+    activations and other backward/step intermediates —, buffers — gathered FSDP units, communication buffers,
+    module buffers —, inputs); ``categories``: the tracker's own names; ``states``: params and optimizer state
+    after the step, the model states at rest. ``complete`` is False when the time limit stopped the trace: the
+    peak is then of what ran.
+    """
+
+    setup: TraceSetup
+    peak_bytes: int
+    terms: dict[str, int]
+    categories: dict[str, int]
+    states: dict[str, int]
+    seconds: float
+    complete: bool = True
+    peak_phase: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def device_total(self, estimate: Any) -> int:
+        """The traced peak plus what the memory model adds outside tensors (caching allocator, CUDA context)."""
+        return self.peak_bytes + estimate.total - estimate.allocated
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "setup": self.setup.to_dict(), "peak_bytes": self.peak_bytes, "terms": self.terms,
+            "categories": self.categories, "states": self.states, "seconds": self.seconds,
+            "complete": self.complete, "peak_phase": self.peak_phase, "notes": list(self.notes),
+        }  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TraceResult:
+        return cls(**{**data, "setup": TraceSetup.from_dict(data["setup"])})
+
+    def compare(self, estimate: Any) -> str:
+        """Traced against modelled memory per term, for ``Plan.explain()`` and ``hf-dist plan --verify``."""
+        from hf_dist.planning.plan_result import format_bytes
+
+        modelled = {
+            "params": estimate.params, "grads": estimate.grads, "optimizer": estimate.optimizer,
+            "activations": estimate.activations + estimate.logits, "temporaries": estimate.step,
+            "buffers": estimate.buffers,
+        }  # fmt: skip
+        rows = [("term", "traced at the peak", "modelled")]
+        rows += [(t, format_bytes(self.terms.get(t, 0)), format_bytes(modelled[t]) if t in modelled else "-")
+                 for t in TERM_ORDER if self.terms.get(t, 0) or modelled.get(t, 0)]  # fmt: skip
+        ratio = self.peak_bytes / estimate.allocated if estimate.allocated else float("nan")
+        rows.append(("allocated", format_bytes(self.peak_bytes), f"{format_bytes(estimate.allocated)} "
+                     f"(traced/modelled {ratio:.3f})"))  # fmt: skip
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines = ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        state = "" if self.complete else " (stopped at its time limit: the peak of what ran)"
+        head = f"traced rank 0 in {self.seconds:.1f} s{state}; the modelled activations include the logits:"
+        return "\n".join([head, *lines, *(f"  note: {n}" for n in self.notes)])
+
+
+# ---------------------------------------------------------------- the fake world
+
+
+@contextlib.contextmanager
+def fake_world(setup: TraceSetup):
+    """A fake process group of the setup's world size and the device mesh the layout uses, made before any
+    fake tensor exists (the mesh must be real); torn down afterwards."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise TraceError(
+            "a process group is already initialised in this process; trace_memory(..., isolate=True) runs the "
+            "trace in a process of its own"
+        )
+    layout = setup.layout
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=setup.world_size)
+    try:
+        if setup.tp_size > 1:  # transformers builds its own (fsdp, tp) mesh (prepare.distribute_tensor_parallel)
+            mesh = None
+        elif layout.strategy.replicates_across_nodes:
+            mesh = init_device_mesh("cpu", (layout.dp_replicate_size, layout.dp_shard_size),
+                                    mesh_dim_names=("dp_replicate", "dp_shard"))  # fmt: skip
+        else:
+            mesh = init_device_mesh("cpu", (setup.world_size,), mesh_dim_names=("dp_shard",))
+        yield mesh
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- trackers
+
+
+def _tracker(model: Any, optimizer: Any, deadline: float) -> Any:
+    """The tracker for the model, stopping at ``deadline`` (checked at every operator, so a trace never hangs)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = isinstance(model, FSDPModule)
+    base = FSDPMemTracker if fsdp else MemTracker
+
+    inplace_fused = _inplace_fused_optimizer_ops()
+
+    class Tracker(base):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if time.monotonic() > deadline:
+                raise TraceTimeout("time limit")
+            if func in inplace_fused:
+                # the fused kernel updates in place and allocates nothing on the device; fake mode's kernel builds
+                # out-of-place copies of every state instead (19.5 GiB on a 1B model), and fake values never matter
+                return None
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            # MemTracker hooks every parameter's gradient, which fails on frozen ones (a LoRA base)
+            params = buffers = 0
+            for param in module.parameters():
+                params += sum(w.mem_consumed for w in self._update_and_maybe_create_winfos(param, _MemRefType.PARAM))
+                if param.grad is not None:
+                    self._update_and_maybe_create_winfos(param.grad, _MemRefType.GRAD)
+                if install_grad_hooks and param.requires_grad and param not in self._param_to_grad_hook_handles:
+                    self._param_to_grad_hook_handles[param] = (
+                        param.register_hook(self._grad_hook),
+                        param.register_post_accumulate_grad_hook(lambda p: self._grad_hook(p.grad)),
+                    )
+            for buffer in module.buffers():
+                buffers += sum(
+                    w.mem_consumed for w in self._update_and_maybe_create_winfos(buffer, _MemRefType.BUFFER)
+                )
+            return params, buffers
+
+        def _grad_hook(self, grad):
+            self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+    tracker = Tracker(model, optimizer) if fsdp else Tracker()
+    if not fsdp:
+        tracker.track_external(model, optimizer)
+    return tracker
+
+
+def _inplace_fused_optimizer_ops() -> frozenset:
+    import torch
+
+    ops = []
+    for name in ("_fused_adamw_", "_fused_adam_", "_fused_sgd_", "_fused_adagrad_"):
+        packet = getattr(torch.ops.aten, name, None)
+        ops += [getattr(packet, overload) for overload in (packet.overloads() if packet else ())]
+    return frozenset(ops)
+
+
+def _snapshot(tracker: Any, kind: str) -> dict[str, int]:
+    snap = tracker.get_tracker_snapshot(kind)
+    merged: dict[str, int] = {}
+    for device, per_device in snap.items():
+        if getattr(device, "type", device) == "meta":  # shape bookkeeping of TP styles, never allocated
+            continue
+        for key, value in per_device.items():
+            name = getattr(key, "value", key)
+            merged[name] = merged.get(name, 0) + int(value)
+    return merged
+
+
+def _terms(categories: dict[str, int]) -> dict[str, int]:
+    out = dict.fromkeys(TERM_ORDER, 0)
+    for name, value in categories.items():
+        if name in TERMS:
+            out[TERMS[name]] += value
+    return out
+
+
+# ---------------------------------------------------------------- the steps
+
+
+def _train_steps(model: Any, optimizer: Any, setup: TraceSetup, vocab_size: int, on_phase: Any, tracker: Any) -> None:
+    """Warm-up step (one micro-batch: creates the optimizer state), then one full step of up to two micro-batches
+    (a second one is what gradient accumulation adds: gradients alive during forward)."""
+    import torch
+
+    ids = torch.randint(0, vocab_size, (setup.micro_batch_size, setup.seq_len))
+    accumulation = setup.gradient_accumulation_steps
+    for micro_batches in (1, min(accumulation, 2)):
+        for index in range(micro_batches):
+            with _sync(model, index == micro_batches - 1):
+                on_phase("forward")
+                loss = model(input_ids=ids, labels=ids).loss
+                on_phase("backward")
+                (loss / accumulation).backward()
+                del loss
+            tracker.reset_mod_stats()  # per-module statistics are per forward; the peak is kept
+        on_phase("optimizer step")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def _sync(model: Any, sync: bool):
+    """accelerate's ``no_sync`` for a non-final micro-batch: DDP's ``no_sync``, FSDP2's gradient sync off."""
+    if sync:
+        yield
+    elif hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    elif hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+    else:
+        yield
+
+
+_DDP_NOTE = (
+    "DDP's Reducer reads raw storage and cannot run on fake tensors: its buckets (one flat copy of the trainable "
+    "gradients, allocated at construction) are counted in buffers, and the all-reduce, in place on them, adds nothing"
+)
+
+
+def trace_here(config: Any, setup: TraceSetup, *, time_limit_s: float = 300.0) -> TraceResult:
+    """Trace ``setup`` for ``config`` in this process (no process group may be initialised here).
+
+    Raises :class:`TraceUnsupported` for a layout that cannot be traced (naming why), :class:`TraceTimeout`
+    (with ``partial``) past ``time_limit_s``, :class:`TraceError` when the model fails under the layout.
+    """
+    reason = setup.untraceable_reason()
+    if reason:
+        raise TraceUnsupported(f"cannot trace {setup.layout.describe()}: {reason}; the analytic estimate stands")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hf_dist.tracing import prepare
+
+    start = time.monotonic()
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    optimizer_cls, optimizer_kwargs = prepare.trainer_optimizer()  # before the fake group: no launch warnings
+    with fake_world(setup) as mesh:
+        model = prepare.build_model(config, setup)
+        model = prepare.enable_checkpointing(model, setup)
+        model = prepare.shard(model, setup, mesh)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = prepare.materialize(model)
+            buckets = prepare.ddp_buckets(model, setup)
+            model = prepare.autocast_forward(model, setup)
+            optimizer = optimizer_cls([p for p in model.parameters() if p.requires_grad], **optimizer_kwargs)
+            tracker = _tracker(model, optimizer, start + time_limit_s)
+            if buckets:
+                tracker.track_external(*buckets)
+            phase = {"now": "", "peak": "", "peak_bytes": 0}
+
+            def on_phase(name: str) -> None:
+                total = _snapshot(tracker, "peak").get("Total", 0)
+                if total > phase["peak_bytes"]:
+                    phase["peak"], phase["peak_bytes"] = phase["now"], total
+                phase["now"] = name
+
+            complete, error = True, None
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(tracker)
+                try:
+                    _train_steps(model, optimizer, setup, text.vocab_size, on_phase, tracker)
+                except TraceTimeout:
+                    complete = False
+                except Exception as exc:  # the model or a library failed under this layout
+                    error = exc
+            on_phase("")
+    if error is not None:
+        raise TraceError(
+            f"the model failed under {setup.layout.describe()} while tracing ({type(error).__name__}: "
+            f"{str(error).splitlines()[0][:300] if str(error) else ''}); the analytic estimate stands"
+        ) from error
+    peak = _snapshot(tracker, "peak")
+    rest = _terms(_snapshot(tracker, "current"))
+    result = TraceResult(
+        setup=setup, peak_bytes=peak.get("Total", 0), terms=_terms(peak),
+        categories={k: v for k, v in peak.items() if k != "Total" and v},
+        states={"params": rest["params"], "optimizer": rest["optimizer"]},
+        seconds=round(time.monotonic() - start, 2), complete=complete, peak_phase=phase["peak"],
+        notes=[_DDP_NOTE] if buckets else [],
+    )  # fmt: skip
+    if not complete:
+        raise TraceTimeout(
+            f"the trace of {setup.layout.describe()} ran past its {time_limit_s:g} s limit (peak so far "
+            f"{result.peak_bytes / 1024**3:.2f} GiB, in {result.peak_phase or 'set-up'}); the analytic estimate stands",
+            partial=result,
+        )
+    return result
