@@ -41,6 +41,44 @@ def llama3_config(name: str):
     )  # fmt: skip
 
 
+# Public models' config values, written out by hand from their published config.json (no hub access), for the
+# tracer's accuracy benchmark and tests: the fields that decide shapes and the modelling code path.
+PUBLIC_CONFIGS: dict[str, dict] = {
+    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                         tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=131072),
+    "llama-3.2-3b": dict(model_type="llama", hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                         tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=131072),
+    "llama-3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                       max_position_embeddings=8192),
+    "llama-3-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                        max_position_embeddings=8192),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1000000.0,
+                       max_position_embeddings=32768, tie_word_embeddings=False),
+    "mistral-7b": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=32768, rope_theta=1000000.0,
+                       max_position_embeddings=32768, sliding_window=None),
+    "gemma-2-9b": dict(model_type="gemma2", hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=256000,
+                       final_logit_softcapping=30.0, attn_logit_softcapping=50.0, query_pre_attn_scalar=256,
+                       sliding_window=4096, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192),
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, num_local_experts=8,
+                         num_experts_per_tok=2, rope_theta=1000000.0, max_position_embeddings=32768),
+}  # fmt: skip
+
+
+def public_config(name: str):
+    """The transformers config of a public model in :data:`PUBLIC_CONFIGS`."""
+    from hf_dist.planning.modelinfo import config_from_dict
+
+    return config_from_dict(dict(PUBLIC_CONFIGS[name]))
+
+
 def torchrun(
     script: str | Path,
     args: Sequence[str] = (),

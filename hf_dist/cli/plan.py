@@ -16,6 +16,7 @@ EPILOG = """examples:
   hf-dist plan ./llama-3-70b --gpus 64 --nodes 8 --gpu-memory 80 --global-batch 16   # fewer sequences than GPUs
   hf-dist plan ./llama-3-70b --gpus 8 --gpu-memory 80 --host-memory 256 --nvme-gbps 12   # may offload to NVMe
   hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --tp-size 2   # pin a size (the others become 1)
+  hf-dist plan ./my-model --gpus 64 --nodes 8 --gpu-memory 80 --verify   # check the pick by tracing the real model
 """
 
 
@@ -69,6 +70,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "updates); default: bf16 mixed precision with fp32 master weights and Adam state",
     )
     parser.add_argument("--trust-remote-code", action="store_true", dest="trust_remote_code")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="trace the chosen layout on the real model with fake tensors (seconds to a minute, no GPU) and take "
+        "the next candidate if the traced memory does not fit",
+    )
+    parser.add_argument(
+        "--verify-time-limit",
+        type=float,
+        default=120.0,
+        dest="verify_time_limit",
+        help="seconds per trace before it stops and the analytic estimate stands (default 120)",
+    )
     parser.add_argument("--json", action="store_true", help="print Plan.to_dict() as JSON")
 
 
@@ -103,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
         tp_size=args.tp_size,
         cp_size=args.cp_size,
         sp_size=args.sp_size,
+        verify=args.verify,
+        verify_time_limit_s=args.verify_time_limit,
     )
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.explain())
     return 0

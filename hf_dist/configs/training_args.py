@@ -50,6 +50,8 @@ PLAN_KEYS = (
     "sp_size",
     "host_memory_gib",
     "nvme_gbps",
+    "verify",
+    "verify_time_limit_s",
 )
 # Keywords auto_args itself consumes.
 CONFIG_KEYS = (

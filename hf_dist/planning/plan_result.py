@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from hf_dist.planning.hardware import Hardware
 from hf_dist.planning.layout import Layout
@@ -116,6 +116,8 @@ class Plan:
     sp_size: int = 1  # Ulysses sequence parallel group (DeepSpeed)
     offload_device: str = "cpu"  # where offloaded states live: "cpu", or "nvme" (ZeRO-Infinity)
     dimensions: list[str] = field(default_factory=list)  # why each model-parallel dimension was or was not used
+    trace: Any = None  # hf_dist.tracing.TraceResult of the chosen layout, with plan(verify=True)
+    verification: str = ""  # what plan(verify=True) traced, rejected, or could not trace, and why
 
     @property
     def layout(self) -> Layout:
@@ -139,7 +141,9 @@ class Plan:
 
     def to_dict(self) -> dict:
         """JSON-serializable summary (the transformers config object is left out)."""
-        out = {k: v for k, v in asdict(self).items() if k not in ("memory", "candidates", "hardware", "model")}
+        skip = ("memory", "candidates", "hardware", "model", "trace")
+        out = {k: v for k, v in asdict(self).items() if k not in skip}
+        out["trace"] = self.trace.to_dict() if self.trace is not None else None
         out["memory"] = self.memory.to_dict()
         out["optimizer_state_dtype"] = self.optimizer_state_dtype
         out["hardware"] = self.hardware.to_dict()
@@ -203,6 +207,10 @@ class Plan:
                 for i, (cell, w) in enumerate(zip(row, widths, strict=True))
             ]
             lines.append("  ".join(cells))
+        if self.verification:
+            lines.append(f"verify: {self.verification}")
+        if self.trace is not None:
+            lines.append(self.trace.compare(self.memory))
         lines.append("")
         lines.append("reasons:")
         for c in self.candidates:

@@ -321,6 +321,8 @@ def plan(
     host_memory_gib: float | None = None,
     nvme_gbps: float | None = None,
     features: Any = None,
+    verify: bool = False,
+    verify_time_limit_s: float = 120.0,
 ) -> Plan:
     """Plan distributed training of ``model`` (count, config, module, folder, config.json or hub name).
 
@@ -336,6 +338,9 @@ def plan(
     GPUs. ``host_memory_gib`` (RAM per node) and ``nvme_gbps`` (the nodes' NVMe bandwidth; given, NVMe offload
     is searched when nothing else fits) describe the hardware when ``hardware`` is not passed. ``features``: what
     the libraries accept (default: the installed ones, ``hf_dist.runtime.support.installed_features()``).
+    ``verify=True`` traces the chosen layout on the real model with fake tensors (:mod:`hf_dist.tracing`, seconds to
+    a minute; at most ``verify_time_limit_s`` per trace) and moves to the next candidate when the trace does not fit
+    (``Plan.trace``, ``Plan.verification``; docs/planner.md, "Tracing").
     Raises PlanError (a ValueError) naming the minimum hardware when nothing fits.
     """
     if method not in METHODS:
@@ -402,7 +407,7 @@ def plan(
     note = ""
     if use_liger_kernel is None and hw.device == "cuda" and not hw.liger_kernel and spec.has_shape:
         note = _liger_gain(setup, best)
-    return Plan(
+    result = Plan(
         strategy=best.strategy,
         offload=best.offload,
         activation_checkpointing=best.activation_checkpointing,
@@ -434,6 +439,11 @@ def plan(
         offload_device=best.offload_device,
         dimensions=dims + _chosen_dimensions(best),
     )
+    if not verify:
+        return result
+    from hf_dist.tracing.verify import verify_plan  # the tracing floor: only when asked
+
+    return verify_plan(result, time_limit_s=verify_time_limit_s)
 
 
 class _Search:

@@ -202,13 +202,14 @@ def autocast_forward(model: Any, setup: TraceSetup) -> Any:
     return model
 
 
-def trainer_optimizer() -> tuple[Any, dict[str, Any]]:
-    """The optimizer class and kwargs the Trainer builds by default (``Trainer.get_optimizer_cls_and_kwargs``:
-    fused AdamW on torch >= 2.8)."""
+def trainer_optimizer(setup: TraceSetup) -> tuple[Any, dict[str, Any]]:
+    """The optimizer class and kwargs the Trainer builds (``Trainer.get_optimizer_cls_and_kwargs``): its default
+    ``optim`` for AdamW (fused AdamW on torch >= 2.8), ``optim="sgd"`` for SGD."""
     import tempfile
 
     from transformers import Trainer, TrainingArguments
 
     with tempfile.TemporaryDirectory() as tmp, _no_accelerate_env():
-        args = TrainingArguments(output_dir=tmp, report_to="none")
+        extra = {"optim": "sgd"} if setup.optimizer == "sgd" else {}
+        args = TrainingArguments(output_dir=tmp, report_to="none", **extra)
         return Trainer.get_optimizer_cls_and_kwargs(args)

@@ -55,12 +55,14 @@ class TraceSetup:
     sp_size: int = 1
     attention: str = "sdpa"
     device: str = "cuda"
+    optimizer: str = "adamw"
 
     def __post_init__(self) -> None:
         check_choice("method", self.method, ("full", "lora", "qlora"))
         check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         check_choice("base_dtype", self.base_dtype, DTYPES)
         check_choice("device", self.device, ("cuda", "cpu"))
+        check_choice("optimizer", self.optimizer, ("adamw", "adamw_8bit", "sgd"))
         for name in ("seq_len", "micro_batch_size", "gradient_accumulation_steps", "lora_rank"):
             check_positive_int(name, getattr(self, name))
         if not 0.0 <= self.lora_dropout < 1.0:
@@ -83,6 +85,8 @@ class TraceSetup:
             return _DEEPSPEED_REASON
         if self.method == "qlora":
             return "QLoRA: bitsandbytes' 4-bit weights and kernels are CUDA-only and have no fake-tensor kernels"
+        if self.optimizer == "adamw_8bit":
+            return "8-bit AdamW: bitsandbytes' optimizer kernels are CUDA-only"
         if self.use_liger_kernel:
             return (
                 "Liger kernels: Triton kernels, which run only on a GPU (their terms are derived from Liger's source)"
@@ -103,6 +107,20 @@ class TraceSetup:
             return "LoRA with tensor parallelism: PEFT's LoRA layers do not run on DTensor-sharded weights"
         return None
 
+    def estimate_kwargs(self) -> dict[str, Any]:
+        """The same run as :func:`hf_dist.planning.memory.estimate_memory` keywords (after the model and strategy),
+        so traced and modelled memory always describe one layout."""
+        sixteen = self.mixed_precision != "no"
+        return dict(
+            world_size=self.world_size, nodes=self.nodes, method=self.method, offload=self.offload,
+            optimizer=self.optimizer, master_weights=not self.pure_bf16, param_bytes=2 if sixteen else 4,
+            seq_len=self.seq_len, micro_batch_size=self.micro_batch_size,
+            activation_checkpointing=self.activation_checkpointing, lora_rank=self.lora_rank,
+            gradient_accumulation_steps=self.gradient_accumulation_steps, use_liger_kernel=self.use_liger_kernel,
+            attention=self.attention, device=self.device, base_bytes=4 if self.base_dtype == "float32" else 2,
+            tp_size=self.tp_size, cp_size=self.cp_size, sp_size=self.sp_size,
+        )  # fmt: skip
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -117,7 +135,7 @@ class TraceSetup:
         c = candidate or plan
         accumulation = plan.gradient_accumulation_steps
         if candidate is not None:
-            dp = candidate.layout.dp_size
+            dp = candidate.key.layout(plan.hardware).dp_size
             accumulation = max(plan.global_batch_size // (candidate.micro_batch_size * dp), 1)
         pb = "float32" if plan.mixed_precision == "no" else "bfloat16"
         values = dict(
@@ -126,7 +144,7 @@ class TraceSetup:
             activation_checkpointing=c.activation_checkpointing, mixed_precision=plan.mixed_precision,
             pure_bf16=plan.pure_bf16, base_dtype=plan.model_dtype or pb, lora_rank=plan.lora_rank,
             offload=c.offload, use_liger_kernel=c.use_liger_kernel, tp_size=c.tp_size, cp_size=c.cp_size,
-            sp_size=c.sp_size, device=plan.hardware.device,
+            sp_size=c.sp_size, device=plan.hardware.device, optimizer=plan.optimizer,
         )  # fmt: skip
         values.update(overrides)
         return cls(**values)

@@ -180,6 +180,14 @@ def _tracker(model: Any, optimizer: Any, deadline: float) -> Any:
                 )
             return params, buffers
 
+        def _update_peak_stats(self, peak_state):
+            # only the global peak: MemTracker also keeps every module's own peak, walking all modules at every
+            # operator (O(operators x modules): 52 s instead of 10 s for a 1B LoRA model), which the trace never reads
+            for device, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(device, 0) < snap["Total"]:
+                    self._peak_mem[device] = snap["Total"]
+                    self._peak_mem_snap[device] = dict(snap)
+
         def _grad_hook(self, grad):
             self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
@@ -276,61 +284,83 @@ def trace_here(config: Any, setup: TraceSetup, *, time_limit_s: float = 300.0) -
     reason = setup.untraceable_reason()
     if reason:
         raise TraceUnsupported(f"cannot trace {setup.layout.describe()}: {reason}; the analytic estimate stands")
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from hf_dist.tracing import prepare
 
     start = time.monotonic()
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    optimizer_cls, optimizer_kwargs = prepare.trainer_optimizer()  # before the fake group: no launch warnings
-    with fake_world(setup) as mesh:
-        model = prepare.build_model(config, setup)
-        model = prepare.enable_checkpointing(model, setup)
-        model = prepare.shard(model, setup, mesh)
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            model = prepare.materialize(model)
-            buckets = prepare.ddp_buckets(model, setup)
-            model = prepare.autocast_forward(model, setup)
-            optimizer = optimizer_cls([p for p in model.parameters() if p.requires_grad], **optimizer_kwargs)
-            tracker = _tracker(model, optimizer, start + time_limit_s)
-            if buckets:
-                tracker.track_external(*buckets)
-            phase = {"now": "", "peak": "", "peak_bytes": 0}
-
-            def on_phase(name: str) -> None:
-                total = _snapshot(tracker, "peak").get("Total", 0)
-                if total > phase["peak_bytes"]:
-                    phase["peak"], phase["peak_bytes"] = phase["now"], total
-                phase["now"] = name
-
-            complete, error = True, None
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(tracker)
-                try:
-                    _train_steps(model, optimizer, setup, text.vocab_size, on_phase, tracker)
-                except TraceTimeout:
-                    complete = False
-                except Exception as exc:  # the model or a library failed under this layout
-                    error = exc
-            on_phase("")
-    if error is not None:
-        raise TraceError(
-            f"the model failed under {setup.layout.describe()} while tracing ({type(error).__name__}: "
-            f"{str(error).splitlines()[0][:300] if str(error) else ''}); the analytic estimate stands"
-        ) from error
-    peak = _snapshot(tracker, "peak")
-    rest = _terms(_snapshot(tracker, "current"))
-    result = TraceResult(
-        setup=setup, peak_bytes=peak.get("Total", 0), terms=_terms(peak),
-        categories={k: v for k, v in peak.items() if k != "Total" and v},
-        states={"params": rest["params"], "optimizer": rest["optimizer"]},
-        seconds=round(time.monotonic() - start, 2), complete=complete, peak_phase=phase["peak"],
-        notes=[_DDP_NOTE] if buckets else [],
-    )  # fmt: skip
-    if not complete:
+    deadline = start + time_limit_s
+    optimizer = prepare.trainer_optimizer(setup)  # before the fake group: no launch warnings
+    run = None
+    try:
+        with fake_world(setup) as mesh:
+            run = _Run(config, setup, mesh, optimizer, deadline)
+            run.steps()
+    except TraceError:
+        raise
+    except Exception as exc:  # the model or a library failed under this layout
+        if time.monotonic() > deadline and run is not None:  # a library re-raised the time limit as its own error
+            run.complete = False
+        else:
+            raise TraceError(
+                f"the model failed under {setup.layout.describe()} while tracing ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:300] if str(exc) else ''}); the analytic estimate stands"
+            ) from exc
+    result = run.result(time.monotonic() - start)
+    if not run.complete:
         raise TraceTimeout(
             f"the trace of {setup.layout.describe()} ran past its {time_limit_s:g} s limit (peak so far "
             f"{result.peak_bytes / 1024**3:.2f} GiB, in {result.peak_phase or 'set-up'}); the analytic estimate stands",
             partial=result,
         )
     return result
+
+
+class _Run:
+    """One traced run: the model prepared and materialised, its optimizer, the tracker, the peak's phase."""
+
+    def __init__(self, config: Any, setup: TraceSetup, mesh: Any, optimizer: tuple, deadline: float) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from hf_dist.tracing import prepare
+
+        self.setup, self.complete, self.phase, self.peak_phase, self.peak_seen = setup, True, "", "", 0
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.vocab_size = text.vocab_size
+        self.tracker = None
+        model = prepare.build_model(config, setup)
+        model = prepare.enable_checkpointing(model, setup)
+        model = prepare.shard(model, setup, mesh)
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with self.fake:
+            self.model = prepare.autocast_forward(prepare.materialize(model), setup)
+            self.buckets = prepare.ddp_buckets(self.model, setup)
+            cls, kwargs = optimizer
+            self.optimizer = cls([p for p in self.model.parameters() if p.requires_grad], **kwargs)
+            self.tracker = _tracker(self.model, self.optimizer, deadline)
+            if self.buckets:
+                self.tracker.track_external(*self.buckets)
+
+    def steps(self) -> None:
+        with self.fake, self.tracker:
+            try:
+                _train_steps(self.model, self.optimizer, self.setup, self.vocab_size, self.on_phase, self.tracker)
+            except TraceTimeout:
+                self.complete = False
+        self.on_phase("")
+
+    def on_phase(self, name: str) -> None:
+        total = _snapshot(self.tracker, "peak").get("Total", 0)
+        if total > self.peak_seen:
+            self.peak_phase, self.peak_seen = self.phase, total
+        self.phase = name
+
+    def result(self, seconds: float) -> TraceResult:
+        if self.tracker is None:  # stopped before anything ran
+            peak, rest = {}, dict.fromkeys(TERM_ORDER, 0)
+        else:
+            peak, rest = _snapshot(self.tracker, "peak"), _terms(_snapshot(self.tracker, "current"))
+        return TraceResult(
+            setup=self.setup, peak_bytes=peak.get("Total", 0), terms=_terms(peak),
+            categories={k: v for k, v in peak.items() if k != "Total" and v},
+            states={"params": rest["params"], "optimizer": rest["optimizer"]}, seconds=round(seconds, 2),
+            complete=self.complete, peak_phase=self.peak_phase, notes=[_DDP_NOTE] if self.buckets else [],
+        )  # fmt: skip

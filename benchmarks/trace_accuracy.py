@@ -1,0 +1,154 @@
+"""The analytic memory model against the tracer, and the tracer against the H100.
+
+    python benchmarks/trace_accuracy.py                 # every row (about 15 minutes on 2 cores)
+    python benchmarks/trace_accuracy.py --only llama-3-8b --out trace.json
+
+Part 1: public models' configs (hf_dist.testing.PUBLIC_CONFIGS: Llama 3.2 1B/3B, Llama 3 8B/70B, Qwen2.5 7B, Mistral
+7B, Gemma 2 9B, Mixtral 8x7B) laid out as DDP, FSDP2 full-shard / shard-grad-op / HSDP and FSDP2 x TP, full and LoRA,
+with and without activation checkpointing, on 8, 64 and 512 ranks, sequences of 2k to 32k tokens and micro-batches
+of 1 to 8. Each row traces rank 0 (hf_dist.trace_memory: the real model, fake tensors, a fake process group) and
+prints the traced peak of live tensors next to the memory model's ``allocated`` (what
+``torch.cuda.max_memory_allocated`` reports). Target: within 5 % on every row whose traced device total (traced
+peak + the model's allocator and CUDA-context terms) fits in 80 GiB.
+
+Part 2: the tracer against every H100 run of benchmarks/data/gpu/ that trained with fp32 master weights and a layout
+the tracer runs (DDP / FSDP2; no Liger), against its measured ``max_memory_allocated``. Target: within 3 %.
+Out-of-memory runs must trace above the card.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from hf_dist.planning.memory import GIB, estimate_memory
+from hf_dist.testing import PUBLIC_CONFIGS, public_config
+from hf_dist.tracing import TraceError, TraceSetup, TraceUnsupported, trace_memory
+
+CARD_GIB = 80.0
+MODEL_TARGET = 0.05
+GPU_TARGET = 0.03
+GPU_DATA = Path(__file__).parent / "data" / "gpu"
+
+# (strategy, world, nodes, tp, method, ckpt, seq_len, micro_batch, accumulation): each model runs every layout
+LAYOUTS = [
+    ("ddp", 8, 1, 1, "lora", False, 2048, 1, 1),
+    ("fsdp_full_shard", 8, 1, 1, "full", False, 2048, 2, 1),
+    ("fsdp_full_shard", 8, 1, 1, "full", True, 2048, 8, 4),
+    ("fsdp_full_shard", 64, 8, 1, "full", True, 8192, 1, 1),
+    ("fsdp_shard_grad_op", 64, 8, 1, "lora", True, 2048, 4, 1),
+    ("hsdp", 512, 64, 1, "full", True, 4096, 2, 1),
+    ("fsdp_full_shard", 64, 8, 2, "full", True, 32768, 1, 1),
+]
+SMALL_ONLY = {"llama-3.2-1b", "llama-3.2-3b"}  # and these also DDP full fine-tuning on 8 ranks
+EXTRA = [("ddp", 8, 1, 1, "full", False, 2048, 4, 1), ("ddp", 8, 1, 1, "full", True, 4096, 2, 2)]
+
+
+def setups(models: list[str]) -> list[tuple[str, TraceSetup]]:
+    rows = []
+    for model in models:
+        for strategy, world, nodes, tp, method, ckpt, seq, mb, accum in LAYOUTS + (EXTRA if model in SMALL_ONLY else []):
+            rows.append((model, TraceSetup(
+                strategy=strategy, world_size=world, nodes=nodes, tp_size=tp, method=method,
+                activation_checkpointing=ckpt, seq_len=seq, micro_batch_size=mb, gradient_accumulation_steps=accum,
+            )))  # fmt: skip
+    return rows
+
+
+def model_row(name: str, setup: TraceSetup, limit: float) -> dict:
+    config = public_config(name)
+    estimate = estimate_memory(config, setup.strategy, **setup.estimate_kwargs())
+    row = {"model": name, "layout": describe(setup), "modelled_gib": estimate.allocated / GIB}
+    try:
+        trace = trace_memory(config, isolate=False, time_limit_s=limit, **setup.to_dict())
+    except (TraceUnsupported, TraceError, ValueError) as exc:
+        return {**row, "error": str(exc).split("; the analytic")[0][:160]}
+    total = trace.device_total(estimate) / GIB
+    return {
+        **row, "traced_gib": trace.peak_bytes / GIB, "ratio": estimate.allocated / trace.peak_bytes,
+        "fits_80": total <= CARD_GIB, "seconds": trace.seconds, "peak_phase": trace.peak_phase,
+        "traced_terms_gib": {k: round(v / GIB, 3) for k, v in trace.terms.items() if v},
+        "modelled_terms_gib": {k: round(v / GIB, 3) for k, v in estimate.to_dict().items()
+                               if v and k in ("params", "grads", "optimizer", "activations", "logits", "buffers", "step")},
+    }  # fmt: skip
+
+
+def describe(s: TraceSetup) -> str:
+    sizes = f" tp{s.tp_size}" if s.tp_size > 1 else ""
+    flags = ("+ckpt" if s.activation_checkpointing else "") + (f" ga{s.gradient_accumulation_steps}" if
+                                                                 s.gradient_accumulation_steps > 1 else "")  # fmt: skip
+    return f"{s.strategy}{sizes} w{s.world_size} {s.method}{flags} seq{s.seq_len} mb{s.micro_batch_size}"
+
+
+def gpu_rows(limit: float) -> list[dict]:
+    """Every H100 case with fp32 masters that the tracer can run."""
+    rows = []
+    for path in sorted(GPU_DATA.glob("*.json")):
+        data = json.loads(path.read_text())
+        for case in data["cases"]:
+            measured = case["measured"]
+            masters = measured.get("adam_state_dtype") == "torch.float32"
+            if not masters or case["use_liger_kernel"] or case["strategy"].startswith("zero"):
+                continue
+            config = json.loads((GPU_DATA / "configs" / case["model"] / "config.json").read_text())
+            setup = TraceSetup(
+                strategy=case["strategy"], method=case["method"], seq_len=case["seq_len"],
+                micro_batch_size=case["micro_batch_size"], gradient_accumulation_steps=case["gradient_accumulation_steps"],
+                activation_checkpointing=case["activation_checkpointing"], base_dtype=case["weights_loaded_as"],
+            )  # fmt: skip
+            trace = trace_memory(config, isolate=False, time_limit_s=limit, **setup.to_dict())
+            real = measured["max_memory_allocated_gib"]
+            rows.append({
+                "case": f"{case['model']} {describe(setup)}", "h100_allocated_gib": real,
+                "traced_gib": trace.peak_bytes / GIB, "ratio": trace.peak_bytes / GIB / real,
+                "out_of_memory": bool(measured.get("out_of_memory")), "seconds": trace.seconds,
+            })  # fmt: skip
+    return rows
+
+
+def print_model_rows(rows: list[dict]) -> int:
+    print(f"{'model':14} {'layout':52} {'traced':>8} {'model':>8} {'model/traced':>12} {'fits 80':>7} {'s':>6}")
+    misses = 0
+    for r in rows:
+        if "error" in r:
+            print(f"{r['model']:14} {r['layout']:52} {'-':>8} {r['modelled_gib']:8.2f}   not traced: {r['error']}")
+            continue
+        miss = r["fits_80"] and abs(r["ratio"] - 1) > MODEL_TARGET
+        misses += miss
+        print(f"{r['model']:14} {r['layout']:52} {r['traced_gib']:8.2f} {r['modelled_gib']:8.2f} {r['ratio']:12.3f} "
+              f"{'yes' if r['fits_80'] else 'no':>7} {r['seconds']:6.1f}{'  MISS' if miss else ''}")  # fmt: skip
+    return misses
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--only", nargs="*", choices=sorted(PUBLIC_CONFIGS), help="models to run (default: all)")
+    parser.add_argument("--skip-gpu", action="store_true", help="leave out part 2 (the H100 comparison)")
+    parser.add_argument("--time-limit", type=float, default=300.0, help="seconds per trace")
+    parser.add_argument("--out", type=Path, help="also write every row as JSON")
+    args = parser.parse_args(argv)
+    start = time.time()
+    rows = [model_row(name, setup, args.time_limit) for name, setup in setups(args.only or list(PUBLIC_CONFIGS))]
+    print("Part 1: analytic model vs tracer (rank 0, allocated GiB)")
+    misses = print_model_rows(rows)
+    checked = sum(1 for r in rows if r.get("fits_80"))
+    print(f"{checked - misses}/{checked} rows that fit in {CARD_GIB:g} GiB within {MODEL_TARGET:.0%}")
+    gpu = [] if args.skip_gpu else gpu_rows(args.time_limit)
+    if gpu:
+        print("\nPart 2: tracer vs H100 max_memory_allocated (GiB)")
+        for r in gpu:
+            ok = r["ratio"] > 1 if r["out_of_memory"] else abs(r["ratio"] - 1) <= GPU_TARGET  # OOM: above what it had
+            print(f"{r['case']:60} H100 {r['h100_allocated_gib']:7.2f}  traced {r['traced_gib']:7.2f}  "
+                  f"ratio {r['ratio']:.3f}{' (OOM on the H100)' if r['out_of_memory'] else ''}{'' if ok else '  MISS'}")
+    print(f"\n{time.time() - start:.0f} s")
+    if args.out:
+        args.out.write_text(json.dumps({"model_rows": rows, "gpu_rows": gpu}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
