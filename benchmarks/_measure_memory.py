@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hf_dist.planning.layout import strategy as registry_strategy
+from hf_dist.testing import memory_curve, track_all_threads
 
 SEQ, MICRO = 128, 2
 
@@ -207,45 +208,6 @@ def grad_tensors(module, optimizer) -> list:
         elif isinstance(value, torch.Tensor):
             out.append(value)
     return out
-
-
-def track_all_threads() -> None:
-    """Make torch's CPU allocator count every tensor of the process, whichever thread frees it.
-
-    Under the profiler, c10's ``ProfiledCPUMemoryReporter`` counts allocations and frees only in threads where
-    memory profiling is on (``memoryProfilingEnabled()`` is thread-local), so a tensor allocated in the main
-    thread and freed by a gloo or autograd worker thread (async collectives: FSDP2, TP, DDP's buckets) stays
-    "live" forever: the old running sum drifted up step after step and from run to run (FSDP2 model A: 107 ->
-    119 MB over 4 steps, 124 -> 152 MB in another run). With ``FLAGS_caffe2_report_cpu_memory_usage`` (a c10
-    flag, set through its exported symbol; its log lines are below c10's default log level) the reporter counts
-    every thread, and each allocation event the profiler records carries that process-wide total: steady across
-    steps and runs (FSDP2 model A: 107.4 MB in every step of two runs). Set before any tensor to measure exists.
-    """
-    import ctypes
-
-    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
-    ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage").value = True
-
-
-def _walk(events):
-    for e in events:
-        yield e
-        yield from _walk(e.children)
-
-
-def memory_curve(prof) -> tuple[list[tuple[int, int]], dict[str, tuple[int, int]]]:
-    """((time_ns, live tensor bytes of the process) at every allocation/free recorded, in time order, counted from
-    the first one; {record_function name: (start_ns, end_ns)})."""
-    allocation = torch._C._profiler._ExtraFields_Allocation
-    points, marks = [], {}
-    for e in _walk(prof.profiler.kineto_results.experimental_event_tree()):
-        if isinstance(e.extra_fields, allocation):
-            points.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.total_allocated))
-        else:
-            marks.setdefault(e.name, (e.start_time_ns, e.end_time_ns))
-    points.sort()
-    base = points[0][2] - points[0][1]  # what was live before the first event (an earlier model's leftovers)
-    return [(t, total - base) for t, _, total in points], marks
 
 
 def measure(layout: str, spec: str) -> dict:

@@ -50,7 +50,9 @@ EXTRA = [("ddp", 8, 1, 1, "full", False, 2048, 4, 1), ("ddp", 8, 1, 1, "full", T
 def setups(models: list[str]) -> list[tuple[str, TraceSetup]]:
     rows = []
     for model in models:
-        for strategy, world, nodes, tp, method, ckpt, seq, mb, accum in LAYOUTS + (EXTRA if model in SMALL_ONLY else []):
+        for strategy, world, nodes, tp, method, ckpt, seq, mb, accum in LAYOUTS + (
+            EXTRA if model in SMALL_ONLY else []
+        ):
             rows.append((model, TraceSetup(
                 strategy=strategy, world_size=world, nodes=nodes, tp_size=tp, method=method,
                 activation_checkpointing=ckpt, seq_len=seq, micro_batch_size=mb, gradient_accumulation_steps=accum,
@@ -142,8 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\nPart 2: tracer vs H100 max_memory_allocated (GiB)")
         for r in gpu:
             ok = r["ratio"] > 1 if r["out_of_memory"] else abs(r["ratio"] - 1) <= GPU_TARGET  # OOM: above what it had
-            print(f"{r['case']:60} H100 {r['h100_allocated_gib']:7.2f}  traced {r['traced_gib']:7.2f}  "
-                  f"ratio {r['ratio']:.3f}{' (OOM on the H100)' if r['out_of_memory'] else ''}{'' if ok else '  MISS'}")
+            print(
+                f"{r['case']:60} H100 {r['h100_allocated_gib']:7.2f}  traced {r['traced_gib']:7.2f}  "
+                f"ratio {r['ratio']:.3f}{' (OOM on the H100)' if r['out_of_memory'] else ''}{'' if ok else '  MISS'}"
+            )
     print(f"\n{time.time() - start:.0f} s")
     if args.out:
         args.out.write_text(json.dumps({"model_rows": rows, "gpu_rows": gpu}, indent=1))

@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from hf_dist.planning.activations import FP32, Lora, activation_bytes, largest_transient_bytes, logits_bytes
 from hf_dist.planning.layout import Layout, Strategy, strategy
 from hf_dist.validation import check_choice, check_positive_int
 
@@ -67,7 +68,7 @@ NCCL_BYTES = int(0.38 * GIB)
 # QLoRA (Dettmers et al. 2023, sec. 3): NF4 = 4 bits/param; double quantisation stores one 8-bit absmax
 # per 64 params plus one fp32 constant per 256 blocks = 8/64 + 32/(64*256) = 0.127 bits/param.
 QLORA_BASE_BYTES_PER_PARAM = 0.5 + (8 / 64 + 32 / (64 * 256)) / 8
-FP32 = 4
+LORA_DROPOUT = 0.05  # the recipes' --lora_dropout (hf_dist.recipe_utils.LoraArguments)
 
 
 @dataclass(frozen=True)
@@ -78,11 +79,13 @@ class MemoryEstimate:
     tensors (``torch.cuda.max_memory_allocated``), ``reserved`` what the caching allocator holds
     (``max_memory_reserved``). ``cpu`` is host memory per rank used by offloaded states.
 
-    The peak is the larger of two moments (``grads_overlap_activations``): the start of backward,
-    when every saved activation and the loss's logits are alive, and the optimizer step, when the
-    gradients and the step's transients are. With one micro-batch per step the Trainer frees
-    gradients after each step (``zero_grad(set_to_none=True)``), so gradients and activations never
-    coexist in full; with gradient accumulation the gradients persist through the next forward.
+    The peak is the largest of three moments: the start of backward, when every saved activation and the loss's
+    logits are alive; a decoder layer's backward, when its gathered units (``unit_buffers``: FSDP2 / ZeRO-3) and,
+    under activation checkpointing, its recomputed activations (``recompute``) are, but no longer the logits; and
+    the optimizer step, when the gradients and the step's transients are (``grads_overlap_activations``). With
+    one micro-batch per step the Trainer frees gradients after each step (``zero_grad(set_to_none=True)``), so
+    gradients and activations never coexist in full; with gradient accumulation the gradients persist through the
+    next forward. ``activations`` includes ``recompute`` and ``buffers`` includes ``unit_buffers``.
     """
 
     params: int
@@ -96,6 +99,8 @@ class MemoryEstimate:
     logits: int = 0
     step: int = 0
     allocator: int = 0
+    recompute: int = 0
+    unit_buffers: int = 0
 
     @property
     def model_states(self) -> int:
@@ -103,12 +108,13 @@ class MemoryEstimate:
 
     @property
     def allocated(self) -> int:
-        forward_backward = self.activations + self.logits
+        layer_moment = self.recompute + self.unit_buffers
+        forward_backward = self.activations - self.recompute + max(self.logits, layer_moment)
         if self.grads_overlap_activations:
             transient = max(forward_backward, self.grads + self.step)
         else:
             transient = max(forward_backward + self.grads, self.grads + self.step)
-        return self.params + self.optimizer + self.buffers + transient
+        return self.params + self.optimizer + self.buffers - self.unit_buffers + transient
 
     @property
     def reserved(self) -> int:
@@ -205,9 +211,12 @@ def validate_args(layout: Layout, method, optimizer, param_bytes, grad_bytes, lo
 
 
 def lora_trainable_params(spec, rank: int) -> int:
-    """LoRA params: rank * (in + out) for q,k,v,o,gate,up,down of every decoder layer (Hu et al. 2021)."""
+    """LoRA params: rank * (in + out) for each adapted linear (q,k,v,o,gate,up,down) of every decoder layer
+    (Hu et al. 2021): the model's own linears when known (a mixture of experts has no gate/up/down linears)."""
     if not spec.has_shape:
         raise ValueError("LoRA/QLoRA estimates need the model's shape; pass a config, folder or model, not a count")
+    if spec.lora_linears:
+        return rank * sum(i + o for _, i, o in spec.lora_linears) * spec.num_layers
     h, inter = spec.hidden_size, spec.intermediate_size
     q_out = spec.num_attention_heads * spec.head_dim
     kv_out = spec.num_key_value_heads * spec.head_dim
@@ -349,104 +358,6 @@ def step_bytes_per_rank(spec, s: Strategy, degree, trainable, offload, lay: Dtyp
     return min(DS_SUB_GROUP_ELEMENTS, _split(trainable, True, degree)) * FP32 + norm
 
 
-# ---------------------------------------------------------------- activations
-
-
-def _norm_bytes(h: int, lay: Dtypes, consumers: int, liger: bool) -> int:
-    """Per token, one RMSNorm and what its consumers save of its output.
-
-    HF ``LlamaRMSNorm`` upcasts its input to fp32 (saved by ``pow`` and the ``rsqrt`` multiply: the
-    input itself when the residual is fp32, else a copy) and saves the normalised tensor cast back to
-    the input dtype for the weight multiply. Liger's ``LigerRMSNormFunction`` saves only its input and
-    a per-row fp32 rstd. Consumers: under autocast each linear saves its own cast of the output;
-    otherwise they share one saved tensor.
-    """
-    r = lay.residual
-    own = r * h if liger else FP32 * h + r * h
-    shared = consumers * lay.compute * h if lay.autocast else r * h
-    return own + shared
-
-
-def layer_activation_bytes(
-    spec,
-    seq_len: int,
-    micro_batch_size: int,
-    lay: Dtypes,
-    *,
-    attention: str = "sdpa",
-    liger: bool = False,
-    keys: int | None = None,
-) -> int:
-    """Saved-for-backward bytes of one Llama-style decoder layer (transformers' modeling_llama.py).
-
-    Per token, with c the compute dtype's bytes, h hidden, kv the K/V width, I the MLP width, a heads:
-      two RMSNorms and their consumers (:func:`_norm_bytes`; 3 projections read the first, 2 the second);
-      attention: q after RoPE (c*h: RoPE's multiplies save only cos/sin, which need no grad),
-        k, v (c*kv each; sdpa passes ``enable_gqa`` instead of repeating K/V), the output (c*h) and its
-        contiguous transpose that o_proj saves (c*h), and flash/efficient SDPA's fp32 log-sum-exp per
-        head (4a). Eager attention instead keeps the fp32 softmax and its 16-bit copy per key
-        ((4 + c)*a*s);
-      SwiGLU: gate, silu(gate), up and their product (4cI); Liger's ``LigerSiLUMulFunction`` saves
-        gate and up and recomputes silu (3cI).
-    Korthikanti et al. eq. 1 gives 34h for a GPT block in 16-bit; this block with I = 4h is larger
-    because SwiGLU keeps four I-sized tensors where GELU keeps two.
-    ``seq_len`` is the tokens this rank holds; ``keys`` the length each query attends over (the whole sequence
-    under context / sequence parallelism; default ``seq_len``).
-    """
-    keys = seq_len if keys is None else keys
-    h, kv, a, c = spec.hidden_size, spec.num_key_value_heads * spec.head_dim, spec.num_attention_heads, lay.compute
-    q = spec.num_attention_heads * spec.head_dim
-    # the first norm feeds q, k, v and the second gate, up; extra norms (Gemma 2/3's post-attention and
-    # post-feed-forward norms) feed one consumer each
-    extra = max(spec.norms_per_layer - 2, 0)
-    norms = _norm_bytes(h, lay, 3, liger) + _norm_bytes(h, lay, 2, liger) + extra * _norm_bytes(h, lay, 1, liger)
-    attn = c * (3 * q + 2 * kv)
-    attn += (FP32 + c) * a * keys if attention == "eager" else FP32 * a
-    mlp = (3 if liger else 4) * c * spec.intermediate_size
-    return (norms + attn + mlp) * seq_len * micro_batch_size
-
-
-def logits_bytes(spec, seq_len: int, micro_batch_size: int, lay: Dtypes, *, liger: bool = False) -> int:
-    """Peak bytes of the LM head and the loss.
-
-    HF: ``ForCausalLMLoss`` upcasts the logits (``logits.float()``) and ``cross_entropy`` keeps the fp32
-    log-softmax; in backward NLL's gradient, the log-softmax output and its input gradient are three
-    fp32 ``[tokens, vocab]`` tensors alive at once (12 bytes per vocab entry per token), more than the
-    forward's 16-bit logits + fp32 copy + log-softmax. Plus the final norm and what lm_head saves.
-    Liger's fused linear cross-entropy (``LigerFusedLinearCrossEntropyFunction``) computes the loss and
-    both gradients chunk by chunk in forward: it keeps the input gradient (in the residual dtype) and the
-    lm_head weight gradient (in the weights' dtype), and holds one chunk of logits of
-    ``2**ceil(log2(tokens / ceil(V / h)))`` rows; under autocast each chunk's matmul casts the transposed
-    fp32 weight again (a view, which autocast does not cache).
-    """
-    tokens = seq_len * micro_batch_size
-    final_norm = _norm_bytes(spec.hidden_size, lay, 1, liger) * tokens
-    if not liger:
-        # Gemma 2's soft-capping (logits / cap, tanh, * cap) saves tanh's output in the compute dtype
-        capping = lay.compute * spec.vocab_size * tokens if spec.logit_softcapping else 0
-        return final_norm + 3 * FP32 * spec.vocab_size * tokens + capping
-    h, v = spec.hidden_size, spec.vocab_size
-    chunk = min(2 ** math.ceil(math.log2(max(1, math.ceil(tokens / math.ceil(v / h))))), tokens)
-    weight_copy = lay.compute * v * h if lay.autocast else 0
-    return final_norm + lay.residual * h * tokens + lay.weights * v * h + weight_copy + lay.compute * v * chunk
-
-
-def activation_bytes(spec, seq_len, micro_batch_size, activation_checkpointing, lay: Dtypes, **kw) -> int:
-    """Saved activations of every decoder layer on one rank (data parallelism does not split them).
-
-    With activation checkpointing (non-reentrant, one checkpoint per decoder layer, what hf_dist
-    configures) each layer keeps only its input (residual dtype), plus one layer's activations while it
-    is recomputed in backward.
-    """
-    if not spec.has_shape:
-        return 0
-    layer = layer_activation_bytes(spec, seq_len, micro_batch_size, lay, **kw)
-    if activation_checkpointing:
-        inputs = spec.num_layers * spec.hidden_size * seq_len * micro_batch_size * lay.residual
-        return inputs + layer
-    return spec.num_layers * layer
-
-
 # ---------------------------------------------------------------- buffers
 
 
@@ -455,8 +366,10 @@ def _linear_params(spec) -> int:
     return spec.num_params - (spec.embedding_params if spec.lm_head_params else 0)
 
 
-def buffer_bytes(spec, s: Strategy, world_size, trainable, lay: Dtypes, ckpt: bool) -> int:
-    """Working copies and communication buffers alive during forward, per rank.
+def buffer_bytes(spec, s: Strategy, world_size, trainable, lay: Dtypes, ckpt: bool) -> tuple[int, int]:
+    """(working copies and communication buffers alive during forward, per rank; the part of them gathered only
+    around one decoder layer, which is free while the loss's logits are alive: the tracer's peaks at the loss show
+    no decoder unit gathered).
 
     - autocast (DDP mixed): the bf16 copy of every linear weight, cached by autocast and saved by the
       linear for backward (torch ``cached_cast``); with checkpointing only lm_head's copy outlives
@@ -476,19 +389,19 @@ def buffer_bytes(spec, s: Strategy, world_size, trainable, lay: Dtypes, ckpt: bo
         out += c * ((spec.lm_head_params or spec.embedding_params) if ckpt else _linear_params(spec))
     unit = spec.layer_params
     if s.is_ddp:
-        return out + (trainable * lay.grads if world_size > 1 else 0)
+        return out + (trainable * lay.grads if world_size > 1 else 0), 0
     if s.is_deepspeed and not s.shards.params:  # ZeRO-1/2
-        return out
+        return out, 0
     if s.is_deepspeed:  # ZeRO-3
         out += DS_REDUCE_BUCKET_ELEMENTS * c
-        if world_size > 1:
-            out += (max(unit, spec.embedding_params) + min(DS_PREFETCH_BUCKET_ELEMENTS, spec.num_params)) * c
-        return out
+        gathered = (max(unit, spec.embedding_params) + min(DS_PREFETCH_BUCKET_ELEMENTS, spec.num_params)) * c
+        return (out + gathered, gathered) if world_size > 1 else (out, 0)
     reduce_input = unit * lay.grads if trainable == spec.num_params else 0
     if s.gathers_params:
-        return out + spec.num_params * c + reduce_input
+        return out + spec.num_params * c + reduce_input, reduce_input
     root = spec.embedding_params + spec.lm_head_params
-    return out + (root + 2 * unit) * c + reduce_input
+    units = 2 * unit * c + reduce_input
+    return out + root * c + units, units
 
 
 # ---------------------------------------------------------------- allocator and overhead
@@ -535,14 +448,6 @@ def overhead_bytes(s: Strategy, world_size: int) -> int:
     return CUDA_CONTEXT_BYTES + (NCCL_BYTES if nccl else 0)
 
 
-def largest_transient_bytes(spec, seq_len, micro_batch_size, lay: Dtypes, liger: bool) -> int:
-    if not spec.has_shape:
-        return 0
-    tokens = seq_len * micro_batch_size
-    mlp = lay.compute * spec.intermediate_size * tokens
-    return mlp if liger else max(mlp, FP32 * spec.vocab_size * tokens)
-
-
 # ---------------------------------------------------------------- public entry point
 
 
@@ -572,6 +477,7 @@ def estimate_memory(
     cp_size: int = 1,
     sp_size: int = 1,
     offload_device: str = "cpu",
+    lora_dropout: float = LORA_DROPOUT,
 ) -> MemoryEstimate:
     """Per-rank memory of training ``model_or_num_params`` with ``strategy`` on ``world_size`` ranks.
 
@@ -583,7 +489,8 @@ def estimate_memory(
     SwiGLU, RoPE and linear cross-entropy (the ``TrainingArguments`` flag). ``attention``: the
     ``attn_implementation``. ``device="cpu"``: no CUDA context or caching allocator (CPU ranks).
     ``base_bytes``: bytes per element of a LoRA/QLoRA model's frozen base as loaded (default: the
-    compute dtype's; 4 for a model loaded in fp32). ``overhead`` overrides the context term. ``gradient_accumulation_steps`` > 1 keeps gradients
+    compute dtype's; 4 for a model loaded in fp32). ``lora_dropout``: PEFT's dropout on each adapter's input (the
+    recipes' 0.05 by default; 0 saves one copy of each adapter's input). ``overhead`` overrides the context term. ``gradient_accumulation_steps`` > 1 keeps gradients
     alive next to activations (see MemoryEstimate).
 
     Model parallelism (:class:`~hf_dist.planning.layout.Layout` checks the sizes): ``tp_size`` splits the linear
@@ -620,6 +527,9 @@ def estimate_memory(
     trainable = trainable_params(spec, method, lora_rank)
     ckpt = activation_checkpointing
     act_kw = {"attention": attention, "liger": use_liger_kernel, "keys": keys}
+    if method != "full":  # fp32 adapters under DDP's autocast: each casts its input to fp32 and back (a copy each)
+        cast = s.is_ddp and lay.weights == FP32 and lay.compute < FP32
+        act_kw["lora"] = Lora(lora_rank, dropout=lora_dropout > 0, cast=cast)
     params = param_bytes_per_rank(spec, s, degree, method, offload, lay, base_bytes, lora_rank)
     grads = grad_bytes_per_rank(s, degree, trainable, offload, lay, gradient_accumulation_steps)
     if run.tp_size > 1 and method == "full" and not s.shards.grads:
@@ -627,9 +537,9 @@ def estimate_memory(
         # (DTensor Replicate, measured on 2 TP ranks), not its shard
         grads += (whole.embedding_params - spec.embedding_params) * lay.grads
     optim = optimizer_bytes_per_rank(s, degree, trainable, offload, optimizer, lay)
-    acts = activation_bytes(spec, seq_len, micro_batch_size, ckpt, lay, **act_kw)
+    acts, recompute = activation_bytes(spec, seq_len, micro_batch_size, ckpt, lay, **act_kw)
     head = logits_bytes(spec, seq_len, micro_batch_size, lay, liger=use_liger_kernel) if spec.has_shape else 0
-    buffers = buffer_bytes(spec, s, world_size // run.tp_size, trainable, lay, ckpt)
+    buffers, units = buffer_bytes(spec, s, world_size // run.tp_size, trainable, lay, ckpt)
     step = step_bytes_per_rank(spec, s, degree, trainable, offload, lay)
     nvme = run.offload_device == "nvme"
     cpu = cpu_bytes_per_rank(spec, degree, trainable, method, offload, optimizer, lay, param_bytes, nvme)
@@ -640,4 +550,6 @@ def estimate_memory(
         allocator = allocator_bytes(spec, s, degree, trainable, lay, largest, grads, ckpt)
     fixed = int(overhead) if overhead is not None else (overhead_bytes(s, world_size) if on_gpu else 0)
     overlap = not grads_persist(s, lay, gradient_accumulation_steps)
-    return MemoryEstimate(params, grads, optim, acts, buffers, fixed, cpu, overlap, head, step, allocator)
+    return MemoryEstimate(
+        params, grads, optim, acts, buffers, fixed, cpu, overlap, head, step, allocator, recompute, units
+    )

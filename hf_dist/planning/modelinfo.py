@@ -12,7 +12,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,10 @@ class ModelSpec:
     norms_per_layer: int = 2  # normalisation modules in one decoder layer (Gemma 2/3 have 4)
     logit_softcapping: bool = False  # the LM head applies tanh soft-capping to the logits (Gemma 2)
     tp_plan: bool = False  # the config has a tensor-parallel plan (``base_model_tp_plan``: from_pretrained(tp_plan=))
+    # (name, in_features, out_features) of each linear of one decoder layer that LoRA adapts (:data:`LORA_TARGETS`)
+    lora_linears: tuple[tuple[str, int, int], ...] = ()
+    experts: int = 0  # routed experts per MoE layer (0: a dense feed-forward block)
+    experts_per_token: int = 0  # experts each token is routed to (top-k)
 
     def __post_init__(self) -> None:
         for field in ("num_params", "num_layers", "hidden_size", "layer_params", "embedding_params"):
@@ -86,6 +90,10 @@ class ModelSpec:
             num_key_value_heads=max(self.num_key_value_heads // tp_size, 1),
             intermediate_size=math.ceil(self.intermediate_size / tp_size),
         )
+
+
+# what LoRA adapts, as the recipes apply it (hf_dist.recipe_utils.LoraArguments): every linear of a Llama-style block
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def model_spec(model: Any, *, trust_remote_code: bool = False) -> ModelSpec:
@@ -228,17 +236,20 @@ def spec_from_config(config: Any, *, name: str | None = None) -> ModelSpec:
     check_dimensions(config, name=name)
     key = (type(config).__name__, config.to_json_string(use_diff=False))
     if key not in _COUNT_CACHE:
-        _COUNT_CACHE[key] = _meta_counts(config)
-    total, layer, embedding, norms = _COUNT_CACHE[key]
-    return _spec(config, total, layer, embedding, norms, name=name or getattr(config, "_name_or_path", None) or None)
+        _COUNT_CACHE[key] = _module_counts(meta_model(config))
+    return _spec(config, _COUNT_CACHE[key], name=name or getattr(config, "_name_or_path", None) or None)
+
+
+class _Counts(NamedTuple):
+    total: int  # params, tied embeddings once, adapters excluded
+    layer: int  # params of one decoder layer
+    embedding: int  # input embedding params
+    norms: int  # normalisation modules per layer
+    lora_linears: tuple[tuple[str, int, int], ...]  # (name, in, out) of the layer's LoRA-targetable linears
 
 
 # keyed on the config JSON so repeated plans of the same config (CLI, tests) count once
-_COUNT_CACHE: dict[tuple[str, str], tuple[int, int, int, int]] = {}
-
-
-def _meta_counts(config: Any) -> tuple[int, int, int, int]:
-    return _module_counts(meta_model(config))
+_COUNT_CACHE: dict[tuple[str, str], _Counts] = {}
 
 
 def resolve_config(model: Any, *, trust_remote_code: bool = False) -> Any:
@@ -296,18 +307,31 @@ def meta_model(config: Any, *, trust_remote_code: bool | None = None) -> Any:
 _ADAPTER_MARKERS = ("lora_", "modules_to_save", "prompt_encoder", "ia3_")
 
 
-def _module_counts(model: Any) -> tuple[int, int, int, int]:
-    """(total params, params of one decoder layer, input embedding params, norm modules per layer)."""
+def _module_counts(model: Any) -> _Counts:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     total = sum(p.numel() for n, p in base.named_parameters() if not any(m in n for m in _ADAPTER_MARKERS))
     layers = _decoder_layers(base)
-    layer, norms = 0, 2
+    layer, norms, linears = 0, 2, ()
     if layers is not None and len(layers):
         layer = sum(p.numel() for n, p in layers[0].named_parameters() if not any(m in n for m in _ADAPTER_MARKERS))
         norms = sum(1 for m in layers[0].modules() if "norm" in type(m).__name__.lower()) or 2
+        linears = _lora_linears(layers[0])
     embed = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
     embedding = embed.weight.numel() if embed is not None and hasattr(embed, "weight") else 0
-    return total, layer, embedding, norms
+    return _Counts(total, layer, embedding, norms, linears)
+
+
+def _lora_linears(layer: Any) -> tuple[tuple[str, int, int], ...]:
+    """The linears of a decoder layer named like a LoRA target (a PEFT-wrapped one through its base layer)."""
+    import torch
+
+    out = []
+    for name, module in layer.named_modules():
+        short = name.rsplit(".", 1)[-1]
+        module = getattr(module, "base_layer", module)
+        if short in LORA_TARGETS and isinstance(module, torch.nn.Linear):
+            out.append((short, module.in_features, module.out_features))
+    return tuple(out)
 
 
 def _decoder_layers(model: Any) -> Any:
@@ -323,16 +347,17 @@ def _decoder_layers(model: Any) -> Any:
 
 
 def spec_from_module(model: Any) -> ModelSpec:
-    total, layer, embedding, norms = _module_counts(model)
+    counts = _module_counts(model)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
     if config is None or not _is_config(config):
         layers = _decoder_layers(base)
-        return ModelSpec(num_params=total, num_layers=len(layers) if layers is not None else 0, layer_params=layer)
-    return _spec(config, total, layer, embedding, norms, name=getattr(config, "_name_or_path", None) or None)
+        return ModelSpec(num_params=counts.total, num_layers=len(layers) if layers is not None else 0,
+                         layer_params=counts.layer)  # fmt: skip
+    return _spec(config, counts, name=getattr(config, "_name_or_path", None) or None)
 
 
-def _spec(config: Any, total: int, layer: int, embedding: int, norms: int, *, name: str | None) -> ModelSpec:
+def _spec(config: Any, counts: _Counts, *, name: str | None) -> ModelSpec:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = int(getattr(text, "hidden_size", 0) or 0)
     heads = int(getattr(text, "num_attention_heads", 0) or 0)
@@ -340,8 +365,12 @@ def _spec(config: Any, total: int, layer: int, embedding: int, norms: int, *, na
     # GPT-2 style configs have no intermediate_size: n_inner, else the conventional 4 * hidden
     inter = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
     head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else 0)
+    # mixture of experts (Mixtral: num_local_experts; Qwen-MoE, OLMoE: num_experts; DeepSeek: n_routed_experts)
+    experts = next((getattr(text, k) for k in _EXPERT_KEYS if getattr(text, k, None)), 0)
+    per_token = int(getattr(text, "num_experts_per_tok", 0) or 0) if experts else 0
+    inter = getattr(text, "moe_intermediate_size", None) or inter if experts else inter
     return ModelSpec(
-        num_params=total,
+        num_params=counts.total,
         num_layers=int(getattr(text, "num_hidden_layers", 0) or 0),
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -350,13 +379,19 @@ def _spec(config: Any, total: int, layer: int, embedding: int, norms: int, *, na
         vocab_size=int(getattr(text, "vocab_size", 0) or 0),
         max_position_embeddings=getattr(text, "max_position_embeddings", None),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        layer_params=layer,
-        embedding_params=embedding,
+        layer_params=counts.layer,
+        embedding_params=counts.embedding,
         model_type=getattr(config, "model_type", None),
         name=name,
         config=config,
         head_dim=int(head_dim),
-        norms_per_layer=norms,
+        norms_per_layer=counts.norms,
         logit_softcapping=bool(getattr(text, "final_logit_softcapping", None)),
         tp_plan=bool(getattr(text, "base_model_tp_plan", None)),
+        lora_linears=counts.lora_linears,
+        experts=int(experts),
+        experts_per_token=per_token,
     )
+
+
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")

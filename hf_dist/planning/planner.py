@@ -597,7 +597,7 @@ def _nothing_fits_message(s: _Setup, combos, candidates: list[Candidate], dims: 
 
 
 def _needs_tensor_parallel(s: _Setup) -> bool:
-    from hf_dist.planning.memory import layer_activation_bytes
+    from hf_dist.planning.activations import layer_activation_bytes
 
     if not s.spec.has_shape:
         return False

@@ -202,6 +202,27 @@ def autocast_forward(model: Any, setup: TraceSetup) -> Any:
     return model
 
 
+@contextlib.contextmanager
+def cuda_dropout():
+    """Dropout as it runs on CUDA: ATen's ``dropout`` takes the fused ``native_dropout`` (a 1-byte bool mask saved
+    for backward) only for CUDA tensors (``is_fused_kernel_acceptable``); on CPU it saves a noise tensor in the
+    input's dtype instead. The trace predicts a GPU run, so dropout (PEFT's ``lora_dropout``) takes the CUDA path."""
+    import torch
+
+    original = torch.nn.functional.dropout
+
+    def dropout(input, p=0.5, training=True, inplace=False):  # noqa: A002  (torch's own signature)
+        if not training or p == 0 or inplace:
+            return original(input, p, training, inplace)
+        return torch.native_dropout(input, p, True)[0]
+
+    torch.nn.functional.dropout = dropout
+    try:
+        yield
+    finally:
+        torch.nn.functional.dropout = original
+
+
 def trainer_optimizer(setup: TraceSetup) -> tuple[Any, dict[str, Any]]:
     """The optimizer class and kwargs the Trainer builds (``Trainer.get_optimizer_cls_and_kwargs``): its default
     ``optim`` for AdamW (fused AdamW on torch >= 2.8), ``optim="sgd"`` for SGD."""

@@ -340,7 +340,9 @@ class _Run:
                 self.tracker.track_external(*self.buckets)
 
     def steps(self) -> None:
-        with self.fake, self.tracker:
+        from hf_dist.tracing.prepare import cuda_dropout
+
+        with self.fake, self.tracker, cuda_dropout():
             try:
                 _train_steps(self.model, self.optimizer, self.setup, self.vocab_size, self.on_phase, self.tracker)
             except TraceTimeout:

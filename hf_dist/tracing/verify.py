@@ -36,7 +36,9 @@ def verify_plan(plan: Plan, *, time_limit_s: float, trust_remote_code: bool = Fa
             trace = trace_memory(config, plan, candidate=chosen, time_limit_s=time_limit_s,
                                  trust_remote_code=trust_remote_code)  # fmt: skip
         except (TraceUnsupported, TraceTimeout, TraceError) as exc:
-            return _with_choice(plan, chosen, _reason_for(chosen, chosen), note=f"not traced: {exc}", rejected=rejected)
+            return _with_choice(
+                plan, chosen, _reason_for(chosen, chosen), note=f"not traced: {exc}", rejected=rejected
+            )
         need = trace.device_total(chosen.memory)
         if need <= usable:
             return _with_choice(plan, chosen, _reason_for(chosen, chosen), trace=trace, rejected=rejected)
@@ -77,4 +79,3 @@ def _with_choice(plan: Plan, c: Any, reason: str, *, trace: Any = None, note: st
 
 def _layout(plan: Plan, c: Any) -> Any:
     return c.key.layout(plan.hardware)
-

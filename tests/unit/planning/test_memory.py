@@ -238,10 +238,14 @@ def test_peak_overlaps_grads_and_activations_only_without_accumulation():
     kw = dict(seq_len=64, micro_batch_size=2, param_bytes=4, master_weights=False, device="cpu")
     one = estimate_memory(spec, "fsdp_full_shard", 2, **kw)
     assert one.activations + one.logits > one.grads
-    # grads are created in backward as activations are freed: the peak holds the larger phase
-    assert one.total == one.params + one.optimizer + one.buffers + one.activations + one.logits
+    # grads are created in backward as activations are freed: the peak holds the larger phase; the gathered
+    # decoder units are free while the logits are alive (the loss comes after the last layer resharded)
+    persistent = one.params + one.optimizer + one.buffers - one.unit_buffers
+    assert one.total == persistent + one.activations + max(one.logits, one.unit_buffers)
     accum = estimate_memory(spec, "fsdp_full_shard", 2, gradient_accumulation_steps=4, **kw)
-    assert accum.total == one.total + one.grads  # accumulated grads live through the next forward
+    # under the Trainer's no_sync FSDP2 keeps every unsharded gradient (fp32 here) through the next forward
+    assert accum.grads == spec.num_params * 4
+    assert accum.total == one.total + accum.grads
 
 
 def test_lora_on_an_fp32_loaded_base_runs_under_autocast():
@@ -251,6 +255,7 @@ def test_lora_on_an_fp32_loaded_base_runs_under_autocast():
     t = lora_trainable_params(spec, 16)
     assert fp32.params == spec.num_params * 4 + t * 4  # the frozen base as loaded
     assert fp32.buffers > 0 == bf16.buffers  # autocast's bf16 copies of the fp32 base weights
-    assert fp32.activations > bf16.activations  # fp32 residual stream
+    # frozen linears save no input, so the fp32 residual stream adds little; the adapters save 16-bit casts
+    assert fp32.allocated > bf16.allocated
     with pytest.raises(ValueError, match="base_bytes must be 2"):
         estimate_memory(spec, "ddp", 1, method="lora", base_bytes=8)

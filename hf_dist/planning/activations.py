@@ -1,0 +1,182 @@
+"""What a decoder layer and the LM head save for backward, per rank: pure arithmetic, bytes.
+
+Each term follows what the HF implementation saves, tensor by tensor (transformers' modeling_llama.py and
+friends; PEFT's ``lora.Linear``; transformers' ``integrations/moe.py``), and was checked against the tracer
+(:mod:`hf_dist.tracing`, ``benchmarks/trace_accuracy.py``), which runs that code. Units: bytes for one rank.
+
+Autograd saves what a derivative formula needs, and only for inputs that need a gradient: a frozen weight (a
+LoRA base) saves nothing of its input, so LoRA's activations are not full fine-tuning's (:class:`Lora`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hf_dist.planning.memory import Dtypes
+
+FP32 = 4
+INDEX = 8  # int64 indices (sort, topk, gather)
+# which tensor feeds each LoRA target of a Llama-style block: targets that read one tensor share it when they save
+# it unchanged (no dropout, no dtype cast)
+_LORA_INPUTS = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "attn_out",
+                "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "mlp_out"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Lora:
+    """A LoRA run's adapters, as PEFT's ``lora.Linear.forward`` runs them (peft/tuners/lora/layer.py):
+    ``result + lora_B(lora_A(dropout(self._cast_input_dtype(x, lora_A.weight.dtype)))) * scaling``.
+
+    ``dropout``: ``lora_dropout > 0`` (``nn.Dropout``: its output is a new tensor per adapter, plus a 1-byte mask);
+    ``cast``: the adapters' dtype differs from the input's (fp32 adapters under autocast, DDP: every adapter
+    casts its input to fp32, and autocast casts it back to 16-bit for ``lora_A``, a copy per adapter)."""
+
+    rank: int
+    dropout: bool = True
+    cast: bool = False
+
+
+def _norm_bytes(h: int, lay: Dtypes, consumers: int, liger: bool, frozen: bool = False) -> int:
+    """Per token, one RMSNorm and what its consumers save of its output.
+
+    HF ``LlamaRMSNorm`` upcasts its input to fp32 (saved by ``pow`` and the ``rsqrt`` multiply: the
+    input itself when the residual is fp32, else a copy) and saves the normalised tensor cast back to
+    the input dtype for the weight multiply. Liger's ``LigerRMSNormFunction`` saves only its input and
+    a per-row fp32 rstd. Consumers: under autocast each linear saves its own cast of the output;
+    otherwise they share one saved tensor. ``frozen`` (a LoRA base): neither the weight multiply nor the frozen
+    linears save the output (their adapters do, :func:`_lora_bytes`).
+    """
+    r = lay.residual
+    if frozen:
+        return r * h if liger else FP32 * h
+    own = r * h if liger else FP32 * h + r * h
+    shared = consumers * lay.compute * h if lay.autocast else r * h
+    return own + shared
+
+
+def _lora_bytes(spec, lay: Dtypes, lora: Lora) -> int:
+    """Per token, what one layer's adapters save: ``lora_A`` its (dropped, cast) input and ``lora_B`` the rank-wide
+    output of ``lora_A``. Each adapter keeps its own copy of the input when it applies dropout (plus the 1-byte
+    mask ``native_dropout`` saves) or casts it; otherwise adapters reading one tensor share it."""
+    c = lay.compute
+    out, shared = 0, set()
+    for name, width_in, _ in spec.lora_linears:
+        out += c * lora.rank
+        if lora.dropout or lora.cast:
+            out += (c + (1 if lora.dropout else 0)) * width_in
+        elif _LORA_INPUTS.get(name, name) not in shared:
+            shared.add(_LORA_INPUTS.get(name, name))
+            out += c * width_in
+    return out
+
+
+def _mlp_bytes(spec, lay: Dtypes, liger: bool, frozen: bool) -> int:
+    """Per token, the feed-forward block.
+
+    Dense SwiGLU: gate, silu(gate), up and their product (4cI; the product only when down_proj trains); Liger's
+    ``LigerSiLUMulFunction`` saves gate and up and recomputes silu (3cI). Mixture of experts (transformers'
+    ``grouped_mm_experts_forward``, ``experts_per_token`` k routed copies of each token): the router's fp32
+    softmax (4E), top-k, sort and gather indices, and per copy the gathered input and the down output (2ch,
+    saved by the grouped matmuls and the fp32 routing-weight multiply), the gate/up projection and silu (3cI),
+    the down input (cI) -- the inputs only when the experts train.
+    """
+    c, inter = lay.compute, spec.intermediate_size
+    if spec.experts:
+        k = spec.experts_per_token
+        per_copy = 3 * c * inter + (0 if frozen else 2 * c * spec.hidden_size + c * inter) + FP32 + 3 * INDEX
+        return k * per_copy + FP32 * spec.experts
+    product = 0 if frozen else c * inter  # what a trainable down_proj saves
+    return (2 if liger else 3) * c * inter + product
+
+
+def layer_activation_bytes(
+    spec,
+    seq_len: int,
+    micro_batch_size: int,
+    lay: Dtypes,
+    *,
+    attention: str = "sdpa",
+    liger: bool = False,
+    keys: int | None = None,
+    lora: Lora | None = None,
+) -> int:
+    """Saved-for-backward bytes of one Llama-style decoder layer (transformers' modeling_llama.py).
+
+    Per token, with c the compute dtype's bytes, h hidden, kv the K/V width, I the MLP width, a heads:
+      two RMSNorms and their consumers (:func:`_norm_bytes`; 3 projections read the first, 2 the second);
+      attention: q after RoPE (c*h: RoPE's multiplies save only cos/sin, which need no grad),
+        k, v (c*kv each; sdpa passes ``enable_gqa`` instead of repeating K/V), the output (c*h) and its
+        contiguous transpose that o_proj saves (c*h; not when o_proj is frozen), and flash/efficient SDPA's fp32
+        log-sum-exp per head (4a). Eager attention instead keeps the fp32 softmax and its 16-bit copy per key
+        ((4 + c)*a*s);
+      the feed-forward block (:func:`_mlp_bytes`); with LoRA, the adapters (:func:`_lora_bytes`).
+    Korthikanti et al. eq. 1 gives 34h for a GPT block in 16-bit; this block with I = 4h is larger
+    because SwiGLU keeps four I-sized tensors where GELU keeps two.
+    ``seq_len`` is the tokens this rank holds; ``keys`` the length each query attends over (the whole sequence
+    under context / sequence parallelism; default ``seq_len``).
+    """
+    keys = seq_len if keys is None else keys
+    h, kv, a, c = spec.hidden_size, spec.num_key_value_heads * spec.head_dim, spec.num_attention_heads, lay.compute
+    q = spec.num_attention_heads * spec.head_dim
+    frozen = lora is not None
+    # the first norm feeds q, k, v and the second gate, up; extra norms (Gemma 2/3's post-attention and
+    # post-feed-forward norms) feed one consumer each
+    extra = max(spec.norms_per_layer - 2, 0)
+    norms = sum(_norm_bytes(h, lay, n, liger, frozen) for n in (3, 2, *([1] * extra)))
+    attn = c * ((2 if frozen else 3) * q + 2 * kv)
+    attn += (FP32 + c) * a * keys if attention == "eager" else FP32 * a
+    adapters = _lora_bytes(spec, lay, lora) if lora is not None else 0
+    return (norms + attn + _mlp_bytes(spec, lay, liger, frozen) + adapters) * seq_len * micro_batch_size
+
+
+def logits_bytes(spec, seq_len: int, micro_batch_size: int, lay: Dtypes, *, liger: bool = False) -> int:
+    """Peak bytes of the LM head and the loss.
+
+    HF: ``ForCausalLMLoss`` upcasts the logits (``logits.float()``) and ``cross_entropy`` keeps the fp32
+    log-softmax; in backward NLL's gradient, the log-softmax output and its input gradient are three
+    fp32 ``[tokens, vocab]`` tensors alive at once (12 bytes per vocab entry per token), more than the
+    forward's 16-bit logits + fp32 copy + log-softmax. Plus the final norm and what lm_head saves.
+    Liger's fused linear cross-entropy (``LigerFusedLinearCrossEntropyFunction``) computes the loss and
+    both gradients chunk by chunk in forward: it keeps the input gradient (in the residual dtype) and the
+    lm_head weight gradient (in the weights' dtype), and holds one chunk of logits of
+    ``2**ceil(log2(tokens / ceil(V / h)))`` rows; under autocast each chunk's matmul casts the transposed
+    fp32 weight again (a view, which autocast does not cache).
+    """
+    tokens = seq_len * micro_batch_size
+    final_norm = _norm_bytes(spec.hidden_size, lay, 1, liger) * tokens
+    if not liger:
+        # Gemma 2's soft-capping (logits / cap, tanh, * cap) saves tanh's output in the compute dtype
+        capping = lay.compute * spec.vocab_size * tokens if spec.logit_softcapping else 0
+        return final_norm + 3 * FP32 * spec.vocab_size * tokens + capping
+    h, v = spec.hidden_size, spec.vocab_size
+    chunk = min(2 ** math.ceil(math.log2(max(1, math.ceil(tokens / math.ceil(v / h))))), tokens)
+    weight_copy = lay.compute * v * h if lay.autocast else 0
+    return final_norm + lay.residual * h * tokens + lay.weights * v * h + weight_copy + lay.compute * v * chunk
+
+
+def activation_bytes(spec, seq_len, micro_batch_size, activation_checkpointing, lay: Dtypes, **kw) -> tuple[int, int]:
+    """(saved activations of every decoder layer on one rank, the part of them that exists only while one layer
+    is recomputed). Data parallelism does not split them.
+
+    With activation checkpointing (non-reentrant, one checkpoint per decoder layer, what hf_dist
+    configures) each layer keeps only its input (residual dtype), plus one layer's activations while it
+    is recomputed in backward -- not while the loss's logits are alive, which come before any recompute.
+    """
+    if not spec.has_shape:
+        return 0, 0
+    layer = layer_activation_bytes(spec, seq_len, micro_batch_size, lay, **kw)
+    if activation_checkpointing:
+        inputs = spec.num_layers * spec.hidden_size * seq_len * micro_batch_size * lay.residual
+        return inputs + layer, layer
+    return spec.num_layers * layer, 0
+
+
+def largest_transient_bytes(spec, seq_len, micro_batch_size, lay: Dtypes, liger: bool) -> int:
+    if not spec.has_shape:
+        return 0
+    tokens = seq_len * micro_batch_size
+    mlp = lay.compute * spec.intermediate_size * tokens * max(spec.experts_per_token, 1)
+    return mlp if liger else max(mlp, FP32 * spec.vocab_size * tokens)
