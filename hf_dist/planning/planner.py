@@ -25,7 +25,7 @@ from typing import Any
 from hf_dist.configs.features import check_features
 from hf_dist.planning.hardware import Hardware, detect_hardware
 from hf_dist.planning.layout import OFFLOADS, REGISTRY, STRATEGIES
-from hf_dist.planning.memory import GIB, METHODS, MemoryEstimate, estimate_memory
+from hf_dist.planning.memory import GIB, LORA_DROPOUT, METHODS, MemoryEstimate, estimate_memory
 from hf_dist.planning.model_parallel import pinned_sizes, size_options
 from hf_dist.planning.modelinfo import ModelSpec, model_spec
 from hf_dist.planning.plan_result import Candidate, Combo, Plan, PlanError, format_bytes
@@ -125,6 +125,7 @@ def _time(s: _Setup, combo: Combo, mb: int, accum: int, memory: MemoryEstimate) 
         spec, hw, memory, strategy=strategy, offload=combo.offload, trainable=trainable, micro_batch_size=mb,
         accumulation=accum, seq_len=s.seq_len, activation_checkpointing=combo.ckpt, use_liger_kernel=combo.liger,
         comm=comm, dp_size=layout.dp_size, seq_shards=layout.seq_shards, tp_size=combo.tp,
+        lora_adapters=len(spec.lora_linears) if s.method != "full" else 0, lora_dropout=LORA_DROPOUT > 0,
     )  # fmt: skip
 
 

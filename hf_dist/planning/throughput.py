@@ -36,6 +36,13 @@ TRAFFIC_PER_SAVED_BYTE = 4.0
 DISPATCH_S = 10e-6
 OPS_PER_LAYER = 150
 OPS_PER_LAYER_LIGER = 90
+# PEFT's lora.Linear adds per adapter and micro-step: the input cast, lora_A, lora_B, the scaling and the add in
+# forward, and in backward the two input-gradient and two weight-gradient matmuls of its rank-r GEMMs, the scale's
+# and the cast's backward (12 kernels), plus dropout and its backward (2) -- small kernels whose cost is their
+# launch, not their FLOPs. Counted, not fitted: 143 kernels per full-fine-tuning Llama layer, 242 with 7 adapters
+# and dropout, 228 without (python benchmarks/lora_ops.py; transformers 5.23, PEFT 0.21).
+OPS_PER_LORA_ADAPTER = 12
+OPS_PER_LORA_DROPOUT = 2
 # Engine work per micro-step, per parameter tensor (Python hooks, flatten/copy kernels, stream syncs):
 # DeepSpeed ZeRO-3 fetches and releases every parameter in forward and backward (stage3.py,
 # partitioned_param_coordinator.py); ZeRO-1/2 copy every gradient into a bucket and upcast it
@@ -188,14 +195,17 @@ def _engine_hooks_s(s: Strategy, spec) -> float:
 def step_time(
     spec, hw: Hardware, memory, *, strategy: Strategy, offload: str, trainable: int, micro_batch_size: int,
     accumulation: int, seq_len: int, activation_checkpointing: bool, use_liger_kernel: bool, comm: float,
-    dp_size: int | None = None, seq_shards: int = 1, tp_size: int = 1,
+    dp_size: int | None = None, seq_shards: int = 1, tp_size: int = 1, lora_adapters: int = 0,
+    lora_dropout: bool = False,
 ) -> StepTime:  # fmt: skip
     """Estimated seconds per optimizer step on each rank, from ``memory`` (a MemoryEstimate of the same layout).
 
     Under model parallelism ``spec`` and ``trainable`` are one tensor-parallel rank's share
     (``ModelSpec.tensor_parallel_shard``), each rank computes ``seq_len / seq_shards`` tokens of a sequence
     against all ``seq_len`` keys, and only the ``dp_size`` data-parallel groups see different sequences;
-    ``comm`` then includes :func:`model_parallel_seconds` for every micro-step."""
+    ``comm`` then includes :func:`model_parallel_seconds` for every micro-step. LoRA (``lora_adapters`` per layer):
+    the frozen base still computes its input gradients (4 of 6 FLOPs per frozen parameter), the saved activations
+    include the adapters' dropout copies (``memory``), and every adapter adds its small kernels' dispatch."""
     flops_s, bytes_s = device_rates(hw)
     dp_size = hw.world_size if dp_size is None else dp_size
     tokens = seq_len * micro_batch_size // seq_shards
@@ -206,7 +216,9 @@ def step_time(
     compute = per_token * tokens * recompute / (flops_s * GEMM_EFFICIENCY)
     saved = memory.activations + memory.logits
     traffic = saved * TRAFFIC_PER_SAVED_BYTE * (1.25 if activation_checkpointing else 1.0)
-    ops = (OPS_PER_LAYER_LIGER if use_liger_kernel else OPS_PER_LAYER) * max(spec.num_layers, 1) * recompute
+    per_layer = OPS_PER_LAYER_LIGER if use_liger_kernel else OPS_PER_LAYER
+    per_layer += lora_adapters * (OPS_PER_LORA_ADAPTER + (OPS_PER_LORA_DROPOUT if lora_dropout else 0))
+    ops = per_layer * max(spec.num_layers, 1) * recompute
     dispatch = ops * DISPATCH_S + _engine_hooks_s(strategy, spec)
     if offload == "none":
         # AdamW reads weights, gradients and both moments and writes weights and moments back

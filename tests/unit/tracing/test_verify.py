@@ -1,0 +1,74 @@
+"""plan(verify=True): the chosen layout traced; a candidate whose trace does not fit is replaced by the next one."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import hf_dist
+from hf_dist.cli.main import main
+from hf_dist.planning.memory import GIB
+from hf_dist.testing import public_config, tiny_llama_config
+from hf_dist.tracing import TraceResult, TraceSetup
+
+
+def test_verified_plan_carries_the_trace_of_its_choice():
+    plan = hf_dist.plan(tiny_llama_config(), gpus=8, gpu_memory_gib=80, global_batch_size=16, verify=True)
+    assert plan.trace is not None and plan.trace.setup.strategy == plan.strategy
+    assert plan.trace.setup.micro_batch_size == plan.micro_batch_size
+    assert plan.verification.startswith(f"traced {plan.strategy}")
+    text = plan.explain()
+    assert "traced rank 0 in" in text and "traced/modelled" in text
+    assert plan.to_dict()["trace"]["peak_bytes"] == plan.trace.peak_bytes
+
+
+def test_untraceable_choice_keeps_the_analytic_plan_and_says_why():
+    plan = hf_dist.plan(tiny_llama_config(), gpus=8, gpu_memory_gib=80, strategy="zero2", verify=True)
+    assert plan.strategy == "zero2" and plan.trace is None
+    assert "not traced: cannot trace zero2" in plan.verification and "DeepSpeed ZeRO" in plan.verification
+    bare = hf_dist.plan(7.5e9, gpus=8, gpu_memory_gib=80, verify=True)
+    assert bare.trace is None and "bare parameter count" in bare.verification
+
+
+def test_a_candidate_whose_trace_does_not_fit_is_replaced(monkeypatch):
+    """The first traced candidate comes back over the usable memory: it is marked no-fit with the traced figure,
+    and the plan moves to the next best, traced in turn."""
+    import hf_dist.tracing.api as api
+
+    traced = []
+
+    def fake_trace(config, plan, *, candidate, **kw):
+        setup = TraceSetup.from_plan(plan, candidate)
+        traced.append(candidate.label)
+        peak = 500 * GIB if len(traced) == 1 else candidate.memory.allocated
+        return TraceResult(setup, peak, {}, {}, {}, 0.1)
+
+    monkeypatch.setattr(api, "trace_memory", fake_trace)
+    plain = hf_dist.plan(tiny_llama_config(), gpus=8, gpu_memory_gib=80, global_batch_size=16)
+    plan = hf_dist.plan(tiny_llama_config(), gpus=8, gpu_memory_gib=80, global_batch_size=16, verify=True)
+    first = next(c for c in plan.candidates if c.label == traced[0])
+    assert not first.fits and first.reason.startswith("traced: 500.00 GiB of tensors")
+    assert (plan.strategy, plan.micro_batch_size) != (plain.strategy, plain.micro_batch_size) or \
+        plan.activation_checkpointing != plain.activation_checkpointing  # fmt: skip
+    assert plan.verification.startswith(f"traced and rejected {traced[0]}")
+    assert plan.gradient_accumulation_steps * plan.micro_batch_size * plan.layout.dp_size == 16
+    assert len(traced) == 2
+
+
+def test_cli_verify_8b_on_64_gpus(tmp_path, capsys):
+    """The docs' example (docs/planner.md, Tracing): Llama 3 8B on 8 nodes x 8 GPUs, verified by tracing."""
+    folder = tmp_path / "llama-3-8b"
+    public_config("llama-3-8b").save_pretrained(folder)
+    args = ["plan", str(folder), "--gpus", "64", "--nodes", "8", "--gpu-memory", "80", "--global-batch", "256"]
+    assert main([*args, "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen: hsdp" in out and "verify: traced hsdp/none+ckpt" in out
+    ratio = float(out.split("traced/modelled ")[1].split(")")[0])
+    assert 0.9 < ratio < 1.1
+
+
+def test_verify_time_limit_must_be_positive():
+    with pytest.raises(ValueError, match="time_limit_s must be positive"):
+        hf_dist.trace_memory(tiny_llama_config(), strategy="ddp", time_limit_s=0)
+    assert dataclasses.is_dataclass(TraceResult)
