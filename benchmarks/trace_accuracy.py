@@ -111,18 +111,17 @@ def gpu_rows(limit: float) -> list[dict]:
     return rows
 
 
-def print_model_rows(rows: list[dict]) -> int:
-    print(f"{'model':14} {'layout':52} {'traced':>8} {'model':>8} {'model/traced':>12} {'fits 80':>7} {'s':>6}")
-    misses = 0
-    for r in rows:
-        if "error" in r:
-            print(f"{r['model']:14} {r['layout']:52} {'-':>8} {r['modelled_gib']:8.2f}   not traced: {r['error']}")
-            continue
-        miss = r["fits_80"] and abs(r["ratio"] - 1) > MODEL_TARGET
-        misses += miss
-        print(f"{r['model']:14} {r['layout']:52} {r['traced_gib']:8.2f} {r['modelled_gib']:8.2f} {r['ratio']:12.3f} "
-              f"{'yes' if r['fits_80'] else 'no':>7} {r['seconds']:6.1f}{'  MISS' if miss else ''}")  # fmt: skip
-    return misses
+HEADER = f"{'model':14} {'layout':52} {'traced':>8} {'model':>8} {'model/traced':>12} {'fits 80':>7} {'s':>6}"
+
+
+def format_row(r: dict) -> tuple[str, bool]:
+    """The printed line, and whether the row misses the target."""
+    if "error" in r:
+        return f"{r['model']:14} {r['layout']:52} {'-':>8} {r['modelled_gib']:8.2f}   not traced: {r['error']}", False
+    miss = r["fits_80"] and abs(r["ratio"] - 1) > MODEL_TARGET
+    line = (f"{r['model']:14} {r['layout']:52} {r['traced_gib']:8.2f} {r['modelled_gib']:8.2f} {r['ratio']:12.3f} "
+            f"{'yes' if r['fits_80'] else 'no':>7} {r['seconds']:6.1f}{'  MISS' if miss else ''}")  # fmt: skip
+    return line, miss
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,9 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="also write every row as JSON")
     args = parser.parse_args(argv)
     start = time.time()
-    rows = [model_row(name, setup, args.time_limit) for name, setup in setups(args.only or list(PUBLIC_CONFIGS))]
     print("Part 1: analytic model vs tracer (rank 0, allocated GiB)")
-    misses = print_model_rows(rows)
+    print(HEADER, flush=True)
+    rows, misses = [], 0
+    for name, setup in setups(args.only or list(PUBLIC_CONFIGS)):
+        rows.append(model_row(name, setup, args.time_limit))
+        line, miss = format_row(rows[-1])
+        misses += miss
+        print(line, flush=True)
     checked = sum(1 for r in rows if r.get("fits_80"))
     print(f"{checked - misses}/{checked} rows that fit in {CARD_GIB:g} GiB within {MODEL_TARGET:.0%}")
     gpu = [] if args.skip_gpu else gpu_rows(args.time_limit)

@@ -127,7 +127,10 @@ def layer_activation_bytes(
     extra = max(spec.norms_per_layer - 2, 0)
     norms = sum(_norm_bytes(h, lay, n, liger, frozen) for n in (3, 2, *([1] * extra)))
     attn = c * ((2 if frozen else 3) * q + 2 * kv)
-    attn += (FP32 + c) * a * keys if attention == "eager" else FP32 * a
+    # eager: the fp32 softmax and its 16-bit copy per key; Gemma 2 soft-caps the scores first (scores / cap, tanh,
+    # * cap), which saves tanh's output per key too (modeling_gemma2.py eager_attention_forward)
+    per_key = FP32 + c + (c if spec.attention_softcapping else 0)
+    attn += per_key * a * keys if attention == "eager" else FP32 * a
     adapters = _lora_bytes(spec, lay, lora) if lora is not None else 0
     return (norms + attn + _mlp_bytes(spec, lay, liger, frozen) + adapters) * seq_len * micro_batch_size
 

@@ -470,7 +470,7 @@ def estimate_memory(
     overhead: int | None = None,
     gradient_accumulation_steps: int = 1,
     use_liger_kernel: bool = False,
-    attention: str = "sdpa",
+    attention: str | None = None,
     device: str = "cuda",
     base_bytes: int | None = None,
     tp_size: int = 1,
@@ -487,7 +487,7 @@ def estimate_memory(
     state; ``param_bytes=2, master_weights=False`` is pure bf16 (see :func:`engine_dtypes`). ``grad_bytes``
     overrides the gradient dtype the strategy keeps. ``use_liger_kernel``: Liger's fused RMSNorm,
     SwiGLU, RoPE and linear cross-entropy (the ``TrainingArguments`` flag). ``attention``: the
-    ``attn_implementation``. ``device="cpu"``: no CUDA context or caching allocator (CPU ranks).
+    ``attn_implementation`` (default: the model's own, ``ModelSpec.attention``: eager where it refuses sdpa). ``device="cpu"``: no CUDA context or caching allocator (CPU ranks).
     ``base_bytes``: bytes per element of a LoRA/QLoRA model's frozen base as loaded (default: the
     compute dtype's; 4 for a model loaded in fp32). ``lora_dropout``: PEFT's dropout on each adapter's input (the
     recipes' 0.05 by default; 0 saves one copy of each adapter's input). ``overhead`` overrides the context term. ``gradient_accumulation_steps`` > 1 keeps gradients
@@ -511,9 +511,10 @@ def estimate_memory(
     check_positive_int("seq_len", seq_len)
     check_positive_int("micro_batch_size", micro_batch_size)
     check_positive_int("gradient_accumulation_steps", gradient_accumulation_steps)
-    check_choice("attention", attention, ATTENTIONS)
     check_choice("device", device, DEVICES)
     spec = model_spec(model_or_num_params)
+    attention = spec.attention if attention is None else attention
+    check_choice("attention", attention, ATTENTIONS)
     run.check_model(spec, seq_len)
     whole, spec = spec, run.rank_spec(spec)
     keys, seq_len = seq_len, seq_len // run.seq_shards

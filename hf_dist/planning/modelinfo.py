@@ -36,11 +36,15 @@ class ModelSpec:
     head_dim: int = 0  # attention head size (hidden_size // heads unless the config says otherwise)
     norms_per_layer: int = 2  # normalisation modules in one decoder layer (Gemma 2/3 have 4)
     logit_softcapping: bool = False  # the LM head applies tanh soft-capping to the logits (Gemma 2)
+    attention_softcapping: bool = False  # eager attention soft-caps its scores with tanh (Gemma 2)
     tp_plan: bool = False  # the config has a tensor-parallel plan (``base_model_tp_plan``: from_pretrained(tp_plan=))
     # (name, in_features, out_features) of each linear of one decoder layer that LoRA adapts (:data:`LORA_TARGETS`)
     lora_linears: tuple[tuple[str, int, int], ...] = ()
     experts: int = 0  # routed experts per MoE layer (0: a dense feed-forward block)
     experts_per_token: int = 0  # experts each token is routed to (top-k)
+    attention: str = (
+        "sdpa"  # the attention transformers runs by default: "eager" where the model refuses sdpa (Gemma 2)
+    )
 
     def __post_init__(self) -> None:
         for field in ("num_params", "num_layers", "hidden_size", "layer_params", "embedding_params"):
@@ -246,6 +250,7 @@ class _Counts(NamedTuple):
     embedding: int  # input embedding params
     norms: int  # normalisation modules per layer
     lora_linears: tuple[tuple[str, int, int], ...]  # (name, in, out) of the layer's LoRA-targetable linears
+    attention: str  # "sdpa", or "eager" when the model class does not support sdpa (``_supports_sdpa``)
 
 
 # keyed on the config JSON so repeated plans of the same config (CLI, tests) count once
@@ -318,7 +323,8 @@ def _module_counts(model: Any) -> _Counts:
         linears = _lora_linears(layers[0])
     embed = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
     embedding = embed.weight.numel() if embed is not None and hasattr(embed, "weight") else 0
-    return _Counts(total, layer, embedding, norms, linears)
+    attention = "sdpa" if getattr(type(base), "_supports_sdpa", True) else "eager"
+    return _Counts(total, layer, embedding, norms, linears, attention)
 
 
 def _lora_linears(layer: Any) -> tuple[tuple[str, int, int], ...]:
@@ -387,8 +393,10 @@ def _spec(config: Any, counts: _Counts, *, name: str | None) -> ModelSpec:
         head_dim=int(head_dim),
         norms_per_layer=counts.norms,
         logit_softcapping=bool(getattr(text, "final_logit_softcapping", None)),
+        attention_softcapping=bool(getattr(text, "attn_logit_softcapping", None)),
         tp_plan=bool(getattr(text, "base_model_tp_plan", None)),
         lora_linears=counts.lora_linears,
+        attention=counts.attention,
         experts=int(experts),
         experts_per_token=per_token,
     )

@@ -47,10 +47,10 @@ def build_model(config: Any, setup: TraceSetup) -> Any:
     """The causal LM of ``config`` on the meta device, in the dtypes the run keeps, with LoRA when planned."""
     import copy
 
-    from hf_dist.planning.modelinfo import meta_model
+    from hf_dist.planning.modelinfo import meta_model, model_spec
 
     config = copy.deepcopy(config)
-    config._attn_implementation = setup.attention
+    config._attn_implementation = setup.attention or model_spec(config).attention  # eager where sdpa is refused
     model = meta_model(config)
     if setup.method == "full":
         return model.to(trainable_dtype(setup))

@@ -53,7 +53,7 @@ class TraceSetup:
     tp_size: int = 1
     cp_size: int = 1
     sp_size: int = 1
-    attention: str = "sdpa"
+    attention: str | None = None  # None: what transformers runs for the model (sdpa, or eager where it refuses sdpa)
     device: str = "cuda"
     optimizer: str = "adamw"
 
