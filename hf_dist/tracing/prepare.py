@@ -51,6 +51,8 @@ def build_model(config: Any, setup: TraceSetup) -> Any:
 
     config = copy.deepcopy(config)
     config._attn_implementation = setup.attention or model_spec(config).attention  # eager where sdpa is refused
+    if setup.activation_checkpointing:  # what auto_args sets (hf_dist.auto.disable_kv_cache_under_checkpointing)
+        config.use_cache = False
     model = meta_model(config)
     if setup.method == "full":
         return model.to(trainable_dtype(setup))
