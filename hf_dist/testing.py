@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -88,10 +89,44 @@ def torchrun(
     timeout: float = 600,
     cwd: str | Path | None = None,
     extra_launcher_args: Sequence[str] = (),
+    outputs: Sequence[str | Path] = (),
 ) -> subprocess.CompletedProcess:
-    """Run ``script`` on ``nproc`` CPU ranks with torchrun; raise with the output on failure."""
-    cmd = torchrun_command(script, args, nproc=nproc, extra_launcher_args=extra_launcher_args)
-    return run_checked(cmd, env=cpu_env(env), timeout=timeout, cwd=cwd)
+    """Run ``script`` on ``nproc`` CPU ranks with torchrun; raise with the output on failure.
+
+    ``outputs`` are the files and folders the launch writes. A launch whose rank dies of gloo's rare abort
+    (:data:`GLOO_ABORT`) is launched once more (:func:`retry_gloo_abort`) after removing what the first attempt
+    added there: a folder keeps the entries it had before, a file or folder that did not exist goes.
+    """
+    before = {Path(path): _entries(Path(path)) for path in outputs}
+
+    def launch(attempt: int) -> subprocess.CompletedProcess:
+        if attempt:
+            for path, entries in before.items():
+                _remove_new(path, entries)
+        cmd = torchrun_command(script, args, nproc=nproc, extra_launcher_args=extra_launcher_args)
+        return run_checked(cmd, env=cpu_env(env), timeout=timeout, cwd=cwd)
+
+    return retry_gloo_abort(launch)
+
+
+def _entries(path: Path) -> set[str] | None:
+    """The names in folder ``path``; an empty set for an existing file; None when nothing is there."""
+    if path.is_dir():
+        return {child.name for child in path.iterdir()}
+    return set() if path.exists() else None
+
+
+def _remove_new(path: Path, entries: set[str] | None) -> None:
+    """Remove what appeared at ``path`` since :func:`_entries` returned ``entries``."""
+    if entries is None:
+        new = [path] if path.exists() or path.is_symlink() else []
+    else:
+        new = [child for child in path.iterdir() if child.name not in entries] if path.is_dir() else []
+    for item in new:
+        if item.is_dir() and not item.is_symlink():
+            shutil.rmtree(item)
+        else:
+            item.unlink()
 
 
 def torchrun_command(

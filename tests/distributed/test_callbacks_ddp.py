@@ -19,7 +19,7 @@ SCRIPT = REPO_ROOT / "tests/distributed/scripts/lifecycle_train.py"
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("callbacks")
     args = ["--output-dir", out, "--max-steps", "4", "--save-steps", "2", "--export", "--profile"]
-    torchrun(SCRIPT, args, timeout=300)
+    torchrun(SCRIPT, args, timeout=300, outputs=[out])
     return out
 
 

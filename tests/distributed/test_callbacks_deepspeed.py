@@ -26,7 +26,7 @@ def run(request, tmp_path_factory):
     stage = request.param
     out = tmp_path_factory.mktemp(stage)
     args = ["--output-dir", out, "--max-steps", "4", "--save-steps", "2", "--deepspeed", stage, "--export"]
-    torchrun(SCRIPT, args, env={"ACCELERATE_USE_CPU": "0"}, timeout=300)
+    torchrun(SCRIPT, args, env={"ACCELERATE_USE_CPU": "0"}, timeout=300, outputs=[out])
     return stage, out
 
 

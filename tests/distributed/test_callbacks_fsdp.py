@@ -22,7 +22,12 @@ SCRIPT = REPO_ROOT / "tests/distributed/scripts/lifecycle_train.py"
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    torchrun(SCRIPT, ["--output-dir", out, "--max-steps", "4", "--save-steps", "2", "--fsdp", "--export"], timeout=300)
+    torchrun(
+        SCRIPT,
+        ["--output-dir", out, "--max-steps", "4", "--save-steps", "2", "--fsdp", "--export"],
+        timeout=300,
+        outputs=[out],
+    )
     return out
 
 

@@ -36,7 +36,12 @@ DS_VARIANTS = {  # name -> (stage, training dtype, flags)
 def ds_runs(tmp_path_factory) -> Path:
     """deepspeed.initialize + engine.save_checkpoint for every variant, in one 2-rank launch."""
     out = tmp_path_factory.mktemp("ds")
-    torchrun(SCRIPTS / "convert_make_deepspeed.py", [out, *(f"{k}:{v}" for k, v in DS_VARIANTS.items())], timeout=600)
+    torchrun(
+        SCRIPTS / "convert_make_deepspeed.py",
+        [out, *(f"{k}:{v}" for k, v in DS_VARIANTS.items())],
+        timeout=600,
+        outputs=[out],
+    )
     return out
 
 
@@ -44,14 +49,20 @@ def ds_runs(tmp_path_factory) -> Path:
 def trainer_zero(request, tmp_path_factory) -> Path:
     """A Trainer-written bf16 checkpoint-2 for each ZeRO stage (one 2-rank launch per stage)."""
     out = tmp_path_factory.mktemp(f"trainer_{request.param}")
-    torchrun(SCRIPTS / "convert_trainer.py", [out, "--mode", request.param, "--bf16"], timeout=600)
+    torchrun(SCRIPTS / "convert_trainer.py", [out, "--mode", request.param, "--bf16"], timeout=600, outputs=[out])
     return out
 
 
 @pytest.fixture(scope="session")
 def trainer_fsdp2(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("trainer_fsdp2")
-    torchrun(SCRIPTS / "convert_trainer.py", [out, "--mode", "fsdp2"], env={"HF_DIST_FSDP_ON_CPU": "1"}, timeout=600)
+    torchrun(
+        SCRIPTS / "convert_trainer.py",
+        [out, "--mode", "fsdp2"],
+        env={"HF_DIST_FSDP_ON_CPU": "1"},
+        timeout=600,
+        outputs=[out],
+    )
     return out
 
 
@@ -177,7 +188,12 @@ def test_zero_to_hf_to_dcp_to_hf_round_trip_and_dcp_loads_on_2_ranks(ds_runs, tm
     first, back = hf_state(tmp_path / "hf"), hf_state(tmp_path / "back")
     assert set(first) == set(back)
     assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in first.items())
-    torchrun(SCRIPTS / "convert_load_dcp.py", [tmp_path / "dcp", tmp_path / "hf", tmp_path / "load.json"], timeout=300)
+    torchrun(
+        SCRIPTS / "convert_load_dcp.py",
+        [tmp_path / "dcp", tmp_path / "hf", tmp_path / "load.json"],
+        timeout=300,
+        outputs=[tmp_path / "load.json"],
+    )
     assert json.loads((tmp_path / "load.json").read_text()) == {"equal": True, "mismatched": [], "world_size": 2}
 
 

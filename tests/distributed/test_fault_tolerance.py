@@ -24,7 +24,7 @@ RESTARTS = ["--max-restarts=2", "--monitor-interval=0.2"]
 
 def run(out: Path, *extra: str, restarts: bool = False) -> list[dict]:
     args = ["--output-dir", str(out), "--max-steps", "8", "--save-steps", "2", *extra]
-    torchrun(SCRIPT, args, timeout=300, extra_launcher_args=RESTARTS if restarts else ())
+    torchrun(SCRIPT, args, timeout=300, extra_launcher_args=RESTARTS if restarts else (), outputs=[out])
     return [json.loads(line) for line in (out / "attempts.jsonl").read_text().splitlines()]
 
 

@@ -30,7 +30,13 @@ MODES = {"default": "float32", "pure_bf16": "bfloat16"}
 
 def launch(strategy: str, workdir, out) -> None:
     args = ["--strategy", strategy, "--output-dir", workdir / "run", "--out", out]
-    torchrun(SCRIPTS / "precision_train.py", args, env=launch_env(strategy), timeout=LAUNCH_TIMEOUT_S)
+    torchrun(
+        SCRIPTS / "precision_train.py",
+        args,
+        env=launch_env(strategy),
+        timeout=LAUNCH_TIMEOUT_S,
+        outputs=[workdir / "run", out],
+    )
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ def train(backend: str, out: Path, nproc: int, resume: Path | None = None, auto:
         args += ["--resume", resume]
     if auto:
         args += ["--auto-resume"]
-    torchrun(SCRIPT, args, nproc=nproc, env=LAUNCH_ENV[backend], timeout=300)
+    torchrun(SCRIPT, args, nproc=nproc, env=LAUNCH_ENV[backend], timeout=300, outputs=[out])
     return json.loads(loss_file.read_text())
 
 

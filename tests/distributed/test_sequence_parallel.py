@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_dist.testing import cpu_env, run_checked, torchrun_command
+from hf_dist.testing import cpu_env, run_checked, torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -32,9 +32,9 @@ def test_ulysses_sp2_runs_and_matches_one_process(tmp_path):
         env=cpu_env(),
         timeout=200,
     )
-    cmd = torchrun_command(SCRIPT, ["--sp", "--out", sp_out, "--output-dir", tmp_path / "sp"], nproc=2)
+    args = ["--sp", "--out", sp_out, "--output-dir", tmp_path / "sp"]
     # accelerate takes its DeepSpeed branch only when not forced onto CPU (tests/distributed/conftest.py).
-    run_checked(cmd, env=cpu_env({"ACCELERATE_USE_CPU": "false"}), timeout=400)
+    torchrun(SCRIPT, args, env={"ACCELERATE_USE_CPU": "false"}, timeout=400, outputs=[sp_out, tmp_path / "sp"])
     base, sp = json.loads(base_out.read_text()), json.loads(sp_out.read_text())
     assert sp["world_size"] == 2 and sp["distributed_type"] == "DEEPSPEED" and sp["sp_size"] == 2
     assert sp["total_train_batch_size"] == base["total_train_batch_size"] == 1

@@ -32,7 +32,13 @@ TOLERANCE = {"ddp_ckpt": 0.01, "ddp_lora_ckpt": 0.03}  # the others: 0.1 %
 def measured(tmp_path_factory) -> dict[str, int]:
     out = tmp_path_factory.mktemp("trace_real") / "peaks.json"
     setups = [json.dumps(s.to_dict()) for s in SETUPS.values()]
-    torchrun(SCRIPTS / "trace_real.py", [out, *setups], env={"OMP_NUM_THREADS": "1"}, timeout=LAUNCH_TIMEOUT_S)
+    torchrun(
+        SCRIPTS / "trace_real.py",
+        [out, *setups],
+        env={"OMP_NUM_THREADS": "1"},
+        timeout=LAUNCH_TIMEOUT_S,
+        outputs=[out],
+    )
     return dict(zip(SETUPS, json.loads(out.read_text()), strict=True))
 
 

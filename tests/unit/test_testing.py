@@ -90,3 +90,27 @@ def test_a_gloo_abort_is_launched_once_more_and_nothing_else_is():
     with pytest.raises(RuntimeError, match="a real failure"):
         retry_gloo_abort(other_failure)
     assert calls == [0]  # a real failure is never retried
+
+
+def test_torchrun_launches_a_gloo_abort_again_without_the_first_attempts_files(tmp_path):
+    from hf_dist.testing import GLOO_ABORT, torchrun
+
+    out, kept, log = tmp_path / "out", tmp_path / "out" / "kept.txt", tmp_path / "attempts.txt"
+    out.mkdir()
+    kept.write_text("from before")
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import os, sys\n"
+        f"log, out = {str(log)!r}, {str(out)!r}\n"
+        "attempt = len(open(log).read()) if os.path.exists(log) else 0\n"
+        "open(log, 'a').write('x')\n"
+        "print(sorted(os.listdir(out)))\n"
+        "os.makedirs(os.path.join(out, 'checkpoint-2'))\n"
+        "open(os.path.join(out, 'partial.json'), 'w').write('{}')\n"
+        f"if attempt == 0:\n    sys.stderr.write({GLOO_ABORT!r} + '\\n'); sys.exit(1)\n"
+    )
+    with pytest.warns(RuntimeWarning, match="gloo's rare abort"):
+        proc = torchrun(script, nproc=1, timeout=120, outputs=[out])
+    assert log.read_text() == "xx"
+    assert "['kept.txt']" in proc.stdout  # the retry started from what was there before, not the first attempt's
+    assert kept.read_text() == "from before"
