@@ -148,10 +148,16 @@ class DCPReader(Reader):
                     raise ValueError(
                         f"{self.folder}: tensor {name} has chunks covering {covered} of {_numel(item.size)} elements"
                     )
+        if self._specs and all(name.startswith("optimizer.") for name in self._specs):
+            raise ValueError(
+                f"{self.folder} holds optimizer state (Adam moments keyed 'optimizer.state...'), not model weights; "
+                f"convert or verify the checkpoint folder it belongs to ({self.folder.parent})"
+            )
         info.world_size = self._world_size(metadata)
         self._chunks: dict[str, list] = {}  # name -> [(chunk offsets, _StorageInfo)]
         for index, storage in (metadata.storage_data or {}).items():
-            self._chunks.setdefault(index.fqn, []).append((tuple(index.offset), storage))
+            if index.fqn in self._specs:  # non-tensor values (a step, param_groups) carry no offset: not weights
+                self._chunks.setdefault(index.fqn, []).append((tuple(index.offset), storage))
         self._maps: dict[str, Any] = {}  # relative path -> memory-mapped UntypedStorage
         self._files: dict[str, Any] = {}  # relative path -> open file
         self._headers: dict[tuple[str, int], tuple[Any, int]] = {}  # (file, offset) -> (meta tensor, data start)

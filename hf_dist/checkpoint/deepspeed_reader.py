@@ -113,6 +113,7 @@ class DeepSpeedReader(Reader):
             extra = sorted(set(ranks) - set(expected))
             raise ValueError(
                 f"{tag_dir} was saved by {self.world_size} ranks but has optimizer files for ranks {ranks}"
+                + (f" of tensor-parallel rank {self.mp_rank} (mp_rank_{self.mp_rank:02d})" if self.mp_rank else "")
                 + (f"; missing rank(s) {missing}" if missing else "")
                 + (f"; unexpected rank(s) {extra} (files from a run with another world size?)" if extra else "")
                 + ". Copy the complete checkpoint folder (all rank files of one save)"

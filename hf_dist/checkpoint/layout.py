@@ -51,6 +51,7 @@ LATEST_UNIVERSAL = "latest_universal"
 # 3 (named "mp") the tensor-parallel rank of DeepSpeed AutoTP; every pattern names its rank group "rank".
 OPTIM_FILE_RE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
 ZERO3_MODEL_FILE_RE = re.compile(r"^zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
+TP_MODEL_FILE_RE = re.compile(r"^mp_rank_(?P<mp>\d+)_model_states\.pt$")  # ZeRO-1/2: one per tensor-parallel rank
 DCP_SHARD_FILE_RE = re.compile(r"^__(?P<rank>\d+)_\d+\.distcp$")
 RNG_STATE_FILE_RE = re.compile(r"^rng_state_(?P<rank>\d+)\.pth$")
 STEP_RE = re.compile(r"(?:global_step|checkpoint-|step_?)(\d+)$")
@@ -258,8 +259,18 @@ def _deepspeed_layout(tag_dir: Path, root: Path) -> CheckpointLayout:
         tag=tag_dir.name,
         train_dtype={"bf16_": "bf16", "fp16_": "fp16"}.get(prefix),
         files=optim_files + sorted(tag_dir.glob("*_model_states.pt")),
-        tp_size=len({OPTIM_FILE_RE.match(p.name)["mp"] for p in optim_files}) or 1,
+        tp_size=_tp_size(tag_dir, optim_files),
     )
+
+
+def _tp_size(tag_dir: Path, optim_files: list[Path]) -> int:
+    """The AutoTP ranks that wrote a tag folder: every ``mp_rank`` any of its files names (a rank whose optimizer
+    files are gone still left its model states, so the reader names what is missing instead of merging fewer)."""
+    ranks = {OPTIM_FILE_RE.match(p.name)["mp"] for p in optim_files}
+    for p in tag_dir.iterdir():
+        if m := (TP_MODEL_FILE_RE.match(p.name) or ZERO3_MODEL_FILE_RE.match(p.name)):
+            ranks.add(m["mp"])
+    return len(ranks) or 1
 
 
 def _rank_files(layout: CheckpointLayout) -> dict[str, dict[int, list[Path]]]:

@@ -59,6 +59,8 @@ def size_options(spec, hw, seq_len: int, features) -> SizeOptions:
         unavailable["tp"] = "the model's config has no tensor-parallel plan (base_model_tp_plan)"
     elif not features.parallelism_config:
         unavailable["tp"] = "the installed accelerate/transformers lack ParallelismConfig (accelerate >= 1.10)"
+    elif hw.gpus_per_node < 2:
+        unavailable["tp"] = "one GPU per node: tensor parallelism splits layers across the GPUs of a node"
     elif not tp:
         unavailable["tp"] = f"no size > 1 divides the {hw.gpus_per_node} GPU(s) per node and the {kv} KV heads"
     cp = [c for c in _powers_of_two(hw.world_size) if seq_len % (2 * c) == 0]
@@ -68,11 +70,15 @@ def size_options(spec, hw, seq_len: int, features) -> SizeOptions:
         unavailable["cp"] = (
             "the installed accelerate/transformers lack FSDP2 with ParallelismConfig (accelerate >= 1.10)"
         )
+    elif hw.world_size < 2:
+        unavailable["cp"] = "one GPU in the job: context parallelism splits each sequence across ranks"
     elif not cp:
         unavailable["cp"] = f"seq_len {seq_len} is not divisible by 4"
     sp = [s for s in _powers_of_two(hw.world_size) if heads % s == 0 and seq_len % s == 0]
     if not features.sequence_parallel:
         unavailable["sp"] = "needs accelerate >= 1.12 and deepspeed >= 0.18.2 (DeepSpeed Ulysses)"
+    elif hw.world_size < 2:
+        unavailable["sp"] = "one GPU in the job: sequence parallelism splits each sequence across ranks"
     elif not sp:
         unavailable["sp"] = f"no size > 1 divides the {heads} attention heads and seq_len {seq_len}"
     keep = {n: tuple(v) if n not in unavailable else () for n, v in (("tp", tp), ("cp", cp), ("sp", sp))}

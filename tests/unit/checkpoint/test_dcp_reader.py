@@ -120,3 +120,20 @@ def test_byte_ranges_locate_row_shards_and_refuse_the_rest(saved):
     assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.float32).view(6, 4), state["w"])
     assert reader.byte_ranges("t") is None  # saved with transposed strides: not C order on disk
     assert reader.byte_ranges("h") is not None and reader.byte_ranges("i") is not None
+
+
+def test_non_tensor_values_are_skipped_and_optimizer_folders_named(tmp_path):
+    """DCP pickles a non-tensor value's index without an offset; the weights next to it still read. A folder of
+    optimizer state is refused with what to convert instead (it was: AttributeError 'MetadataIndexStub')."""
+    w = torch.arange(12.0).reshape(3, 4)
+    dcp.save({"model": {"w": w}, "step": 3, "groups": [{"lr": 0.1}]}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    reader = DCPReader(read_layout(tmp_path / "ck"))
+    assert list(reader._specs) == ["model.w"] and torch.equal(reader.read(["model.w"])["model.w"], w)
+    reader.release()
+    optimizer = {"state": {"model.w": {"exp_avg": w, "step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1}]}
+    folder = tmp_path / "checkpoint-3" / "hf_dist_optimizer"
+    dcp.save({"optimizer": optimizer}, checkpoint_id=str(folder), no_dist=True)
+    with pytest.raises(
+        ValueError, match=r"holds optimizer state .* checkpoint folder it belongs to \(.*checkpoint-3\)"
+    ):
+        DCPReader(read_layout(folder))

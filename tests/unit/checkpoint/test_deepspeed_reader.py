@@ -111,6 +111,19 @@ def test_autotp_without_its_split_rules_is_refused(tmp_path, tiny_state):
     assert not (tmp_path / "out").exists()
 
 
+def test_autotp_rank_missing_its_optimizer_file_is_named(tmp_path, tiny_state):
+    """One TP rank's optimizer file gone: the reader names it (it had merged rank 0 alone: '15 shape mismatches')."""
+    config, state = tiny_state
+    tag = make_autotp_checkpoint(tmp_path / "ckpt", config, state, tp=2)
+    (missing,) = tag.glob("*zero_pp_rank_0_mp_rank_01_optim_states.pt")
+    missing.unlink()
+    with pytest.raises(
+        ValueError, match=r"ranks \[1\] of tensor-parallel rank 1 \(mp_rank_01\); missing rank\(s\) \[0\]"
+    ):
+        convert(tmp_path / "ckpt", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_pipeline_parallel_checkpoints_are_refused(tmp_path, tiny_state):
     config, state = tiny_state
     tag = make_zero_checkpoint(tmp_path / "ckpt", config, state, stage=2)

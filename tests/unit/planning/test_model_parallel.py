@@ -209,3 +209,16 @@ def test_plan_layout_reaches_the_configs():
     out = strategy_args(p.layout, wrap_classes=["LlamaDecoderLayer"])
     assert out["parallelism_config"]["tp_size"] == 2 and from_pretrained_kwargs(p.layout) == {"tp_plan": "auto"}
     assert p.to_dict()["tp_size"] == 2
+
+
+def test_one_gpu_is_named_as_the_reason_a_dimension_cannot_run():
+    """2 divides the 32 heads and 2048 tokens: what rules sp/cp/tp out on one GPU is the one GPU."""
+    one = dict(gpus=1, gpu_memory_gib=80, features=ALL)
+    with pytest.raises(ValueError, match="sp_size 2 cannot run here: one GPU in the job"):
+        plan(LLAMA_8B, sp_size=2, seq_len=2048, **one)
+    with pytest.raises(ValueError, match="cp_size 2 cannot run here: one GPU in the job"):
+        plan(LLAMA_8B, cp_size=2, seq_len=2048, hardware=detect_hardware(gpus=1, gpu_memory_gib=80), features=ALL)
+    with pytest.raises(ValueError, match="tp_size 2 cannot run here: one GPU per node"):
+        plan(LLAMA_8B, tp_size=2, **one)
+    with pytest.raises(ValueError, match="sp_size 2 cannot run here: no size > 1 divides the 32 attention heads"):
+        plan(LLAMA_8B, sp_size=2, seq_len=2047, gpus=2, gpu_memory_gib=80, features=ALL)
