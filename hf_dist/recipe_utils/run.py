@@ -69,6 +69,7 @@ def resume_checkpoint(args: Any) -> str | None:
     """
     value = args.resume_from_checkpoint
     if not value:
+        _refuse_earlier_checkpoints(args.output_dir)
         return None
     if value == "auto":
         from hf_dist.checkpoint.auto_resume import auto_resume
@@ -81,6 +82,20 @@ def resume_checkpoint(args: Any) -> str | None:
     from hf_dist.checkpoint.reshard import prepare_resume
 
     return prepare_resume(value, training_args=args)
+
+
+def _refuse_earlier_checkpoints(output_dir: str) -> None:
+    """A fresh run into a folder holding another run's ``checkpoint-N`` would interleave its checkpoints with
+    theirs (and an export, a later ``auto`` resume, could pick theirs): continuing or replacing must be chosen."""
+    found = sorted(Path(output_dir).glob("checkpoint-*")) if Path(output_dir).is_dir() else []
+    found = [p.name for p in found if p.is_dir()]
+    if found:
+        raise ValueError(
+            f"--output_dir {output_dir} already holds checkpoints of an earlier run ({', '.join(found[:4])}"
+            f"{', ...' if len(found) > 4 else ''}) and --resume_from_checkpoint is not set. Continue that run with "
+            "--resume_from_checkpoint auto, or start afresh in another --output_dir (or delete its checkpoint-* "
+            "folders)"
+        )
 
 
 def cpu_test_modes(run_args: Any) -> None:
@@ -278,7 +293,7 @@ def export_model(trainer: Any, tokenizer: Any, export_dir: Path, *, adapter: boo
     from hf_dist.planning.layout import strategy
 
     running = strategy(live_strategy(trainer.args))
-    checkpoint = _last_checkpoint(trainer.args.output_dir)
+    checkpoint = _final_checkpoint(trainer)
     if not running.is_ddp and checkpoint is not None:
         if trainer.args.should_save:
             _convert_checkpoint(trainer, tokenizer, checkpoint, export_dir, adapter=adapter)
@@ -326,11 +341,10 @@ def _convert_checkpoint(trainer: Any, tokenizer: Any, checkpoint: Path, export_d
         raise RuntimeError(f"hf_dist.convert({checkpoint} -> {export_dir}) failed:\n{proc.stderr[-4000:]}")
 
 
-def _last_checkpoint(output_dir: str) -> Path | None:
-    from transformers.trainer_utils import get_last_checkpoint
-
-    found = get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
-    return Path(found) if found else None
+def _final_checkpoint(trainer: Any) -> Path | None:
+    """The checkpoint this run saved at its last step (:func:`save_at_end_callback`), never an older run's."""
+    path = Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}"
+    return path if path.is_dir() else None
 
 
 def _check_export(export_dir: Path, tokenizer: Any, *, task: Any, mode: str, adapter: bool) -> dict:

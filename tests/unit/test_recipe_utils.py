@@ -135,6 +135,24 @@ def test_resume_checkpoint_auto_path_and_none(tmp_path, capsys):
     assert f"resuming from {tmp_path / 'checkpoint-2'}" in capsys.readouterr().out
     args.resume_from_checkpoint = str(tmp_path / "checkpoint-4")  # an explicit path is taken as given
     assert ru.resume_checkpoint(args) == str(tmp_path / "checkpoint-4")
+    args.resume_from_checkpoint = None  # a fresh run into a folder of another run's checkpoints is refused
+    with pytest.raises(ValueError, match=r"already holds checkpoints of an earlier run \(checkpoint-2, checkpoint-4\)"
+                       r".*--resume_from_checkpoint auto.*another --output_dir"):  # fmt: skip
+        ru.resume_checkpoint(args)
+
+
+def test_export_takes_this_runs_last_checkpoint_never_an_older_runs(tmp_path):
+    """A re-run that stopped at step 3 exports checkpoint-3, not the earlier run's checkpoint-4 beside it."""
+    from types import SimpleNamespace
+
+    from hf_dist.recipe_utils.run import _final_checkpoint
+
+    for step in (3, 4):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    trainer = SimpleNamespace(args=SimpleNamespace(output_dir=str(tmp_path)), state=SimpleNamespace(global_step=3))
+    assert _final_checkpoint(trainer) == tmp_path / "checkpoint-3"
+    trainer.state.global_step = 5  # no save at the last step: gathered in-process instead of an older checkpoint
+    assert _final_checkpoint(trainer) is None
 
 
 @pytest.mark.parametrize(
