@@ -20,8 +20,15 @@ __all__ = ["apply_strategy_overrides", "merge_nested"]
 # Generated values the consumer fills in later; a user value there is not a contradiction.
 _FILLED_LATER = ("auto",)
 _MISSING = object()
-# DeepSpeed sections whose absence in the generated config is the plan's choice "no offload".
-_ABSENT_MEANS_OFF = ("offload_optimizer", "offload_param")
+# DeepSpeed keys whose absence in the generated config is the plan's choice "off", and whether a value turns it on.
+_ABSENT_MEANS_OFF = {
+    "offload_optimizer": lambda v: _device(v) != "none",
+    "offload_param": lambda v: _device(v) != "none",
+    "tensor_parallel": lambda v: int((v or {}).get("autotp_size", 1) if isinstance(v, dict) else 1) > 1,
+    "sequence_parallel_size": lambda v: int(v or 1) > 1,
+}
+# ParallelismConfig sizes: the plan's value of each (1 where the generated config leaves it out).
+_MESH_SIZES = ("tp_size", "cp_size", "sp_size", "dp_replicate_size", "dp_shard_size")  # the model-parallel first
 
 
 def apply_strategy_overrides(plan: Any, ours: dict[str, Any], user: dict[str, Any]) -> None:
@@ -43,6 +50,38 @@ def apply_strategy_overrides(plan: Any, ours: dict[str, Any], user: dict[str, An
     if user.get("deepspeed") and s.is_deepspeed:
         given = _as_dict("deepspeed", user.pop("deepspeed"))
         ours["deepspeed"] = merge_nested(ours["deepspeed"], given, "deepspeed", strategy)
+    if user.get("parallelism_config") is not None:
+        _check_mesh(plan, ours, user)
+
+
+def _check_mesh(plan: Any, ours: dict[str, Any], user: dict[str, Any]) -> None:
+    """A user ``parallelism_config`` (dict or accelerate ``ParallelismConfig``) must give the plan's mesh sizes: a
+    size the plan did not choose would shard the model and split the batch other than the memory and batch math
+    assumed. Consistent, it replaces the generated one (a dict is merged into it)."""
+    given = user["parallelism_config"]
+    sizes = given if isinstance(given, dict) else {k: getattr(given, k, None) for k in _MESH_SIZES}
+    layout = plan.layout
+    planned = {k: getattr(layout, k) for k in _MESH_SIZES}
+    if layout.strategy.is_deepspeed:  # AutoTP lives in the DeepSpeed JSON, not in the mesh
+        planned["tp_size"] = 1
+    for key in _MESH_SIZES:
+        value = sizes.get(key)
+        if value is not None and int(value) != planned[key]:
+            raise ValueError(
+                f"parallelism_config {key}={value} contradicts the plan ({plan.strategy}, {key} {planned[key]}): "
+                f"{_MESH_FIX[key]} and drop it from parallelism_config (the plan writes the mesh)."
+            )
+    if isinstance(given, dict):
+        user["parallelism_config"] = {**(ours.get("parallelism_config") or {}), **given}
+
+
+_MESH_FIX = {
+    "dp_replicate_size": "pass strategy='hsdp' (replicas across nodes) or another strategy to auto_args",
+    "dp_shard_size": "the shard size follows the GPU count and the other sizes; pass gpus=/nodes=/tp_size= instead",
+    "tp_size": "pass tp_size= to auto_args (a planner keyword, so memory and batch follow it)",
+    "cp_size": "pass cp_size= to auto_args (a planner keyword, so memory and batch follow it)",
+    "sp_size": "pass sp_size= to auto_args (a planner keyword, so memory and batch follow it)",
+}
 
 
 def _check_engine_flag(strategy: str, key: str, user: dict[str, Any], ours: dict[str, Any], planned: bool) -> None:
@@ -95,9 +134,9 @@ def merge_nested(ours: dict[str, Any], given: dict[str, Any], where: str, strate
     for key, value in given.items():
         mine = ours.get(key, _MISSING)
         path = f"{where}[{key!r}]"
-        if mine is _MISSING and key in _ABSENT_MEANS_OFF and _device(value) != "none":
+        if mine is _MISSING and key in _ABSENT_MEANS_OFF and _ABSENT_MEANS_OFF[key](value):
             raise ValueError(
-                f"{path}={value!r} contradicts the plan ({strategy}), which offloads nothing ({path} absent). "
+                f"{path}={value!r} contradicts the plan ({strategy}), which leaves it off ({path} absent). "
                 f"{_fix(key, strategy)}"
             )
         if mine is _MISSING or mine in _FILLED_LATER or _same(mine, value):
@@ -122,6 +161,9 @@ def _fix(key: str, strategy: str) -> str:
         "cpu_offload": "Pass offload='optimizer+params' (or 'none') to auto_args so the plan accounts for it.",
         "offload_optimizer": "Pass offload='optimizer' (or 'none') to auto_args so the plan accounts for it.",
         "offload_param": "Pass offload='optimizer+params' to auto_args so the plan accounts for it.",
+        "tensor_parallel": "Pass tp_size= to auto_args (AutoTP; the plan then splits the batch over the rest).",
+        "autotp_size": "Pass tp_size= to auto_args (AutoTP; the plan then splits the batch over the rest).",
+        "sequence_parallel_size": "Pass sp_size= to auto_args so memory and the batch split follow it.",
         "transformer_layer_cls_to_wrap": "Pass wrap_classes=[...] to auto_args instead.",
         "activation_checkpointing": "Pass activation_checkpointing=True/False to auto_args (a planner keyword).",
         "reshard_after_forward": "Pass strategy='fsdp_full_shard' (True) or 'fsdp_shard_grad_op' (False).",

@@ -194,7 +194,7 @@ def test_liger_kernel_follows_the_plan(tmp_path):
         ),
         (
             {"strategy": "zero2", "deepspeed": {"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}},
-            r"\['offload_optimizer'\]=\{'device': 'nvme'\} contradicts the plan \(zero2\), which offloads nothing.*"
+            r"\['offload_optimizer'\]=\{'device': 'nvme'\} contradicts the plan \(zero2\), which leaves it off.*"
             r"offload='optimizer'",
         ),
         (
@@ -232,11 +232,40 @@ def test_liger_kernel_follows_the_plan(tmp_path):
         ),
         ({"strategy": "zero2", "fsdp_config": {"cpu_offload": False}}, r"fsdp_config=.* plan's strategy is 'zero2'"),
         ({"strategy": "zero2", "deepspeed": 3}, r"deepspeed must be a dict \(or a JSON file path\), got int 3"),
+        (
+            {"strategy": "fsdp_full_shard", "tp_size": 2, "parallelism_config": {"tp_size": 1}},
+            r"parallelism_config tp_size=1 contradicts the plan \(fsdp_full_shard, tp_size 2\): pass tp_size= to",
+        ),
+        (
+            {"strategy": "fsdp_full_shard", "parallelism_config": {"cp_size": 2}},
+            r"parallelism_config cp_size=2 contradicts the plan \(fsdp_full_shard, cp_size 1\): pass cp_size=",
+        ),
+        (
+            {"strategy": "zero2", "deepspeed": {"tensor_parallel": {"autotp_size": 2}}},
+            r"deepspeed\['tensor_parallel'\]=\{'autotp_size': 2\} contradicts the plan \(zero2\), which leaves it "
+            r"off.*Pass tp_size= to auto_args",
+        ),
+        (
+            {"strategy": "zero2", "deepspeed": {"sequence_parallel_size": 2}},
+            r"deepspeed\['sequence_parallel_size'\]=2 contradicts the plan \(zero2\).*Pass sp_size= to auto_args",
+        ),
     ],
 )
 def test_nested_override_contradictions(kwargs, match):
     with pytest.raises(ValueError, match=match):
         auto_args(CFG, **GPU, **kwargs)
+
+
+def test_parallelism_config_that_agrees_with_the_plan_is_kept():
+    kw = auto_args(CFG, **GPU, strategy="fsdp_full_shard", tp_size=2, parallelism_config={"tp_size": 2})
+    assert (kw["parallelism_config"].tp_size, kw["parallelism_config"].dp_shard_size) == (
+        2,
+        2,
+    )  # 4 GPUs: tp 2 x shard 2
+    from accelerate.parallelism_config import ParallelismConfig
+
+    with pytest.raises(ValueError, match=r"parallelism_config tp_size=2 contradicts the plan \(fsdp_full_shard, tp"):
+        auto_args(CFG, **GPU, strategy="fsdp_full_shard", parallelism_config=ParallelismConfig(tp_size=2))
 
 
 def test_nested_overrides_merge_key_by_key(tmp_path):
