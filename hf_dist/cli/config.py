@@ -69,6 +69,7 @@ def render(args: argparse.Namespace) -> str:
 
     check_choice("strategy", args.strategy, STRATEGIES, "See `hf-dist config --help`.")
     s = strategy(args.strategy)
+    _check_nvme_path(args)
     if args.format == "deepspeed":
         from hf_dist.configs.deepspeed import deepspeed_config
 
@@ -82,6 +83,11 @@ def render(args: argparse.Namespace) -> str:
                 f"--cp-size {args.cp_size} with {args.strategy}: context parallelism runs only with FSDP2; use "
                 "--sp-size (DeepSpeed Ulysses) with a ZeRO strategy, or --strategy fsdp_full_shard --format accelerate"
             )
+        if args.num_processes is not None:  # the planner's checks on the job's size (the JSON does not carry it)
+            from hf_dist.planning.layout import Layout
+
+            Layout(args.strategy, args.num_processes, args.nodes, args.offload, tp_size=args.tp_size,
+                   sp_size=args.sp_size, offload_device=args.offload_device)  # fmt: skip
         cfg = deepspeed_config(
             args.strategy,
             offload=args.offload,
@@ -98,6 +104,8 @@ def render(args: argparse.Namespace) -> str:
 
     if args.deepspeed_config_file is not None and not s.is_deepspeed:
         raise ValueError(f"--deepspeed-config-file needs a ZeRO strategy (zero1, zero2, zero3), got {args.strategy!r}")
+    if args.deepspeed_config_file is not None:
+        _check_deepspeed_json(args)
     mixed_precision, note = _pure_bf16_accelerate(args, s) if args.pure_bf16 else (args.mixed_precision, "")
     cfg = accelerate_config(
         args.strategy,
@@ -128,6 +136,40 @@ def render(args: argparse.Namespace) -> str:
         shown["deepspeed_config_file"] = args.deepspeed_config_file
     name = Path(args.out).name if args.out else "config.yaml"
     return to_yaml(cfg, header_for(name, shown) + note)
+
+
+def _check_nvme_path(args: argparse.Namespace) -> None:
+    if args.nvme_path is not None and args.offload_device != "nvme":
+        raise ValueError(
+            f"--nvme-path {args.nvme_path} is used only with --offload-device nvme (got --offload-device "
+            f"{args.offload_device}, which would drop it); add --offload-device nvme (zero3 with --offload optimizer "
+            "or optimizer+params), or drop --nvme-path"
+        )
+
+
+def _check_deepspeed_json(args: argparse.Namespace) -> None:
+    """The JSON the YAML names must exist (accelerate reads it at launch) and carry the sizes asked for here."""
+    path = Path(args.deepspeed_config_file)
+    write = f"`hf-dist config --strategy {args.strategy} --tp-size {args.tp_size} --sp-size {args.sp_size} " \
+            f"--format deepspeed --out {path}`"  # fmt: skip
+    if not path.is_file():
+        raise ValueError(
+            f"--deepspeed-config-file {path} does not exist (accelerate reads it at launch); write it first: {write}"
+        )
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"--deepspeed-config-file {path} is not a readable JSON file ({exc}); write it with {write}"
+        ) from None
+    tp = (cfg.get("tensor_parallel") or {}).get("autotp_size", 1)
+    sp = cfg.get("sequence_parallel_size", 1)
+    if (tp, sp) != (args.tp_size, args.sp_size):
+        raise ValueError(
+            f"--deepspeed-config-file {path} has autotp_size {tp} and sequence_parallel_size {sp}, but this config asks "
+            f"for --tp-size {args.tp_size} --sp-size {args.sp_size}; the run would not be what the YAML says. Rewrite "
+            f"the JSON with {write}, or pass the sizes it has"
+        )
 
 
 def _pure_bf16_accelerate(args: argparse.Namespace, s) -> tuple[str, str]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_dist.planning.layout import MIXED_PRECISIONS, OFFLOAD_DEVICES, OFFLOADS, Engine, by_engine, strategy
+from hf_dist.planning.layout import MIXED_PRECISIONS, OFFLOAD_DEVICES, OFFLOADS, Engine, Layout, by_engine, strategy
 from hf_dist.planning.memory import (
     DS_PREFETCH_BUCKET_ELEMENTS,
     DS_REDUCE_BUCKET_ELEMENTS,
@@ -95,7 +95,7 @@ def deepspeed_config(
             f"got {mixed_precision!r}; use mixed_precision='bf16' or drop pure_bf16."
         )
     cfg.update(_precision_section(mixed_precision, pure_bf16=pure_bf16))
-    _check_model_parallel(strategy, stage, tp_size, sp_size)
+    _check_model_parallel(strategy, tp_size, sp_size)
     if tp_size > 1:
         cfg["tensor_parallel"] = {"autotp_size": tp_size}
     if sp_size > 1:
@@ -123,15 +123,13 @@ AIO_DEFAULTS = {
 }
 
 
-def _check_model_parallel(strategy: str, stage: int, tp_size: int, sp_size: int) -> None:
+def _check_model_parallel(strategy: str, tp_size: int, sp_size: int) -> None:
+    """The planner's own checks (:class:`~hf_dist.planning.layout.Layout`) on the smallest world these sizes run on:
+    AutoTP only with ZeRO <= 2, never together with Ulysses."""
     for name, size in (("tp_size", tp_size), ("sp_size", sp_size)):
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"{name} must be a positive int, got {size!r}")
-    if tp_size > 1 and stage > 2:
-        raise ValueError(
-            f"tp_size {tp_size} with {strategy}: DeepSpeed AutoTP runs with ZeRO stage <= 2; use zero1/zero2, "
-            "or fsdp_full_shard for FSDP2 x TP"
-        )
+    Layout(strategy, world_size=tp_size * sp_size, tp_size=tp_size, sp_size=sp_size)
 
 
 def _offload_target(device: str, nvme_path: str | None) -> dict[str, Any]:

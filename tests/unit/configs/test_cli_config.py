@@ -135,6 +135,16 @@ def test_autotp_json(tmp_path):
         (["--strategy", "fsdp_full_shard", "--tp-size", "3"], "does not divide"),
         (["--strategy", "ddp", "--deepspeed-config-file", "ds.json"], "needs a ZeRO strategy"),
         (["--strategy", "fsdp_full_shard", "--tp-size", "16", "--nodes", "2"], "only runs inside a node"),
+        (["--strategy", "zero2", "--tp-size", "2", "--sp-size", "2", "--format", "deepspeed"], "do not compose"),
+        (
+            ["--strategy", "zero2", "--tp-size", "2", "--num-processes", "3", "--format", "deepspeed"],
+            "does not divide",
+        ),
+        (
+            ["--strategy", "zero3", "--offload", "optimizer", "--nvme-path", "/n"],
+            "used only with --offload-device nvme",
+        ),
+        (["--strategy", "zero3", "--deepspeed-config-file", "missing.json"], "missing.json does not exist"),
     ],
 )
 def test_bad_model_parallel_input_is_refused(flags, message, capsys):
@@ -143,9 +153,30 @@ def test_bad_model_parallel_input_is_refused(flags, message, capsys):
     assert re.search(message, err), err
 
 
-def test_autotp_yaml_references_the_json(tmp_path):
+def test_autotp_yaml_references_the_json(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
     out = tmp_path / "tp.yaml"
     flags = ["--strategy", "zero2", "--tp-size", "2", "--deepspeed-config-file", "ds_autotp.json"]
+    assert main(["config", *flags, "--out", str(out)]) == 1  # the JSON must be written first
+    assert "ds_autotp.json does not exist" in capsys.readouterr().err
+    assert main(["config", "--strategy", "zero2", "--format", "deepspeed", "--out", "ds_autotp.json"]) == 0
+    assert main(["config", *flags, "--out", str(out)]) == 1  # a JSON without AutoTP: not what the YAML says
+    assert (
+        "has autotp_size 1 and sequence_parallel_size 1, but this config asks for --tp-size 2"
+        in capsys.readouterr().err
+    )
+    flags_json = [
+        "--strategy",
+        "zero2",
+        "--tp-size",
+        "2",
+        "--format",
+        "deepspeed",
+        "--out",
+        "ds_autotp.json",
+        "--force",
+    ]
+    assert main(["config", *flags_json]) == 0
     assert main(["config", *flags, "--out", str(out)]) == 0
     cfg = yaml.safe_load(out.read_text())
     assert cfg["deepspeed_config"]["deepspeed_config_file"] == "ds_autotp.json" and "mixed_precision" not in cfg
