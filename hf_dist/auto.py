@@ -61,6 +61,7 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
     masters themselves. ``pure_bf16=True`` keeps bf16 weights and bf16 Adam state instead (no fp32 master
     copy, Adam state at half its size; less accurate updates). See :mod:`hf_dist.runtime.precision`.
     """
+    from hf_dist.runtime.cpu_fsdp import cpu_launch_kwargs
     from hf_dist.runtime.precision import check_final_flags, deepspeed_pure_bf16_check, prepare_model
     from hf_dist.runtime.support import installed_features
 
@@ -91,6 +92,8 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
 
     apply_strategy_overrides(plan, kwargs, user)  # fsdp / fsdp_config / deepspeed: merged key by key, or refused
     check_user_overrides(plan, kwargs, user, features)
+    kwargs.update(cpu_launch_kwargs(layout.strategy.is_deepspeed))  # CPU ranks that train as one job
+    kwargs["dataloader_pin_memory"] = plan.hardware.device == "cuda"  # pinning needs CUDA (warns on CPU)
     ours_ds = kwargs.get("deepspeed")
     kwargs.update(user)
     if ours_ds is not None and kwargs.get("deepspeed") is ours_ds:

@@ -74,12 +74,20 @@ def default(plan: Any = None) -> list[TrainerCallback]:
 def attach(trainer: Any, callbacks: list[TrainerCallback] | None = None, *, plan: Any = None) -> list[TrainerCallback]:
     """Insert ``callbacks`` (default: ``default(plan)``) right after the Trainer's flow callback.
 
+    Refuses at once a launch of several ranks that the Trainer trains as separate one-process copies
+    (:func:`hf_dist.callbacks.plan.check_launch`); with ``plan``, the run is checked against it at train start
+    (:class:`~hf_dist.callbacks.plan.PlanCallback`: world size, strategy, precision, checkpointing, batch split,
+    tp/cp/sp), and a difference stops it before its first step.
+
     There they run before the ``report_to`` integrations and the console printer, so the keys they
     add to the logs reach TensorBoard, W&B, etc. They get the ``on_init_end`` event they missed (the
     Trainer was built before them). Returns the inserted callbacks.
     """
     from transformers.trainer_callback import DefaultFlowCallback
 
+    from hf_dist.callbacks.plan import check_launch
+
+    check_launch(trainer.args)  # several ranks launched, each training alone: refused before anything else
     callbacks = default(plan) if callbacks is None else list(callbacks)
     handler = trainer.callback_handler.callbacks
     flow = [i for i, cb in enumerate(handler) if isinstance(cb, DefaultFlowCallback)]

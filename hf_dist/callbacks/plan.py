@@ -1,8 +1,16 @@
-"""PlanCallback: log the plan at train start and warn where the live job differs from it."""
+"""PlanCallback: the plan is a contract. At train start the live run is read back from what the Trainer, accelerate
+and the model really built and compared with the plan; any difference stops the run before its first step.
+
+Checked: world size (and that a multi-rank launch is not training separate one-process copies), strategy (from
+accelerate's state: a silently dropped FSDP on CPU reads ``ddp``), mixed precision, activation checkpointing (on the
+model or inside FSDP's units), micro-batch and accumulation, tp / cp / sp, and FSDP wrap classes.
+:func:`check_launch` (also run by :func:`hf_dist.callbacks.attach` without a plan) refuses the separate copies.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from transformers import TrainerCallback
@@ -14,19 +22,58 @@ from hf_dist.runtime import dist as _dist
 logger = logging.getLogger(__name__)
 
 
+class PlanMismatchError(RuntimeError):
+    """The run the Trainer built is not the run the plan describes."""
+
+
+def launched_world_size() -> int:
+    """Ranks the launcher started (``WORLD_SIZE``, or the initialised process group)."""
+    return max(int(os.environ.get("WORLD_SIZE", "1") or 1), _dist.world_size())
+
+
+def check_launch(args: Any) -> None:
+    """Refuse a launch of several ranks that the Trainer trains as one process each: every rank would train its own
+    copy into the same ``output_dir`` (on a machine without CUDA, unless the arguments ask for CPU ranks)."""
+    launched, trained = launched_world_size(), int(getattr(args, "world_size", 1) or 1)
+    if launched > 1 and trained == 1:
+        raise PlanMismatchError(
+            f"{launched} processes were launched (WORLD_SIZE={launched}) but the Trainer trains each as a single "
+            f"process: they would train {launched} separate copies into {getattr(args, 'output_dir', 'output_dir')}.\n"
+            "Without CUDA, accelerate joins the ranks only on CPU ranks: pass use_cpu=True to TrainingArguments "
+            "(hf_dist.auto_args does this for a CPU launch), or launch with ACCELERATE_USE_CPU=1 for DDP/FSDP, e.g.\n"
+            "  ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 train.py\n"
+            "DeepSpeed on CPU ranks needs the opposite: ACCELERATE_USE_CPU unset and the TrainingArguments kwargs of "
+            "hf_dist.runtime.cpu_fsdp.cpu_deepspeed_training_kwargs() (the recipes' --deepspeed_on_cpu)."
+        )
+
+
+def checkpointing_on(model: Any) -> bool:
+    """Whether the model checkpoints activations: transformers' flag, or accelerate's FSDP2 checkpoint wrappers."""
+    if model is None:
+        return False
+    inner = getattr(model, "get_base_model", lambda: model)()  # PEFT
+    # transformers >= 5.x names it is_activation_checkpointing (the old name warns); 5.0 has only the old one
+    flag = next(
+        (f for f in ("is_activation_checkpointing", "is_gradient_checkpointing") if hasattr(type(inner), f)), ""
+    )
+    if flag and getattr(inner, flag):
+        return True
+    return any(type(m).__name__ == "CheckpointWrapper" for m in model.modules())
+
+
 def live_setup(args: Any, model: Any = None) -> dict[str, Any]:
-    """What the Trainer really runs: strategy, world size, mixed precision and FSDP wrap classes."""
-    if getattr(args, "bf16", False):
-        precision = "bf16"
-    elif getattr(args, "fp16", False):
-        precision = "fp16"
-    else:
-        precision = "no"
+    """What the Trainer really runs, read from accelerate's state, the arguments and the model."""
+    precision = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "no"
+    sizes = _dist.parallel_sizes(getattr(args, "parallelism_config", None), _dist.deepspeed_config(args))
     return {
         "strategy": _dist.live_strategy(args),
-        "world_size": max(_dist.world_size(), getattr(args, "world_size", 1)),
+        "world_size": int(getattr(args, "world_size", 1) or 1),
         "mixed_precision": precision,
         "wrap_classes": _dist.live_wrap_classes(),
+        "micro_batch_size": getattr(args, "per_device_train_batch_size", None),
+        "gradient_accumulation_steps": getattr(args, "gradient_accumulation_steps", None),
+        "activation_checkpointing": checkpointing_on(model) if model is not None else None,
+        **{f"{name}_size": size for name, size in sizes.items()},
     }
 
 
@@ -37,39 +84,78 @@ def planned_wrap_classes(model: Any) -> list[str] | None:
     return sorted(fsdp_wrap_classes(model))
 
 
+# what the plan calls each checked value, and how to get the planned one
+_FIXES = {
+    "strategy": "pass the TrainingArguments auto_args returned (fsdp / deepspeed), launch without an accelerate "
+    "config that sets another engine, and on CPU ranks enable FSDP (hf_dist.runtime.cpu_fsdp)",
+    "world size": "launch as many ranks as planned, or plan for this launch (auto_args(model, gpus=..., nodes=...))",
+    "mixed precision": "pass auto_args' bf16 / fp16 values (a TrainingArguments subclass may default to others)",
+    "activation checkpointing": "pass auto_args' checkpointing flags unchanged, or plan with "
+    "activation_checkpointing=True/False",
+    "micro-batch": "pass auto_args' per_device_train_batch_size, or plan with micro_batch_size=",
+    "gradient accumulation": "pass auto_args' gradient_accumulation_steps, or plan with global_batch_size=",
+    "tp / cp / sp": "pass auto_args' parallelism_config / deepspeed unchanged, or plan with tp_size= / cp_size= / sp_size=",
+    "FSDP wrap classes": "pass auto_args' fsdp_config, or wrap_classes= to auto_args",
+}
+
+
 def plan_mismatches(plan: Any, live: dict[str, Any], planned_wrap: list[str] | None = None) -> list[str]:
-    """Human-readable differences between ``plan`` and ``live`` (``live_setup`` output); pure."""
-    out = []
-    if live["strategy"] != plan.strategy:
-        out.append(f"strategy: planned {plan.strategy}, running {live['strategy']}")
-    if live["world_size"] != plan.world_size:
-        out.append(f"world size: planned {plan.world_size}, running {live['world_size']}")
+    """Human-readable differences between ``plan`` and ``live`` (:func:`live_setup`); a value ``live`` lacks or holds
+    as None is not checked. Pure."""
     from hf_dist.runtime.precision import trainer_mixed_precision
 
-    expected = trainer_mixed_precision(plan)  # pure bf16 FSDP2 runs with bf16=False on purpose
-    if live["mixed_precision"] != expected:
-        out.append(f"mixed precision: planned {expected}, running {live['mixed_precision']}")
-    if planned_wrap is not None and live["wrap_classes"] is not None and live["wrap_classes"] != planned_wrap:
-        out.append(f"FSDP wrap classes: planned {planned_wrap}, running {live['wrap_classes']}")
-    return out
+    planned_sizes = (plan.tp_size, plan.cp_size, plan.sp_size)
+    pairs = [
+        ("strategy", plan.strategy, live.get("strategy")),
+        ("world size", plan.world_size, live.get("world_size")),
+        ("mixed precision", trainer_mixed_precision(plan), live.get("mixed_precision")),  # pure bf16 FSDP2: "no"
+        ("activation checkpointing", bool(plan.activation_checkpointing), live.get("activation_checkpointing")),
+        ("micro-batch", plan.micro_batch_size, live.get("micro_batch_size")),
+        ("gradient accumulation", plan.gradient_accumulation_steps, live.get("gradient_accumulation_steps")),
+        ("tp / cp / sp", planned_sizes, _sizes(live)),
+    ]
+    if planned_wrap is not None and live.get("wrap_classes") is not None:
+        pairs.append(("FSDP wrap classes", planned_wrap, live["wrap_classes"]))
+    return [f"{name}: planned {want}, running {got}" for name, want, got in pairs if got is not None and got != want]
+
+
+def _sizes(live: dict[str, Any]) -> tuple[int, int, int] | None:
+    if "tp_size" not in live:
+        return None
+    return (live["tp_size"], live.get("cp_size", 1), live.get("sp_size", 1))
+
+
+def mismatch_error(mismatches: list[str]) -> PlanMismatchError:
+    lines = [f"  {m}\n    fix: {_FIXES[m.split(':')[0]]}" for m in mismatches]
+    return PlanMismatchError(
+        "hf_dist: the run the Trainer built is not the one planned; refusing to train:\n"
+        + "\n".join(lines)
+        + "\n(PlanCallback(plan, strict=False) only warns.)"
+    )
 
 
 class PlanCallback(TrainerCallback):
-    """Logs ``plan.explain()`` at train start (rank 0) and warns about every difference from the live job.
+    """Logs ``plan.explain()`` at train start (rank 0) and refuses to train when the live run differs from the plan
+    (:class:`PlanMismatchError` on every rank, naming both values and the fix); ``strict=False`` warns instead.
 
     The differences are also kept in ``self.mismatches`` (on every rank) so scripts can act on them.
     """
 
-    def __init__(self, plan: Any) -> None:
+    def __init__(self, plan: Any, *, strict: bool = True) -> None:
         if plan is None or not hasattr(plan, "explain"):
             raise ValueError(f"PlanCallback needs an hf_dist.Plan (from hf_dist.plan(...)), got {plan!r}")
         self.plan = plan
+        self.strict = strict
         self.mismatches: list[str] = []
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.strict:
+            check_launch(args)
         live = live_setup(args, model)
         planned_wrap = planned_wrap_classes(model) if live["wrap_classes"] is not None else None
         self.mismatches = plan_mismatches(self.plan, live, planned_wrap)
+        if self.mismatches and self.strict:
+            raise mismatch_error(self.mismatches)
         if not state.is_world_process_zero:
             return
         text = f"hf_dist plan:\n{self.plan.explain()}"

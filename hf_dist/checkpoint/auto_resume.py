@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.checkpoint.layout import LATEST_UNIVERSAL, read_layout
-from hf_dist.checkpoint.marker import MARKER_NAME, incomplete_reasons
+from hf_dist.checkpoint.marker import MARKER_NAME, incomplete_reasons, unmarked_reasons
 from hf_dist.planning.layout import strategy, zero_stage_strategy
 
 logger = logging.getLogger(__name__)
@@ -42,8 +42,16 @@ def auto_resume(
     checksums: bool = False,
     training_args: Any = None,
     trust_pickles: bool = False,
+    fresh_start: bool = False,
 ) -> str | None:
-    """The newest complete ``checkpoint-N`` in ``output_dir``, or None; partial checkpoints are skipped.
+    """The newest complete ``checkpoint-N`` in ``output_dir``; None only when there is none at all (or
+    ``fresh_start=True``). Partial checkpoints are skipped, and if checkpoints exist but none can be proven
+    complete it raises, naming each one's problem: it never silently starts over a run's own checkpoints.
+
+    Complete means hf_dist's marker (written by :func:`hf_dist.callbacks.default`'s callbacks) matches the files,
+    or, for a run without those callbacks, the Trainer's own files prove it
+    (:func:`~hf_dist.checkpoint.marker.unmarked_reasons`: ``trainer_state.json`` at step N, every rank's files of
+    the live world size, DCP metadata, untruncated safetensors).
 
     ``training_args`` (the run's ``TrainingArguments``, before the Trainer is built) also prepares the
     checkpoint for this run with :func:`hf_dist.checkpoint.reshard.prepare_resume`: a DeepSpeed ZeRO checkpoint saved
@@ -70,10 +78,13 @@ def auto_resume(
     checkpoints = list_checkpoints(output_dir)
     if not checkpoints:
         logger.info("auto_resume: no checkpoint-N folder in %s; starting from scratch", output_dir)
+    live_world = _live_world_size(world_size, training_args, strategy)
+    skipped = []
     for step, path in checkpoints:
-        reasons = incomplete_reasons(path, checksums=checksums)
+        reasons = _not_resumable(path, live_world, checksums)
         if reasons:
             logger.warning("auto_resume: skipping %s: %s", path, "; ".join(reasons))
+            skipped.append(f"  {Path(path).name}: {'; '.join(reasons)}")
             continue
         if training_args is not None:
             from hf_dist.checkpoint.reshard import prepare_resume
@@ -86,7 +97,35 @@ def auto_resume(
             gate_checkpoint(path, trust_pickles=trust_pickles)
         logger.info("auto_resume: resuming from %s (step %d)", path, step)
         return path
+    if skipped and not fresh_start:
+        raise RuntimeError(
+            f"auto_resume: {output_dir} holds {len(skipped)} checkpoint(s) and none can be proven complete, so "
+            "resuming could load a half-written save and starting over would overwrite them:\n"
+            + "\n".join(skipped)
+            + "\nRe-copy a checkpoint's missing files if you have them; otherwise move or delete these folders, or "
+            "pass fresh_start=True to start from step 0 in this folder."
+        )
     return None
+
+
+def _not_resumable(path: str, live_world: int, checksums: bool) -> list[str]:
+    """Why ``path`` cannot be resumed: its marker's reasons, or without a marker the Trainer files' proof."""
+    if (Path(path) / MARKER_NAME).exists():
+        return incomplete_reasons(path, checksums=checksums)
+    reasons = unmarked_reasons(path, live_world)
+    if not reasons:
+        logger.info("auto_resume: %s has no %s (hf_dist's callbacks were not attached); proved complete from the "
+                    "Trainer's own files", path, MARKER_NAME)  # fmt: skip
+        return []
+    return [f"no {MARKER_NAME} and the Trainer's files do not prove it complete: " + "; ".join(reasons)]
+
+
+def _live_world_size(world_size: int | None, training_args: Any, running: Any) -> int:
+    """The ranks of the run about to resume: given, from its TrainingArguments or Trainer, else the launcher's."""
+    for source in (training_args, getattr(running, "args", None)):
+        if world_size is None and source is not None:
+            world_size = getattr(source, "world_size", None)
+    return int(world_size or os.environ.get("WORLD_SIZE", 1))
 
 
 def gate_checkpoint(path: str | os.PathLike, *, trust_pickles: bool = False) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from hf_dist.atomic_io import atomic_write_json
 from hf_dist.checkpoint.layout import read_layout
+from hf_dist.planning.layout import CheckpointFamily
 
 MARKER_NAME = "hf_dist_complete.json"
 MARKER_VERSION = 1
@@ -132,3 +133,63 @@ def _malformed_marker(marker: Any) -> str | None:
 def is_complete(checkpoint_dir: str | os.PathLike, *, checksums: bool = False) -> bool:
     """True when every rank finished writing ``checkpoint_dir`` and no listed file changed size since."""
     return not incomplete_reasons(checkpoint_dir, checksums=checksums)
+
+
+def unmarked_reasons(checkpoint_dir: str | os.PathLike, world_size: int) -> list[str]:
+    """Why a ``checkpoint-N`` without hf_dist's marker (a run without hf_dist's callbacks) cannot be proven complete
+    from the Trainer's own files; an empty list means it is proven.
+
+    The proof: ``trainer_state.json`` (the Trainer writes it after the model, optimizer, scheduler and RNG state)
+    names step N; every per-rank file of the layout is there (for full weights: for ``world_size`` ranks, the live
+    run's, or more if the files name more; sharded files name the ranks that wrote them); every DCP folder has the ``.metadata`` DCP writes once all ranks finished; no file is
+    empty; safetensors files hold every byte their header promises. Without the marker's barrier, a rank that died
+    after rank 0 wrote ``trainer_state.json`` is caught by its missing files.
+    """
+    folder = Path(checkpoint_dir)
+    reasons = _trainer_state_reasons(folder)
+    layout = read_layout(folder, strict=False)
+    # Sharded files name the ranks that wrote them (and may be resumed on another count); full weights do not.
+    ranks = layout.world_size or 1
+    if layout.family is CheckpointFamily.FULL:
+        ranks = max(world_size, ranks)
+    reasons += [f"{what} is missing" for what in layout.missing_rank_files(ranks)]
+    for sub in sorted({p.parent for p in folder.rglob("*.distcp")}):
+        if not (sub / ".metadata").is_file():
+            reasons.append(f"{sub.relative_to(folder)}/.metadata is missing (DCP writes it once every rank finished)")
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        if path.stat().st_size == 0:
+            reasons.append(f"{rel} is empty")
+        elif path.suffix == ".safetensors" and (problem := _safetensors_truncated(path)):
+            reasons.append(f"{rel} {problem}")
+    return reasons
+
+
+def _trainer_state_reasons(folder: Path) -> list[str]:
+    path = folder / "trainer_state.json"
+    if not path.is_file():
+        return ["trainer_state.json is missing (the Trainer writes it after every other file of the save)"]
+    try:
+        step = json.loads(path.read_text()).get("global_step")
+    except (OSError, ValueError, AttributeError) as exc:
+        return [f"trainer_state.json is unreadable ({exc})"]
+    expected = folder.name.rpartition("-")[2]
+    if str(step) != expected:
+        return [f"trainer_state.json says global_step {step}, the folder name {expected}"]
+    return []
+
+
+def _safetensors_truncated(path: Path) -> str | None:
+    """What is wrong with a safetensors file's length against its own header, or None."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            if length <= 0 or 8 + length > size:
+                return f"has a header of {length} bytes in a {size}-byte file"
+            header = json.loads(handle.read(length))
+    except (OSError, ValueError) as exc:
+        return f"has an unreadable header ({exc})"
+    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    needed = 8 + length + max(ends, default=0)
+    return f"is truncated: {size} bytes, its header needs {needed}" if size < needed else None

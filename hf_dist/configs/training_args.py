@@ -95,13 +95,8 @@ def precision_args(plan: Any) -> dict[str, Any]:
     from hf_dist.runtime.precision import trainer_mixed_precision
 
     mixed_precision = trainer_mixed_precision(plan)  # pure bf16 FSDP2: "no" (accelerate would upcast to fp32)
-    if mixed_precision != plan.mixed_precision:
-        return {"bf16": False}
-    if mixed_precision == "bf16":
-        return {"bf16": True}
-    if mixed_precision == "fp16":
-        return {"fp16": True}
-    return {}
+    # both flags, explicitly: a TrainingArguments subclass may default to bf16=True (TRL's SFTConfig)
+    return {"bf16": mixed_precision == "bf16", "fp16": mixed_precision == "fp16"}
 
 
 def strategy_args(
@@ -132,7 +127,9 @@ def strategy_args(
     check_features(layout, features)
     s = layout.strategy
     ac_flag, ac_kwargs = features.activation_checkpointing_field, features.activation_checkpointing_kwargs_field
+    # explicit either way: a TrainingArguments subclass (TRL's SFTConfig: gradient_checkpointing=True) has other defaults
     checkpointing = {ac_flag: True, ac_kwargs: {"use_reentrant": False}} if layout.activation_checkpointing else {}
+    checkpointing = checkpointing or {ac_flag: False}
     if s.is_fsdp:
         out = fsdp_config(
             s.name,
@@ -145,7 +142,7 @@ def strategy_args(
         )
         if features.fsdp_version == 2 and (layout.dp_replicate_size > 1 or _model_parallel(layout)):
             out["parallelism_config"] = parallelism_kwargs(layout)
-        return {**out, **_sharded_at_load(layout)}
+        return {**out, ac_flag: False, **_sharded_at_load(layout)}  # FSDP checkpoints inside fsdp_config
     if s.is_deepspeed:
         ds = deepspeed_config(
             s.name,
@@ -287,6 +284,14 @@ def check_user_overrides(plan: Any, ours: dict[str, Any], user: dict[str, Any], 
         raise ValueError(
             f"{ac_flag}=True with FSDP ({plan.strategy}) checkpoints through the model and adds a redundant "
             "all-gather; pass activation_checkpointing=True to auto_args (planner keyword) so it goes to fsdp_config."
+        )
+    given = {k: user[k] for k in {ac_flag, "gradient_checkpointing"} if k in user}
+    planned = bool(plan.activation_checkpointing)
+    if "fsdp" not in ours and any(bool(v) != planned for v in given.values()):
+        raise ValueError(
+            f"{given} contradicts the plan, which {'checkpoints' if planned else 'does not checkpoint'} activations "
+            f"(memory and speed were planned for it); pass activation_checkpointing={not planned} to auto_args "
+            "(planner keyword) so the plan accounts for it."
         )
 
 

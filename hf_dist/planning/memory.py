@@ -84,8 +84,11 @@ class MemoryEstimate:
     under activation checkpointing, its recomputed activations (``recompute``) are, but no longer the logits; and
     the optimizer step, when the gradients and the step's transients are (``grads_overlap_activations``). With
     one micro-batch per step the Trainer frees gradients after each step (``zero_grad(set_to_none=True)``), so
-    gradients and activations never coexist in full; with gradient accumulation the gradients persist through the
-    next forward. ``activations`` includes ``recompute`` and ``buffers`` includes ``unit_buffers``.
+    gradients and activations never coexist in full: their largest overlap is the backward of the first decoder
+    layer, the last one run, when every other gradient exists next to that layer's activations (``last_layer``:
+    recomputed under checkpointing, else saved) and gathered units; with gradient accumulation the gradients
+    persist through the next forward. ``activations`` includes ``recompute`` and ``buffers`` includes
+    ``unit_buffers``.
     """
 
     params: int
@@ -101,6 +104,7 @@ class MemoryEstimate:
     allocator: int = 0
     recompute: int = 0
     unit_buffers: int = 0
+    last_layer: int = 0
 
     @property
     def model_states(self) -> int:
@@ -111,7 +115,10 @@ class MemoryEstimate:
         layer_moment = self.recompute + self.unit_buffers
         forward_backward = self.activations - self.recompute + max(self.logits, layer_moment)
         if self.grads_overlap_activations:
-            transient = max(forward_backward, self.grads + self.step)
+            # the first decoder layer's backward, the last one run: every other gradient exists, and only that
+            # layer's activations and gathered units are still alive
+            end_of_backward = self.grads + self.last_layer + self.unit_buffers
+            transient = max(forward_backward, end_of_backward, self.grads + self.step)
         else:
             transient = max(forward_backward + self.grads, self.grads + self.step)
         return self.params + self.optimizer + self.buffers - self.unit_buffers + transient
@@ -366,7 +373,9 @@ def _linear_params(spec) -> int:
     return spec.num_params - (spec.embedding_params if spec.lm_head_params else 0)
 
 
-def buffer_bytes(spec, s: Strategy, world_size, trainable, lay: Dtypes, ckpt: bool) -> tuple[int, int]:
+def buffer_bytes(
+    spec, s: Strategy, world_size, trainable, lay: Dtypes, ckpt: bool, padded: int = 0
+) -> tuple[int, int]:
     """(working copies and communication buffers alive during forward, per rank; the part of them gathered only
     around one decoder layer, which is free while the loss's logits are alive: the tracer's peaks at the loss show
     no decoder unit gathered).
@@ -396,9 +405,10 @@ def buffer_bytes(spec, s: Strategy, world_size, trainable, lay: Dtypes, ckpt: bo
         out += DS_REDUCE_BUCKET_ELEMENTS * c
         gathered = (max(unit, spec.embedding_params) + min(DS_PREFETCH_BUCKET_ELEMENTS, spec.num_params)) * c
         return (out + gathered, gathered) if world_size > 1 else (out, 0)
+    unit += padded  # FSDP2 gathers the padded rows too (fsdp_row_padding)
     reduce_input = unit * lay.grads if trainable == spec.num_params else 0
     if s.gathers_params:
-        return out + spec.num_params * c + reduce_input, reduce_input
+        return out + (spec.num_params + padded * spec.num_layers) * c + reduce_input, reduce_input
     root = spec.embedding_params + spec.lm_head_params
     units = 2 * unit * c + reduce_input
     return out + root * c + units, units
@@ -533,14 +543,21 @@ def estimate_memory(
         act_kw["lora"] = Lora(lora_rank, dropout=lora_dropout > 0, cast=cast)
     params = param_bytes_per_rank(spec, s, degree, method, offload, lay, base_bytes, lora_rank)
     grads = grad_bytes_per_rank(s, degree, trainable, offload, lay, gradient_accumulation_steps)
+    padded, padded_unit = fsdp_row_padding(spec, degree) if s.is_fsdp and offload == "none" else (0, 0)
     if run.tp_size > 1 and method == "full" and not s.shards.grads:
         # the vocabulary-parallel embedding (embedding_rowwise) gets a replicated, full-vocabulary gradient
         # (DTensor Replicate, measured on 2 TP ranks), not its shard
         grads += (whole.embedding_params - spec.embedding_params) * lay.grads
     optim = optimizer_bytes_per_rank(s, degree, trainable, offload, optimizer, lay)
+    if padded:  # every sharded state of the padded rows; the routed experts are trainable only in full fine-tuning
+        full = method == "full"
+        params += padded * (lay.weights if full else base_bytes)
+        grads += padded * lay.grads if full and s.shards.grads and gradient_accumulation_steps == 1 else 0
+        optim += padded * (optimizer_state_bytes(optimizer, lay.state) + lay.master) if full else 0
     acts, recompute = activation_bytes(spec, seq_len, micro_batch_size, ckpt, lay, **act_kw)
+    last_layer = recompute if ckpt else (acts // spec.num_layers if spec.num_layers else 0)
     head = logits_bytes(spec, seq_len, micro_batch_size, lay, liger=use_liger_kernel) if spec.has_shape else 0
-    buffers, units = buffer_bytes(spec, s, world_size // run.tp_size, trainable, lay, ckpt)
+    buffers, units = buffer_bytes(spec, s, world_size // run.tp_size, trainable, lay, ckpt, padded_unit)
     step = step_bytes_per_rank(spec, s, degree, trainable, offload, lay)
     nvme = run.offload_device == "nvme"
     cpu = cpu_bytes_per_rank(spec, degree, trainable, method, offload, optimizer, lay, param_bytes, nvme)
@@ -552,5 +569,22 @@ def estimate_memory(
     fixed = int(overhead) if overhead is not None else (overhead_bytes(s, world_size) if on_gpu else 0)
     overlap = not grads_persist(s, lay, gradient_accumulation_steps)
     return MemoryEstimate(
-        params, grads, optim, acts, buffers, fixed, cpu, overlap, head, step, allocator, recompute, units
+        params, grads, optim, acts, buffers, fixed, cpu, overlap, head, step, allocator, recompute, units, last_layer
     )
+
+
+def fsdp_row_padding(spec, degree: int) -> tuple[int, int]:
+    """Elements FSDP2's dim-0 sharding adds: ``(per rank, per gathered decoder layer)``.
+
+    ``fully_shard`` splits every parameter into ``degree`` chunks along dim 0 (``torch.chunk``) and pads each rank's
+    shard to ``ceil(rows / degree)`` rows (torch ``_fsdp_param.py``), and the all-gather returns the padded whole.
+    Dense weights have thousands of rows, so only transformers' stacked routed experts, ``(experts, out, in)``
+    tensors, are padded measurably: with more ranks than experts every rank holds a whole expert's rows (8 experts
+    over 64 ranks: 8x their share). Found by tracing Mixtral 8x7B on 64 ranks.
+    """
+    if not spec.experts or degree <= spec.experts and spec.experts % degree == 0:
+        return 0, 0
+    per_layer = 3 * spec.hidden_size * spec.intermediate_size  # one expert: gate, up, down
+    rows = math.ceil(spec.experts / degree)
+    per_rank = spec.num_layers * rows * per_layer - math.ceil(spec.num_layers * spec.experts * per_layer / degree)
+    return max(per_rank, 0), (rows * degree - spec.experts) * per_layer

@@ -143,6 +143,21 @@ def cpu_deepspeed_training_kwargs() -> dict[str, Any]:
     return {"use_cpu": False, "accelerator_config": {"use_configured_state": True}}
 
 
+def cpu_launch_kwargs(deepspeed: bool) -> dict[str, Any]:
+    """``{"use_cpu": True}`` for a DDP/FSDP launch of several ranks on a machine without CUDA, else ``{}``.
+
+    That is what ``ACCELERATE_USE_CPU=1`` sets: without it transformers trains every rank of ``torchrun`` /
+    ``accelerate launch`` as its own single process (``parallel_mode != ParallelMode.DISTRIBUTED``), separate copies
+    writing to one folder. DeepSpeed needs the opposite setup (:func:`cpu_deepspeed_training_kwargs`), which an
+    explicit call makes.
+    """
+    import torch
+
+    if deepspeed or torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1") or 1) < 2:
+        return {}
+    return {"use_cpu": True}
+
+
 def allow_parallelism_config_on_cpu() -> None:
     """Let accelerate's ``ParallelismConfig`` validation accept a distributed CPU run (tensor/sequence parallelism
     on gloo ranks). For tests and CPU development only; called by the recipes under ``--model_parallel_on_cpu``.

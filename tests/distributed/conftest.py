@@ -112,14 +112,10 @@ def launch_strategy(case: StrategyCase, workdir: Path, out: Path) -> None:
         cmd = [sys.executable, str(script), *map(str, args), "--grad-accum", "2"]
         run_checked(cmd, env=cpu_env(), timeout=LAUNCH_TIMEOUT_S)
         return
-    torchrun(
-        script,
-        args,
-        nproc=case.nproc,
-        env=launch_env(case.strategy),
-        timeout=LAUNCH_TIMEOUT_S,
-        outputs=[workdir / "run", out],
-    )
+    env = launch_env(case.strategy)
+    if case.strategy == "ddp":  # plain torchrun, no ACCELERATE_USE_CPU: auto_args' use_cpu makes it one 2-rank job
+        env = {**env, "ACCELERATE_USE_CPU": "0"}
+    torchrun(script, args, nproc=case.nproc, env=env, timeout=LAUNCH_TIMEOUT_S, outputs=[workdir / "run", out])
 
 
 def launch_accelerate_config(config: str, out: Path) -> None:

@@ -79,9 +79,13 @@ def test_checkpoint_missing_a_ranks_file_is_never_resumed(tmp_path, baseline):
     (out / "checkpoint-8" / "rng_state_1.pth").unlink()
     assert not is_complete(out / "checkpoint-8")
     assert auto_resume(out) == str(out / "checkpoint-6")
-    # A checkpoint whose marker was never written is skipped as well.
+    # Without its marker (a run without hf_dist's callbacks) a checkpoint is proven from the Trainer's own files
     (out / "checkpoint-6" / MARKER_NAME).unlink()
-    assert auto_resume(out) == str(out / "checkpoint-4")
+    assert auto_resume(out) == str(out / "checkpoint-6")
+    # ... and skipped when they fail the proof: a rank's RNG state missing, as a kill after rank 0's save leaves it.
+    # Full weights do not record how many ranks wrote them: the restart's own world size (2) says how many RNG files.
+    (out / "checkpoint-6" / "rng_state_1.pth").unlink()
+    assert auto_resume(out, world_size=2) == str(out / "checkpoint-4")
 
 
 def test_uninterrupted_run_marks_every_checkpoint_complete(baseline):

@@ -82,13 +82,13 @@ def training_kwargs(model, args: argparse.Namespace, world_size: int) -> dict:
         data_seed=SEED,
         dataloader_num_workers=0,
         disable_tqdm=True,
-        use_cpu=True,
         bf16=False,
         fp16=False,
     )
     if args.strategy == "none":
         return {
             **common,
+            "use_cpu": True,
             "per_device_train_batch_size": args.micro_batch,
             "gradient_accumulation_steps": args.grad_accum,
         }
@@ -104,7 +104,7 @@ def training_kwargs(model, args: argparse.Namespace, world_size: int) -> dict:
         fp16=False,
         **hardware_kwargs(args.offload, world_size),
     )
-    merged = {**auto, **common}
+    merged = {**auto, **common}  # use_cpu from auto_args: the DDP launch has no ACCELERATE_USE_CPU (conftest)
     if "deepspeed" in auto:
         merged.update(cpu_deepspeed_training_kwargs())
     return merged

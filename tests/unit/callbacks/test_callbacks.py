@@ -20,7 +20,7 @@ from hf_dist.callbacks import (
     attach,
     default,
 )
-from hf_dist.callbacks.plan import plan_mismatches
+from hf_dist.callbacks.plan import PlanMismatchError, mismatch_error, plan_mismatches
 from hf_dist.callbacks.profiler import comm_time_us
 from hf_dist.callbacks.resume import CompleteCheckpointCallback, ShardedResumeCallback
 from hf_dist.testing import tiny_llama_config
@@ -39,20 +39,27 @@ def logged_steps(trainer):
     return [h for h in trainer.state.log_history if "loss" in h]
 
 
-def test_plan_callback_logs_plan_and_flags_live_differences(make_trainer, tiny_plan, capsys, caplog):
-    cb = PlanCallback(tiny_plan)
+def test_plan_callback_refuses_a_run_that_is_not_the_plan(make_trainer, tiny_plan, capsys, caplog):
+    # The plan assumed a bf16 GPU; this CPU run is fp32 DDP on 1 process, and checkpoints although not planned.
+    trainer = make_trainer([PlanCallback(tiny_plan)], max_steps=1, gradient_checkpointing=True)
+    with pytest.raises(PlanMismatchError, match=r"(?s)mixed precision: planned bf16, running no\n    fix: pass auto_args' "
+                       r"bf16 / fp16.*activation checkpointing: planned False, running True"):  # fmt: skip
+        trainer.train()
+    assert trainer.state.global_step == 0  # refused before the first step
+    cb = PlanCallback(tiny_plan, strict=False)  # warns instead
     with caplog.at_level(logging.WARNING):
         make_trainer([cb], max_steps=1).train()
     assert "hf_dist plan:" in capsys.readouterr().out
-    # The plan assumed a bf16 GPU; this CPU run is fp32 DDP on 1 process.
     assert cb.mismatches == ["mixed precision: planned bf16, running no"]
     assert "differs from the plan: mixed precision" in caplog.text
     with pytest.raises(ValueError, match="needs an hf_dist.Plan"):
         PlanCallback(None)
 
 
-def test_plan_mismatches_cover_strategy_world_and_wrap_classes(tiny_plan):
-    live = {"strategy": "ddp", "world_size": 8, "mixed_precision": "bf16", "wrap_classes": ["LlamaMLP"]}
+def test_plan_mismatches_cover_every_planned_value(tiny_plan):
+    live = {"strategy": "ddp", "world_size": 8, "mixed_precision": "bf16", "wrap_classes": ["LlamaMLP"],
+            "micro_batch_size": 4, "gradient_accumulation_steps": 3, "activation_checkpointing": True,
+            "tp_size": 2, "cp_size": 1, "sp_size": 1}  # fmt: skip
     tiny_plan.strategy = "fsdp_full_shard"
     try:
         got = plan_mismatches(tiny_plan, live, planned_wrap=["LlamaDecoderLayer"])
@@ -61,8 +68,22 @@ def test_plan_mismatches_cover_strategy_world_and_wrap_classes(tiny_plan):
     assert got == [
         "strategy: planned fsdp_full_shard, running ddp",
         "world size: planned 1, running 8",
+        "activation checkpointing: planned False, running True",
+        "micro-batch: planned 2, running 4",
+        "gradient accumulation: planned 1, running 3",
+        "tp / cp / sp: planned (1, 1, 1), running (2, 1, 1)",
         "FSDP wrap classes: planned ['LlamaDecoderLayer'], running ['LlamaMLP']",
     ]
+    assert all("fix: " in line for line in str(mismatch_error(got)).splitlines()[2::2])
+
+
+def test_a_launch_of_ranks_that_train_alone_is_refused(make_trainer, monkeypatch):
+    """torchrun / accelerate launch on a machine without CUDA and without use_cpu: WORLD_SIZE=2, Trainer world 1."""
+    trainer = make_trainer(max_steps=1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(PlanMismatchError, match=r"(?s)2 processes were launched \(WORLD_SIZE=2\) but the Trainer trains "
+                       r"each as a single process.*use_cpu=True.*ACCELERATE_USE_CPU=1 torchrun"):  # fmt: skip
+        attach(trainer)
 
 
 def test_memory_and_throughput_reach_every_logging_backend(make_trainer, tiny_plan):

@@ -165,6 +165,44 @@ def test_disk_full_during_save_keeps_previous_checkpoint_usable(make_trainer, tm
     assert trainer.state.global_step == 4 and is_complete(out / "checkpoint-4")
 
 
+def test_a_run_without_hf_dist_callbacks_resumes_from_the_trainers_own_files(make_trainer, tmp_path, caplog):
+    """The README snippet without callbacks: no marker, yet the newest checkpoint is proven complete from
+    trainer_state.json and the rank files, and the restart continues instead of starting over at step 0."""
+    out = tmp_path / "plain"
+    trainer = make_trainer(output_dir=str(out), save_strategy="steps", save_steps=2)
+    trainer.train()
+    assert not (out / "checkpoint-4" / MARKER_NAME).exists()
+    with caplog.at_level("INFO", logger="hf_dist.checkpoint.auto_resume"):
+        assert auto_resume(out) == str(out / "checkpoint-4")
+    assert "proved complete from the Trainer's own files" in caplog.text
+    from transformers import TrainerCallback
+
+    class CountSteps(TrainerCallback):
+        steps = 0
+
+        def on_step_end(self, args, state, control, **kwargs):
+            CountSteps.steps += 1
+
+    again = make_trainer([CountSteps()], output_dir=str(out), save_strategy="steps", save_steps=2, max_steps=6)
+    again.train(resume_from_checkpoint=auto_resume(out))
+    assert again.state.global_step == 6 and CountSteps.steps == 2  # steps 5 and 6 only: it continued
+
+
+def test_unmarked_checkpoints_name_the_real_cause_and_never_silently_start_over(tmp_path, monkeypatch):
+    ckpt = fake_checkpoint(tmp_path, 4, {**DDP2, "trainer_state.json": b'{"global_step": 4}'})
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    (ckpt / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\x00" * 4)  # 4 of 8 bytes
+    monkeypatch.setenv("WORLD_SIZE", "3")  # the live run has 3 ranks: rank 2's RNG state must be there
+    with pytest.raises(RuntimeError, match=r"(?s)1 checkpoint\(s\) and none can be proven complete.*checkpoint-4: "
+                       r"no hf_dist_complete.json and the Trainer's files do not prove it complete: rng state of "
+                       r"rank 2 is missing; model.safetensors is truncated: (\d+) bytes, its header needs \d+.*fresh_start=True"):  # fmt: skip
+        auto_resume(tmp_path)
+    assert auto_resume(tmp_path, fresh_start=True) is None  # asked for explicitly
+    (ckpt / "trainer_state.json").write_text('{"global_step": 3}')
+    with pytest.raises(RuntimeError, match="trainer_state.json says global_step 3, the folder name 4"):
+        auto_resume(tmp_path, world_size=2)
+
+
 def test_callback_warns_when_rotation_can_delete_the_last_complete_checkpoint(make_trainer, caplog):
     trainer = make_trainer([CompleteCheckpointCallback()], max_steps=1, save_total_limit=1)
     trainer.train()
@@ -188,7 +226,8 @@ def test_malformed_markers_are_incomplete_with_a_reason(tmp_path, marker, reason
     (ckpt / MARKER_NAME).write_text(json.dumps(marker))
     reasons = incomplete_reasons(ckpt)
     assert len(reasons) == 1 and reason in reasons[0] and reasons[0].startswith(f"malformed {MARKER_NAME}")
-    assert auto_resume(tmp_path) is None
+    with pytest.raises(RuntimeError, match="none can be proven complete"):
+        auto_resume(tmp_path)
 
 
 def test_marker_without_files_does_not_hide_a_missing_rank(tmp_path):

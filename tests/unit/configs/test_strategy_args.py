@@ -30,12 +30,14 @@ def test_every_strategy_gets_its_engine_and_nothing_else(name):
     if s.is_deepspeed:
         assert out["deepspeed"]["zero_optimization"]["stage"] == s.zero_stage
     if s.is_fsdp:  # FSDP checkpoints inside each unit, never through the model's flag
-        assert out["fsdp_config"]["activation_checkpointing"] is True and "activation_checkpointing" not in out
+        assert out["fsdp_config"]["activation_checkpointing"] is True and out["activation_checkpointing"] is False
         assert out["fsdp_config"]["reshard_after_forward"] is (not s.gathers_params)
     else:
         assert out["activation_checkpointing"] is True
         assert out["activation_checkpointing_kwargs"] == {"use_reentrant": False}
     assert ("parallelism_config" in out) is s.replicates_across_nodes
+    off = strategy_args(layout_of(name), wrap_classes=["LlamaDecoderLayer"])  # no checkpointing: said, not implied
+    assert off["activation_checkpointing"] is False and "activation_checkpointing_kwargs" not in off
 
 
 @pytest.mark.parametrize("name", [n for n, s in REGISTRY.items() if s.is_fsdp])

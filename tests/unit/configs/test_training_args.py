@@ -43,7 +43,7 @@ def test_fsdp_strategies(tmp_path, strategy):
     )  # True, or 5.0's string
     assert kw["fsdp_config"]["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
     assert kw["fsdp_config"]["activation_checkpointing"] is True
-    assert "activation_checkpointing" not in kw and "gradient_checkpointing" not in kw  # FSDP's own, not the model's
+    assert kw[AC_FLAG] is False  # FSDP's own, not the model's: said explicitly (TRL's SFTConfig defaults to True)
     assert kw["per_device_train_batch_size"] * kw["gradient_accumulation_steps"] * 4 == 16
     assert kw["ddp_timeout"] == DEFAULT_DDP_TIMEOUT_S
     args = build(tmp_path, use_cpu=True, **kw)
@@ -84,14 +84,14 @@ def test_ddp_and_plain_cpu_plan(tmp_path):
     build(tmp_path, use_cpu=True, **kw)
     # No GPU given: the plan is for this CPU machine, so no bf16/fp16 and TrainingArguments builds as is.
     cpu = auto_args(CFG, seq_len=64, global_batch_size=4)
-    assert "bf16" not in cpu and "fp16" not in cpu
+    assert cpu["bf16"] is False and cpu["fp16"] is False  # explicit: a subclass's bf16=True default loses
     build(tmp_path, **cpu)
 
 
 def test_fp16_hardware(tmp_path):
     v100 = Hardware(device="cuda", gpus_per_node=4, gpu_memory_gib=32, bf16=False, fp16=True)
     kw = auto_args(CFG, hardware=v100, strategy="zero2", seq_len=64, global_batch_size=16)
-    assert kw["fp16"] is True and "bf16" not in kw
+    assert kw["fp16"] is True and kw["bf16"] is False
     assert kw["deepspeed"]["fp16"]["enabled"] is True and kw["deepspeed"]["bf16"]["enabled"] is False
     with pytest.raises(ValueError, match="bf16=True but the hardware .* has no bf16 support"):
         auto_args(CFG, hardware=v100, strategy="zero2", seq_len=64, bf16=True)
@@ -131,6 +131,14 @@ def test_precision_override_keeps_deepspeed_consistent(tmp_path):
         ),
         ({"strategy": "zero3", "fsdp": True}, r"fsdp=True asks for FSDP but the plan's strategy is 'zero3'"),
         ({"strategy": "fsdp_full_shard", "gradient_checkpointing": True}, "redundant all-gather"),
+        (
+            {"strategy": "ddp", "activation_checkpointing": False, "gradient_checkpointing": True},
+            r"contradicts the plan, which does not checkpoint activations.*activation_checkpointing=True to auto_args",
+        ),
+        (
+            {"strategy": "zero2", "activation_checkpointing": True, "gradient_checkpointing": False},
+            r"contradicts the plan, which checkpoints activations.*activation_checkpointing=False",
+        ),
         ({"strategy": "ddp", "not_a_field": 1}, r"unknown keyword\(s\) \['not_a_field'\]"),
         (
             {"micro_batch_size": 2, "per_device_train_batch_size": 4},
@@ -296,3 +304,17 @@ def test_checkpointing_turns_the_kv_cache_off(strategy):
         assert model.config.use_cache
         auto_args(model, strategy=strategy, activation_checkpointing=checkpointing, **GPU)
         assert model.config.use_cache is not checkpointing
+
+
+def test_a_cpu_launch_of_several_ranks_trains_as_one_job(monkeypatch):
+    """torchrun / accelerate launch without CUDA: transformers trains each rank alone unless use_cpu=True (what
+    ACCELERATE_USE_CPU=1 sets); auto_args says so for DDP/FSDP, leaves DeepSpeed to its own CPU setup, and never
+    pins memory without CUDA."""
+    assert "use_cpu" not in auto_args(CFG, strategy="ddp", **GPU)  # one process
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name in ("ddp", "fsdp_full_shard"):
+        kw = auto_args(CFG, strategy=name, **GPU)
+        assert kw["use_cpu"] is True and kw["dataloader_pin_memory"] is True  # planned for GPUs: pinned
+    assert "use_cpu" not in auto_args(CFG, strategy="zero2", **GPU)
+    assert auto_args(CFG, strategy="ddp", gpus=2)["dataloader_pin_memory"] is False  # CPU ranks
+    assert auto_args(CFG, strategy="ddp", use_cpu=False, **GPU)["use_cpu"] is False  # the user's value wins
