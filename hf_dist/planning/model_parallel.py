@@ -47,15 +47,22 @@ def _powers_of_two(limit: int) -> list[int]:
     return out
 
 
-def size_options(spec, hw, seq_len: int, features) -> SizeOptions:
-    """The sizes the model, the hardware and the installed libraries allow, per dimension."""
+def size_options(spec, hw, seq_len: int, features, *, method: str = "full") -> SizeOptions:
+    """The sizes the model, the hardware, the installed libraries and the method allow, per dimension."""
     unavailable: dict[str, str] = {}
     if not spec.has_shape:
         reason = "the model is a bare parameter count; pass a config to split it"
         return SizeOptions(unavailable={"tp": reason, "cp": reason, "sp": reason})
     heads, kv = spec.num_attention_heads, spec.num_key_value_heads
     tp = [t for t in _powers_of_two(hw.gpus_per_node) if hw.gpus_per_node % t == 0 and heads % t == 0 and kv % t == 0]
-    if not spec.tp_plan:
+    if method != "full":
+        # measured: PEFT's lora.Linear wraps a TP-sharded Linear and reshapes with the unsharded width
+        # ("shape '[448, 16]' is invalid for input of size 14336"); DeepSpeed AutoTP replaces the wrapped layers
+        unavailable["tp"] = (
+            f"{method}: PEFT's LoRA layers do not run on tensor-parallel weights; shard the frozen base with "
+            "fsdp_full_shard (or zero3) instead"
+        )
+    elif not spec.tp_plan:
         unavailable["tp"] = "the model's config has no tensor-parallel plan (base_model_tp_plan)"
     elif not features.parallelism_config:
         unavailable["tp"] = "the installed accelerate/transformers lack ParallelismConfig (accelerate >= 1.10)"

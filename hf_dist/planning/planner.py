@@ -392,7 +392,7 @@ def plan(
         from hf_dist.runtime.support import installed_features
 
         features = installed_features()
-    options = size_options(spec, hw, seq_len, features)
+    options = size_options(spec, hw, seq_len, features, method=method)
     sizes_pinned = any(v is not None for v in (tp_size, cp_size, sp_size))
     pinned = pinned_sizes(spec, options, tp_size or 1, cp_size or 1, sp_size or 1) if sizes_pinned else None
     search = _Search(setup, strategies, offloads, ckpts, ligers, strategy is not None, features)

@@ -222,3 +222,13 @@ def test_one_gpu_is_named_as_the_reason_a_dimension_cannot_run():
         plan(LLAMA_8B, tp_size=2, **one)
     with pytest.raises(ValueError, match="sp_size 2 cannot run here: no size > 1 divides the 32 attention heads"):
         plan(LLAMA_8B, sp_size=2, seq_len=2047, gpus=2, gpu_memory_gib=80, features=ALL)
+
+
+def test_lora_is_never_planned_with_tensor_parallelism():
+    """PEFT's LoRA layers crash on TP-sharded weights: never searched, and a pinned tp_size is refused before any model
+    is built, naming what to do instead."""
+    p = plan(LLAMA_70B, gpus=8, gpu_memory_gib=80, method="lora", features=ALL)
+    assert all(c.tp_size == 1 for c in p.candidates) and "PEFT's LoRA layers" in " ".join(p.dimensions)
+    with pytest.raises(ValueError, match=r"tp_size 2 cannot run here: lora: PEFT's LoRA layers do not run on "
+                       r"tensor-parallel weights; shard the frozen base with fsdp_full_shard"):  # fmt: skip
+        plan(LLAMA_8B, gpus=8, gpu_memory_gib=80, tp_size=2, method="lora", features=ALL)
