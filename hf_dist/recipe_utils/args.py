@@ -311,9 +311,28 @@ def training_arguments(
 
     # FSDP2 + bf16/fp16: reduce gradients in fp32 (a no-op for every other setup)
     args = apply_fp32_reduce(TrainingArguments(**kwargs))
+    _check_sizes_honoured(args, sizes or {}, explicit)
     if not args.deepspeed and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() not in ("1", "true"):
         _no_deepspeed_in_unwrap()
     return args
+
+
+def _check_sizes_honoured(args: Any, sizes: dict[str, int | None], explicit: set[str]) -> None:
+    """``--tp_size``/``--cp_size``/``--sp_size`` next to the user's own ``--deepspeed``/``--fsdp`` config: the config
+    decides what runs, so a size it does not carry is refused instead of silently dropped."""
+    from hf_dist.runtime.dist import deepspeed_config, parallel_sizes
+
+    running = parallel_sizes(getattr(args, "parallelism_config", None), deepspeed_config(args))
+    wrong = {n: v for n, v in sizes.items() if v is not None and running[n.removesuffix("_size")] != v}
+    if wrong:
+        given = " ".join(f"--{k} {v}" for k, v in wrong.items())
+        runs = ", ".join(f"{k.removesuffix('_size')} {running[k.removesuffix('_size')]}" for k in wrong)
+        chosen = sorted(explicit & set(STRATEGY_FLAGS)) or ["an accelerate config"]
+        raise ValueError(
+            f"{given} asks for what your own strategy config ({', '.join(chosen)}) does not run ({runs}): the config "
+            "decides the run. Put the size in it (e.g. `hf-dist config --strategy zero2 --tp-size 2 --format deepspeed "
+            "--out ds.json` for DeepSpeed AutoTP), or drop the config and let the plan set both"
+        )
 
 
 def _has_accelerator() -> bool:

@@ -206,8 +206,10 @@ def describe_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy
         f"{args.per_device_train_batch_size} x grad accum {args.gradient_accumulation_steps} x data parallel {dp} "
         f"= global batch {batch} sequences of <= {seq_len} tokens"
     ]
+    from hf_dist.checkpoint.auto_resume import strategy_of_args
     from hf_dist.planning.planner import plan
 
+    strategy = strategy or strategy_of_args(args)  # what these arguments run (the user's own config may choose it)
     pinned = sizes if shared else {}
     try:
         explained = plan(

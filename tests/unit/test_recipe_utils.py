@@ -310,3 +310,18 @@ def test_deepspeed_autotp_sizes_come_from_the_deepspeed_config():
         _live_sizes(trainer)
     plain[0].tp_world_size = 2  # what DeepSpeed's TensorParallel_Layer carries
     assert _live_sizes(trainer) == {"tp": 2, "cp": 1, "sp": 1}
+
+
+def test_recipe_sizes_the_users_own_config_does_not_run_are_refused(tmp_path):
+    """--tp_size 2 next to the user's --deepspeed JSON without AutoTP trained plain ZeRO-2 and said nothing."""
+    from hf_dist.configs.deepspeed import deepspeed_config
+
+    kwargs = {"output_dir": str(tmp_path), "deepspeed": deepspeed_config("zero2"), "report_to": []}
+    with pytest.raises(ValueError, match=r"--tp_size 2 asks for what your own strategy config \(deepspeed\) does not "
+                       r"run \(tp 1\).*hf-dist config --strategy zero2 --tp-size 2"):  # fmt: skip
+        ru.training_arguments(kwargs, {"deepspeed"}, None, method="full", seq_len=16, strategy=None,
+                              sizes={"tp_size": 2, "cp_size": None, "sp_size": None})  # fmt: skip
+    with_tp = {**kwargs, "deepspeed": deepspeed_config("zero2", tp_size=2)}
+    args = ru.training_arguments(with_tp, {"deepspeed"}, None, method="full", seq_len=16, strategy=None,
+                                 sizes={"tp_size": 2, "cp_size": None, "sp_size": None})  # fmt: skip
+    assert args.deepspeed["tensor_parallel"] == {"autotp_size": 2}
