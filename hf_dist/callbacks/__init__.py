@@ -44,13 +44,15 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def default(plan: Any = None) -> list[TrainerCallback]:
+def default(plan: Any = None, *, resume_from: str | None = None) -> list[TrainerCallback]:
     """The recommended set: complete-checkpoint markers, NaN guard, throughput, memory, the plan when given,
     the optimizer checkpoint of models sharded at load (TP; :class:`~hf_dist.callbacks.resume.ShardedResumeCallback`,
     before the markers) and the repair DeepSpeed's universal-checkpoint loads need
     (:func:`hf_dist.checkpoint.reshard.reshard_callback`).
 
     Export and profiling cost disk and time, so they are opt-in (``ExportCallback``, ``ProfilerCallback``).
+    ``resume_from``: the checkpoint ``trainer.train(resume_from_checkpoint=...)`` resumes, when it is not in the run's
+    ``output_dir`` (the optimizer state of a model sharded at load is read from there).
     """
     from hf_dist.callbacks.memory import MemoryCallback
     from hf_dist.callbacks.nan_guard import NanGuardCallback
@@ -61,7 +63,7 @@ def default(plan: Any = None) -> list[TrainerCallback]:
 
     callbacks: list[TrainerCallback] = [PlanCallback(plan)] if plan is not None else []
     callbacks += [
-        ShardedResumeCallback(),
+        ShardedResumeCallback(resume_from=resume_from),
         CompleteCheckpointCallback(),
         NanGuardCallback(),
         ThroughputCallback(plan),
@@ -71,8 +73,10 @@ def default(plan: Any = None) -> list[TrainerCallback]:
     return callbacks
 
 
-def attach(trainer: Any, callbacks: list[TrainerCallback] | None = None, *, plan: Any = None) -> list[TrainerCallback]:
-    """Insert ``callbacks`` (default: ``default(plan)``) right after the Trainer's flow callback.
+def attach(
+    trainer: Any, callbacks: list[TrainerCallback] | None = None, *, plan: Any = None, resume_from: str | None = None
+) -> list[TrainerCallback]:
+    """Insert ``callbacks`` (default: ``default(plan, resume_from=...)``) right after the Trainer's flow callback.
 
     Refuses at once a launch of several ranks that the Trainer trains as separate one-process copies
     (:func:`hf_dist.callbacks.plan.check_launch`); with ``plan``, the run is checked against it at train start
@@ -88,7 +92,7 @@ def attach(trainer: Any, callbacks: list[TrainerCallback] | None = None, *, plan
     from hf_dist.callbacks.plan import check_launch
 
     check_launch(trainer.args)  # several ranks launched, each training alone: refused before anything else
-    callbacks = default(plan) if callbacks is None else list(callbacks)
+    callbacks = default(plan, resume_from=resume_from) if callbacks is None else list(callbacks)
     handler = trainer.callback_handler.callbacks
     flow = [i for i, cb in enumerate(handler) if isinstance(cb, DefaultFlowCallback)]
     position = flow[-1] + 1 if flow else 0

@@ -119,7 +119,7 @@ def train(trainer: Any, resume: str | None) -> str:
     from hf_dist.callbacks import attach
 
     strategy = check_strategy(trainer)
-    attach(trainer)
+    attach(trainer, resume_from=resume)  # a path from another run's folder resumes its optimizer state too
     trainer.train(resume_from_checkpoint=resume)
     return strategy
 

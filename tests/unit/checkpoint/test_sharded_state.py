@@ -111,6 +111,23 @@ def test_callback_wraps_only_models_sharded_at_load(one_rank_mesh, tmp_path):
     sharded.on_train_begin(args, SimpleNamespace(global_step=0), None)  # a fresh run loads nothing
 
 
+def test_a_path_from_another_runs_folder_resumes_the_optimizer(tmp_path):
+    """Issue 21 item 2: a TP run's checkpoint-3 resumed by explicit path into another folder (recipes: attach(trainer,
+    resume_from=PATH)) gets its Adam moments and schedule back; the callback looked only in its own output_dir."""
+    model, optimizer, scheduler = trained()
+    source = tmp_path / "A" / "checkpoint-3"
+    sharded_state.save_optimizer_state(source, model, optimizer, scheduler)
+    fresh_model, fresh_optimizer, fresh_scheduler = trained(seed=1)
+    fresh_model.load_state_dict(model.state_dict())
+    args = SimpleNamespace(output_dir=str(tmp_path / "B"))  # the new run's folder holds no checkpoint-3
+    callback = ShardedResumeCallback(resume_from=str(source))
+    callback.on_train_begin(args, SimpleNamespace(global_step=3, is_world_process_zero=True), None,
+                            model=fresh_model, optimizer=fresh_optimizer, lr_scheduler=fresh_scheduler)  # fmt: skip
+    for want, got in zip(optimizer.state.values(), fresh_optimizer.state.values(), strict=True):
+        assert torch.equal(want["exp_avg"], got["exp_avg"]) and torch.equal(want["exp_avg_sq"], got["exp_avg_sq"])
+    assert fresh_scheduler.state_dict()["last_epoch"] == scheduler.state_dict()["last_epoch"]
+
+
 def test_loading_passes_the_gate_first(tmp_path):
     """DCP unpickles the optimizer's non-tensor values with weights_only=False; a planted one is refused unread."""
     import torch.distributed.checkpoint as dcp
