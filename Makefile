@@ -28,7 +28,7 @@ MIN_LAUNCHES := -k "baseline or ddp or fsdp_full_shard or (zero3 and not offload
 $(STAMP): pyproject.toml
 	$(call mkvenv,$(VENV))
 	$(call pip_install,$(VENV)) "$(TORCH_SPEC)"
-	$(call pip_install,$(VENV)) -e ".[dev]"
+	$(call pip_install,$(VENV)) -e ".[dev,trl]"
 	touch $(STAMP)
 
 $(MIN_STAMP): pyproject.toml constraints/min.txt

@@ -17,10 +17,10 @@ passed to ``TrainingArguments`` as given; user values win, and values that contr
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
+from hf_dist.configs.config_class import class_fields, plan_from_class
 from hf_dist.configs.overrides import apply_strategy_overrides
 from hf_dist.configs.training_args import (
     CONFIG_KEYS,
@@ -53,7 +53,10 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
     optimizer with DeepSpeed offload. ``nvme_path``: the folder ZeRO-Infinity swaps to when the plan offloads to
     NVMe (required then; checked writable, and DeepSpeed's async-I/O op must be buildable: libaio). ``lr_scaling="linear"|"sqrt"`` with ``reference_batch_size``
     and ``learning_rate`` (the LR tuned at the reference batch) scales the LR to the global batch and
-    adds a 3% warmup unless one is given. Everything else is a ``TrainingArguments`` keyword.
+    adds a 3% warmup unless one is given. ``config_class``: the ``TrainingArguments`` subclass the kwargs are for
+    (TRL's ``SFTConfig``): its fields are accepted, and its ``max_length`` is the plan's sequence length
+    (:mod:`hf_dist.configs.config_class`). Everything else is a ``TrainingArguments`` (or ``config_class``) keyword;
+    every key the plan depends on is emitted explicitly, so a subclass's own defaults cannot replace it.
 
     Precision: bf16/fp16 mixed precision keeps fp32 master weights and fp32 Adam state under every
     strategy. A ``model`` module loaded in bf16/fp16 and trained with DDP / one process has its
@@ -67,6 +70,7 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
 
     features = installed_features()
     plan_kwargs, own, user = _split(overrides)
+    from_class = plan_from_class(own.get("config_class"), plan_kwargs, user, own.get("plan"))  # e.g. TRL's max_length
     plan = _plan(model, plan_kwargs, own, user)
     kwargs = batch_args(plan, user, gbs_given="global_batch_size" in plan_kwargs)
     kwargs.update(precision_args(plan))
@@ -87,6 +91,7 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
         )
     )
     kwargs["ddp_timeout"] = DEFAULT_DDP_TIMEOUT_S
+    kwargs.update(from_class)
     mbs, gas = kwargs["per_device_train_batch_size"], kwargs["gradient_accumulation_steps"]
     kwargs.update(lr_args(own, user, mbs, gas, plan, features))
 
@@ -160,23 +165,19 @@ def _plan(model: Any, plan_kwargs: dict[str, Any], own: dict[str, Any], user: di
 
 
 def _split(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    from transformers import TrainingArguments
+
     plan_kwargs = {k: v for k, v in overrides.items() if k in PLAN_KEYS and v is not None}
     own = {k: v for k, v in overrides.items() if k in CONFIG_KEYS}
     user = {k: v for k, v in overrides.items() if k not in PLAN_KEYS and k not in CONFIG_KEYS}
-    valid = _training_args_fields()
-    unknown = sorted(k for k in user if k not in valid)
+    config_class = own.get("config_class") or TrainingArguments
+    unknown = sorted(k for k in user if k not in class_fields(config_class))
     if unknown:
         raise ValueError(
-            f"auto_args got unknown keyword(s) {unknown}: not TrainingArguments fields of the installed transformers, "
-            f"nor planner keywords {list(PLAN_KEYS)}, nor auto_args keywords {list(CONFIG_KEYS)}."
+            f"auto_args got unknown keyword(s) {unknown}: not fields of {config_class.__name__} (config_class=) of the "
+            f"installed versions, nor planner keywords {list(PLAN_KEYS)}, nor auto_args keywords {list(CONFIG_KEYS)}."
         )
     return plan_kwargs, own, user
-
-
-def _training_args_fields() -> set[str]:
-    from transformers import TrainingArguments
-
-    return {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
 
 
 def _wrap_classes(plan: Any, model: Any, own: dict[str, Any]) -> list[str] | None:

@@ -81,7 +81,11 @@ def planned_wrap_classes(model: Any) -> list[str] | None:
     """The wrap classes hf_dist would pick for ``model`` (None without a model)."""
     if model is None:
         return None
-    return sorted(fsdp_wrap_classes(model))
+    # a model FSDP2 already wrapped: fully_shard swaps each unit's class for ``FSDP<Name>`` (torch _fully_shard.py)
+    from torch.distributed.fsdp import FSDPModule
+
+    wrapped = any(isinstance(m, FSDPModule) for m in model.modules())
+    return sorted(n.removeprefix("FSDP") if wrapped else n for n in fsdp_wrap_classes(model))
 
 
 # what the plan calls each checked value, and how to get the planned one

@@ -16,7 +16,7 @@ EPILOG = """examples:
 
 PACKAGES = (
     "torch", "transformers", "accelerate", "deepspeed", "peft", "datasets", "safetensors", "huggingface_hub",
-    "bitsandbytes", "hf_dist",
+    "bitsandbytes", "trl", "hf_dist",
 )  # fmt: skip
 NCCL_PREFIXES = ("NCCL_", "FI_", "UCX_", "TORCH_NCCL_")
 

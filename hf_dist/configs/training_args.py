@@ -62,6 +62,7 @@ CONFIG_KEYS = (
     "cpu_adam",
     "trust_remote_code",
     "nvme_path",
+    "config_class",
 )
 
 # 3 hours: the first collective waits for the slowest rank, which may be loading, converting or

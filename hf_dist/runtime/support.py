@@ -23,18 +23,20 @@ MATRIX_PACKAGES = (
     "datasets",
     "safetensors",
     "huggingface_hub",
+    "trl",
 )
 
-# newest versions the full suite passed with (`make test`, torch 2.13.0+cpu, 2026-11-23)
+# newest versions the full suite passed with (`make test`, torch 2.13.0+cpu, 2026-11-24)
 NEWEST_TESTED = {
     "torch": "2.13.0",
-    "transformers": "5.23.0",
+    "transformers": "5.24.0",
     "accelerate": "1.15.0",
     "deepspeed": "0.19.8",
     "peft": "0.21.2",
     "datasets": "5.2.0",
     "safetensors": "0.8.0",
     "huggingface_hub": "2.4.0",
+    "trl": "1.16.0",
 }
 
 

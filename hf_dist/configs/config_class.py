@@ -1,0 +1,64 @@
+"""``auto_args(..., config_class=...)``: kwargs for a ``TrainingArguments`` subclass, such as TRL's ``SFTConfig``.
+
+A subclass has its own defaults (TRL's ``SFTConfig``: ``gradient_checkpointing=True``, ``bf16`` on by device,
+``max_length=1024``), so ``auto_args`` emits every key its plan depends on explicitly (precision, checkpointing,
+batch split, engine configs), accepts the subclass's own fields as keywords, and plans the fields that change
+memory:
+
+- ``max_length`` (TRL) is the sequence length the plan is for: taken as ``seq_len`` when none is given (the class
+  default when neither is), refused when both are given and differ, and emitted so the class's default cannot
+  differ from the plan;
+- ``packing`` / ``padding_free`` put at most ``micro_batch x max_length`` tokens in a micro-batch, the tokens the plan
+  counts; accepted as given;
+- ``activation_offloading`` moves saved activations to host memory, which the plan does not model: refused, with
+  the planner keywords that lower activation memory instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+SEQ_FIELD = "max_length"  # TRL's SFTConfig: the length sequences are truncated or packed to
+
+
+def class_fields(config_class: Any) -> dict[str, Any]:
+    """``{field: default}`` of a ``TrainingArguments`` subclass (``config_class``), refused when it is not one."""
+    from transformers import TrainingArguments
+
+    if not (isinstance(config_class, type) and issubclass(config_class, TrainingArguments)):
+        raise ValueError(
+            f"config_class must be TrainingArguments or a subclass of it (e.g. trl.SFTConfig), got {config_class!r}"
+        )
+    return {f.name: f.default for f in dataclasses.fields(config_class) if f.init}
+
+
+def plan_from_class(config_class: Any, plan_kwargs: dict[str, Any], user: dict[str, Any], plan: Any = None) -> dict:
+    """Fold ``config_class``'s memory fields into ``plan_kwargs`` (mutated) and return the kwargs to emit for them."""
+    if config_class is None:
+        return {}
+    defaults = class_fields(config_class)
+    if user.get("activation_offloading"):
+        raise ValueError(
+            "activation_offloading=True moves saved activations to host memory, which the plan does not model (its "
+            "memory estimate would be wrong both ways). Drop it; to lower activation memory let the plan choose, or "
+            "pass activation_checkpointing=True / a smaller micro_batch_size to auto_args."
+        )
+    if SEQ_FIELD not in defaults:
+        return {}
+    planned = plan.seq_len if plan is not None else plan_kwargs.get("seq_len")
+    given = user.get(SEQ_FIELD, defaults[SEQ_FIELD])
+    if planned is None:
+        if given is None:
+            raise ValueError(
+                f"{config_class.__name__}({SEQ_FIELD}=None) leaves sequences untruncated: the plan needs their length; "
+                f"pass {SEQ_FIELD}= (or seq_len=) to auto_args"
+            )
+        plan_kwargs["seq_len"] = planned = int(given)
+    elif SEQ_FIELD in user and user[SEQ_FIELD] != planned:
+        raise ValueError(
+            f"{SEQ_FIELD}={user[SEQ_FIELD]} contradicts the plan's seq_len {planned}: they are the same length (the "
+            f"length {config_class.__name__} truncates or packs to); pass one."
+        )
+    user.pop(SEQ_FIELD, None)
+    return {SEQ_FIELD: planned}

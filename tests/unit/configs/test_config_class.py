@@ -1,0 +1,61 @@
+"""auto_args(config_class=...) for TrainingArguments subclasses: TRL's SFTConfig defaults never replace the plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_dist.auto import auto_args
+from hf_dist.runtime.support import installed_features
+from hf_dist.testing import tiny_llama_config
+
+trl = pytest.importorskip("trl", reason="the trl extra (hf_dist[trl]) is not installed in this environment")
+CFG = tiny_llama_config()
+AC_FLAG = installed_features().activation_checkpointing_field
+
+
+def test_sft_config_gets_the_plan_not_its_own_defaults(tmp_path):
+    kw = auto_args(CFG, strategy="ddp", gpus=2, config_class=trl.SFTConfig, packing=True)
+    # SFTConfig defaults: gradient_checkpointing=True, bf16 by device, max_length=1024 -- all said explicitly here
+    assert kw[AC_FLAG] is False and kw["bf16"] is False and kw["fp16"] is False
+    assert kw["max_length"] == 1024 and kw["packing"] is True  # the class default became the plan's seq_len
+    config = trl.SFTConfig(output_dir=str(tmp_path), **kw)
+    assert not config.activation_checkpointing and not config.gradient_checkpointing and not config.bf16
+    assert config.per_device_train_batch_size == kw["per_device_train_batch_size"] and config.max_length == 1024
+
+
+def test_sft_config_fields_are_planned_or_refused():
+    kw = auto_args(CFG, strategy="ddp", gpus=2, config_class=trl.SFTConfig, max_length=256)
+    assert kw["max_length"] == 256
+    same = auto_args(CFG, strategy="ddp", gpus=2, config_class=trl.SFTConfig, max_length=256, seq_len=256)
+    assert same["max_length"] == 256
+    with pytest.raises(ValueError, match=r"max_length=512 contradicts the plan's seq_len 256: they are the same"):
+        auto_args(CFG, strategy="ddp", gpus=2, config_class=trl.SFTConfig, max_length=512, seq_len=256)
+    with pytest.raises(ValueError, match=r"activation_offloading=True moves saved activations to host memory"):
+        auto_args(CFG, strategy="ddp", gpus=2, config_class=trl.SFTConfig, activation_offloading=True)
+    with pytest.raises(ValueError, match=r"unknown keyword\(s\) \['packing'\]: not fields of TrainingArguments"):
+        auto_args(CFG, strategy="ddp", gpus=2, packing=True)  # a TRL field without config_class
+    with pytest.raises(ValueError, match="config_class must be TrainingArguments or a subclass"):
+        auto_args(CFG, strategy="ddp", gpus=2, config_class=dict)
+
+
+def test_an_sft_config_left_to_its_defaults_is_refused_at_train_start(tmp_path):
+    """Without auto_args' explicit values SFTConfig checkpoints (its default): the plan's contract stops the run."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    import hf_dist
+    from hf_dist.callbacks import attach
+    from hf_dist.callbacks.plan import PlanMismatchError
+    from hf_dist.data.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(model_max_length=32)
+    model = AutoModelForCausalLM.from_config(tiny_llama_config(vocab_size=len(tokenizer)))
+    plan = hf_dist.plan(model, gpus=1, seq_len=32, global_batch_size=2, strategy="ddp")
+    config = trl.SFTConfig(output_dir=str(tmp_path), max_length=32, max_steps=1, per_device_train_batch_size=2,
+                           use_cpu=True, report_to=[])  # fmt: skip
+    data = Dataset.from_dict({"text": [f"{i} plus {i}" for i in range(8)]})
+    trainer = trl.SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
+    attach(trainer, plan=plan)
+    with pytest.raises(PlanMismatchError, match="activation checkpointing: planned False, running True"):
+        trainer.train()
+    assert trainer.state.global_step == 0
