@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None, *, method: str = "full") -> dict:
     if method != "full":
         model = ru.apply_lora(model, lora_args, quantized=method == "qlora")
 
-    trainer, resume = ru.make_trainer(model, args, tokenizer, train_ds, eval_ds, packed=False)
+    trainer, resume = ru.make_trainer(model, args, tokenizer, train_ds, eval_ds, packed=False, seq_len=seq_len)
     ru.train(trainer, resume)
     return ru.finish_run(
         trainer, tokenizer, task=task, mode="chat", adapter=method != "full", before=before,

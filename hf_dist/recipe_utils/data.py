@@ -91,10 +91,46 @@ def _user_splits(data_args: DataArguments, *, kind: str, seed: int):
     return split_eval(train, data_args.eval_fraction, seed=seed)
 
 
-def collator(tokenizer: Any, *, packed: bool) -> Any:
-    """Packed blocks are already equal length; chat examples are padded (labels with IGNORE_INDEX)."""
+def collator(tokenizer: Any, *, packed: bool, sp_size: int = 1, seq_len: int | None = None) -> Any:
+    """Packed blocks are already equal length; chat examples are padded (labels with IGNORE_INDEX).
+
+    Under Ulysses sequence parallelism (``sp_size`` > 1) every batch also carries ``position_ids`` (accelerate's SP
+    dataloader splits the sequence and needs each token's global position), and chat examples are padded to
+    ``seq_len``: DeepSpeed's SP data adapter all-gathers the batches of the ranks in a group, which must have one
+    length (``ulysses_sp.py`` ``refill``), and each rank then takes an equal slice.
+    """
     from transformers import DataCollatorForSeq2Seq, default_data_collator
 
     if packed:
-        return default_data_collator
-    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
+        base = default_data_collator
+    elif sp_size > 1:
+        if not seq_len or seq_len % sp_size:
+            raise ValueError(
+                f"sequence parallelism over {sp_size} ranks needs a sequence length divisible by it, got {seq_len}"
+            )
+        base = DataCollatorForSeq2Seq(
+            tokenizer, padding="max_length", max_length=seq_len, label_pad_token_id=IGNORE_INDEX, return_tensors="pt"
+        )
+    else:
+        base = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
+    return base if sp_size == 1 else _WithPositions(base, sp_size)
+
+
+class _WithPositions:
+    """A collator whose batches also hold ``position_ids`` 0..len-1 per row, for sequence parallelism."""
+
+    def __init__(self, base: Any, sp_size: int) -> None:
+        self.base, self.sp_size = base, sp_size
+
+    def __call__(self, features: list) -> dict:
+        import torch
+
+        batch = self.base(features)
+        rows, length = batch["input_ids"].shape
+        if length % self.sp_size:
+            raise ValueError(
+                f"a batch of {length} tokens per row cannot be split over sp_size {self.sp_size}; use a sequence "
+                f"length divisible by {self.sp_size} (--max_seq_length)"
+            )
+        batch["position_ids"] = torch.arange(length).expand(rows, length).clone()
+        return batch

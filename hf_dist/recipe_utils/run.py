@@ -41,7 +41,9 @@ def save_at_end_callback() -> Any:
     return SaveAtEnd()
 
 
-def make_trainer(model: Any, args: Any, tokenizer: Any, train_ds: Any, eval_ds: Any, *, packed: bool) -> tuple:
+def make_trainer(
+    model: Any, args: Any, tokenizer: Any, train_ds: Any, eval_ds: Any, *, packed: bool, seq_len: int | None = None
+) -> tuple:
     """``(trainer, resume)``: the checkpoint to resume from (:func:`resume_checkpoint`, resolved first: it may
     edit the DeepSpeed config) and a ``Trainer`` that saves a checkpoint at its last step."""
     from transformers import Trainer
@@ -52,11 +54,15 @@ def make_trainer(model: Any, args: Any, tokenizer: Any, train_ds: Any, eval_ds: 
         args=args,
         train_dataset=train_ds,
         eval_dataset=eval_ds,
-        data_collator=collator(tokenizer, packed=packed),
+        data_collator=collator(tokenizer, packed=packed, sp_size=_sp_size(args), seq_len=seq_len),
         processing_class=tokenizer,
         callbacks=[save_at_end_callback()],
     )
     return trainer, resume
+
+
+def _sp_size(args: Any) -> int:
+    return parallel_sizes(getattr(args, "parallelism_config", None), deepspeed_config(args))["sp"]
 
 
 def resume_checkpoint(args: Any) -> str | None:

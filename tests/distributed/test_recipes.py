@@ -41,6 +41,14 @@ LAUNCHES = {
     "ddp_tp2": ("ddp", ("sft",), {}, ("--tp_size", "2", "--model_parallel_on_cpu")),
     # DeepSpeed AutoTP (ZeRO-2): DeepSpeed shards the plain model when the engine starts
     "zero2_tp2": ("zero2", ("sft",), {"ACCELERATE_USE_CPU": "false"}, ("--tp_size", "2", "--deepspeed_on_cpu")),
+    # DeepSpeed Ulysses SP: both ranks share each sequence; micro-batch 1 because DeepSpeed's SP data adapter leaves
+    # each rank's labels a strided view that transformers' loss cannot .view() on CPU (docs/parallelism.md)
+    "zero2_sp2": (
+        "zero2",
+        ("sft",),
+        {"ACCELERATE_USE_CPU": "false"},
+        ("--sp_size", "2", "--deepspeed_on_cpu", "--model_parallel_on_cpu", "--per_device_train_batch_size", "1"),
+    ),
 }
 EXPECTED = {
     "ddp": ("ddp", "DistributedDataParallel"),
@@ -51,8 +59,8 @@ EXPECTED = {
 # Tolerance 2e-3 absolute: the strategies reduce gradients in different orders (fp32 rounding).
 GOLDEN = {"sft": (4.6236, 4.1940), "pretrain": (4.6584, 4.1935), "lora": (4.6236, 4.4171)}
 GOLDEN_ATOL = 2e-3
-TP_LAUNCH, AUTOTP_LAUNCH = "ddp_tp2", "zero2_tp2"  # their own tests below; the others share one global batch
-TP_LAUNCHES = (TP_LAUNCH, AUTOTP_LAUNCH)
+TP_LAUNCH, AUTOTP_LAUNCH, SP_LAUNCH = "ddp_tp2", "zero2_tp2", "zero2_sp2"  # their own tests below; the others
+TP_LAUNCHES = (TP_LAUNCH, AUTOTP_LAUNCH, SP_LAUNCH)  # share one global batch
 CASES = [(launch, r) for launch, (_, recipes, _, _) in LAUNCHES.items() for r in recipes if launch not in TP_LAUNCHES]
 
 
@@ -223,4 +231,17 @@ def test_autotp_recipe_runs_deepspeed_tensor_parallel(recipe_runs):
     res, checkpoints = check_tp_launch(recipe_runs, AUTOTP_LAUNCH, "zero2", "deepspeed", "DeepSpeedEngine")
     assert all(is_complete(c) for c in checkpoints)
     assert all(list(c.glob("global_step*/zero_pp_rank_0_mp_rank_01_optim_states.pt")) for c in checkpoints)
+    assert "hf_dist.convert" in res["exported_with"] and math.isfinite(res["eval_loss"])
+
+
+def test_sp_recipe_runs_ulysses_sequence_parallel(recipe_runs):
+    """--strategy zero2 --sp_size 2 (issue 21: it died at step 1 without position_ids): the collator adds them and pads
+    every sequence to one length, both ranks share each sequence, the loss falls, the checkpoint converts."""
+    res = results(recipe_runs, SP_LAUNCH, "sft")
+    assert (res["strategy"], res["sp_size"], res["tp_size"], res["world_size"]) == ("zero2", 2, 1, 2)
+    log = (recipe_runs(SP_LAUNCH) / "launch.log").read_text()
+    assert "[hf_dist] running zero2 (deepspeed, LlamaForCausalLM, sp=2)" in log, log[-3000:]
+    assert "plan: chosen: zero2 sp=2" in log and "x data parallel 1 = global batch 1 " in log
+    losses = res["train_losses"]
+    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.1
     assert "hf_dist.convert" in res["exported_with"] and math.isfinite(res["eval_loss"])

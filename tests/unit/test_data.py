@@ -135,3 +135,18 @@ def test_wrong_columns_name_the_expected_ones():
         matching_columns(["question", "answer"], "chat")
     with pytest.raises(ValueError, match=r"\['text'\]"):
         matching_columns(["content"], "text")
+
+
+def test_sequence_parallel_batches_have_positions_and_one_length():
+    """DeepSpeed's SP data adapter all-gathers a group's batches (one length each) and splits every sequence by its
+    position_ids; without them the recipes died at step 1."""
+    from hf_dist.data.tokenizer import build_tokenizer
+    from hf_dist.recipe_utils.data import collator
+
+    tokenizer = build_tokenizer(model_max_length=16)
+    features = [{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8, 9], "labels": [8, 9]}]
+    batch = collator(tokenizer, packed=False, sp_size=2, seq_len=16)(features)
+    assert batch["input_ids"].shape == (2, 16) and batch["position_ids"].tolist() == [list(range(16))] * 2
+    assert "position_ids" not in collator(tokenizer, packed=False)(features)
+    with pytest.raises(ValueError, match="sequence length divisible by it, got 15"):
+        collator(tokenizer, packed=False, sp_size=2, seq_len=15)
