@@ -83,8 +83,11 @@ def _add_lora(model: Any, setup: TraceSetup) -> Any:
 
 def enable_checkpointing(model: Any, setup: TraceSetup) -> Any:
     """Activation checkpointing as the Trainer applies it for DDP (``gradient_checkpointing_enable`` with
-    ``use_reentrant=False``, what auto_args asks for); FSDP2 gets it from accelerate in :func:`shard`."""
-    if setup.activation_checkpointing and not setup.layout.strategy.is_fsdp:
+    ``use_reentrant=False``, what auto_args asks for); FSDP2 gets it from accelerate in :func:`shard`, except with
+    tensor parallelism, where transformers distributes the model and the layers are checkpointed here the same way
+    (one decoder layer at a time; without it the FSDP2 x TP traces kept every layer's activations)."""
+    fsdp_applies_it = setup.layout.strategy.is_fsdp and setup.tp_size == 1
+    if setup.activation_checkpointing and not fsdp_applies_it:
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23 (the Trainer's own choice)
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
