@@ -135,7 +135,7 @@ def render(args: argparse.Namespace) -> str:
     if args.deepspeed_config_file is not None:
         shown["deepspeed_config_file"] = args.deepspeed_config_file
     name = Path(args.out).name if args.out else "config.yaml"
-    return to_yaml(cfg, header_for(name, shown) + note)
+    return to_yaml(cfg, header_for(name, shown, path=args.out or name) + note)
 
 
 def _check_nvme_path(args: argparse.Namespace) -> None:

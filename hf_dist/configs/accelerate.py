@@ -303,14 +303,16 @@ def write_yaml(cfg: dict[str, Any], path: str | os.PathLike, *, header: str = ""
     return atomic_write_text(path, to_yaml(cfg, header))
 
 
-def header_for(name: str, kwargs: dict[str, Any]) -> str:
-    """The comment block at the top of a shipped file: what it is and how to launch it."""
+def header_for(name: str, kwargs: dict[str, Any], path: str | None = None) -> str:
+    """The comment block at the top of a config file: what it is and how to launch it. ``path``: where the file is
+    written (``hf-dist config --out``), for the launch line; a shipped file's is ``accelerate_configs/<name>``."""
     nodes = kwargs.get("nodes", 1)
     regen = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in kwargs.items())
-    launch = f"accelerate launch --config_file accelerate_configs/{name} train.py"
+    path = path or f"accelerate_configs/{name}"
+    launch = f"accelerate launch --config_file {path} train.py"
     if nodes > 1:
         launch = (
-            f"accelerate launch --config_file accelerate_configs/{name} --machine_rank $NODE_RANK "
+            f"accelerate launch --config_file {path} --machine_rank $NODE_RANK "
             "--main_process_ip $MAIN_IP train.py   # run on every node"
         )
     offload = kwargs.get("offload", "none")

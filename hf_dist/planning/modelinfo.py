@@ -111,6 +111,9 @@ def model_spec(model: Any, *, trust_remote_code: bool = False) -> ModelSpec:
     if isinstance(model, float):
         return ModelSpec(num_params=_integral_count(model))
     if isinstance(model, (str, os.PathLike)):
+        count = _count_in_text(os.fspath(model))
+        if count is not None:  # "7.5e9" on the command line: a bare count, never a hub name
+            return ModelSpec(num_params=count)
         return spec_from_config(load_config(os.fspath(model), trust_remote_code=trust_remote_code), name=str(model))
     if isinstance(model, dict):
         return spec_from_config(config_from_dict(model))
@@ -122,6 +125,17 @@ def model_spec(model: Any, *, trust_remote_code: bool = False) -> ModelSpec:
         f"cannot describe a model of type {type(model).__name__}; pass a parameter count, a transformers config, "
         "a config dict, an nn.Module, a local folder / config.json path or a hub name"
     )
+
+
+def _count_in_text(text: str) -> int | None:
+    """A parameter count written as text (``7.5e9``, ``8000000000``) that is no existing path; else None."""
+    if os.path.exists(text):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return _integral_count(value)
 
 
 def _integral_count(value: float) -> int:
@@ -187,6 +201,7 @@ def load_config(path_or_name: str, *, trust_remote_code: bool = False) -> Any:
             raise ValueError(
                 f"cannot read {config_file} ({type(exc).__name__}: {str(exc)[:200]}); fix or replace it"
             ) from None
+    _check_hub_reachable(path_or_name)
     try:
         return AutoConfig.from_pretrained(path_or_name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
@@ -194,6 +209,28 @@ def load_config(path_or_name: str, *, trust_remote_code: bool = False) -> Any:
             f"could not resolve model {path_or_name!r}: it is not a local folder or file, and the hub name could not "
             f"be resolved (offline or no access: {type(exc).__name__}). Pass a local folder or a config.json path"
         ) from exc
+
+
+def _check_hub_reachable(name: str, timeout_s: float = 1.5) -> None:
+    """Fail in about a second when the hub cannot be reached, instead of huggingface_hub's retries (~25 s): under
+    ``HF_HUB_OFFLINE`` only its cache answers (no network call is made), otherwise its endpoint must resolve and accept
+    a connection."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s).close()
+    except OSError as exc:
+        raise ValueError(
+            f"could not resolve model {name!r}: it is not a local folder or file, and the hub ({constants.ENDPOINT}) "
+            f"cannot be reached ({exc.__class__.__name__}: {exc}). Pass a local folder or a config.json path, or set "
+            "HF_HUB_OFFLINE=1 to use the local cache only"
+        ) from None
 
 
 def _check_causal_lm(config: Any) -> None:

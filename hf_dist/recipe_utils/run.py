@@ -424,5 +424,10 @@ def format_results(results: dict) -> str:
             f"[hf_dist] task exact-match accuracy: {before_txt} before -> {results['accuracy_after']:.0%} after"
         )
     if "sample_output" in results:
-        lines.append(f"[hf_dist] sample: {results['sample_prompt']!r} -> {results['sample_output']!r}")
+        line = f"[hf_dist] sample: {results['sample_prompt']!r} -> {results['sample_output']!r}"
+        if "sample_expected" in results:  # the task knows the answer: say whether this one is it
+            got = results["sample_output"].strip().splitlines()[0].strip() if results["sample_output"].strip() else ""
+            right = got == results["sample_expected"]
+            line += " (right)" if right else f" (wrong: expected {results['sample_expected']!r})"
+        lines.append(line)
     return "\n".join(lines)

@@ -181,3 +181,9 @@ def test_autotp_yaml_references_the_json(tmp_path, monkeypatch, capsys):
     cfg = yaml.safe_load(out.read_text())
     assert cfg["deepspeed_config"]["deepspeed_config_file"] == "ds_autotp.json" and "mixed_precision" not in cfg
     assert "--deepspeed-config-file ds_autotp.json" in out.read_text()
+
+
+def test_a_written_config_names_its_own_path_in_the_launch_line(tmp_path):
+    out = tmp_path / "z3.yaml"
+    assert main(["config", "--strategy", "zero3", "--out", str(out)]) == 0
+    assert f"# Launch: accelerate launch --config_file {out} train.py" in out.read_text()

@@ -124,3 +124,25 @@ def test_meta_counting_allocates_no_storage():
     before = psutil.Process().memory_info().rss
     assert model_spec(config).num_params > 500_000_000  # 2 GB of fp32 weights if they were allocated
     assert psutil.Process().memory_info().rss - before < 300 * 1024**2
+
+
+def test_a_count_written_as_text_is_never_a_hub_name():
+    from hf_dist.planning.modelinfo import model_spec
+
+    assert model_spec("7.5e9").num_params == 7_500_000_000 and model_spec("8000000000").num_params == 8_000_000_000
+
+
+def test_an_unreachable_hub_fails_at_once(monkeypatch):
+    """Without network, huggingface_hub retries for ~25 s; hf_dist checks the endpoint first (about a second)."""
+    import time
+
+    from huggingface_hub import constants
+
+    from hf_dist.planning.modelinfo import model_spec
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"could not resolve model 'org/model'.*cannot be reached.*HF_HUB_OFFLINE=1"):
+        model_spec("org/model")
+    assert time.perf_counter() - start < 2
