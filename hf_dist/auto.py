@@ -79,6 +79,7 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
     layout = plan.layout
     if layout.strategy.is_deepspeed:
         deepspeed_pure_bf16_check(plan, own.get("cpu_adam", True))
+        _quiet_deepspeed_collectives()
     wrap = _wrap_classes(plan, model, own) if layout.strategy.is_fsdp else None
     nvme_path = own.get("nvme_path")
     if layout.offload_device == "nvme":
@@ -192,6 +193,14 @@ def _wrap_classes(plan: Any, model: Any, own: dict[str, Any]) -> list[str] | Non
     if not hasattr(source, "modules") and getattr(plan.model, "config", None) is not None:
         source = plan.model.config  # a name/folder was already resolved by the planner
     return fsdp_wrap_classes(source, requested, trust_remote_code=own.get("trust_remote_code", False))
+
+
+def _quiet_deepspeed_collectives() -> None:
+    """DeepSpeed's ZeRO-3 gathers through ``torch.distributed.all_gather_into_tensor``, which torch 2.13 marks
+    deprecated: one FutureWarning per call site and rank, hundreds of lines in a run. Shown once per process."""
+    import warnings
+
+    warnings.filterwarnings("once", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated")
 
 
 def _check_launcher(kwargs: dict[str, Any]) -> None:

@@ -318,3 +318,15 @@ def test_a_cpu_launch_of_several_ranks_trains_as_one_job(monkeypatch):
     assert "use_cpu" not in auto_args(CFG, strategy="zero2", **GPU)
     assert auto_args(CFG, strategy="ddp", gpus=2)["dataloader_pin_memory"] is False  # CPU ranks
     assert auto_args(CFG, strategy="ddp", use_cpu=False, **GPU)["use_cpu"] is False  # the user's value wins
+
+
+def test_deepspeeds_deprecated_gather_warning_is_shown_once():
+    import warnings
+
+    message = "`torch.distributed.all_gather_into_tensor` is deprecated. Please use all_gather_single instead."
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        auto_args(CFG, strategy="zero3", **GPU)  # installs the filter for a DeepSpeed plan
+        for line in range(3):  # three call sites, as ZeRO-3's gathers are
+            warnings.warn_explicit(message, FutureWarning, "deepspeed/comm/torch.py", 100 + line)
+    assert sum(message in str(w.message) for w in seen) == 1
