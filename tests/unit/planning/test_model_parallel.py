@@ -4,6 +4,7 @@ in tests/distributed/test_tensor_parallel.py."""
 
 import dataclasses
 import math
+import re
 
 import pytest
 from transformers import GPT2Config
@@ -232,3 +233,18 @@ def test_lora_is_never_planned_with_tensor_parallelism():
     with pytest.raises(ValueError, match=r"tp_size 2 cannot run here: lora: PEFT's LoRA layers do not run on "
                        r"tensor-parallel weights; shard the frozen base with fsdp_full_shard"):  # fmt: skip
         plan(LLAMA_8B, gpus=8, gpu_memory_gib=80, tp_size=2, method="lora", features=ALL)
+
+
+def test_a_faster_layout_just_over_the_margin_is_named_with_the_margin_that_takes_it():
+    kw = dict(gpus=8, gpu_memory_gib=80, global_batch_size=64, micro_batch_size=4, features=ALL)
+    best = plan(LLAMA_8B, **kw)
+    card = 80 * GIB
+    margin = 1 - (best.memory.total - 0.005 * card) / card  # the pick now misses by half a percent of the card
+    tighter = plan(LLAMA_8B, safety_margin=margin, **kw)
+    assert (tighter.strategy, tighter.activation_checkpointing) != (best.strategy, best.activation_checkpointing)
+    match = re.search(r"fits with safety_margin=([0-9.]+)", tighter.margin_note)
+    assert match and "under 1 % of the card" in tighter.margin_note and "margin: " in tighter.explain()
+    again = plan(LLAMA_8B, safety_margin=float(match.group(1)), **kw)
+    assert (again.strategy, again.micro_batch_size, again.activation_checkpointing) == (
+        best.strategy, best.micro_batch_size, best.activation_checkpointing)  # fmt: skip
+    assert best.margin_note == ""
