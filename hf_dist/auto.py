@@ -65,9 +65,11 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
     copy, Adam state at half its size; less accurate updates). See :mod:`hf_dist.runtime.precision`.
     """
     from hf_dist.runtime.cpu_fsdp import cpu_launch_kwargs
+    from hf_dist.runtime.launch import check_one_process_launch
     from hf_dist.runtime.precision import check_final_flags, deepspeed_pure_bf16_check, prepare_model
     from hf_dist.runtime.support import installed_features
 
+    check_one_process_launch()  # `accelerate launch --num_processes 2` that started one process
     features = installed_features()
     plan_kwargs, own, user = _split(overrides)
     from_class = plan_from_class(own.get("config_class"), plan_kwargs, user, own.get("plan"))  # e.g. TRL's max_length

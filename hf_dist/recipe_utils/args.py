@@ -284,6 +284,9 @@ def training_arguments(
     """
     from transformers import TrainingArguments
 
+    from hf_dist.runtime.launch import check_one_process_launch
+
+    check_one_process_launch()  # also when the user's own config skips the plan
     kwargs = dict(training_kwargs)
     if not (explicit & set(STRATEGY_FLAGS)) and not _accelerate_config_strategy():
         import hf_dist

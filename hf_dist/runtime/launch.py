@@ -37,3 +37,41 @@ def cpu_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     if extra:
         env.update(extra)
     return env
+
+
+def requested_processes(cmdline: list[str] | None = None) -> int | None:
+    """``N`` of the ``accelerate launch --num_processes N`` that started this process (its parent), else None.
+
+    Without ``--multi_gpu`` (or a config file) accelerate starts one process on a machine without GPUs whatever N
+    says, and nothing in the child's environment tells; the parent's command line does.
+    """
+    if cmdline is None:
+        try:
+            import psutil
+
+            cmdline = psutil.Process().parent().cmdline()
+        except Exception:  # no parent, no permission, no psutil: nothing to tell
+            return None
+    launcher = " ".join(cmdline[:3])
+    if "accelerate" not in launcher or "launch" not in launcher:
+        return None
+    for i, arg in enumerate(cmdline):
+        value = arg.split("=", 1)[1] if arg.startswith(("--num_processes=", "--num-processes=")) else None
+        if arg in ("--num_processes", "--num-processes") and i + 1 < len(cmdline):
+            value = cmdline[i + 1]
+        if value is not None and value.isdigit():
+            return int(value)
+    return None
+
+
+def check_one_process_launch(cmdline: list[str] | None = None) -> None:
+    """Refuse a single process started by an ``accelerate launch`` that asked for several: it would train alone
+    while the user believes it trains on N ranks."""
+    asked = requested_processes(cmdline)
+    if asked and asked > 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1:
+        raise RuntimeError(
+            f"accelerate launch was asked for --num_processes {asked} but started this one process (WORLD_SIZE unset): "
+            "without --multi_gpu or a config file it starts one process on a machine without GPUs. Launch with\n"
+            f"  ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes {asked} ...   (CPU ranks, DDP/FSDP)\n"
+            f"  accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes {asked} ...   (GPUs)"
+        )
