@@ -328,3 +328,18 @@ def test_recipe_sizes_the_users_own_config_does_not_run_are_refused(tmp_path):
     args = ru.training_arguments(with_tp, {"deepspeed"}, None, method="full", seq_len=16, strategy=None,
                                  sizes={"tp_size": 2, "cp_size": None, "sp_size": None})  # fmt: skip
     assert args.deepspeed["tensor_parallel"] == {"autotp_size": 2}
+
+
+def test_the_printed_plan_describes_the_users_own_strategy(tmp_path):
+    """--deepspeed ds.json (ZeRO-2) chooses the strategy: the printed plan said 'chosen: ddp' while ZeRO-2 ran."""
+    from hf_dist.configs.deepspeed import deepspeed_config
+    from hf_dist.testing import tiny_llama_config
+
+    kwargs = {
+        "output_dir": str(tmp_path),
+        "deepspeed": deepspeed_config("zero2", mixed_precision="no"),
+        "report_to": [],
+    }
+    args = ru.training_arguments(kwargs, {"deepspeed"}, None, method="full", seq_len=16, strategy=None)
+    text = ru.describe_plan(tiny_llama_config(), method="full", seq_len=16, args=args)
+    assert "plan: chosen: zero2" in text, text
