@@ -140,10 +140,11 @@ def unmarked_reasons(checkpoint_dir: str | os.PathLike, world_size: int) -> list
     from the Trainer's own files; an empty list means it is proven.
 
     The proof: ``trainer_state.json`` (the Trainer writes it after the model, optimizer, scheduler and RNG state)
-    names step N; every per-rank file of the layout is there (for full weights: for ``world_size`` ranks, the live
-    run's, or more if the files name more; sharded files name the ranks that wrote them); every DCP folder has the ``.metadata`` DCP writes once all ranks finished; no file is
-    empty; safetensors files hold every byte their header promises. Without the marker's barrier, a rank that died
-    after rank 0 wrote ``trainer_state.json`` is caught by its missing files.
+    names step N; every per-rank file of the layout is there (full weights: for ``world_size`` ranks, the live
+    run's, or more if the files name more; sharded files name the ranks that wrote them); every DCP folder has the
+    ``.metadata`` DCP writes once all ranks finished; no file is empty; safetensors files hold every byte their
+    header promises. Without the marker's barrier, a rank that died after rank 0 wrote ``trainer_state.json`` is
+    caught by its missing files.
     """
     folder = Path(checkpoint_dir)
     reasons = _trainer_state_reasons(folder)
