@@ -23,7 +23,9 @@ class LibraryFeatures:
     ``TrainingArguments(parallelism_config=...)`` (accelerate >= 1.10), needed for TP and CP.
     ``sequence_parallel``: ``ParallelismConfig(sp_backend="deepspeed", sp_size=...)`` with DeepSpeed's Ulysses
     attention (accelerate >= 1.12, deepspeed >= 0.18.2). ``deepspeed_autotp``: DeepSpeed's training AutoTP
-    (``"tensor_parallel": {"autotp_size": N}``, deepspeed >= 0.16.4).
+    (``"tensor_parallel": {"autotp_size": N}``, deepspeed >= 0.16.4). ``fsdp2_checkpoints_children``: accelerate's
+    ``fsdp2_apply_ac`` wraps every *child* of a decoder layer in its own checkpoint (accelerate <= 1.14: it tests the
+    wrap policy on the parent), so each child's input is saved, not only the layer's.
     """
 
     fsdp_version: int = 2
@@ -33,6 +35,7 @@ class LibraryFeatures:
     parallelism_config: bool = True
     sequence_parallel: bool = True
     deepspeed_autotp: bool = True
+    fsdp2_checkpoints_children: bool = False
 
     def __post_init__(self) -> None:
         if self.fsdp_version not in (1, 2):

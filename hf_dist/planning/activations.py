@@ -170,9 +170,13 @@ def activation_bytes(spec, seq_len, micro_batch_size, activation_checkpointing, 
     """
     if not spec.has_shape:
         return 0, 0
+    children = kw.pop("checkpoint_children", False)
     layer = layer_activation_bytes(spec, seq_len, micro_batch_size, lay, **kw)
     if activation_checkpointing:
-        inputs = spec.num_layers * spec.hidden_size * seq_len * micro_batch_size * lay.residual
+        # one checkpoint per layer saves its input; one per child (the norms, attention and MLP: accelerate <= 1.14's
+        # FSDP2 checkpointing) saves each child's input, all hidden-sized
+        saved = spec.norms_per_layer + 2 if children else 1
+        inputs = spec.num_layers * saved * spec.hidden_size * seq_len * micro_batch_size * lay.residual
         return inputs + layer, layer
     return spec.num_layers * layer, 0
 

@@ -488,6 +488,7 @@ def estimate_memory(
     sp_size: int = 1,
     offload_device: str = "cpu",
     lora_dropout: float = LORA_DROPOUT,
+    checkpoint_children: bool = False,
 ) -> MemoryEstimate:
     """Per-rank memory of training ``model_or_num_params`` with ``strategy`` on ``world_size`` ranks.
 
@@ -508,7 +509,8 @@ def estimate_memory(
     (:meth:`~hf_dist.planning.modelinfo.ModelSpec.tensor_parallel_shard`); ``cp_size`` / ``sp_size`` split each
     sequence, so every activation and the logits, and widen the group the states are sharded over
     (``Layout.state_shard_size``). ``offload_device="nvme"`` keeps the offloaded states in swap files and counts
-    DeepSpeed's pinned host buffers instead (:func:`cpu_bytes_per_rank`).
+    DeepSpeed's pinned host buffers instead (:func:`cpu_bytes_per_rank`). ``checkpoint_children``: FSDP2's
+    checkpointing wraps each child of a decoder layer (accelerate <= 1.14, ``LibraryFeatures``), saving each input.
     """
     from hf_dist.planning.modelinfo import model_spec
 
@@ -538,6 +540,8 @@ def estimate_memory(
     trainable = trainable_params(spec, method, lora_rank)
     ckpt = activation_checkpointing
     act_kw = {"attention": attention, "liger": use_liger_kernel, "keys": keys}
+    if checkpoint_children and s.is_fsdp:  # accelerate <= 1.14 (LibraryFeatures.fsdp2_checkpoints_children)
+        act_kw["checkpoint_children"] = True
     if method != "full":  # fp32 adapters under DDP's autocast: each casts its input to fp32 and back (a copy each)
         cast = s.is_ddp and lay.weights == FP32 and lay.compute < FP32
         act_kw["lora"] = Lora(lora_rank, dropout=lora_dropout > 0, cast=cast)

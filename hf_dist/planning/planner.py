@@ -82,6 +82,7 @@ class _Setup:
     trainable: int
     global_batch: int | None = None
     micro_batch: int | None = None
+    checkpoint_children: bool = False  # LibraryFeatures.fsdp2_checkpoints_children
 
 
 def _estimate(s: _Setup, combo: Combo, mb, world=None, nodes=None, accum=1) -> MemoryEstimate:
@@ -107,6 +108,7 @@ def _estimate(s: _Setup, combo: Combo, mb, world=None, nodes=None, accum=1) -> M
         cp_size=combo.cp,
         sp_size=combo.sp,
         offload_device="nvme" if combo.nvme else "cpu",
+        checkpoint_children=s.checkpoint_children,
     )
 
 
@@ -384,17 +386,18 @@ def plan(
     master = master and not pure_bf16
     from hf_dist.planning.memory import trainable_params
 
+    if features is None:
+        from hf_dist.runtime.support import installed_features
+
+        features = installed_features()
     setup = _Setup(
         spec, hw, method, optimizer, seq_len, lora_rank, pb, master, 4 if model_dtype == "float32" else pb,
         usable=(1 - safety_margin) * hw.gpu_memory_gib * GIB,
         trainable=trainable_params(spec, method, lora_rank),
         global_batch=global_batch_size,
         micro_batch=micro_batch_size,
+        checkpoint_children=features.fsdp2_checkpoints_children,
     )  # fmt: skip
-    if features is None:
-        from hf_dist.runtime.support import installed_features
-
-        features = installed_features()
     options = size_options(spec, hw, seq_len, features, method=method)
     sizes_pinned = any(v is not None for v in (tp_size, cp_size, sp_size))
     pinned = pinned_sizes(spec, options, tp_size or 1, cp_size or 1, sp_size or 1) if sizes_pinned else None

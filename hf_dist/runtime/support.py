@@ -98,7 +98,21 @@ def installed_features() -> LibraryFeatures:
         sequence_parallel={"sp_size", "sp_backend"} <= _parallelism_fields()
         and _deepspeed_has("runtime/sequence_parallel/ulysses_sp.py"),
         deepspeed_autotp=_deepspeed_has("runtime/tensor_parallel/config.py"),
+        fsdp2_checkpoints_children=_fsdp2_ac_wraps_children(),
     )
+
+
+def _fsdp2_ac_wraps_children() -> bool:
+    """Whether the installed accelerate's ``fsdp2_apply_ac`` checkpoints each child of a wrapped unit (it tests the
+    wrap policy on the parent module: accelerate <= 1.14) instead of the unit itself."""
+    import inspect
+
+    try:
+        from accelerate.utils.fsdp_utils import fsdp2_apply_ac
+
+        return "auto_wrap_policy_func(parent_module)" in inspect.getsource(fsdp2_apply_ac)
+    except (ImportError, OSError, TypeError):
+        return False
 
 
 def _parallelism_fields() -> set[str]:

@@ -110,6 +110,8 @@ class TraceSetup:
     def estimate_kwargs(self) -> dict[str, Any]:
         """The same run as :func:`hf_dist.planning.memory.estimate_memory` keywords (after the model and strategy),
         so traced and modelled memory always describe one layout."""
+        from hf_dist.runtime.support import installed_features
+
         sixteen = self.mixed_precision != "no"
         return dict(
             world_size=self.world_size, nodes=self.nodes, method=self.method, offload=self.offload,
@@ -119,6 +121,7 @@ class TraceSetup:
             gradient_accumulation_steps=self.gradient_accumulation_steps, use_liger_kernel=self.use_liger_kernel,
             attention=self.attention, device=self.device, base_bytes=4 if self.base_dtype == "float32" else 2,
             tp_size=self.tp_size, cp_size=self.cp_size, sp_size=self.sp_size,
+            checkpoint_children=installed_features().fsdp2_checkpoints_children,  # the accelerate the trace runs
         )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:

@@ -131,6 +131,8 @@ def test_installed_features_are_probed():
     assert features.parallelism_config == (accelerate >= Version("1.10"))
     assert features.sequence_parallel == (accelerate >= Version("1.12") and deepspeed >= Version("0.18.2"))
     assert features.deepspeed_autotp == (deepspeed >= Version("0.16.4"))
+    # accelerate 1.15 checkpoints the FSDP2 unit itself; 1.10-1.14 each of its children (read in their sources)
+    assert features.fsdp2_checkpoints_children == (accelerate < Version("1.15"))
 
 
 # ---------------------------------------------------------------- DeepSpeed JSON: NVMe and AutoTP
