@@ -156,14 +156,11 @@ def _check_deepspeed_json(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--deepspeed-config-file {path} does not exist (accelerate reads it at launch); write it first: {write}"
         )
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(
-            f"--deepspeed-config-file {path} is not a readable JSON file ({exc}); write it with {write}"
-        ) from None
-    tp = (cfg.get("tensor_parallel") or {}).get("autotp_size", 1)
-    sp = cfg.get("sequence_parallel_size", 1)
+    from hf_dist.configs.overrides import read_json_config
+    from hf_dist.runtime.dist import parallel_sizes
+
+    cfg = read_json_config("--deepspeed-config-file", path)
+    tp, sp = parallel_sizes(None, cfg)["tp"], cfg.get("sequence_parallel_size", 1)
     if (tp, sp) != (args.tp_size, args.sp_size):
         raise ValueError(
             f"--deepspeed-config-file {path} has autotp_size {tp} and sequence_parallel_size {sp}, but this config asks "

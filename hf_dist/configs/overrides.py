@@ -189,16 +189,21 @@ def _as_dict(name: str, value: Any) -> dict[str, Any]:
     if isinstance(value, dict):
         return value
     if isinstance(value, (str, Path)):
-        path = Path(value)
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ValueError(
-                f"{name}={str(value)!r} is not a readable JSON file ({exc}); pass a dict or a JSON path."
-            ) from None
-        if isinstance(data, dict):
-            return data
+        return read_json_config(name, value)
     raise ValueError(f"{name} must be a dict (or a JSON file path), got {type(value).__name__} {_short(value)}.")
+
+
+def read_json_config(name: str, value: str | Path) -> dict[str, Any]:
+    """The JSON object in file ``value`` (given as ``name``); a clear error when it is unreadable or not an object."""
+    try:
+        data = json.loads(Path(value).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"{name}={str(value)!r} is not a readable JSON file ({exc}); pass a JSON file path."
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{name}={str(value)!r} holds {type(data).__name__} {_short(data)}, not a JSON object.")
+    return data
 
 
 def _short(value: Any) -> str:
