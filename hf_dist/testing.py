@@ -97,16 +97,27 @@ def torchrun(
     (:data:`GLOO_ABORT`) is launched once more (:func:`retry_gloo_abort`) after removing what the first attempt
     added there: a folder keeps the entries it had before, a file or folder that did not exist goes.
     """
-    before = {Path(path): _entries(Path(path)) for path in outputs}
 
-    def launch(attempt: int) -> subprocess.CompletedProcess:
-        if attempt:
-            for path, entries in before.items():
-                _remove_new(path, entries)
+    def launch() -> subprocess.CompletedProcess:
         cmd = torchrun_command(script, args, nproc=nproc, extra_launcher_args=extra_launcher_args)
         return run_checked(cmd, env=cpu_env(env), timeout=timeout, cwd=cwd)
 
-    return retry_gloo_abort(launch)
+    return relaunch_on_gloo_abort(launch, outputs)
+
+
+def relaunch_on_gloo_abort(launch: Callable[[], T], outputs: Sequence[str | Path]) -> T:
+    """``launch()``, once more when a rank died of :data:`GLOO_ABORT` (:func:`retry_gloo_abort`), after removing
+    what the first attempt added to ``outputs``: a folder keeps the entries it had before, a file or folder that
+    did not exist goes. ``launch`` must build its command afresh (a new port) each time it is called."""
+    before = {Path(path): _entries(Path(path)) for path in outputs}
+
+    def attempt(n: int) -> T:
+        if n:
+            for path, entries in before.items():
+                _remove_new(path, entries)
+        return launch()
+
+    return retry_gloo_abort(attempt)
 
 
 def _entries(path: Path) -> set[str] | None:

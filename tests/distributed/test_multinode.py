@@ -9,6 +9,8 @@ sharded inside a node, replicated across nodes, i.e. a (dp_replicate=2, dp_shard
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_dist.testing import REPO_ROOT, cpu_env, free_port
+from hf_dist.testing import GLOO_ABORT, REPO_ROOT, cpu_env, free_port, relaunch_on_gloo_abort
 
 SCRIPT = Path(__file__).parent / "scripts" / "multinode_hsdp.py"
 CONFIGS = REPO_ROOT / "accelerate_configs"
@@ -26,38 +28,52 @@ pytestmark = pytest.mark.distributed
 
 
 def launch_two_nodes(launcher_for_node, out: Path) -> list[dict]:
-    """Start one launcher per node rank at once (they rendezvous with each other); return per-rank reports.
+    """Start one launcher per node rank at once (they rendezvous on a fresh port); return per-rank reports.
 
-    If one node's launcher fails, the other is killed at once instead of waiting for a peer that never comes.
+    ``launcher_for_node(node, port)`` is the command line of node ``node``. If one node's launcher fails, the other
+    is killed at once instead of waiting for a peer that never comes; a gloo abort on either node is launched once
+    more, as :func:`hf_dist.testing.torchrun` does.
     """
+    relaunch_on_gloo_abort(lambda: _launch_both(launcher_for_node, free_port(), out), [out])
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+
+
+def _launch_both(launcher_for_node, port: int, out: Path) -> None:
     logs = [out / f"node{node}.log" for node in (0, 1)]
     procs = [
-        subprocess.Popen(launcher_for_node(node), env=cpu_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+        subprocess.Popen(
+            launcher_for_node(node, port),
+            env=cpu_env(),
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: a kill takes the launcher's ranks too
+        )
         for node, log in zip((0, 1), logs, strict=True)
     ]
     deadline = time.monotonic() + TIMEOUT_S
+    timed_out = False
     try:
-        while any(p.poll() is None for p in procs):
-            failed = [n for n, p in enumerate(procs) if p.returncode not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                node = failed[0] if failed else 0
-                why = f"exit code {procs[node].returncode}" if failed else f"timeout after {TIMEOUT_S}s"
-                raise RuntimeError(f"node {node} launcher failed ({why}):\n{logs[node].read_text()[-6000:]}")
+        while any(p.poll() is None for p in procs) and not any(p.returncode not in (None, 0) for p in procs):
+            if timed_out := time.monotonic() > deadline:
+                break
             time.sleep(0.2)
     finally:
         for proc in procs:
             if proc.poll() is None:
-                proc.kill()
-    for node, proc in enumerate(procs):
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"node {node} launcher failed (exit code {proc.returncode}):\n{logs[node].read_text()[-6000:]}"
-            )
-    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    failed = [n for n, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        texts = [log.read_text() for log in logs]
+        node = failed[0]
+        why = f"timeout after {TIMEOUT_S}s" if timed_out else f"exit code {procs[node].returncode}"
+        aborted = [n for n, text in enumerate(texts) if GLOO_ABORT in text]
+        cause = f"node {aborted[0]}: {GLOO_ABORT}\n" if aborted else ""
+        raise RuntimeError(f"{cause}node {node} launcher failed ({why}):\n{texts[node][-6000:]}")
 
 
-def torchrun_node(port: int, nproc: int, out: Path, mode: str):
-    def cmd(node: int) -> list[str]:
+def torchrun_node(nproc: int, out: Path, mode: str):
+    def cmd(node: int, port: int) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
                 f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={port}",
                 str(SCRIPT), "--mode", mode, "--out", str(out)]  # fmt: skip
@@ -65,8 +81,8 @@ def torchrun_node(port: int, nproc: int, out: Path, mode: str):
     return cmd
 
 
-def accelerate_node(port: int, config: str, nproc_total: int, out: Path, mode: str, *extra: str):
-    def cmd(node: int) -> list[str]:
+def accelerate_node(config: str, nproc_total: int, out: Path, mode: str, *extra: str):
+    def cmd(node: int, port: int) -> list[str]:
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
                 "--num_processes", str(nproc_total), "--machine_rank", str(node),
                 "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--mixed_precision", "no",
@@ -95,20 +111,18 @@ def check_hsdp(reports: list[dict]) -> None:
 
 
 def test_torchrun_two_nodes_hsdp(tmp_path):
-    check_hsdp(launch_two_nodes(torchrun_node(free_port(), 2, tmp_path, "torch"), tmp_path))
+    check_hsdp(launch_two_nodes(torchrun_node(2, tmp_path, "torch"), tmp_path))
 
 
 def test_accelerate_two_nodes_hsdp_yaml(tmp_path):
-    launcher = accelerate_node(
-        free_port(), "hsdp_2node.yaml", 4, tmp_path, "accelerate", "--parallelism_config_dp_shard_size", "2"
-    )
+    launcher = accelerate_node("hsdp_2node.yaml", 4, tmp_path, "accelerate", "--parallelism_config_dp_shard_size", "2")
     reports = launch_two_nodes(launcher, tmp_path)
     check_hsdp(reports)
     assert {r["distributed_type"] for r in reports} == {"DistributedType.FSDP"}
 
 
 def test_accelerate_two_nodes_ddp_template(tmp_path):
-    reports = launch_two_nodes(accelerate_node(free_port(), "multi_node_template.yaml", 2, tmp_path, "ddp"), tmp_path)
+    reports = launch_two_nodes(accelerate_node("multi_node_template.yaml", 2, tmp_path, "ddp"), tmp_path)
     assert [(r["rank"], r["node_rank"], r["local_rank"], r["world_size"]) for r in reports] == [
         (0, 0, 0, 2),
         (1, 1, 0, 2),
@@ -119,9 +133,8 @@ def test_accelerate_two_nodes_ddp_template(tmp_path):
 def test_deepspeed_hostfile_two_nodes_zero3(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node-a slots=1\nnode-b slots=1\n")  # the names are never resolved with --no_ssh
-    port = free_port()
 
-    def cmd(node: int) -> list[str]:
+    def cmd(node: int, port: int) -> list[str]:
         return [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh",
                 f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
                 str(SCRIPT), "--mode", "deepspeed", "--out", str(tmp_path)]  # fmt: skip
