@@ -45,6 +45,7 @@ class ModelSpec:
     attention: str = (
         "sdpa"  # the attention transformers runs by default: "eager" where the model refuses sdpa (Gemma 2)
     )
+    checkpoint_bytes: int = 2  # bytes per parameter in the saved weights (the config's dtype; hub models: bf16)
 
     def __post_init__(self) -> None:
         for field in ("num_params", "num_layers", "hidden_size", "layer_params", "embedding_params"):
@@ -436,7 +437,14 @@ def _spec(config: Any, counts: _Counts, *, name: str | None) -> ModelSpec:
         attention=counts.attention,
         experts=int(experts),
         experts_per_token=per_token,
+        checkpoint_bytes=_dtype_bytes(getattr(config, "dtype", None) or getattr(text, "dtype", None)),
     )
+
+
+def _dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of a config's ``dtype`` (a torch dtype or its name); 2 when unknown."""
+    name = str(dtype or "").removeprefix("torch.")
+    return {"float32": 4, "float64": 8, "float8_e4m3fn": 1, "int8": 1}.get(name, 2)
 
 
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 from hf_dist.planning.hardware import Hardware
 from hf_dist.planning.layout import Layout
+from hf_dist.planning.load_memory import LoadMemory
 from hf_dist.planning.memory import GIB, MemoryEstimate
 from hf_dist.planning.modelinfo import ModelSpec
 from hf_dist.planning.throughput import StepTime
@@ -119,6 +120,7 @@ class Plan:
     dimensions: list[str] = field(default_factory=list)  # why each model-parallel dimension was or was not used
     trace: Any = None  # hf_dist.tracing.TraceResult of the chosen layout, with plan(verify=True)
     verification: str = ""  # what plan(verify=True) traced, rejected, or could not trace, and why
+    load: LoadMemory | None = None  # host RAM while the chosen engine loads the model
 
     @property
     def layout(self) -> Layout:
@@ -142,12 +144,13 @@ class Plan:
 
     def to_dict(self) -> dict:
         """JSON-serializable summary (the transformers config object is left out)."""
-        skip = ("memory", "candidates", "hardware", "model", "trace")
+        skip = ("memory", "candidates", "hardware", "model", "trace", "load")
         out = {k: v for k, v in asdict(self).items() if k not in skip}
         out["trace"] = self.trace.to_dict() if self.trace is not None else None
         out["memory"] = self.memory.to_dict()
         out["optimizer_state_dtype"] = self.optimizer_state_dtype
         out["hardware"] = self.hardware.to_dict()
+        out["load"] = None if self.load is None else {**asdict(self.load), "path": self.load.path.name}
         out["model"] = {k: v for k, v in asdict(self.model).items() if k != "config"}
         out["candidates"] = [
             {
@@ -180,6 +183,8 @@ class Plan:
             f"{self.layout.dp_size} = global_batch {self.global_batch_size}{speed}",
             f"why: {self.reason}",
         ]
+        if self.load is not None:
+            lines.append(f"host RAM at load: {self.load.text()}")
         if self.liger_note:
             lines.append(f"liger: {self.liger_note}")
         if self.margin_note:

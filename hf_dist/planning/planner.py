@@ -26,7 +26,8 @@ from typing import Any
 from hf_dist.configs.features import check_features
 from hf_dist.planning.hardware import Hardware, detect_hardware
 from hf_dist.planning.layout import OFFLOADS, REGISTRY, STRATEGIES
-from hf_dist.planning.memory import GIB, LORA_DROPOUT, METHODS, MemoryEstimate, estimate_memory
+from hf_dist.planning.load_memory import LoadMemory, load_memory
+from hf_dist.planning.memory import GIB, LORA_DROPOUT, METHODS, MemoryEstimate, engine_dtypes, estimate_memory
 from hf_dist.planning.model_parallel import pinned_sizes, size_options
 from hf_dist.planning.modelinfo import ModelSpec, model_spec
 from hf_dist.planning.plan_result import Candidate, Combo, Plan, PlanError, format_bytes
@@ -173,6 +174,16 @@ def _refusal(combo: Combo, hw: Hardware, features) -> str | None:
     return None
 
 
+def _load(s: _Setup, combo: Combo) -> LoadMemory:
+    """Host RAM while ``combo``'s engine loads the model: each rank holds the plan's weight dtype (a LoRA model's
+    frozen base: as loaded) until the engine moves the weights to the device."""
+    held = engine_dtypes(combo.strategy, s.pb, s.master).weights if s.method == "full" else s.base_bytes
+    return load_memory(
+        s.spec.num_params, combo.strategy, held_bytes=held, checkpoint_bytes=s.spec.checkpoint_bytes,
+        ranks_per_node=s.hw.gpus_per_node, tp_size=combo.tp,
+    )  # fmt: skip
+
+
 def _candidate(s: _Setup, combo: Combo) -> Candidate:
     layout = combo.layout(s.hw)
     extra = dict(tp_size=combo.tp, cp_size=combo.cp, sp_size=combo.sp, offload_device="nvme" if combo.nvme else "cpu")
@@ -184,6 +195,15 @@ def _candidate(s: _Setup, combo: Combo) -> Candidate:
         return Candidate(strategy, offload, ckpt, s.micro_batch or 1, mem, False, str(e), None, liger, **extra)
     host_need = _estimate(s, combo, mbs[-1]).cpu * s.hw.gpus_per_node
     host_usable = s.usable / (s.hw.gpu_memory_gib * GIB) * s.hw.host_memory_limit_gib * GIB
+    load = _load(s, combo)
+    if s.hw.device != "cpu" and load.per_node > host_usable:
+        reason = (
+            f"loading needs {load.text()}, more than the usable {format_bytes(host_usable)} of host RAM per node "
+            "(ZeRO-3 reads the weights on rank 0 only; pass --host-memory / plan(host_memory_gib=...) if it is larger)"
+        )
+        return Candidate(
+            strategy, offload, ckpt, mbs[-1], _estimate(s, combo, mbs[-1]), False, reason, None, liger, **extra
+        )
     if host_need > host_usable:
         mem = _estimate(s, combo, mbs[-1])
         what = "NVMe offload's pinned buffers and gradients" if combo.nvme else "offloaded states"
@@ -446,6 +466,7 @@ def plan(
         sp_size=best.sp_size,
         offload_device=best.offload_device,
         dimensions=dims + _chosen_dimensions(best),
+        load=_load(setup, best.key),
     )
     if not verify:
         return result
@@ -599,7 +620,10 @@ def _nothing_fits_message(s: _Setup, combos, candidates: list[Candidate], dims: 
             f"{smallest.memory.total / margin / GIB:.0f} GiB per GPU"
         )
     for nvme in (False, True):  # the least host RAM any CPU / NVMe offload layout asks for
-        host = [c for c in candidates if "of host RAM per node" in c.reason and (c.offload_device == "nvme") == nvme]
+        host = [
+            c for c in candidates
+            if c.offload != "none" and "of host RAM per node" in c.reason and (c.offload_device == "nvme") == nvme
+        ]  # fmt: skip
         if host:
             least = min(host, key=lambda c: c.memory.cpu)
             msg += f"; with {'NVMe' if nvme else 'CPU'} offload ({least.label}) the {least.reason}"
