@@ -111,6 +111,7 @@ class Plan:
     tokens_per_s: float | None = None  # estimated, all ranks
     liger_note: str = ""  # what Liger kernels would gain when they are not available
     margin_note: str = ""  # a faster layout that misses the usable memory by under 1 % of the card, and its margin
+    offload_note: str = ""  # a LoRA plan that offloads: what QLoRA or Liger would fit without offload
     pure_bf16: bool = False  # bf16 weights and Adam state, no fp32 master weights (only when asked for)
     model_dtype: str | None = None  # dtype the given module was loaded in; None for a name/config/count
     tp_size: int = 1  # tensor parallel group (inside a node)
@@ -189,6 +190,8 @@ class Plan:
             lines.append(f"liger: {self.liger_note}")
         if self.margin_note:
             lines.append(f"margin: {self.margin_note}")
+        if self.offload_note:
+            lines.append(f"instead of offload: {self.offload_note}")
         lines += [f"parallelism: {note}" for note in self.dimensions]
         lines.append(
             f"per-rank memory in {unit} (total = device memory in use at the peak: allocated tensors + caching "

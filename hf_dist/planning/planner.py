@@ -459,6 +459,7 @@ def plan(
         tokens_per_s=best.tokens_per_s,
         liger_note=note,
         margin_note=_near_miss(setup, candidates, best, safety_margin),
+        offload_note=_lora_without_offload(setup, best),
         pure_bf16=pure_bf16,
         model_dtype=model_dtype,
         tp_size=best.tp_size,
@@ -598,6 +599,39 @@ def _liger_gain(s: _Setup, best: Candidate) -> str:
         f"{alt.micro_batch_size}{' with checkpointing' if alt.activation_checkpointing else ''} at "
         f"{format_bytes(alt.memory.total)} and run ~{gain:.0%} faster (~{alt.tokens_per_s:,.0f} tokens/s)"
     )
+
+
+def _lora_without_offload(s: _Setup, best: Candidate) -> str:
+    """When a LoRA plan offloads: what QLoRA (a 4-bit base) or Liger's kernels would fit without offload, each
+    with its speed; "" otherwise."""
+    if s.method != "lora" or best.offload == "none" or s.hw.device != "cuda":
+        return ""
+    from dataclasses import replace
+
+    from hf_dist.planning.memory import trainable_params
+
+    qlora = replace(s, method="qlora", trainable=trainable_params(s.spec, "qlora", s.lora_rank))
+    q_how = "QLoRA (method='qlora', a 4-bit base; bitsandbytes)"
+    l_how = "Liger's kernels (use_liger_kernel=True" + (
+        ")" if s.hw.liger_kernel else "; pip install 'hf_dist[liger]')"
+    )
+    ways = [(qlora, False, q_how)]
+    if not best.use_liger_kernel:
+        ways += [(s, True, l_how), (qlora, True, f"{q_how} with {l_how}")]
+    ways = [(setup, best.key._replace(offload="none", ckpt=ckpt, liger=liger or best.use_liger_kernel), how)
+            for setup, liger, how in ways for ckpt in (False, True)]  # fmt: skip
+    notes = {}
+    for setup, combo, how in ways:
+        c = _candidate(setup, combo)
+        if c.fits and (how not in notes or (c.tokens_per_s or 0) > (notes[how].tokens_per_s or 0)):
+            notes[how] = c
+    offloaded = f" (offloaded: ~{best.tokens_per_s:,.0f} tokens/s)" if best.tokens_per_s else ""
+    return "; ".join(
+        f"{how} would fit without offload: micro_batch {c.micro_batch_size}"
+        f"{' with checkpointing' if c.activation_checkpointing else ''} at {format_bytes(c.memory.total)}"
+        + (f", ~{c.tokens_per_s:,.0f} tokens/s" if c.tokens_per_s else "")
+        for how, c in notes.items()
+    ) + (offloaded if notes else "")
 
 
 # ---------------------------------------------------------------- when nothing fits

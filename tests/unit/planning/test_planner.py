@@ -9,7 +9,7 @@ from hf_dist.planning.hardware import detect_hardware
 from hf_dist.planning.memory import GIB
 from hf_dist.planning.planner import PlanError, micro_batch_options, plan
 from hf_dist.planning.throughput import comm_seconds
-from hf_dist.testing import llama3_config, tiny_llama_config
+from hf_dist.testing import llama3_config, public_config, tiny_llama_config
 
 LLAMA_8B = llama3_config("Llama-3-8B")
 LLAMA_70B = llama3_config("Llama-3-70B")
@@ -169,3 +169,20 @@ def test_cpu_plan_uses_fp32_and_no_cuda_overhead():
     p = plan(tiny_llama_config(), gpus=2, seq_len=64)
     assert p.hardware.device == "cpu" and p.mixed_precision == "no"
     assert p.memory.params == p.num_params * 4 and p.memory.overhead == 0
+
+
+def test_a_lora_plan_that_offloads_says_what_qlora_or_liger_would_fit_without_offload():
+    lora = plan(public_config("llama-3-8b"), gpus=1, gpu_memory_gib=16, method="lora", seq_len=2048)
+    assert lora.offload != "none"
+    assert lora.offload_note.startswith("QLoRA (method='qlora', a 4-bit base; bitsandbytes) would fit without offload")
+    assert f"(offloaded: ~{lora.tokens_per_s:,.0f} tokens/s)" in lora.offload_note
+    assert "instead of offload: QLoRA" in lora.explain()
+    # the alternative is real: planning QLoRA on the same card finds a layout without offload
+    qlora = plan(public_config("llama-3-8b"), gpus=1, gpu_memory_gib=16, method="qlora", seq_len=2048)
+    assert qlora.offload == "none" and qlora.memory.total <= qlora.usable_gib * GIB
+
+
+def test_a_plan_without_offload_or_with_full_fine_tuning_has_no_offload_note():
+    assert plan(public_config("llama-3-8b"), gpus=1, gpu_memory_gib=24, method="lora").offload_note == ""
+    full = plan(public_config("llama-3-8b"), gpus=1, gpu_memory_gib=80, seq_len=2048)
+    assert full.offload_note == ""
