@@ -12,6 +12,7 @@ EPILOG = """examples:
   hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --json > plan.json
   hf-dist plan ./my-model --gpus 1 --gpu-memory 80 --global-batch 64 --liger off   # without Liger kernels
   hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --pure-bf16   # bf16 weights and Adam state
+  hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --seq-len 8192 --fused-lm-head   # TRL's SFTTrainer loss
   hf-dist plan ./llama-3-8b --gpus 8 --gpu-memory 80 --seq-len 131072 --global-batch 8   # long context: cp/sp
   hf-dist plan ./llama-3-70b --gpus 64 --nodes 8 --gpu-memory 80 --global-batch 16   # fewer sequences than GPUs
   hf-dist plan ./llama-3-70b --gpus 8 --gpu-memory 80 --host-memory 256 --nvme-gbps 12   # may offload to NVMe
@@ -60,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "on", "off"),
         default="auto",
         help="Liger kernels (use_liger_kernel): auto = considered on CUDA when liger-kernel is installed",
+    )
+    parser.add_argument(
+        "--fused-lm-head",
+        action="store_true",
+        dest="fused_lm_head",
+        help="the loss runs through TRL's fused LM head (SFTTrainer): no logits held; default: the Trainer's loss",
     )
     parser.add_argument("--safety-margin", type=float, default=0.1, dest="safety_margin")
     parser.add_argument(
@@ -113,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         lora_rank=args.lora_rank,
         safety_margin=args.safety_margin,
         use_liger_kernel={"auto": None, "on": True, "off": False}[args.liger],
+        fused_lm_head=args.fused_lm_head,
         pure_bf16=args.pure_bf16,
         tp_size=args.tp_size,
         cp_size=args.cp_size,

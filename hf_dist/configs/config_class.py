@@ -11,7 +11,10 @@ memory:
 - ``packing`` / ``padding_free`` put at most ``micro_batch x max_length`` tokens in a micro-batch, the tokens the plan
   counts; accepted as given;
 - ``activation_offloading`` moves saved activations to host memory, which the plan does not model: refused, with
-  the planner keywords that lower activation memory instead.
+  the planner keywords that lower activation memory instead;
+- TRL's ``SFTTrainer`` computes the loss (``loss_type`` ``nll`` or ``dft``) through its fused LM head, which never
+  holds the logits: the plan counts that head (``plan(fused_lm_head=True)``), or the full logits when
+  ``label_smoothing_factor`` > 0 asks for them; a plan or keyword that says otherwise is refused.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def plan_from_class(config_class: Any, plan_kwargs: dict[str, Any], user: dict[s
     if config_class is None:
         return {}
     defaults = class_fields(config_class)
+    _plan_loss_head(config_class, defaults, plan_kwargs, user, plan)
     if user.get("activation_offloading"):
         raise ValueError(
             "activation_offloading=True moves saved activations to host memory, which the plan does not model (its "
@@ -62,3 +66,25 @@ def plan_from_class(config_class: Any, plan_kwargs: dict[str, Any], user: dict[s
         )
     user.pop(SEQ_FIELD, None)
     return {SEQ_FIELD: planned}
+
+
+def _plan_loss_head(config_class: Any, defaults: dict, plan_kwargs: dict, user: dict, plan: Any) -> None:
+    """Plan TRL's fused LM head when ``config_class`` is TRL's ``SFTConfig`` (``SFTTrainer`` computes its loss
+    there unless label smoothing needs the full logits); refuse a plan or keyword that says otherwise."""
+    if config_class.__module__.split(".")[0] != "trl":
+        return
+    from trl import SFTConfig
+
+    if not issubclass(config_class, SFTConfig):
+        return
+    fused = not user.get("label_smoothing_factor", defaults.get("label_smoothing_factor", 0.0))
+    why = "its fused LM head, without the logits" if fused else "the full logits (label_smoothing_factor > 0)"
+    planned = plan.fused_lm_head if plan is not None else plan_kwargs.get("fused_lm_head", fused)
+    if bool(planned) != fused:
+        raise ValueError(
+            f"{config_class.__name__}'s trainer computes the loss through {why}, but the plan has "
+            f"fused_lm_head={bool(planned)}: drop fused_lm_head (auto_args sets it from the config class), or plan "
+            f"with fused_lm_head={fused}."
+        )
+    if plan is None:
+        plan_kwargs["fused_lm_head"] = fused

@@ -50,6 +50,7 @@ PLAN_KEYS = (
     "sp_size",
     "host_memory_gib",
     "nvme_gbps",
+    "fused_lm_head",
     "verify",
     "verify_time_limit_s",
 )

@@ -52,9 +52,13 @@ def _norm_bytes(h: int, lay: Dtypes, consumers: int, liger: bool, frozen: bool =
     r = lay.residual
     if frozen:
         return r * h if liger else FP32 * h
-    own = r * h if liger else FP32 * h + r * h
     shared = consumers * lay.compute * h if lay.autocast else r * h
-    return own + shared
+    return _norm_saved_bytes(h, lay, liger) + shared
+
+
+def _norm_saved_bytes(h: int, lay: Dtypes, liger: bool) -> int:
+    """Per token, what one RMSNorm saves for its own backward (see :func:`_norm_bytes`)."""
+    return lay.residual * h if liger else FP32 * h + lay.residual * h
 
 
 def _lora_bytes(spec, lay: Dtypes, lora: Lora) -> int:
@@ -135,6 +139,35 @@ def layer_activation_bytes(
     return (norms + attn + _mlp_bytes(spec, lay, liger, frozen) + adapters) * seq_len * micro_batch_size
 
 
+# TRL's fused LM head (trl.kernels.chunked_logprob): tokens per projection tile, and the vocabulary width of a tile
+# (trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE)
+TRL_TOKEN_TILE = 4096
+TRL_VOCAB_TILE = 32768
+
+
+def trl_head_bytes(
+    spec, tokens: int, lay: Dtypes, *, trains_head: bool, weight_bytes: int | None = None, liger: bool = False
+) -> int:
+    """Peak bytes of TRL's fused LM head (``SFTTrainer``'s loss since TRL 1.x: ``add_fused_lm_head`` and
+    ``_ChunkedLogProbFunction``), at the end of its backward, on top of what the layers saved.
+
+    The forward scores ``[4096 tokens, 32768 vocab]`` tiles of one reused buffer (compute dtype) and saves a copy
+    of the final hidden states (``hidden_states[mask]``, residual dtype), never the logits. The backward recomputes
+    each tile and accumulates, always in fp32, the input gradient ``[tokens, hidden]`` and, when the head trains,
+    the weight gradient ``[vocab, hidden]``; on return both are cast to their inputs' dtypes while the fp32 buffers
+    are alive. Under autocast each tile's weight slice is cast to the compute dtype. ``weight_bytes``: the head's
+    weight as the forward sees it (FSDP2 gathers it in the compute dtype; default ``lay.weights``).
+    """
+    h, v = spec.hidden_size, spec.vocab_size
+    final_norm = _norm_saved_bytes(h, lay, liger) * tokens  # its output is not saved: the head saves a copy
+    tile = lay.compute * min(tokens, TRL_TOKEN_TILE) * min(v, TRL_VOCAB_TILE)
+    weight_slice = lay.compute * min(v, TRL_VOCAB_TILE) * h if lay.autocast else 0
+    grad_hidden = FP32 * tokens * h + (lay.residual * tokens * h if lay.residual != FP32 else 0)
+    weights = lay.weights if weight_bytes is None else weight_bytes
+    grad_weight = (FP32 * v * h + (weights * v * h if weights != FP32 else 0)) if trains_head else 0
+    return final_norm + lay.residual * tokens * h + tile + weight_slice + grad_hidden + grad_weight
+
+
 def logits_bytes(spec, seq_len: int, micro_batch_size: int, lay: Dtypes, *, liger: bool = False) -> int:
     """Peak bytes of the LM head and the loss.
 
@@ -181,9 +214,12 @@ def activation_bytes(spec, seq_len, micro_batch_size, activation_checkpointing, 
     return spec.num_layers * layer, 0
 
 
-def largest_transient_bytes(spec, seq_len, micro_batch_size, lay: Dtypes, liger: bool) -> int:
+def largest_transient_bytes(spec, seq_len, micro_batch_size, lay: Dtypes, liger: bool, trl_head: bool = False) -> int:
+    """The largest single tensor of a step: an MLP activation, the fp32 logits, or TRL's fp32 weight gradient."""
     if not spec.has_shape:
         return 0
     tokens = seq_len * micro_batch_size
     mlp = lay.compute * spec.intermediate_size * tokens * max(spec.experts_per_token, 1)
+    if trl_head:
+        return max(mlp, FP32 * spec.vocab_size * spec.hidden_size)
     return mlp if liger else max(mlp, FP32 * spec.vocab_size * tokens)

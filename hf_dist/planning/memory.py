@@ -32,7 +32,14 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hf_dist.planning.activations import FP32, Lora, activation_bytes, largest_transient_bytes, logits_bytes
+from hf_dist.planning.activations import (
+    FP32,
+    Lora,
+    activation_bytes,
+    largest_transient_bytes,
+    logits_bytes,
+    trl_head_bytes,
+)
 from hf_dist.planning.layout import Layout, Strategy, strategy
 from hf_dist.validation import check_choice, check_positive_int
 
@@ -489,6 +496,7 @@ def estimate_memory(
     offload_device: str = "cpu",
     lora_dropout: float = LORA_DROPOUT,
     checkpoint_children: bool = False,
+    fused_lm_head: bool = False,
 ) -> MemoryEstimate:
     """Per-rank memory of training ``model_or_num_params`` with ``strategy`` on ``world_size`` ranks.
 
@@ -511,6 +519,8 @@ def estimate_memory(
     (``Layout.state_shard_size``). ``offload_device="nvme"`` keeps the offloaded states in swap files and counts
     DeepSpeed's pinned host buffers instead (:func:`cpu_bytes_per_rank`). ``checkpoint_children``: FSDP2's
     checkpointing wraps each child of a decoder layer (accelerate <= 1.14, ``LibraryFeatures``), saving each input.
+    ``fused_lm_head``: the loss runs through TRL's fused LM head (``SFTTrainer``), which never holds the logits
+    (:func:`~hf_dist.planning.activations.trl_head_bytes`).
     """
     from hf_dist.planning.modelinfo import model_spec
 
@@ -560,7 +570,16 @@ def estimate_memory(
         optim += padded * (optimizer_state_bytes(optimizer, lay.state) + lay.master) if full else 0
     acts, recompute = activation_bytes(spec, seq_len, micro_batch_size, ckpt, lay, **act_kw)
     last_layer = recompute if ckpt else (acts // spec.num_layers if spec.num_layers else 0)
-    head = logits_bytes(spec, seq_len, micro_batch_size, lay, liger=use_liger_kernel) if spec.has_shape else 0
+    if not spec.has_shape:
+        head = 0
+    elif fused_lm_head:
+        tokens = seq_len * micro_batch_size
+        gathered = lay.compute if s.is_fsdp else lay.weights  # FSDP2 gathers the head in its param dtype
+        head = trl_head_bytes(
+            spec, tokens, lay, trains_head=method == "full", weight_bytes=gathered, liger=use_liger_kernel
+        )
+    else:
+        head = logits_bytes(spec, seq_len, micro_batch_size, lay, liger=use_liger_kernel)
     buffers, units = buffer_bytes(spec, s, world_size // run.tp_size, trainable, lay, ckpt, padded_unit)
     step = step_bytes_per_rank(spec, s, degree, trainable, offload, lay)
     nvme = run.offload_device == "nvme"
@@ -568,7 +587,7 @@ def estimate_memory(
     on_gpu = device == "cuda"
     allocator = 0
     if on_gpu:
-        largest = largest_transient_bytes(spec, seq_len, micro_batch_size, lay, use_liger_kernel)
+        largest = largest_transient_bytes(spec, seq_len, micro_batch_size, lay, use_liger_kernel, fused_lm_head)
         allocator = allocator_bytes(spec, s, degree, trainable, lay, largest, grads, ckpt)
     fixed = int(overhead) if overhead is not None else (overhead_bytes(s, world_size) if on_gpu else 0)
     overlap = not grads_persist(s, lay, gradient_accumulation_steps)

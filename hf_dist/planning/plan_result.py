@@ -122,6 +122,7 @@ class Plan:
     trace: Any = None  # hf_dist.tracing.TraceResult of the chosen layout, with plan(verify=True)
     verification: str = ""  # what plan(verify=True) traced, rejected, or could not trace, and why
     load: LoadMemory | None = None  # host RAM while the chosen engine loads the model
+    fused_lm_head: bool = False  # the loss runs through TRL's fused LM head (SFTTrainer): no logits held
 
     @property
     def layout(self) -> Layout:
@@ -174,7 +175,8 @@ class Plan:
         lines = [
             f"model: {self.model.name or 'model'} ({size} params), method={self.method}, optimizer={self.optimizer}, "
             f"seq_len={self.seq_len}, precision={self._precision_text()}"
-            + (f", model loaded in {self.model_dtype}" if self.model_dtype else ""),
+            + (f", model loaded in {self.model_dtype}" if self.model_dtype else "")
+            + (", loss through TRL's fused LM head" if self.fused_lm_head else ""),
             f"hardware: {hw.nodes} node(s) x {hw.gpus_per_node} {hw.gpu_name or hw.device} "
             f"({hw.gpu_memory_gib:.1f} GiB, usable {self.usable_gib:.1f} GiB after safety margin)",
             f"chosen: {self.strategy}{self._sizes_text()}, offload={self.offload}"

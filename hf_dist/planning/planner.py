@@ -84,6 +84,7 @@ class _Setup:
     global_batch: int | None = None
     micro_batch: int | None = None
     checkpoint_children: bool = False  # LibraryFeatures.fsdp2_checkpoints_children
+    fused_lm_head: bool = False  # TRL's fused LM head computes the loss (planning/activations.trl_head_bytes)
 
 
 def _estimate(s: _Setup, combo: Combo, mb, world=None, nodes=None, accum=1) -> MemoryEstimate:
@@ -110,6 +111,7 @@ def _estimate(s: _Setup, combo: Combo, mb, world=None, nodes=None, accum=1) -> M
         sp_size=combo.sp,
         offload_device="nvme" if combo.nvme else "cpu",
         checkpoint_children=s.checkpoint_children,
+        fused_lm_head=s.fused_lm_head,
     )
 
 
@@ -347,6 +349,7 @@ def plan(
     host_memory_gib: float | None = None,
     nvme_gbps: float | None = None,
     features: Any = None,
+    fused_lm_head: bool = False,
     verify: bool = False,
     verify_time_limit_s: float = 120.0,
 ) -> Plan:
@@ -364,7 +367,8 @@ def plan(
     GPUs. ``host_memory_gib`` (RAM per node) and ``nvme_gbps`` (the nodes' NVMe bandwidth; given, NVMe offload
     is searched when nothing else fits) describe the hardware when ``hardware`` is not passed. ``features``: what
     the libraries accept (default: the installed ones, ``hf_dist.runtime.support.installed_features()``).
-    ``verify=True`` traces the chosen layout on the real model with fake tensors (:mod:`hf_dist.tracing`, seconds to
+    ``fused_lm_head=True``: the loss runs through TRL's fused LM head (``SFTTrainer``; ``auto_args(config_class=
+    SFTConfig)`` sets it), which never holds the logits. ``verify=True`` traces the chosen layout on the real model with fake tensors (:mod:`hf_dist.tracing`, seconds to
     a minute; at most ``verify_time_limit_s`` per trace) and moves to the next candidate when the trace does not fit
     (``Plan.trace``, ``Plan.verification``; docs/planner.md, "Tracing").
     Raises PlanError (a ValueError) naming the minimum hardware when nothing fits.
@@ -417,6 +421,7 @@ def plan(
         global_batch=global_batch_size,
         micro_batch=micro_batch_size,
         checkpoint_children=features.fsdp2_checkpoints_children,
+        fused_lm_head=bool(fused_lm_head),
     )  # fmt: skip
     options = size_options(spec, hw, seq_len, features, method=method)
     sizes_pinned = any(v is not None for v in (tp_size, cp_size, sp_size))
@@ -468,6 +473,7 @@ def plan(
         offload_device=best.offload_device,
         dimensions=dims + _chosen_dimensions(best),
         load=_load(setup, best.key),
+        fused_lm_head=bool(fused_lm_head),
     )
     if not verify:
         return result

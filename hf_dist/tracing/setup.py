@@ -56,6 +56,7 @@ class TraceSetup:
     attention: str | None = None  # None: what transformers runs for the model (sdpa, or eager where it refuses sdpa)
     device: str = "cuda"
     optimizer: str = "adamw"
+    fused_lm_head: bool = False  # TRL's fused LM head (not traceable here: untraceable_reason)
 
     def __post_init__(self) -> None:
         check_choice("method", self.method, ("full", "lora", "qlora"))
@@ -87,6 +88,12 @@ class TraceSetup:
             return "QLoRA: bitsandbytes' 4-bit weights and kernels are CUDA-only and have no fake-tensor kernels"
         if self.optimizer == "adamw_8bit":
             return "8-bit AdamW: bitsandbytes' optimizer kernels are CUDA-only"
+        if self.fused_lm_head:
+            return (
+                "TRL's fused LM head: a Triton kernel on GPU, whose CPU fallback holds tile-sized temporaries the GPU "
+                "does not (its terms are derived from TRL's source and checked against its kernel, "
+                "tests/unit/planning/test_trl_head.py)"
+            )
         if self.use_liger_kernel:
             return (
                 "Liger kernels: Triton kernels, which run only on a GPU (their terms are derived from Liger's source)"
@@ -122,6 +129,7 @@ class TraceSetup:
             attention=self.attention, device=self.device, base_bytes=4 if self.base_dtype == "float32" else 2,
             tp_size=self.tp_size, cp_size=self.cp_size, sp_size=self.sp_size,
             checkpoint_children=installed_features().fsdp2_checkpoints_children,  # the accelerate the trace runs
+            fused_lm_head=self.fused_lm_head,
         )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
@@ -147,7 +155,7 @@ class TraceSetup:
             activation_checkpointing=c.activation_checkpointing, mixed_precision=plan.mixed_precision,
             pure_bf16=plan.pure_bf16, base_dtype=plan.model_dtype or pb, lora_rank=plan.lora_rank,
             offload=c.offload, use_liger_kernel=c.use_liger_kernel, tp_size=c.tp_size, cp_size=c.cp_size,
-            sp_size=c.sp_size, device=plan.hardware.device, optimizer=plan.optimizer,
+            sp_size=c.sp_size, device=plan.hardware.device, optimizer=plan.optimizer, fused_lm_head=plan.fused_lm_head,
         )  # fmt: skip
         values.update(overrides)
         return cls(**values)

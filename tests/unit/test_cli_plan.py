@@ -61,3 +61,19 @@ def test_env_infiniband_listing(tmp_path):
     (tmp_path / "mlx5_0").mkdir()
     info = interconnect(env={"NCCL_IB_HCA": "mlx5", "PATH": "/bin"}, sys_ib=str(tmp_path))
     assert info["infiniband_devices"] == ["mlx5_0"] and info["nccl_env"] == {"NCCL_IB_HCA": "mlx5"}
+
+
+def test_plan_fused_lm_head_and_host_ram_at_load(tmp_path, capsys):
+    from hf_dist.testing import public_config
+
+    public_config("llama-3-8b").save_pretrained(tmp_path)
+    args = ["plan", str(tmp_path), "--gpus", "8", "--gpu-memory", "80", "--seq-len", "8192"]
+    assert main([*args, "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert main([*args, "--fused-lm-head", "--json"]) == 0
+    fused = json.loads(capsys.readouterr().out)
+    assert fused["fused_lm_head"] is True and fused["memory"]["logits"] < full["memory"]["logits"] / 2
+    assert fused["load"]["ranks_per_node"] == 8
+    assert main([*args, "--fused-lm-head"]) == 0
+    out = capsys.readouterr().out
+    assert "loss through TRL's fused LM head" in out and "host RAM at load: " in out

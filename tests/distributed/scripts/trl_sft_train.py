@@ -41,7 +41,9 @@ def main() -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_llama_config(vocab_size=len(tokenizer)))
     world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
-    plan = hf_dist.plan(model, gpus=world, strategy=args.strategy, seq_len=SEQ_LEN, global_batch_size=4)
+    plan = hf_dist.plan(
+        model, gpus=world, strategy=args.strategy, seq_len=SEQ_LEN, global_batch_size=4, fused_lm_head=True
+    )
     kwargs = hf_dist.auto_args(model, plan=plan, config_class=SFTConfig, max_length=SEQ_LEN)
     config = SFTConfig(
         output_dir=args.output_dir, max_steps=3, logging_steps=1, save_strategy="no", report_to=[],

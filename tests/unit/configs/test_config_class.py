@@ -59,3 +59,23 @@ def test_an_sft_config_left_to_its_defaults_is_refused_at_train_start(tmp_path):
     with pytest.raises(PlanMismatchError, match="activation checkpointing: planned False, running True"):
         trainer.train()
     assert trainer.state.global_step == 0
+
+
+def test_sft_trainers_fused_lm_head_is_planned_and_a_plan_without_it_refused():
+    import hf_dist
+    from hf_dist.configs.config_class import plan_from_class
+
+    plan_kwargs = {}
+    plan_from_class(trl.SFTConfig, plan_kwargs, {})
+    assert plan_kwargs == {"fused_lm_head": True, "seq_len": 1024}  # SFTTrainer's loss never holds the logits
+    smoothed = {}
+    plan_from_class(trl.SFTConfig, smoothed, {"label_smoothing_factor": 0.1})
+    assert smoothed["fused_lm_head"] is False  # label smoothing runs on the full logits
+    plan = hf_dist.plan(CFG, gpus=2, strategy="ddp", seq_len=1024)
+    with pytest.raises(ValueError, match=r"SFTConfig's trainer computes the loss through its fused LM head"):
+        auto_args(CFG, plan=plan, config_class=trl.SFTConfig)
+    fused = hf_dist.plan(CFG, gpus=2, strategy="ddp", seq_len=1024, fused_lm_head=True)
+    assert auto_args(CFG, plan=fused, config_class=trl.SFTConfig)["max_length"] == 1024
+    assert "loss through TRL's fused LM head" in fused.explain()
+    with pytest.raises(ValueError, match=r"fused_lm_head=True: drop fused_lm_head"):
+        auto_args(CFG, gpus=2, fused_lm_head=True, config_class=trl.SFTConfig, label_smoothing_factor=0.1)
