@@ -36,7 +36,8 @@ class LoadPath(enum.Enum):
 
 @dataclass(frozen=True)
 class LoadMemory:
-    """Host RAM at load on the busiest node: each loading rank's own copy plus the checkpoint's pages, once."""
+    """Host RAM at load on the busiest node. ``per_node`` is what must fit: each loading rank's own copy. The
+    checkpoint's pages (``file_bytes``, once per node) are page cache, which the kernel evicts under pressure."""
 
     path: LoadPath
     ranks_per_node: int
@@ -46,11 +47,11 @@ class LoadMemory:
 
     @property
     def copies(self) -> int:
-        return self.ranks_per_node if self.path is LoadPath.EVERY_RANK else 0
+        return self.ranks_per_node if self.path is LoadPath.EVERY_RANK and self.copy_bytes else 0
 
     @property
     def per_node(self) -> int:
-        return self.copies * self.copy_bytes + self.file_bytes
+        return self.copies * self.copy_bytes
 
     @property
     def rank_peak(self) -> int:
@@ -58,11 +59,11 @@ class LoadMemory:
         return self.copy_bytes + self.file_bytes
 
     def text(self) -> str:
-        if self.copies and self.copy_bytes:
-            held = f"{self.copies} ranks x {_gib(self.copy_bytes)} fp{8 * self.copy_dtype_bytes} copy + "
-        else:
-            held = ""
-        return f"{_gib(self.per_node)} per node ({self.path.value}: {held}{_gib(self.file_bytes)} checkpoint pages)"
+        pages = f"{_gib(self.file_bytes)} of checkpoint pages in the page cache, which it can evict"
+        if not self.copies:
+            return f"no copy of the weights ({self.path.value}; {pages})"
+        copy = f"{self.copies} ranks x {_gib(self.copy_bytes)} fp{8 * self.copy_dtype_bytes} copy"
+        return f"{_gib(self.per_node)} per node ({self.path.value}: {copy}; + {pages})"
 
 
 def _gib(num_bytes: int) -> str:

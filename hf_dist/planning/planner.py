@@ -644,18 +644,19 @@ def _lora_without_offload(s: _Setup, best: Candidate) -> str:
 
 
 def _nothing_fits_message(s: _Setup, combos, candidates: list[Candidate], dims: list[str]) -> str:
+    """Why nothing fits and what would, one finding a line."""
     hw = s.hw
-    model_parallel = "; ".join(d for d in dims if not d.startswith("tp/cp/sp not searched"))
+    model_parallel = [d for d in dims if not d.startswith("tp/cp/sp not searched")]
     batch = [c for c in candidates if c.reason.startswith("global_batch")]
     if len(batch) == len(candidates):  # no layout can split the batch: the arithmetic is the message
-        return candidates[0].reason + (f" (model parallelism: {model_parallel})" if model_parallel else "")
+        return _lines(candidates[0].reason, [f"model parallelism: {d}" for d in model_parallel])
     # the GPU memory that would suffice is stated for plans without offload (offload also needs host RAM)
     smallest = min([c for c in candidates if c.offload == "none"] or candidates, key=lambda c: c.memory.total)
     margin = s.usable / (hw.gpu_memory_gib * GIB)
-    msg = f"nothing fits on {hw.world_size} x {hw.gpu_memory_gib:.0f} GiB"
+    findings = []
     if smallest.memory.total > s.usable:
-        msg += (
-            f": the smallest candidate ({smallest.label}, micro_batch={smallest.micro_batch_size}) needs "
+        findings.append(
+            f"the smallest candidate ({smallest.label}, micro_batch={smallest.micro_batch_size}) needs "
             f"{format_bytes(smallest.memory.total)} per rank (usable {format_bytes(s.usable)}); it would fit with "
             f"{smallest.memory.total / margin / GIB:.0f} GiB per GPU"
         )
@@ -666,25 +667,32 @@ def _nothing_fits_message(s: _Setup, combos, candidates: list[Candidate], dims: 
         ]  # fmt: skip
         if host:
             least = min(host, key=lambda c: c.memory.cpu)
-            msg += f"; with {'NVMe' if nvme else 'CPU'} offload ({least.label}) the {least.reason}"
-    if model_parallel:
-        msg += f"; model parallelism: {model_parallel}"
+            findings.append(f"with {'NVMe' if nvme else 'CPU'} offload ({least.label}) the {least.reason}")
+    findings += [f"model parallelism: {d}" if not d.startswith("nvme:") else d for d in model_parallel]
+    head = f"nothing fits on {hw.world_size} x {hw.gpu_memory_gib:.0f} GiB"
     if _needs_tensor_parallel(s):
-        return msg + (
-            f". A single decoder layer ({s.spec.layer_params / 1e6:.0f}M params) with its gradients and activations "
+        findings.append(
+            f"a single decoder layer ({s.spec.layer_params / 1e6:.0f}M params) with its gradients and activations "
             "does not fit on one GPU even with full sharding: it needs tensor parallelism (above) or, beyond one "
             "node's GPUs, pipeline parallelism (not covered by hf_dist)"
         )
+        return _lines(head, findings)
     fully_sharded = [c for c in combos if REGISTRY[c[0]].shards.params and not REGISTRY[c[0]].gathers_params]
-    sharded = fully_sharded or combos
-    found = _min_world(s, sharded)
+    found = _min_world(s, fully_sharded or combos)
     if found is None:
-        return msg + "; no data-parallel world size up to 8192 GPUs fits: use tensor/pipeline parallelism"
-    world, nodes, combo = found
-    return msg + (
-        f"; it would fit on at least {world} GPUs of {hw.gpu_memory_gib:.0f} GiB ({nodes} node(s)) with {combo[0]}, "
-        f"offload={combo[1]}, activation_checkpointing={combo[2]}"
-    )
+        findings.append("no data-parallel world size up to 8192 GPUs fits: use tensor/pipeline parallelism")
+    else:
+        world, nodes, combo = found
+        findings.append(
+            f"it would fit on at least {world} GPUs of {hw.gpu_memory_gib:.0f} GiB ({nodes} node(s)) with {combo[0]}, "
+            f"offload={combo[1]}, activation_checkpointing={combo[2]}"
+        )
+    return _lines(head, findings)
+
+
+def _lines(head: str, findings: list[str]) -> str:
+    """``head:`` and one ``  - finding`` a line (``head`` alone without findings)."""
+    return head + ":" + "".join(f"\n  - {f}" for f in findings) if findings else head
 
 
 def _needs_tensor_parallel(s: _Setup) -> bool:

@@ -77,3 +77,18 @@ def test_plan_fused_lm_head_and_host_ram_at_load(tmp_path, capsys):
     assert main([*args, "--fused-lm-head"]) == 0
     out = capsys.readouterr().out
     assert "loss through TRL's fused LM head" in out and "host RAM at load: " in out
+
+
+def test_nothing_fits_is_one_finding_a_line(tmp_path, capsys):
+    from hf_dist.testing import public_config
+
+    public_config("llama-3-70b").save_pretrained(tmp_path / "llama-3-70b")
+    assert main(["plan", str(tmp_path / "llama-3-70b"), "--gpus", "2", "--gpu-memory", "80"]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "hf-dist plan: error: nothing fits on 2 x 80 GiB:"
+    assert lines[1].startswith("  - the smallest candidate (ddp/none tp=2, micro_batch=1) needs 595.70 GiB per rank")
+    assert lines[-1] == (
+        "  - it would fit on at least 32 GPUs of 80 GiB (4 node(s)) with zero3, offload=none, "
+        "activation_checkpointing=True"
+    )
+    assert all(line.startswith("  - ") for line in lines[1:]) and max(map(len, lines)) < 220
