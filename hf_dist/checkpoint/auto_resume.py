@@ -142,9 +142,9 @@ def _check_output_dir(output_dir: str | os.PathLike) -> None:
     root = Path(output_dir)
     if _CHECKPOINT_RE.match(root.name) or (root / MARKER_NAME).is_file() or (root / "trainer_state.json").is_file():
         raise ValueError(
-            f"auto_resume got {root}, which is a checkpoint folder itself; pass the run's output_dir that holds "
-            f"the checkpoint-N folders ({root.parent}), or pass {root} to trainer.train(resume_from_checkpoint=...) "
-            "directly"
+            f"auto_resume got {root}, which is a checkpoint folder itself.\n"
+            f"  Pass the run's output_dir that holds the checkpoint-N folders: {root.parent}\n"
+            f"  or pass {root} to trainer.train(resume_from_checkpoint=...) directly"
         )
 
 
@@ -194,11 +194,13 @@ def check_resume_compatible(
     layout = read_layout(checkpoint_dir, strict=False)
     if layout.family is not wanted:
         raise RuntimeError(
-            f"cannot resume a {strategy_name} run from {checkpoint_dir}: it holds {layout.family.text}, "
-            f"this run needs {wanted.text}. The Trainer would fail or silently drop the optimizer "
-            f"state. Either keep the strategy the checkpoint was written with, or export the weights with "
-            f"`hf-dist convert {checkpoint_dir} OUT_DIR` and start a new run from OUT_DIR "
-            f"(`hf-dist reshard` changes the number of ranks of a same-strategy checkpoint)."
+            f"cannot resume a {strategy_name} run from {checkpoint_dir}:\n"
+            f"  it holds {layout.family.text}, this run needs {wanted.text}; the Trainer would fail or silently drop "
+            "the optimizer state.\n"
+            "  Keep the strategy the checkpoint was written with, or export the weights with\n"
+            f"    hf-dist convert {checkpoint_dir} OUT_DIR\n"
+            "  and start a new run from OUT_DIR (`hf-dist reshard` changes the number of ranks of a same-strategy "
+            "checkpoint)."
         )
     # FSDP's DCP files reshard on load and full checkpoints are replicated: only ZeRO is tied to its world size,
     # until DeepSpeed's universal checkpoint (``latest_universal``, made by `hf-dist reshard`) exists.

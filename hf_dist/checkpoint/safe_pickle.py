@@ -226,9 +226,10 @@ def _is_tar(handle: Any) -> bool:
 
 def _refuse_format(path: Path, what: str) -> None:
     raise UnsafePickleError(
-        f"refusing to load {path}: it is {what}; no training checkpoint is written that way and the loading gate "
-        "cannot check it, so nothing was loaded. Remove the file, or pass --trust-pickles (trust_pickles=True) "
-        "only if you trust it"
+        f"refusing to load {path}:\n"
+        f"  it is {what};\n"
+        "  no training checkpoint is written that way and the loading gate cannot check it, so nothing was loaded.\n"
+        "  Remove the file, or pass --trust-pickles (trust_pickles=True) only if you trust it"
     )
 
 
@@ -240,9 +241,10 @@ def _check_dcp_payloads(folder: Path) -> None:
     for name, file, offset, length, transformed in byte_payloads(folder):
         if transformed:
             raise UnsafePickleError(
-                f"refusing to load {file}: the value {name!r} at byte {offset} is stored with a transform "
-                "(e.g. compression) the loading gate cannot check; pass --trust-pickles (trust_pickles=True) "
-                "only if you trust this checkpoint"
+                f"refusing to load {file}:\n"
+                f"  the value {name!r} at byte {offset} is stored with a transform (e.g. compression) the loading "
+                "gate cannot check.\n"
+                "  Pass --trust-pickles (trust_pickles=True) only if you trust this checkpoint"
             )
         _check_pickle_file(file, (offset, length))
 
@@ -324,9 +326,10 @@ class _CheckingUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if not _is_allowed(module, name):
             raise UnsafePickleError(
-                f"refusing to load {self.path}: it contains the type {module}.{name}, which is not a tensor, a "
-                "container or a checkpoint metadata type (DeepSpeed, DCP, Trainer); nothing was loaded. Remove "
-                "the file, or pass --trust-pickles (trust_pickles=True) only if you trust it"
+                f"refusing to load {self.path}:\n"
+                f"  it contains the type {module}.{name}, which is not a tensor, a container or a checkpoint "
+                "metadata type (DeepSpeed, DCP, Trainer); nothing was loaded.\n"
+                "  Remove the file, or pass --trust-pickles (trust_pickles=True) only if you trust it"
             )
         return _Inert
 

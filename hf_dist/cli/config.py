@@ -163,9 +163,10 @@ def _check_deepspeed_json(args: argparse.Namespace) -> None:
     tp, sp = parallel_sizes(None, cfg)["tp"], cfg.get("sequence_parallel_size", 1)
     if (tp, sp) != (args.tp_size, args.sp_size):
         raise ValueError(
-            f"--deepspeed-config-file {path} has autotp_size {tp} and sequence_parallel_size {sp}, but this config asks "
-            f"for --tp-size {args.tp_size} --sp-size {args.sp_size}; the run would not be what the YAML says. Rewrite "
-            f"the JSON with {write}, or pass the sizes it has"
+            f"--deepspeed-config-file {path}\n"
+            f"  has autotp_size {tp} and sequence_parallel_size {sp}, but this config asks for --tp-size "
+            f"{args.tp_size} --sp-size {args.sp_size}: the run would not be what the YAML says.\n"
+            f"  Rewrite the JSON with {write}, or pass the sizes it has"
         )
 
 

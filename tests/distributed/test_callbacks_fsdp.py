@@ -50,5 +50,7 @@ def test_export_of_sharded_model_equals_offline_conversion(run_dir, tmp_path):
 
 
 def test_resuming_fsdp_checkpoint_into_ddp_is_refused(run_dir):
-    with pytest.raises(RuntimeError, match=r"cannot resume a ddp run .*FSDP distributed checkpoint.*hf-dist convert"):
+    with pytest.raises(
+        RuntimeError, match=r"(?s)cannot resume a ddp run .*FSDP distributed checkpoint.*hf-dist convert"
+    ):
         hf_dist.auto_resume(run_dir, strategy="ddp")

@@ -157,7 +157,7 @@ CASES = [
     ("zero3 checkpoint for a zero2 run, path", resume_case("zero3 for zero2", "path"), "RuntimeError",
      r"holds DeepSpeed ZeRO-3"),
     ("checkpoint folder given as output_dir", resume_case("zero3 for zero2", "checkpoint as folder"), "ValueError",
-     r"which is a checkpoint folder itself; pass the run's output_dir"),
+     r"which is a checkpoint folder itself.\n  Pass the run's output_dir"),
     ("unprovable checkpoints never restart silently", resume_case("unprovable", "folder"), "RuntimeError",
      r"none can be proven complete.*trainer_state.json is missing.*fresh_start=True"),
     ("AutoTP rank without its optimizer file", resume_case("autotp missing rank", "path"), "ValueError",
@@ -210,6 +210,9 @@ CONFIG_MESSAGES = {
 }
 
 
+LINE_LIMIT = 400  # an error is a few readable lines, not one line of 1,000 characters
+
+
 def test_the_table_has_every_class_and_at_least_30_cases():
     assert len(CASES) >= 30 and len({c[0] for c in CASES}) == len(CASES)
 
@@ -223,6 +226,8 @@ def test_red_team(name, attempt, error, pattern, tmp_path, capsys, monkeypatch):
     assert type(caught.value).__name__ == error, f"{name}: {type(caught.value).__name__}: {caught.value}"
     assert re.search(pattern, str(caught.value), re.S), f"{name}: {caught.value}"
     err = capsys.readouterr().err
+    longest = max(len(line) for line in [*str(caught.value).splitlines(), *err.splitlines(), ""])
+    assert longest <= LINE_LIMIT, f"{name}: a {longest}-character line: {caught.value}"
     if name in CONFIG_MESSAGES:
         assert CONFIG_MESSAGES[name] in err, err
         assert not (tmp_path / "out").exists()
