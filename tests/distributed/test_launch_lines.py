@@ -34,3 +34,14 @@ def test_accelerate_launch_without_multi_gpu_stops_with_the_command(tmp_path):
     assert "asked for --num_processes 2 but started this one process" in proc.stderr
     assert "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2" in proc.stderr
     assert not (tmp_path / "sft" / "results.json").exists()
+
+
+def test_accelerate_launch_of_a_recipe(tmp_path):
+    """The README's `accelerate launch recipes/sft.py`: one process, the embedded model, offline."""
+    out = tmp_path / "sft"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), str(RECIPE),
+           "--output_dir", str(out), *SHORT]  # fmt: skip
+    proc = subprocess.run(cmd, env=cpu_env(PLAIN), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert (results["world_size"], results["strategy"]) == (1, "ddp")
