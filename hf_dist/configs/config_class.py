@@ -9,7 +9,7 @@ memory:
   default when neither is), refused when both are given and differ, and emitted so the class's default cannot
   differ from the plan;
 - ``packing`` / ``padding_free`` put at most ``micro_batch x max_length`` tokens in a micro-batch, the tokens the plan
-  counts; accepted as given;
+  counts; accepted as given, except ``padding_free`` without ``packing``, which TRL does not truncate: refused;
 - ``activation_offloading`` moves saved activations to host memory, which the plan does not model: refused, with
   the planner keywords that lower activation memory instead;
 - TRL's ``SFTTrainer`` computes the loss (``loss_type`` ``nll`` or ``dft``) through its fused LM head, which never
@@ -50,6 +50,12 @@ def plan_from_class(config_class: Any, plan_kwargs: dict[str, Any], user: dict[s
         )
     if SEQ_FIELD not in defaults:
         return {}
+    if user.get("padding_free") and not user.get("packing", defaults.get("packing")):
+        raise ValueError(
+            f"padding_free=True without packing: {config_class.__name__}'s trainer then does not truncate to "
+            f"{SEQ_FIELD}, so a micro-batch's tokens have no bound the plan could count.\n"
+            "  Pass packing=True as well (each packed sequence holds at most max_length tokens), or drop padding_free"
+        )
     planned = plan.seq_len if plan is not None else plan_kwargs.get("seq_len")
     given = user.get(SEQ_FIELD, defaults[SEQ_FIELD])
     if planned is None:

@@ -30,6 +30,9 @@ def test_sft_config_fields_are_planned_or_refused():
     assert same["max_length"] == 256
     with pytest.raises(ValueError, match=r"max_length=512 contradicts the plan's seq_len 256: they are the same"):
         auto_args(CFG, strategy="ddp", gpus=2, config_class=trl.SFTConfig, max_length=512, seq_len=256)
+    with pytest.raises(ValueError, match=r"padding_free=True without packing: SFTConfig's trainer then does not"):
+        auto_args(CFG, strategy="ddp", gpus=2, config_class=trl.SFTConfig, padding_free=True)
+    assert auto_args(CFG, strategy="ddp", gpus=2, config_class=trl.SFTConfig, padding_free=True, packing=True)
     with pytest.raises(ValueError, match=r"activation_offloading=True moves saved activations to host memory"):
         auto_args(CFG, strategy="ddp", gpus=2, config_class=trl.SFTConfig, activation_offloading=True)
     with pytest.raises(ValueError, match=r"unknown keyword\(s\) \['packing'\]: not fields of TrainingArguments"):
