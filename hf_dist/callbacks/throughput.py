@@ -66,6 +66,8 @@ class ThroughputCallback(TrainerCallback):
     - ``perf/mfu``: when ``peak_tflops`` (dense, per device) is given or known from ``plan.hardware``.
     - ``perf/scaling_efficiency``: tokens/s / (world size * ``baseline_tokens_per_s``), the
       single-process figure measured on the same setup.
+    - ``perf/eta_s``: seconds to ``max_steps`` at the speed measured since training began (the plan's estimate
+      corrected by what runs), and ``perf/tokens_per_s_vs_plan``: measured over the plan's estimated tokens/s.
     """
 
     def __init__(
@@ -84,6 +86,8 @@ class ThroughputCallback(TrainerCallback):
         self._model = None
         self._last_time = 0.0
         self._last_step = 0
+        self._trained_s = 0.0  # wall time of the steps measured so far (the logging gathers left out)
+        self._trained_steps = 0
 
     def _hook(self, module, args, kwargs):
         if module.training:
@@ -127,7 +131,21 @@ class ThroughputCallback(TrainerCallback):
             metrics["perf/scaling_efficiency"] = round(
                 scaling_efficiency(total, len(per_rank), self.baseline_tokens_per_s), 4
             )
+        metrics.update(self._eta(state, elapsed, steps, total))
         _add_to_logs(state, logs, metrics)
         self._tokens = 0
         self._last_time = time.perf_counter()  # the gather above is not training time
         self._last_step = state.global_step
+
+    def _eta(self, state, elapsed: float, steps: int, tokens_per_s: float) -> dict[str, float]:
+        """Time to ``max_steps`` at the mean step time measured so far, and the speed against the plan's."""
+        self._trained_s += elapsed
+        self._trained_steps += steps
+        out = {}
+        if state.max_steps and state.max_steps > 0:
+            remaining = max(state.max_steps - state.global_step, 0)
+            out["perf/eta_s"] = round(remaining * self._trained_s / self._trained_steps, 1)
+        planned = getattr(self.plan, "tokens_per_s", None)
+        if planned:
+            out["perf/tokens_per_s_vs_plan"] = round(tokens_per_s / planned, 4)
+        return out

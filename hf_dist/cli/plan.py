@@ -13,6 +13,7 @@ EPILOG = """examples:
   hf-dist plan ./my-model --gpus 1 --gpu-memory 80 --global-batch 64 --liger off   # without Liger kernels
   hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --pure-bf16   # bf16 weights and Adam state
   hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --seq-len 8192 --fused-lm-head   # TRL's SFTTrainer loss
+  hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --global-batch 64 --train-tokens 2e9   # wall time, GPU-hours
   hf-dist plan ./llama-3-8b --gpus 8 --gpu-memory 80 --seq-len 131072 --global-batch 8   # long context: cp/sp
   hf-dist plan ./llama-3-70b --gpus 64 --nodes 8 --gpu-memory 80 --global-batch 16   # fewer sequences than GPUs
   hf-dist plan ./llama-3-70b --gpus 8 --gpu-memory 80 --host-memory 256 --nvme-gbps 12   # may offload to NVMe
@@ -68,6 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="fused_lm_head",
         help="the loss runs through TRL's fused LM head (SFTTrainer): no logits held; default: the Trainer's loss",
     )
+    parser.add_argument(
+        "--train-tokens",
+        type=float,
+        dest="train_tokens",
+        metavar="N",
+        help="tokens the run trains on (e.g. 2e9): the plan then states the estimated wall time and GPU-hours of its "
+        "choice and of the alternatives",
+    )
     parser.add_argument("--safety-margin", type=float, default=0.1, dest="safety_margin")
     parser.add_argument(
         "--pure-bf16",
@@ -121,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         safety_margin=args.safety_margin,
         use_liger_kernel={"auto": None, "on": True, "off": False}[args.liger],
         fused_lm_head=args.fused_lm_head,
+        train_tokens=args.train_tokens,
         pure_bf16=args.pure_bf16,
         tp_size=args.tp_size,
         cp_size=args.cp_size,

@@ -34,6 +34,17 @@ class Combo(NamedTuple):
         )  # fmt: skip
 
 
+def _duration(seconds: float, gpu_hours: float) -> str:
+    """``~12.3 h (98 GPU-hours)``, in minutes under an hour and days over three."""
+    if seconds < 3600:
+        wall = f"~{seconds / 60:.0f} min"
+    elif seconds < 3 * 86400:
+        wall = f"~{seconds / 3600:.1f} h"
+    else:
+        wall = f"~{seconds / 86400:.1f} days"
+    return f"{wall} ({gpu_hours:,.0f} GPU-hours)"
+
+
 def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes / GIB:.2f} GiB" if abs(num_bytes) >= GIB else f"{num_bytes / 1024**2:.1f} MiB"
 
@@ -123,6 +134,7 @@ class Plan:
     verification: str = ""  # what plan(verify=True) traced, rejected, or could not trace, and why
     load: LoadMemory | None = None  # host RAM while the chosen engine loads the model
     fused_lm_head: bool = False  # the loss runs through TRL's fused LM head (SFTTrainer): no logits held
+    train_tokens: int | None = None  # tokens the run trains on: time_to_finish() and explain() state the wall time
 
     @property
     def layout(self) -> Layout:
@@ -131,6 +143,31 @@ class Plan:
             self.strategy, self.world_size, self.nodes, self.offload, self.activation_checkpointing,
             self.mixed_precision, self.pure_bf16, self.tp_size, self.cp_size, self.sp_size, self.offload_device,
         )  # fmt: skip
+
+    def time_to_finish(self, candidate: Candidate | None = None) -> tuple[float, float] | None:
+        """(wall seconds, GPU-hours) to train ``train_tokens`` at the estimated speed of the chosen layout, or of one
+        of its ``candidate`` alternatives; None without ``train_tokens`` or a speed estimate."""
+        speed = (candidate or self).tokens_per_s
+        if not self.train_tokens or not speed:
+            return None
+        seconds = self.train_tokens / speed
+        return seconds, seconds * self.world_size / 3600
+
+    def _time_text(self) -> str:
+        """The chosen layout's time to finish, then the fastest fitting alternatives'."""
+        chosen = self.time_to_finish()
+        if chosen is None:
+            return ""
+        others = sorted(
+            (c for c in self.candidates if c.fits and c.key != self._chosen_key and c.tokens_per_s),
+            key=lambda c: -(c.tokens_per_s or 0),
+        )[:3]
+        alternatives = "; ".join(f"{c.label} {_duration(*self.time_to_finish(c))}" for c in others)
+        return (
+            f"{self.train_tokens:.3g} tokens in {_duration(*chosen)} on {self.world_size} GPUs"
+            + (f" (alternatives: {alternatives})" if alternatives else "")
+            + "; estimated from the modelled speed, which the throughput callback corrects as it runs (perf/eta_s)"
+        )
 
     @property
     def optimizer_state_dtype(self) -> str:
@@ -152,6 +189,8 @@ class Plan:
         out["memory"] = self.memory.to_dict()
         out["optimizer_state_dtype"] = self.optimizer_state_dtype
         out["hardware"] = self.hardware.to_dict()
+        finish = self.time_to_finish()
+        out["time_to_finish"] = None if finish is None else {"seconds": finish[0], "gpu_hours": finish[1]}
         out["load"] = None if self.load is None else {**asdict(self.load), "path": self.load.path.name}
         out["model"] = {k: v for k, v in asdict(self.model).items() if k != "config"}
         out["candidates"] = [
@@ -188,6 +227,8 @@ class Plan:
         ]
         if self.load is not None:
             lines.append(f"host RAM at load: {self.load.text()}")
+        if self._time_text():
+            lines.append(f"time to finish: {self._time_text()}")
         if self.liger_note:
             lines.append(f"liger: {self.liger_note}")
         if self.margin_note:

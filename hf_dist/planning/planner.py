@@ -350,6 +350,7 @@ def plan(
     nvme_gbps: float | None = None,
     features: Any = None,
     fused_lm_head: bool = False,
+    train_tokens: int | float | None = None,
     verify: bool = False,
     verify_time_limit_s: float = 120.0,
 ) -> Plan:
@@ -368,7 +369,9 @@ def plan(
     is searched when nothing else fits) describe the hardware when ``hardware`` is not passed. ``features``: what
     the libraries accept (default: the installed ones, ``hf_dist.runtime.support.installed_features()``).
     ``fused_lm_head=True``: the loss runs through TRL's fused LM head (``SFTTrainer``; ``auto_args(config_class=
-    SFTConfig)`` sets it), which never holds the logits. ``verify=True`` traces the chosen layout on the real model with fake tensors (:mod:`hf_dist.tracing`, seconds to
+    SFTConfig)`` sets it), which never holds the logits. ``train_tokens``: the tokens the run will train on; the
+    plan then states the estimated wall time and GPU-hours of its choice and of the alternatives
+    (:meth:`Plan.time_to_finish`). ``verify=True`` traces the chosen layout on the real model with fake tensors (:mod:`hf_dist.tracing`, seconds to
     a minute; at most ``verify_time_limit_s`` per trace) and moves to the next candidate when the trace does not fit
     (``Plan.trace``, ``Plan.verification``; docs/planner.md, "Tracing").
     Raises PlanError (a ValueError) naming the minimum hardware when nothing fits.
@@ -377,6 +380,10 @@ def plan(
         raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
     if not 0 <= safety_margin < 1:
         raise ValueError(f"safety_margin must be in [0, 1), got {safety_margin!r}")
+    if train_tokens is not None and (
+        isinstance(train_tokens, bool) or not isinstance(train_tokens, int | float) or not train_tokens >= 1
+    ):
+        raise ValueError(f"train_tokens must be a positive number of tokens (e.g. 2e9), got {train_tokens!r}")
     for name, value in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -474,6 +481,7 @@ def plan(
         dimensions=dims + _chosen_dimensions(best),
         load=_load(setup, best.key),
         fused_lm_head=bool(fused_lm_head),
+        train_tokens=None if train_tokens is None else int(train_tokens),
     )
     if not verify:
         return result

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from hf_dist.cli.main import main
 from hf_dist.testing import tiny_llama_config
 
@@ -92,3 +94,37 @@ def test_nothing_fits_is_one_finding_a_line(tmp_path, capsys):
         "activation_checkpointing=True"
     )
     assert all(line.startswith("  - ") for line in lines[1:]) and max(map(len, lines)) < 220
+
+
+def test_plan_time_to_finish(tmp_path, capsys):
+    from hf_dist.testing import public_config
+
+    public_config("llama-3-8b").save_pretrained(tmp_path)
+    args = [
+        "plan",
+        str(tmp_path),
+        "--gpus",
+        "8",
+        "--gpu-memory",
+        "80",
+        "--global-batch",
+        "64",
+        "--train-tokens",
+        "2e9",
+    ]
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    seconds = 2e9 / data["tokens_per_s"]
+    assert data["train_tokens"] == 2_000_000_000
+    assert data["time_to_finish"] == {
+        "seconds": pytest.approx(seconds),
+        "gpu_hours": pytest.approx(seconds * 8 / 3600),
+    }
+    assert main(args) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("time to finish: "))
+    assert line.startswith(
+        f"time to finish: 2e+09 tokens in ~{seconds / 3600:.1f} h ({seconds * 8 / 3600:,.0f} GPU-hours)"
+    )
+    assert "(alternatives: " in line and "perf/eta_s" in line
+    assert main([*args[:-1], "-5"]) == 1
+    assert "train_tokens must be a positive number of tokens" in capsys.readouterr().err

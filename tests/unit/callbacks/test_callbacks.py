@@ -109,6 +109,9 @@ def test_memory_and_throughput_reach_every_logging_backend(make_trainer, tiny_pl
         assert entry["perf/mfu"] == pytest.approx(tps * fpt / 1e12, rel=0.01, abs=1e-5)
         assert entry["perf/scaling_efficiency"] == pytest.approx(tps / 1e3, rel=0.01)
     assert cbs[1]._handle is None  # the token-counting hook is removed at train end
+    # time to max_steps at the mean step time so far: two steps left after the first, none after the last
+    assert steps[0]["perf/eta_s"] == pytest.approx(2 * steps[0]["perf/step_time_s"], abs=0.1)
+    assert steps[-1]["perf/eta_s"] == 0
 
 
 def _nan_loss_from(model, first_bad_step: int, last_bad_step: int = 10**9):
@@ -293,3 +296,17 @@ def test_profiler_records_cuda_and_counts_device_time(fake_cuda, monkeypatch, tm
     assert torch.profiler.ProfilerActivity.CUDA in made[0].activities
     assert "sync" in fake_cuda  # kernels finished before the window closed
     assert callback.comm_share == pytest.approx(2_000.0 / 10_000.0)  # NCCL kernel device time / wall time
+
+
+def test_eta_uses_the_mean_measured_step_time_and_compares_speed_with_the_plan():
+    from types import SimpleNamespace
+
+    cb = ThroughputCallback(SimpleNamespace(tokens_per_s=1000.0, hardware=None))
+    state = SimpleNamespace(max_steps=100, global_step=10)
+    assert cb._eta(state, elapsed=30.0, steps=10, tokens_per_s=500.0) == {
+        "perf/eta_s": 270.0,  # 90 steps left at 3 s each
+        "perf/tokens_per_s_vs_plan": 0.5,
+    }
+    state.global_step = 20
+    assert cb._eta(state, elapsed=10.0, steps=10, tokens_per_s=1000.0)["perf/eta_s"] == 160.0  # 80 x (40 s / 20)
+    assert "perf/eta_s" not in cb._eta(SimpleNamespace(max_steps=-1, global_step=1), 1.0, 1, 1.0)
