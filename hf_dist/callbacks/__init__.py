@@ -98,5 +98,7 @@ def attach(
     position = flow[-1] + 1 if flow else 0
     handler[position:position] = callbacks
     for callback in callbacks:
+        if hasattr(callback, "trainer") and callback.trainer is None:  # ThroughputCallback: times the wrapped model
+            callback.trainer = trainer
         callback.on_init_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
     return callbacks

@@ -8,6 +8,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from hf_dist.callbacks.memory import _add_to_logs
+from hf_dist.callbacks.stragglers import Arrivals, hostnames, report, stragglers
 from hf_dist.planning.flops import mfu, scaling_efficiency, training_flops_per_token
 from hf_dist.runtime import dist as _dist
 
@@ -68,10 +69,19 @@ class ThroughputCallback(TrainerCallback):
       single-process figure measured on the same setup.
     - ``perf/eta_s``: seconds to ``max_steps`` at the speed measured since training began (the plan's estimate
       corrected by what runs), and ``perf/tokens_per_s_vs_plan``: measured over the plan's estimated tokens/s.
+    - ``perf/straggler_rank_<r>_late_s``: a rank that arrives at its steps' forward later than the median rank by
+      over 20 % of a step (:mod:`hf_dist.callbacks.stragglers`), in seconds per step, with one warning line naming
+      rank and host. It rides on the same gather as the tokens/s: no extra collective per log. ``trainer``
+      (:func:`hf_dist.callbacks.attach` passes it) times the outermost module, before the engine's own collectives.
     """
 
     def __init__(
-        self, plan: Any = None, *, peak_tflops: float | None = None, baseline_tokens_per_s: float | None = None
+        self,
+        plan: Any = None,
+        *,
+        peak_tflops: float | None = None,
+        baseline_tokens_per_s: float | None = None,
+        trainer: Any = None,
     ):
         if peak_tflops is not None and peak_tflops <= 0:
             raise ValueError(f"peak_tflops must be > 0 (dense TFLOP/s of one device), got {peak_tflops}")
@@ -88,6 +98,10 @@ class ThroughputCallback(TrainerCallback):
         self._last_step = 0
         self._trained_s = 0.0  # wall time of the steps measured so far (the logging gathers left out)
         self._trained_steps = 0
+        self.trainer = trainer
+        self._arrivals = Arrivals()
+        self._hosts: list[str] = []
+        self._arrival_handle = None
 
     def _hook(self, module, args, kwargs):
         if module.training:
@@ -95,17 +109,31 @@ class ThroughputCallback(TrainerCallback):
             self._tokens += tokens
             self._seq_len = seq_len or self._seq_len
 
+    def _arrival_hook(self, module, args):
+        self._arrivals.forward_called()
+
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is not None and self._handle is None:
             self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
             self._model = model
+        if self._arrival_handle is None:
+            outer = getattr(self.trainer, "model_wrapped", None) or model  # DDP / DeepSpeed engine, or the model
+            if outer is not None:  # first among its hooks: before FSDP2's own pre-forward all-gather
+                self._arrival_handle = outer.register_forward_pre_hook(self._arrival_hook, prepend=True)
+        self._hosts = hostnames()
         self._last_time = time.perf_counter()
         self._last_step = state.global_step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._arrivals.step_began()
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        if self._arrival_handle is not None:
+            self._arrival_handle.remove()
+            self._arrival_handle = None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or "loss" not in logs:
@@ -113,7 +141,7 @@ class ThroughputCallback(TrainerCallback):
         now = time.perf_counter()
         steps = max(state.global_step - self._last_step, 1)
         elapsed = max(now - self._last_time, 1e-9)
-        ranks = _dist.gather_floats([self._tokens / elapsed])
+        ranks = _dist.gather_floats([self._tokens / elapsed, self._arrivals.take()])  # one collective
         per_rank = [r[0] for r in ranks]
         total = sum(per_rank)
         metrics = {
@@ -132,6 +160,8 @@ class ThroughputCallback(TrainerCallback):
                 scaling_efficiency(total, len(per_rank), self.baseline_tokens_per_s), 4
             )
         metrics.update(self._eta(state, elapsed, steps, total))
+        late = stragglers([r[1] for r in ranks], steps, elapsed / steps)
+        metrics.update(report(late, self._hosts, elapsed / steps, state.global_step))
         _add_to_logs(state, logs, metrics)
         self._tokens = 0
         self._last_time = time.perf_counter()  # the gather above is not training time

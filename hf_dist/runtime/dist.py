@@ -70,6 +70,17 @@ def gather_floats(values: list[float]) -> list[list[float]]:
     return [t.tolist() for t in out]
 
 
+def gather_objects(value: Any) -> list[Any]:
+    """All ranks' picklable ``value``, indexed by rank; collective."""
+    if not is_distributed():
+        return [value]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def accelerator_state() -> Any | None:
     """accelerate's shared AcceleratorState when the Trainer has created one, else None."""
     try:

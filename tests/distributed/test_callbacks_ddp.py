@@ -18,8 +18,9 @@ SCRIPT = REPO_ROOT / "tests/distributed/scripts/lifecycle_train.py"
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("callbacks")
-    args = ["--output-dir", out, "--max-steps", "4", "--save-steps", "2", "--export", "--profile"]
-    torchrun(SCRIPT, args, timeout=300, outputs=[out])
+    args = ["--output-dir", out, "--max-steps", "4", "--save-steps", "2", "--export", "--profile", "--straggler", "1"]
+    proc = torchrun(SCRIPT, args, timeout=300, outputs=[out])
+    (out / "launch.log").write_text(proc.stdout + proc.stderr)
     return out
 
 
@@ -44,6 +45,16 @@ def test_logs_carry_per_rank_memory_and_throughput(run_dir):
     # The callback counted exactly batch 2 x seq 16 tokens per rank per step.
     first = steps[1]
     assert first["perf/tokens_per_s_rank_max"] * first["perf/step_time_s"] == pytest.approx(32, rel=0.15)
+
+
+def test_a_rank_that_sleeps_is_named_as_the_straggler(run_dir):
+    """Rank 1 sleeps 0.3 s at every step's start; rank 0 exports a checkpoint on every save (slow, rank 0 only) and
+    is never named: saves fall outside the time a rank spends on its own."""
+    steps = [h for h in json.loads((run_dir / "log_history.json").read_text()) if "loss" in h]
+    # 0.3 s after rank 0 at every step: 0.15 s after the median of two ranks (their mean)
+    assert all(0.1 < h["perf/straggler_rank_1_late_s"] < 0.2 for h in steps), steps
+    assert not any("perf/straggler_rank_0_late_s" in h for h in steps)
+    assert "straggler at step 1: rank 1 on " in (run_dir / "launch.log").read_text()
 
 
 def test_model_states_match_adamw_accounting(run_dir):

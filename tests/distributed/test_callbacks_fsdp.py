@@ -54,3 +54,10 @@ def test_resuming_fsdp_checkpoint_into_ddp_is_refused(run_dir):
         RuntimeError, match=r"(?s)cannot resume a ddp run .*FSDP distributed checkpoint.*hf-dist convert"
     ):
         hf_dist.auto_resume(run_dir, strategy="ddp")
+
+
+def test_a_normal_run_with_rank_0_exports_on_save_names_no_straggler(run_dir):
+    """Every save exports the gathered model on rank 0 (slow, one rank): saves come between steps, so no alarm."""
+    steps = [h for h in json.loads((run_dir / "log_history.json").read_text()) if "loss" in h]
+    assert len(steps) == 4 and all(h["perf/tokens_per_s"] > 0 for h in steps)
+    assert not [k for h in steps for k in h if k.startswith("perf/straggler")], steps

@@ -16,6 +16,7 @@ import faulthandler
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -54,6 +55,17 @@ class KillAtStep(TrainerCallback):
                 kill_once(self.out, "step", step)
 
 
+class SleepAtStepBegin(TrainerCallback):
+    """A straggler: ``rank`` sleeps ``seconds`` at the start of every micro-step."""
+
+    def __init__(self, rank: int, seconds: float) -> None:
+        self.rank, self.seconds = rank, seconds
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.rank == RANK:
+            time.sleep(self.seconds)
+
+
 class KillDuringSaveTrainer(Trainer):
     kill_during_save: list[tuple[int, int]] = []
 
@@ -74,6 +86,7 @@ def main() -> None:
     parser.add_argument("--kill-during-save", action="append", default=[], type=parse_kill)
     parser.add_argument("--export", action="store_true", help="add ExportCallback(on_save=True)")
     parser.add_argument("--profile", action="store_true", help="add ProfilerCallback on steps 2..3 of every rank")
+    parser.add_argument("--straggler", type=int, help="this rank sleeps 0.3 s at the start of every step")
     strategy = parser.add_mutually_exclusive_group()
     strategy.add_argument(
         "--fsdp", action="store_true", help="FSDP2 full shard on CPU (hf_dist.runtime.cpu_fsdp), DCP checkpoints"
@@ -123,6 +136,8 @@ def main() -> None:
     extra += [ProfilerCallback(start_step=1, num_steps=2, ranks=(0, 1))] if opts.profile else []
     attach(trainer, default() + extra)
     trainer.add_callback(KillAtStep(out, opts.kill))
+    if opts.straggler is not None:
+        trainer.add_callback(SleepAtStepBegin(opts.straggler, 0.3))
 
     resume = hf_dist.auto_resume(out, strategy=trainer)
     if RANK == 0:
