@@ -22,6 +22,7 @@ _NAMES = {
     "PlanCallback": "hf_dist.callbacks.plan",
     "MemoryCallback": "hf_dist.callbacks.memory",
     "ThroughputCallback": "hf_dist.callbacks.throughput",
+    "HangWatchdogCallback": "hf_dist.callbacks.watchdog",
     "NanGuardCallback": "hf_dist.callbacks.nan_guard",
     "ExportCallback": "hf_dist.callbacks.export",
     "ProfilerCallback": "hf_dist.callbacks.profiler",
@@ -59,6 +60,7 @@ def default(plan: Any = None, *, resume_from: str | None = None) -> list[Trainer
     from hf_dist.callbacks.plan import PlanCallback
     from hf_dist.callbacks.resume import CompleteCheckpointCallback, ShardedResumeCallback
     from hf_dist.callbacks.throughput import ThroughputCallback
+    from hf_dist.callbacks.watchdog import HangWatchdogCallback
     from hf_dist.checkpoint.reshard import reshard_callback
 
     callbacks: list[TrainerCallback] = [PlanCallback(plan)] if plan is not None else []
@@ -68,6 +70,7 @@ def default(plan: Any = None, *, resume_from: str | None = None) -> list[Trainer
         NanGuardCallback(),
         ThroughputCallback(plan),
         MemoryCallback(plan),
+        HangWatchdogCallback(),
     ]
     callbacks.append(reshard_callback())
     return callbacks

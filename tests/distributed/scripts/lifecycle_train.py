@@ -23,7 +23,7 @@ import torch
 from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 import hf_dist
-from hf_dist.callbacks import ExportCallback, ProfilerCallback, attach, default
+from hf_dist.callbacks import ExportCallback, HangWatchdogCallback, ProfilerCallback, attach, default
 from hf_dist.runtime.bootstrap import init_distributed_for_restarts
 from hf_dist.runtime.dist import shutdown
 from hf_dist.testing import TokenDataset, tiny_llama_config
@@ -58,11 +58,11 @@ class KillAtStep(TrainerCallback):
 class SleepAtStepBegin(TrainerCallback):
     """A straggler: ``rank`` sleeps ``seconds`` at the start of every micro-step."""
 
-    def __init__(self, rank: int, seconds: float) -> None:
-        self.rank, self.seconds = rank, seconds
+    def __init__(self, rank: int, seconds: float, at_step: int | None = None) -> None:
+        self.rank, self.seconds, self.at_step = rank, seconds, at_step
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if self.rank == RANK:
+        if self.rank == RANK and self.at_step in (None, state.global_step + 1):
             time.sleep(self.seconds)
 
 
@@ -87,6 +87,10 @@ def main() -> None:
     parser.add_argument("--export", action="store_true", help="add ExportCallback(on_save=True)")
     parser.add_argument("--profile", action="store_true", help="add ProfilerCallback on steps 2..3 of every rank")
     parser.add_argument("--straggler", type=int, help="this rank sleeps 0.3 s at the start of every step")
+    parser.add_argument("--hang", type=parse_kill, help="STEP:RANK: that rank blocks for 120 s at that step's start")
+    parser.add_argument(
+        "--watchdog-limit", type=float, help="HangWatchdogCallback(limit_s=...) instead of the default"
+    )
     strategy = parser.add_mutually_exclusive_group()
     strategy.add_argument(
         "--fsdp", action="store_true", help="FSDP2 full shard on CPU (hf_dist.runtime.cpu_fsdp), DCP checkpoints"
@@ -134,10 +138,17 @@ def main() -> None:
     trainer = KillDuringSaveTrainer(model=model, args=args, train_dataset=TokenDataset())
     extra = [ExportCallback(on_save=True)] if opts.export else []
     extra += [ProfilerCallback(start_step=1, num_steps=2, ranks=(0, 1))] if opts.profile else []
-    attach(trainer, default() + extra)
+    callbacks = default() + extra
+    if opts.watchdog_limit:
+        callbacks = [c for c in callbacks if not isinstance(c, HangWatchdogCallback)]
+        callbacks.append(HangWatchdogCallback(limit_s=opts.watchdog_limit, gather_s=5))
+    attach(trainer, callbacks)
     trainer.add_callback(KillAtStep(out, opts.kill))
     if opts.straggler is not None:
         trainer.add_callback(SleepAtStepBegin(opts.straggler, 0.3))
+    if opts.hang is not None:
+        step, rank = opts.hang
+        trainer.add_callback(SleepAtStepBegin(rank, 120.0, at_step=step))
 
     resume = hf_dist.auto_resume(out, strategy=trainer)
     if RANK == 0:

@@ -223,9 +223,9 @@ def test_default_set(tiny_plan):
     assert kinds[:5] == [
         ShardedResumeCallback, CompleteCheckpointCallback, NanGuardCallback, ThroughputCallback, MemoryCallback
     ]  # fmt: skip  # the optimizer shards are written before the marker lists the files
-    assert [k.__name__ for k in kinds[5:]] == ["ReshardCallback"]
+    assert [k.__name__ for k in kinds[5:]] == ["HangWatchdogCallback", "ReshardCallback"]
     with_plan = default(tiny_plan)
-    assert isinstance(with_plan[0], PlanCallback) and with_plan[-2].plan is tiny_plan
+    assert isinstance(with_plan[0], PlanCallback) and with_plan[-3].plan is tiny_plan
 
 
 # --- CUDA code paths, with torch.cuda's statistics replaced (no GPU on this machine or in CI) ---
