@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.planning.layout import REGISTRY, Layout
+from hf_dist.runtime.launch import GLOO_ABORT
 
 # strategies a single node can run; hsdp needs >= 2 nodes, which one bench run does not launch
 SINGLE_NODE_STRATEGIES = tuple(name for name, s in REGISTRY.items() if s.min_nodes == 1)
@@ -212,6 +213,13 @@ def _model_config(model: str | None) -> Any:
 
 def measure(config: BenchConfig, strategy: str, nproc: int, device: str) -> Measurement:
     """Launch ``nproc`` processes with torchrun running the worker; return its figures or the failure."""
+    first = _measure_once(config, strategy, nproc, device)
+    if device == "cpu" and first.error is not None and first.error.startswith(GLOO_ABORT):
+        return _measure_once(config, strategy, nproc, device)  # gloo's rare abort of a CPU rank: once more
+    return first
+
+
+def _measure_once(config: BenchConfig, strategy: str, nproc: int, device: str) -> Measurement:
     from hf_dist.runtime.launch import cpu_env, free_port
 
     with tempfile.TemporaryDirectory(prefix="hf-dist-bench-") as tmp:
@@ -227,7 +235,8 @@ def measure(config: BenchConfig, strategy: str, nproc: int, device: str) -> Meas
         if proc.returncode != 0 or not result.is_file():
             log = proc.stdout + proc.stderr
             tail = "\n".join(log.strip().splitlines()[-40:])
-            return Measurement(strategy, nproc, error=_last_error(log), log_tail=tail)
+            error = f"{GLOO_ABORT} (gloo's rare abort of a rank)" if GLOO_ABORT in log else _last_error(log)
+            return Measurement(strategy, nproc, error=error, log_tail=tail)
         return Measurement(strategy, nproc, **json.loads(result.read_text()))
 
 

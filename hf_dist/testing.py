@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from hf_dist.embedded.model import tiny_llama_config  # noqa: F401  (tests build the embedded model)
-from hf_dist.runtime.launch import REPO_ROOT, cpu_env, free_port  # noqa: F401  (re-exported for tests)
+from hf_dist.runtime.launch import GLOO_ABORT, REPO_ROOT, cpu_env, free_port  # noqa: F401  (re-exported for tests)
 
 T = TypeVar("T")
 
@@ -172,11 +172,6 @@ def run_checked(cmd: Sequence[str], *, env: dict[str, str], timeout: float, cwd=
     if proc.returncode != 0:
         raise RuntimeError(_failure(f"failed with exit code {proc.returncode}", cmd, stdout, stderr))
     return proc
-
-
-# The rare abort of a gloo rank (a C++ thread destroyed while joinable), at start or at exit, whatever the script
-# does: measured about 1 launch in 100 (benchmarks/gloo_exit.py).
-GLOO_ABORT = "terminate called without an active exception"
 
 
 def retry_gloo_abort(launch: Callable[[int], T]) -> T:
