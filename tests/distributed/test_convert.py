@@ -231,9 +231,7 @@ def test_foreign_pickle_is_refused_unless_trusted(ds_runs, tmp_path):
     state = torch.load(model_states, weights_only=False)
     state["args"] = argparse.Namespace(lr=0.1)  # what older training scripts pickle into checkpoints
     torch.save(state, model_states)
-    with pytest.raises(
-        RuntimeError, match=r"mp_rank_00_model_states\.pt: it contains the type argparse\.Namespace"
-    ):
+    with pytest.raises(RuntimeError, match=r"mp_rank_00_model_states\.pt: it contains the type argparse\.Namespace"):
         convert(ckpt, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
     assert main(["convert", str(ckpt), str(tmp_path / "out"), "--trust-pickles", "--no-progress"]) == 0
