@@ -7,10 +7,11 @@ the innermost frame its main thread is in ("rank 0 waits in all_reduce at ...; r
 every rank exits with :data:`HANG_EXIT_CODE`. The run resumes from its last complete checkpoint
 (``hf_dist.auto_resume``).
 
-The limit: ``limit_s`` when given, else ``factor`` times the longest interval between two progress events seen so
-far (a step, a save), at least ``min_limit_s``; before the first step ends, ``first_limit_s`` (model loading and the
-first step's compilation). It is always under the process group's timeout (``TrainingArguments.ddp_timeout``);
-a limit at or above it is refused, since the collective would time out first with no stacks.
+The limit: ``limit_s`` when given, else ``factor`` times the longest interval of the same kind seen so far (a step,
+a save, an evaluation: the Trainer's flow says at each step's end whether a save or an evaluation follows), at least
+``min_limit_s``; ``first_limit_s`` for the first of each kind (the first step's compilation, the first save). It
+is always under the process group's timeout (``TrainingArguments.ddp_timeout``); a limit at or above it is refused,
+since the collective would time out first with no stacks.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class HangWatchdogCallback(TrainerCallback):
         self.limit_s, self.factor, self.min_limit_s = limit_s, factor, min_limit_s
         self.first_limit_s, self.gather_s = first_limit_s, gather_s
         self._last = 0.0
-        self._longest = 0.0
+        self._longest = {"step": 0.0, "save": 0.0, "evaluate": 0.0}  # per kind of work between two events
+        self._pending: list[str] = []  # what follows this step's end: "evaluate", "save" (the Trainer's order)
         self._step = 0
         self._out: Path | None = None
         self._stop = threading.Event()
@@ -66,43 +68,51 @@ class HangWatchdogCallback(TrainerCallback):
             )
         self._out = Path(args.output_dir) / "hang"
         self._step = state.global_step
-        self._progress()
+        self._progress(None)
         self._stop.clear()
         self._trainer_thread = threading.get_ident()
         self._thread = threading.Thread(target=self._watch, name="hf_dist-hang-watchdog", daemon=True)
         self._thread.start()
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._progress()
+        self._progress("step")
 
     def on_step_end(self, args, state, control, **kwargs):
+        self._progress("step")
         self._step = state.global_step
-        self._progress()
+        self._pending = [k for k, on in (("evaluate", control.should_evaluate), ("save", control.should_save)) if on]
 
     def on_log(self, args, state, control, **kwargs):
-        self._progress()
-
-    def on_save(self, args, state, control, **kwargs):
-        self._progress()
+        self._progress(None)
 
     def on_evaluate(self, args, state, control, **kwargs):
-        self._progress()
+        self._progress("evaluate")
+
+    def on_save(self, args, state, control, **kwargs):
+        self._progress("save")
 
     def on_train_end(self, args, state, control, **kwargs):
         self._stop.set()
 
     # ------------------------------------------------------------------ the watch
-    def _progress(self) -> None:
+    def _progress(self, kind: str | None) -> None:
+        """An event that ends work of ``kind`` (None: bookkeeping, e.g. a log) since the previous event."""
         now = time.monotonic()
-        if self._last and self._step > 0:
-            self._longest = max(self._longest, now - self._last)
+        if kind == "step" and self._step == 0:
+            kind = None  # the first step (compilation, warm-up) sets no pace
+        if kind is not None and self._last:
+            self._longest[kind] = max(self._longest[kind], now - self._last)
+        if kind in self._pending:
+            self._pending.remove(kind)
         self._last = now
 
     def limit(self) -> float:
-        """Seconds without progress that count as a hang, always under the process group's timeout."""
+        """Seconds without progress that count as a hang for the work under way, always under the process group's
+        timeout."""
         if self.limit_s is not None:
             return self.limit_s
-        limit = self.first_limit_s if self._longest == 0 else max(self.min_limit_s, self.factor * self._longest)
+        longest = self._longest[self._pending[0] if self._pending else "step"]
+        limit = self.first_limit_s if longest == 0 else max(self.min_limit_s, self.factor * longest)
         return min(limit, 0.8 * self._timeout_s)
 
     def _watch(self) -> None:

@@ -22,14 +22,22 @@ def test_a_limit_at_or_above_the_process_group_timeout_is_refused(tmp_path):
         HangWatchdogCallback(limit_s=0)
 
 
-def test_the_limit_follows_the_longest_step_and_stays_under_the_timeout():
+def test_the_limit_follows_the_longest_work_of_its_kind_and_stays_under_the_timeout():
     watchdog = HangWatchdogCallback(factor=10, min_limit_s=300, first_limit_s=1800)
     watchdog._timeout_s = 1000
     assert watchdog.limit() == 800  # before a step ends: first_limit_s, capped at 0.8 of the timeout
-    watchdog._longest = 5
+    watchdog._longest["step"] = 5
     assert watchdog.limit() == 300  # 10 x 5 s, at least min_limit_s
-    watchdog._longest = 60  # a slow save
+    watchdog._longest["step"] = 60
     assert watchdog.limit() == 600
+    # a save follows this step's end: the first save gets first_limit_s, later ones 10x the longest save
+    control = SimpleNamespace(should_evaluate=False, should_save=True)
+    watchdog.on_step_end(None, SimpleNamespace(global_step=4), control)
+    assert watchdog._pending == ["save"] and watchdog.limit() == 800
+    watchdog._longest["save"] = 20
+    assert watchdog.limit() == 300
+    watchdog.on_save(None, None, None)
+    assert watchdog._pending == [] and watchdog.limit() == 600
     assert HangWatchdogCallback(limit_s=42).limit() == 42
 
 
