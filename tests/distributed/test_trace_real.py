@@ -25,7 +25,9 @@ SETUPS = {
     "ddp_ckpt": TraceSetup(strategy="ddp", activation_checkpointing=True, **SHAPE),
     "ddp_lora_ckpt": TraceSetup(strategy="ddp", method="lora", activation_checkpointing=True, **SHAPE),
 }
-TOLERANCE = {"ddp_ckpt": 0.01, "ddp_lora_ckpt": 0.03}  # the others: 0.1 %
+# the others: 0.1 %. FSDP2 with accumulation: in 1 of ~10 CI runs the real peak held one more sharded root-unit buffer
+# (32,896 bytes: half of the 256 x 64 fp32 embedding, + 128), freed by gloo's reduce-scatter work in another order
+TOLERANCE = {"ddp_ckpt": 0.01, "ddp_lora_ckpt": 0.03, "fsdp_full_shard_accumulation": 0.02}
 
 
 @pytest.fixture(scope="module")
