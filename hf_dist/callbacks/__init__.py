@@ -26,6 +26,7 @@ _NAMES = {
     "NanGuardCallback": "hf_dist.callbacks.nan_guard",
     "ExportCallback": "hf_dist.callbacks.export",
     "ProfilerCallback": "hf_dist.callbacks.profiler",
+    "AsyncCheckpointCallback": "hf_dist.callbacks.resume",
     "CompleteCheckpointCallback": "hf_dist.callbacks.resume",
     "ShardedResumeCallback": "hf_dist.callbacks.resume",
     "auto_resume": "hf_dist.checkpoint.auto_resume",
@@ -45,7 +46,7 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def default(plan: Any = None, *, resume_from: str | None = None) -> list[TrainerCallback]:
+def default(plan: Any = None, *, resume_from: str | None = None, async_save: bool = False) -> list[TrainerCallback]:
     """The recommended set: complete-checkpoint markers, NaN guard, throughput, memory, the plan when given,
     the optimizer checkpoint of models sharded at load (TP; :class:`~hf_dist.callbacks.resume.ShardedResumeCallback`,
     before the markers) and the repair DeepSpeed's universal-checkpoint loads need
@@ -53,12 +54,14 @@ def default(plan: Any = None, *, resume_from: str | None = None) -> list[Trainer
 
     Export and profiling cost disk and time, so they are opt-in (``ExportCallback``, ``ProfilerCallback``).
     ``resume_from``: the checkpoint ``trainer.train(resume_from_checkpoint=...)`` resumes, when it is not in the run's
-    ``output_dir`` (the optimizer state of a model sharded at load is read from there).
+    ``output_dir`` (the optimizer state of a model sharded at load is read from there). ``async_save``: checkpoints
+    written in the background (:class:`~hf_dist.callbacks.resume.AsyncCheckpointCallback` instead of
+    ``CompleteCheckpointCallback``; it needs :func:`attach`).
     """
     from hf_dist.callbacks.memory import MemoryCallback
     from hf_dist.callbacks.nan_guard import NanGuardCallback
     from hf_dist.callbacks.plan import PlanCallback
-    from hf_dist.callbacks.resume import CompleteCheckpointCallback, ShardedResumeCallback
+    from hf_dist.callbacks.resume import AsyncCheckpointCallback, CompleteCheckpointCallback, ShardedResumeCallback
     from hf_dist.callbacks.throughput import ThroughputCallback
     from hf_dist.callbacks.watchdog import HangWatchdogCallback
     from hf_dist.checkpoint.reshard import reshard_callback
@@ -66,7 +69,7 @@ def default(plan: Any = None, *, resume_from: str | None = None) -> list[Trainer
     callbacks: list[TrainerCallback] = [PlanCallback(plan)] if plan is not None else []
     callbacks += [
         ShardedResumeCallback(resume_from=resume_from),
-        CompleteCheckpointCallback(),
+        AsyncCheckpointCallback() if async_save else CompleteCheckpointCallback(),
         NanGuardCallback(),
         ThroughputCallback(plan),
         MemoryCallback(plan),
@@ -77,9 +80,15 @@ def default(plan: Any = None, *, resume_from: str | None = None) -> list[Trainer
 
 
 def attach(
-    trainer: Any, callbacks: list[TrainerCallback] | None = None, *, plan: Any = None, resume_from: str | None = None
+    trainer: Any,
+    callbacks: list[TrainerCallback] | None = None,
+    *,
+    plan: Any = None,
+    resume_from: str | None = None,
+    async_save: bool = False,
 ) -> list[TrainerCallback]:
-    """Insert ``callbacks`` (default: ``default(plan, resume_from=...)``) right after the Trainer's flow callback.
+    """Insert ``callbacks`` (default: ``default(plan, resume_from=..., async_save=...)``) right after the Trainer's
+    flow callback.
 
     Refuses at once a launch of several ranks that the Trainer trains as separate one-process copies
     (:func:`hf_dist.callbacks.plan.check_launch`); with ``plan``, the run is checked against it at train start
@@ -95,13 +104,20 @@ def attach(
     from hf_dist.callbacks.plan import check_launch
 
     check_launch(trainer.args)  # several ranks launched, each training alone: refused before anything else
-    callbacks = default(plan, resume_from=resume_from) if callbacks is None else list(callbacks)
+    if callbacks is None:
+        callbacks = default(plan, resume_from=resume_from, async_save=async_save)
+    elif async_save:
+        raise ValueError(
+            "async_save=True chooses the default callbacks; with your own list, add AsyncCheckpointCallback()"
+        )
+    else:
+        callbacks = list(callbacks)
     handler = trainer.callback_handler.callbacks
     flow = [i for i, cb in enumerate(handler) if isinstance(cb, DefaultFlowCallback)]
     position = flow[-1] + 1 if flow else 0
     handler[position:position] = callbacks
     for callback in callbacks:
-        if hasattr(callback, "trainer") and callback.trainer is None:  # ThroughputCallback: times the wrapped model
+        if hasattr(callback, "trainer") and callback.trainer is None:  # Throughput, AsyncCheckpoint: need the trainer
             callback.trainer = trainer
         callback.on_init_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
     return callbacks

@@ -16,10 +16,10 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from hf_dist.checkpoint import sharded_state
-from hf_dist.checkpoint.marker import write_marker
+from hf_dist.checkpoint.marker import clear_writing, mark_writing, write_marker
 from hf_dist.runtime import dist as _dist
 
-__all__ = ["CompleteCheckpointCallback", "ShardedResumeCallback"]
+__all__ = ["AsyncCheckpointCallback", "CompleteCheckpointCallback", "ShardedResumeCallback"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,22 +41,128 @@ class CompleteCheckpointCallback(TrainerCallback):
             )
 
     def on_save(self, args, state, control, **kwargs):
-        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        self.mark(args, state, state.global_step)
+
+    def mark(self, args, state, step: int) -> None:
+        """Collective: once every rank got here, rank 0 marks ``checkpoint-<step>`` complete."""
+        checkpoint = Path(args.output_dir) / f"checkpoint-{step}"
         # on_save runs after _save_checkpoint returned on this rank; the barrier makes it "on every rank".
         _dist.barrier()
         if state.is_world_process_zero and checkpoint.is_dir():
+            clear_writing(checkpoint)  # an async save's note; it must not be listed, and the marker now speaks
             try:
                 write_marker(
                     checkpoint,
                     world_size=max(_dist.world_size(), args.world_size),
                     strategy=_dist.live_strategy(args),
-                    step=state.global_step,
+                    step=step,
                     checksums=self.checksums,
                 )
             except RuntimeError as exc:
                 logger.error("%s", exc)
         # Later callbacks (export) and the next save must see the marker.
         _dist.barrier()
+
+
+class AsyncCheckpointCallback(CompleteCheckpointCallback):
+    """Checkpoints that don't stall training: the Trainer's save stages its state to host memory and returns; a
+    thread writes ``checkpoint-N/`` in the Trainer's own layout (:mod:`hf_dist.checkpoint.async_save` says what is
+    written in the background and what is not). Replaces :class:`CompleteCheckpointCallback`
+    (``attach(trainer, async_save=True)``): the completion marker is written only once every rank's background
+    writes finished, so a job killed during them resumes from the checkpoint before.
+
+    Each step end asks every rank whether its writes ended (one small all-gather, only while a save is under way);
+    the next save and the end of training wait for them. A failed write raises :class:`AsyncSaveError` on every
+    rank and leaves the checkpoint unmarked. DeepSpeed writes its checkpoint itself: there the saves stay
+    synchronous, said once. Before training, the staging copy (this rank's weights and optimizer state) is checked
+    against each node's available host memory.
+    """
+
+    def __init__(self, *, checksums: bool = False) -> None:
+        super().__init__(checksums=checksums)
+        self.trainer = None  # set by attach(); the Trainer's _save_checkpoint is wrapped
+        self.writer = None
+        self.pending_step: int | None = None
+        self.stalls: list[float] = []  # seconds each save held the training thread
+
+    def on_init_end(self, args, state, control, **kwargs):
+        if self.trainer is None:
+            raise ValueError(
+                "AsyncCheckpointCallback wraps the Trainer's save, so it needs the trainer: add it with "
+                "hf_dist.callbacks.attach(trainer, async_save=True) instead of Trainer(callbacks=[...])"
+            )
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        from hf_dist.checkpoint.async_save import BackgroundWriter, check_staging_fits
+        from hf_dist.planning.layout import strategy
+
+        if strategy(_dist.live_strategy(args)).is_deepspeed:
+            if state.is_world_process_zero:
+                logger.warning(
+                    "hf_dist: async_save does not apply to DeepSpeed (its engine writes the checkpoint itself, "
+                    "engine.save_checkpoint): checkpoints are saved synchronously"
+                )
+            return
+        check_staging_fits(model, optimizer, writes_weights=args.should_save)
+        if self.writer is None:
+            self.writer = BackgroundWriter()
+            self._wrap_save()
+
+    def _wrap_save(self) -> None:
+        import time
+
+        trainer, writer = self.trainer, self.writer
+        save = trainer._save_checkpoint
+
+        def save_in_background(model, trial):
+            self.finish(trainer.args, trainer.state, block=True)  # the staging buffers are reused
+            start = time.perf_counter()
+            if trainer.args.should_save:  # before any file: the folder proves nothing until marked
+                mark_writing(
+                    Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}",
+                    trainer.state.global_step,
+                )
+            with writer.intercept():
+                save(model, trial)
+            self.stalls.append(time.perf_counter() - start)
+            self.pending_step = trainer.state.global_step
+
+        trainer._save_checkpoint = save_in_background
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.writer is None:  # DeepSpeed: synchronous
+            super().on_save(args, state, control, **kwargs)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.pending_step is not None:
+            self.finish(args, state, block=False)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.writer is not None:
+            self.finish(args, state, block=True)
+            self.writer.close()
+            self.writer = None
+
+    def finish(self, args, state, *, block: bool) -> None:
+        """Collective: if every rank's writes of the pending save ended, check them and mark the checkpoint."""
+        if self.pending_step is None:
+            return
+        from hf_dist.checkpoint.async_save import AsyncSaveError, all_ranks_done
+
+        done, errors = all_ranks_done(self.writer, block=block)
+        if not done:
+            return
+        step, self.pending_step = self.pending_step, None
+        if errors:
+            raise AsyncSaveError(
+                f"the background write of checkpoint-{step} failed:\n  - " + "\n  - ".join(errors) + "\n"
+                "It is left without hf_dist's completion marker, so auto_resume resumes from the checkpoint before. "
+                "Fix the cause (disk space, permissions) or train without async_save"
+            )
+        self.mark(args, state, step)
+        if state.is_world_process_zero:
+            logger.info("hf_dist: checkpoint-%d written in the background and marked complete", step)
 
 
 class ShardedResumeCallback(TrainerCallback):

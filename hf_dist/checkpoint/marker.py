@@ -24,10 +24,22 @@ from hf_dist.planning.layout import CheckpointFamily
 
 MARKER_NAME = "hf_dist_complete.json"
 MARKER_VERSION = 1
+# A save whose files a background thread is still writing (async_save); removed just before the marker is written.
+WRITING_NAME = "hf_dist_writing.json"
+
+
+def mark_writing(checkpoint_dir: str | os.PathLike, step: int) -> None:
+    """Say that ``checkpoint_dir``'s files are being written in the background: it proves nothing until marked."""
+    atomic_write_json(Path(checkpoint_dir) / WRITING_NAME, {"step": step, "time": time.time()})
+
+
+def clear_writing(checkpoint_dir: str | os.PathLike) -> None:
+    (Path(checkpoint_dir) / WRITING_NAME).unlink(missing_ok=True)
 
 
 def _relative_files(folder: Path) -> list[str]:
-    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != MARKER_NAME)
+    names = (MARKER_NAME, WRITING_NAME)
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name not in names)
 
 
 def missing_rank_files(checkpoint_dir: str | os.PathLike, world_size: int) -> list[str]:
@@ -147,6 +159,10 @@ def unmarked_reasons(checkpoint_dir: str | os.PathLike, world_size: int) -> list
     caught by its missing files.
     """
     folder = Path(checkpoint_dir)
+    if (folder / WRITING_NAME).is_file():
+        return [
+            f"{WRITING_NAME}: its files were still being written in the background (async_save) when the run stopped"
+        ]
     reasons = _trainer_state_reasons(folder)
     layout = read_layout(folder, strict=False)
     # Sharded files name the ranks that wrote them (and may be resumed on another count); full weights do not.

@@ -76,6 +76,19 @@ class KillDuringSaveTrainer(Trainer):
         super()._save_rng_state(output_dir)
 
 
+def slow_background_writes(seconds: float) -> None:
+    """Every write queued by async_save's writer thread waits ``seconds`` first: a window to kill a rank in."""
+    from hf_dist.checkpoint.async_save import BackgroundWriter
+
+    submit = BackgroundWriter._submit
+
+    def slow_submit(self, fn, *args, **kwargs):
+        submit(self, time.sleep, seconds)
+        submit(self, fn, *args, **kwargs)
+
+    BackgroundWriter._submit = slow_submit
+
+
 def main() -> None:
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where a hung rank is
     parser = argparse.ArgumentParser()
@@ -88,6 +101,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="add ProfilerCallback on steps 2..3 of every rank")
     parser.add_argument("--straggler", type=int, help="this rank sleeps 0.3 s at the start of every step")
     parser.add_argument("--hang", type=parse_kill, help="STEP:RANK: that rank blocks for 120 s at that step's start")
+    parser.add_argument("--async-save", action="store_true", help="attach the default callbacks with async_save=True")
+    parser.add_argument("--slow-write", type=float, default=0.0, help="each background write first sleeps this long")
     parser.add_argument(
         "--watchdog-limit", type=float, help="HangWatchdogCallback(limit_s=...) instead of the default"
     )
@@ -138,7 +153,9 @@ def main() -> None:
     trainer = KillDuringSaveTrainer(model=model, args=args, train_dataset=TokenDataset())
     extra = [ExportCallback(on_save=True)] if opts.export else []
     extra += [ProfilerCallback(start_step=1, num_steps=2, ranks=(0, 1))] if opts.profile else []
-    callbacks = default() + extra
+    callbacks = default(async_save=opts.async_save) + extra
+    if opts.slow_write:
+        slow_background_writes(opts.slow_write)
     if opts.watchdog_limit:
         callbacks = [c for c in callbacks if not isinstance(c, HangWatchdogCallback)]
         callbacks.append(HangWatchdogCallback(limit_s=opts.watchdog_limit, gather_s=5))
@@ -161,6 +178,7 @@ def main() -> None:
     if RANK == 0:
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
         facts = {"model_class": type(trainer.model).__name__, "wrapped": type(trainer.model_wrapped).__name__}
+        facts["save_stalls_s"] = next((c.stalls for c in callbacks if hasattr(c, "stalls")), None)
         if trainer.is_deepspeed_enabled:
             facts["zero_stage"] = trainer.model_wrapped.zero_optimization_stage()
         (out / "facts.json").write_text(json.dumps(facts))
