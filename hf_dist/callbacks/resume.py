@@ -11,6 +11,7 @@ The marker (:mod:`hf_dist.checkpoint.marker`) is what :func:`hf_dist.auto_resume
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -84,6 +85,10 @@ class AsyncCheckpointCallback(CompleteCheckpointCallback):
         self.writer = None
         self.pending_step: int | None = None
         self.stalls: list[float] = []  # seconds each save held the training thread
+        self.written_s: list[float] = []  # seconds from each save's start until it was marked complete
+        self.staged_bytes = 0  # the largest staging copy of this rank so far
+        self._save_start = 0.0
+        self._wrapped = False
 
     def on_init_end(self, args, state, control, **kwargs):
         if self.trainer is None:
@@ -107,28 +112,28 @@ class AsyncCheckpointCallback(CompleteCheckpointCallback):
         check_staging_fits(model, optimizer, writes_weights=args.should_save)
         if self.writer is None:
             self.writer = BackgroundWriter()
+        if not self._wrapped:  # once per Trainer, however many times it trains
             self._wrap_save()
 
     def _wrap_save(self) -> None:
-        import time
-
-        trainer, writer = self.trainer, self.writer
-        save = trainer._save_checkpoint
+        trainer, save = self.trainer, self.trainer._save_checkpoint
 
         def save_in_background(model, trial):
+            if self.writer is None:  # DeepSpeed, or outside train(): the Trainer's own save
+                return save(model, trial)
             self.finish(trainer.args, trainer.state, block=True)  # the staging buffers are reused
             start = time.perf_counter()
             if trainer.args.should_save:  # before any file: the folder proves nothing until marked
-                mark_writing(
-                    Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}",
-                    trainer.state.global_step,
-                )
-            with writer.intercept():
+                step = trainer.state.global_step
+                mark_writing(Path(trainer.args.output_dir) / f"checkpoint-{step}", step)
+            with self.writer.intercept():
                 save(model, trial)
             self.stalls.append(time.perf_counter() - start)
-            self.pending_step = trainer.state.global_step
+            self.staged_bytes = max(self.staged_bytes, self.writer.staged_bytes)
+            self.pending_step, self._save_start = trainer.state.global_step, start
 
         trainer._save_checkpoint = save_in_background
+        self._wrapped = True
 
     def on_save(self, args, state, control, **kwargs):
         if self.writer is None:  # DeepSpeed: synchronous
@@ -161,6 +166,7 @@ class AsyncCheckpointCallback(CompleteCheckpointCallback):
                 "Fix the cause (disk space, permissions) or train without async_save"
             )
         self.mark(args, state, step)
+        self.written_s.append(time.perf_counter() - self._save_start)
         if state.is_world_process_zero:
             logger.info("hf_dist: checkpoint-%d written in the background and marked complete", step)
 

@@ -10,11 +10,12 @@ stage their input and return at once:
   state dict is staged (DCP's ``StateDictStager``: a host copy of every local shard, buffers reused from save to
   save, pinned on CUDA) and ``dcp.save`` runs on the writer thread over a gloo group of its own, as DCP's
   ``async_save`` does;
-- ``torch.save`` to a path (``optimizer.pt``, ``scheduler.pt``, ``rng_state_R.pth``): staged, then written;
+- ``torch.save`` to a path (``optimizer.pt``, ``scheduler.pt``, ``rng_state_R.pth``, ``training_args.bin``): staged,
+  then written;
 - safetensors' ``save_file`` as ``save_pretrained`` calls it (``model.safetensors``): staged, then written.
 
 What stays synchronous: staging itself (a copy to host memory: the stall left), the small files written by other
-means (``config.json``, ``trainer_state.json``, ``training_args.bin`` through ``save_pretrained``'s own code), and
+means (``config.json``, ``generation_config.json``, ``trainer_state.json``, tokenizer files), and
 DeepSpeed, whose engine writes its checkpoint itself (``engine.save_checkpoint``). Every file is written to a
 temporary name and renamed when whole; one writer thread runs the writes in the order they were made, so DCP's
 collectives match on every rank. The caller waits for one save before starting the next (staging buffers are
@@ -70,7 +71,9 @@ class BackgroundWriter:
         from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 
         self._stager = StateDictStager(pin_memory=torch.cuda.is_available())
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_dist-checkpoint-writer")
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="hf_dist-checkpoint-writer", initializer=_lowest_cpu_priority
+        )
         self._futures: list[Future] = []
         self._owner = threading.get_ident()
         self.staged_bytes = 0  # of the save under way (host memory held by the stager)
@@ -166,6 +169,12 @@ class BackgroundWriter:
         self.wait()
         self._executor.shutdown(wait=True)
         self._stager.close()
+
+
+def _lowest_cpu_priority() -> None:
+    """The writer thread yields the CPU to training wherever they compete (Linux: a thread's own nice value)."""
+    with contextlib.suppress(AttributeError, OSError):  # not Linux, or not allowed: the default priority
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def _write_atomically(write: Callable, obj: Any, path: Path, *args: Any, **kwargs: Any) -> None:

@@ -14,6 +14,7 @@ EPILOG = """examples:
   hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --pure-bf16   # bf16 weights and Adam state
   hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --seq-len 8192 --fused-lm-head   # TRL's SFTTrainer loss
   hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --global-batch 64 --train-tokens 2e9   # wall time, GPU-hours
+  hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --host-memory 512 --async-save   # count the staging copy
   hf-dist plan ./llama-3-8b --gpus 8 --gpu-memory 80 --seq-len 131072 --global-batch 8   # long context: cp/sp
   hf-dist plan ./llama-3-70b --gpus 64 --nodes 8 --gpu-memory 80 --global-batch 16   # fewer sequences than GPUs
   hf-dist plan ./llama-3-70b --gpus 8 --gpu-memory 80 --host-memory 256 --nvme-gbps 12   # may offload to NVMe
@@ -68,6 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         dest="fused_lm_head",
         help="the loss runs through TRL's fused LM head (SFTTrainer): no logits held; default: the Trainer's loss",
+    )
+    parser.add_argument(
+        "--async-save",
+        action="store_true",
+        dest="async_save",
+        help="checkpoints staged in host RAM and written in the background (attach(trainer, async_save=True)): "
+        "the staging copy counts against each node's host RAM",
     )
     parser.add_argument(
         "--train-tokens",
@@ -130,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         safety_margin=args.safety_margin,
         use_liger_kernel={"auto": None, "on": True, "off": False}[args.liger],
         fused_lm_head=args.fused_lm_head,
+        async_save=args.async_save,
         train_tokens=args.train_tokens,
         pure_bf16=args.pure_bf16,
         tp_size=args.tp_size,

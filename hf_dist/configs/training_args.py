@@ -51,6 +51,7 @@ PLAN_KEYS = (
     "host_memory_gib",
     "nvme_gbps",
     "fused_lm_head",
+    "async_save",
     "train_tokens",
     "verify",
     "verify_time_limit_s",

@@ -133,6 +133,7 @@ class Plan:
     trace: Any = None  # hf_dist.tracing.TraceResult of the chosen layout, with plan(verify=True)
     verification: str = ""  # what plan(verify=True) traced, rejected, or could not trace, and why
     load: LoadMemory | None = None  # host RAM while the chosen engine loads the model
+    staging_bytes: int | None = None  # host RAM per node of async_save's staging copy (None: not planned)
     fused_lm_head: bool = False  # the loss runs through TRL's fused LM head (SFTTrainer): no logits held
     train_tokens: int | None = None  # tokens the run trains on: time_to_finish() and explain() state the wall time
 
@@ -227,6 +228,13 @@ class Plan:
         ]
         if self.load is not None:
             lines.append(f"host RAM at load: {self.load.text()}")
+        if self.staging_bytes is not None:
+            staging = (
+                f"{format_bytes(self.staging_bytes)} per node"
+                if self.staging_bytes
+                else ("none: DeepSpeed writes its checkpoint itself, synchronously")
+            )
+            lines.append(f"host RAM for async_save's staging copy: {staging}")
         if self._time_text():
             lines.append(f"time to finish: {self._time_text()}")
         if self.liger_note:

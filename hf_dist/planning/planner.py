@@ -85,6 +85,7 @@ class _Setup:
     micro_batch: int | None = None
     checkpoint_children: bool = False  # LibraryFeatures.fsdp2_checkpoints_children
     fused_lm_head: bool = False  # TRL's fused LM head computes the loss (planning/activations.trl_head_bytes)
+    async_save: bool = False  # checkpoints staged in host RAM, then written in the background
 
 
 def _estimate(s: _Setup, combo: Combo, mb, world=None, nodes=None, accum=1) -> MemoryEstimate:
@@ -186,6 +187,20 @@ def _load(s: _Setup, combo: Combo) -> LoadMemory:
     )  # fmt: skip
 
 
+def staging_per_node(s: _Setup, combo: Combo, mem: MemoryEstimate) -> int:
+    """Host RAM per node that async_save's staging copy takes (:mod:`hf_dist.checkpoint.async_save`): the states the
+    node's ranks write. FSDP2 (DCP): every rank its shards of the weights and optimizer, wherever they live (offloaded
+    ones too, ``mem.cpu``). DDP: rank 0 alone writes the weights (a LoRA model: its adapters) and ``optimizer.pt``.
+    A tensor-parallel rank stages its shards too. DeepSpeed saves synchronously: nothing is staged."""
+    strategy = REGISTRY[combo.strategy]
+    if not s.async_save or strategy.is_deepspeed:
+        return 0
+    if strategy.shards.params or combo.tp > 1:
+        return (mem.params + mem.optimizer + mem.cpu) * s.hw.gpus_per_node
+    weights = mem.params if s.method == "full" else s.trainable * (4 if s.master else s.pb)
+    return weights + mem.optimizer
+
+
 def _candidate(s: _Setup, combo: Combo) -> Candidate:
     layout = combo.layout(s.hw)
     extra = dict(tp_size=combo.tp, cp_size=combo.cp, sp_size=combo.sp, offload_device="nvme" if combo.nvme else "cpu")
@@ -195,7 +210,9 @@ def _candidate(s: _Setup, combo: Combo) -> Candidate:
     except ValueError as e:
         mem = _estimate(s, combo, s.micro_batch or 1)
         return Candidate(strategy, offload, ckpt, s.micro_batch or 1, mem, False, str(e), None, liger, **extra)
-    host_need = _estimate(s, combo, mbs[-1]).cpu * s.hw.gpus_per_node
+    largest = _estimate(s, combo, mbs[-1])
+    staging = staging_per_node(s, combo, largest)
+    host_need = largest.cpu * s.hw.gpus_per_node + staging
     host_usable = s.usable / (s.hw.gpu_memory_gib * GIB) * s.hw.host_memory_limit_gib * GIB
     load = _load(s, combo)
     if s.hw.device != "cpu" and load.per_node > host_usable:
@@ -209,6 +226,11 @@ def _candidate(s: _Setup, combo: Combo) -> Candidate:
     if host_need > host_usable:
         mem = _estimate(s, combo, mbs[-1])
         what = "NVMe offload's pinned buffers and gradients" if combo.nvme else "offloaded states"
+        what = (
+            f"async_save's staging copy ({format_bytes(staging)})" + (f" and {what}" if largest.cpu else "")
+            if staging
+            else what
+        )
         reason = (
             f"{what} need {format_bytes(host_need)} of host RAM per node, more than the usable {format_bytes(host_usable)} "
             "(pass --host-memory / plan(host_memory_gib=...) if it is larger)"
@@ -350,6 +372,7 @@ def plan(
     nvme_gbps: float | None = None,
     features: Any = None,
     fused_lm_head: bool = False,
+    async_save: bool = False,
     train_tokens: int | float | None = None,
     verify: bool = False,
     verify_time_limit_s: float = 120.0,
@@ -369,7 +392,9 @@ def plan(
     is searched when nothing else fits) describe the hardware when ``hardware`` is not passed. ``features``: what
     the libraries accept (default: the installed ones, ``hf_dist.runtime.support.installed_features()``).
     ``fused_lm_head=True``: the loss runs through TRL's fused LM head (``SFTTrainer``; ``auto_args(config_class=
-    SFTConfig)`` sets it), which never holds the logits. ``train_tokens``: the tokens the run will train on; the
+    SFTConfig)`` sets it), which never holds the logits. ``async_save=True``: checkpoints are staged in host RAM and
+    written in the background (``attach(trainer, async_save=True)``); the staging copy counts against each node's
+    host RAM (``Plan.staging_bytes``). ``train_tokens``: the tokens the run will train on; the
     plan then states the estimated wall time and GPU-hours of its choice and of the alternatives
     (:meth:`Plan.time_to_finish`). ``verify=True`` traces the chosen layout on the real model with fake tensors (:mod:`hf_dist.tracing`, seconds to
     a minute; at most ``verify_time_limit_s`` per trace) and moves to the next candidate when the trace does not fit
@@ -429,6 +454,7 @@ def plan(
         micro_batch=micro_batch_size,
         checkpoint_children=features.fsdp2_checkpoints_children,
         fused_lm_head=bool(fused_lm_head),
+        async_save=bool(async_save),
     )  # fmt: skip
     options = size_options(spec, hw, seq_len, features, method=method)
     sizes_pinned = any(v is not None for v in (tp_size, cp_size, sp_size))
@@ -480,6 +506,7 @@ def plan(
         offload_device=best.offload_device,
         dimensions=dims + _chosen_dimensions(best),
         load=_load(setup, best.key),
+        staging_bytes=staging_per_node(setup, best.key, best.memory) if async_save else None,
         fused_lm_head=bool(fused_lm_head),
         train_tokens=None if train_tokens is None else int(train_tokens),
     )

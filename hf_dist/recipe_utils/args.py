@@ -67,6 +67,14 @@ class RunArguments:
             "does not set up on CPU (hf_dist.runtime.cpu_fsdp.cpu_deepspeed_training_kwargs). Never needed on GPUs."
         },
     )
+    async_save: bool = field(
+        default=False,
+        metadata={
+            "help": "Write checkpoints in the background: each save stages the state to host memory and training "
+            "goes on while a thread writes checkpoint-N/ (hf_dist.callbacks.attach(trainer, async_save=True)); the "
+            "plan counts the staging copy in host RAM. DeepSpeed saves synchronously."
+        },
+    )
     check_export: bool = field(
         default=False,
         metadata={
@@ -272,12 +280,14 @@ def training_arguments(
     lora_rank: int = 16,
     deepspeed_on_cpu: bool = False,
     sizes: dict[str, int | None] | None = None,
+    async_save: bool = False,
 ):
     """``TrainingArguments`` = recipe defaults < ``hf_dist.auto_args`` (the plan) < explicit user flags.
 
     The plan is skipped when the user chose the strategy with ``--fsdp``/``--deepspeed`` or an
     accelerate FSDP/DeepSpeed config; ``--strategy`` pins the plan's strategy instead.
     ``sizes``: the recipes' ``--tp_size``/``--cp_size``/``--sp_size`` (None: the plan searches them).
+    ``async_save``: the plan counts the staging copy of background saves in host RAM.
     ``deepspeed_on_cpu`` (the recipes' ``--deepspeed_on_cpu``, tests and CPU development only) lets a
     DeepSpeed run count every CPU rank (:func:`hf_dist.runtime.cpu_fsdp.cpu_deepspeed_training_kwargs`);
     without it DeepSpeed on several CPU ranks is refused here, before DeepSpeed's own batch-size error.
@@ -295,6 +305,8 @@ def training_arguments(
         plan_kwargs.update({k: v for k, v in (sizes or {}).items() if v is not None})  # --tp_size/--cp_size/--sp_size
         if method != "full":
             plan_kwargs["lora_rank"] = lora_rank
+        if async_save:
+            plan_kwargs["async_save"] = True
         if "per_device_train_batch_size" in kwargs:  # a user flag or a recipe default pins the micro batch
             plan_kwargs["micro_batch_size"] = kwargs["per_device_train_batch_size"]
         planned = hf_dist.auto_args(model, **plan_kwargs)

@@ -116,16 +116,19 @@ def cpu_test_modes(run_args: Any) -> None:
         allow_parallelism_config_on_cpu()
 
 
-def train(trainer: Any, resume: str | None) -> str:
+def train(trainer: Any, resume: str | None, *, async_save: bool = False) -> str:
     """Check the strategy really runs, add hf_dist's callbacks, train (resuming from ``resume``); returns the strategy.
 
     The callbacks (:func:`hf_dist.callbacks.default`) mark checkpoints complete for ``--resume_from_checkpoint
-    auto``, skip non-finite updates, and log memory and throughput per rank.
+    auto``, skip non-finite updates, and log memory and throughput per rank; ``async_save`` (the recipes'
+    ``--async_save``) writes the checkpoints in the background.
     """
     from hf_dist.callbacks import attach
 
     strategy = check_strategy(trainer)
-    attach(trainer, resume_from=resume)  # a path from another run's folder resumes its optimizer state too
+    attach(
+        trainer, resume_from=resume, async_save=async_save
+    )  # a path from another run's folder resumes its optimizer state too
     trainer.train(resume_from_checkpoint=resume)
     return strategy
 

@@ -31,7 +31,8 @@ LAUNCHES = {
     "ddp": ("ddp", ("sft", "pretrain", "lora"), {}, ()),
     # the recipes' explicit CPU test modes: accelerate would otherwise drop FSDP on CPU and train DDP,
     # and count one rank under DeepSpeed
-    "fsdp_full_shard": ("fsdp_full_shard", ("sft", "pretrain", "lora"), {}, ("--fsdp_on_cpu",)),
+    # ... and saves in the background (--async_save): the checkpoints are still marked, the losses still golden
+    "fsdp_full_shard": ("fsdp_full_shard", ("sft", "pretrain", "lora"), {}, ("--fsdp_on_cpu", "--async_save")),
     # accelerate takes its DeepSpeed branch only when not forced onto CPU; it also refuses a second
     # Accelerator with a DeepSpeed plugin in one process, so each ZeRO-3 recipe gets its own launch
     "zero3": ("zero3", ("sft",), {"ACCELERATE_USE_CPU": "false"}, ("--deepspeed_on_cpu",)),

@@ -128,3 +128,15 @@ def test_plan_time_to_finish(tmp_path, capsys):
     assert "(alternatives: " in line and "perf/eta_s" in line
     assert main([*args[:-1], "-5"]) == 1
     assert "train_tokens must be a positive number of tokens" in capsys.readouterr().err
+
+
+def test_plan_async_save_counts_the_staging_copy(tmp_path, capsys):
+    from hf_dist.testing import public_config
+
+    public_config("llama-3-8b").save_pretrained(tmp_path)
+    args = ["plan", str(tmp_path), "--gpus", "8", "--gpu-memory", "80", "--host-memory", "512", "--async-save"]
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["staging_bytes"] is not None
+    assert main(args) == 0
+    assert "host RAM for async_save's staging copy: " in capsys.readouterr().out

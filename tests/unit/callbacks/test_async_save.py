@@ -141,3 +141,13 @@ def test_staging_refusal_comes_before_the_first_step(make_trainer, monkeypatch):
     with pytest.raises(ValueError, match="only 0.00 GiB is available"):
         trainer.train()
     assert trainer.state.global_step == 0
+
+
+def test_a_second_train_call_wraps_the_save_once(make_trainer):
+    trainer = make_trainer(**SAVE)
+    (callback,) = [c for c in attach(trainer, async_save=True) if isinstance(c, AsyncCheckpointCallback)]
+    trainer.train()
+    wrapped = trainer._save_checkpoint
+    trainer.train()
+    assert trainer._save_checkpoint is wrapped and len(callback.stalls) == 4 and len(callback.written_s) == 4
+    assert all(is_complete(Path(trainer.args.output_dir, f"checkpoint-{s}")) for s in (2, 4))
