@@ -25,7 +25,9 @@ class LibraryFeatures:
     attention (accelerate >= 1.12, deepspeed >= 0.18.2). ``deepspeed_autotp``: DeepSpeed's training AutoTP
     (``"tensor_parallel": {"autotp_size": N}``, deepspeed >= 0.16.4). ``fsdp2_checkpoints_children``: accelerate's
     ``fsdp2_apply_ac`` wraps every *child* of a decoder layer in its own checkpoint (accelerate <= 1.14: it tests the
-    wrap policy on the parent), so each child's input is saved, not only the layer's.
+    wrap policy on the parent), so each child's input is saved, not only the layer's. ``fsdp2_embedding_unit``:
+    accelerate's ``fsdp2_prepare_model`` shards an untied input embedding as its own unit, resharded after its
+    forward (accelerate >= 1.15), so only the tail (final norm, ``lm_head``) stays gathered until backward.
     """
 
     fsdp_version: int = 2
@@ -36,6 +38,7 @@ class LibraryFeatures:
     sequence_parallel: bool = True
     deepspeed_autotp: bool = True
     fsdp2_checkpoints_children: bool = False
+    fsdp2_embedding_unit: bool = True
 
     def __post_init__(self) -> None:
         if self.fsdp_version not in (1, 2):

@@ -37,6 +37,7 @@ from hf_dist.planning.activations import (
     Lora,
     activation_bytes,
     largest_transient_bytes,
+    layer_gradient_bytes,
     logits_bytes,
     trl_head_bytes,
 )
@@ -88,7 +89,8 @@ class MemoryEstimate:
 
     The peak is the largest of three moments: the start of backward, when every saved activation and the loss's
     logits are alive; a decoder layer's backward, when its gathered units (``unit_buffers``: FSDP2 / ZeRO-3) and,
-    under activation checkpointing, its recomputed activations (``recompute``) are, but no longer the logits; and
+    under activation checkpointing, its recomputed activations (``recompute``) are, with the gradients its backward
+    has in flight (``layer_grads``), but no longer the logits; and
     the optimizer step, when the gradients and the step's transients are (``grads_overlap_activations``). With
     one micro-batch per step the Trainer frees gradients after each step (``zero_grad(set_to_none=True)``), so
     gradients and activations never coexist in full: their largest overlap is the backward of the first decoder
@@ -112,6 +114,7 @@ class MemoryEstimate:
     recompute: int = 0
     unit_buffers: int = 0
     last_layer: int = 0
+    layer_grads: int = 0
 
     @property
     def model_states(self) -> int:
@@ -119,12 +122,12 @@ class MemoryEstimate:
 
     @property
     def allocated(self) -> int:
-        layer_moment = self.recompute + self.unit_buffers
+        layer_moment = self.recompute + self.unit_buffers + self.layer_grads
         forward_backward = self.activations - self.recompute + max(self.logits, layer_moment)
         if self.grads_overlap_activations:
             # the first decoder layer's backward, the last one run: every other gradient exists, and only that
-            # layer's activations and gathered units are still alive
-            end_of_backward = self.grads + self.last_layer + self.unit_buffers
+            # layer's activations, gathered units and gradients in flight are still alive
+            end_of_backward = self.grads + self.last_layer + self.unit_buffers + self.layer_grads
             transient = max(forward_backward, end_of_backward, self.grads + self.step)
         else:
             transient = max(forward_backward + self.grads, self.grads + self.step)
@@ -381,7 +384,7 @@ def _linear_params(spec) -> int:
 
 
 def buffer_bytes(
-    spec, s: Strategy, world_size, trainable, lay: Dtypes, ckpt: bool, padded: int = 0
+    spec, s: Strategy, world_size, trainable, lay: Dtypes, ckpt: bool, padded: int = 0, *, embedding_unit: bool = True
 ) -> tuple[int, int]:
     """(working copies and communication buffers alive during forward, per rank; the part of them gathered only
     around one decoder layer, which is free while the loss's logits are alive: the tracer's peaks at the loss show
@@ -395,9 +398,10 @@ def buffer_bytes(
     - ZeRO-3: the contiguous-gradient bucket (reduce_bucket_size elements, kept from init, stage3.py)
       and, at world > 1, the gathered module plus the prefetch bucket. ZeRO-1/2 buckets exist only in
       backward (:func:`step_bytes_per_rank`).
-    - FSDP2: the unsharded compute-dtype copy of the root/tail unit (embedding, lm_head, final norm:
-      ``reshard_after_forward=False``), of the current and the prefetched decoder layer, and the
-      reduce-scatter input of one layer (fp32 reduce); shard-grad-op keeps every unit gathered.
+    - FSDP2: the unsharded compute-dtype copy of the tail unit (final norm and lm_head, or the tied embedding:
+      ``reshard_after_forward=False``; an untied input embedding is a unit of its own, resharded after its forward,
+      with ``embedding_unit`` (accelerate >= 1.15), else it stays in the root unit), of the current and the prefetched
+      decoder layer, and the reduce-scatter input of one layer (fp32 reduce); shard-grad-op keeps every unit gathered.
     """
     c = lay.compute
     out = 0
@@ -416,7 +420,11 @@ def buffer_bytes(
     reduce_input = unit * lay.grads if trainable == spec.num_params else 0
     if s.gathers_params:
         return out + (spec.num_params + padded * spec.num_layers) * c + reduce_input, reduce_input
-    root = spec.embedding_params + spec.lm_head_params
+    root = (
+        (spec.lm_head_params or spec.embedding_params)
+        if embedding_unit
+        else spec.embedding_params + spec.lm_head_params
+    )
     units = 2 * unit * c + reduce_input
     return out + root * c + units, units
 
@@ -496,6 +504,7 @@ def estimate_memory(
     offload_device: str = "cpu",
     lora_dropout: float = LORA_DROPOUT,
     checkpoint_children: bool = False,
+    fsdp2_embedding_unit: bool = True,
     fused_lm_head: bool = False,
 ) -> MemoryEstimate:
     """Per-rank memory of training ``model_or_num_params`` with ``strategy`` on ``world_size`` ranks.
@@ -519,6 +528,8 @@ def estimate_memory(
     (``Layout.state_shard_size``). ``offload_device="nvme"`` keeps the offloaded states in swap files and counts
     DeepSpeed's pinned host buffers instead (:func:`cpu_bytes_per_rank`). ``checkpoint_children``: FSDP2's
     checkpointing wraps each child of a decoder layer (accelerate <= 1.14, ``LibraryFeatures``), saving each input.
+    ``fsdp2_embedding_unit``: FSDP2 shards an untied input embedding as a unit of its own, resharded after forward
+    (accelerate >= 1.15, ``LibraryFeatures``); otherwise it stays gathered in the root unit with ``lm_head``.
     ``fused_lm_head``: the loss runs through TRL's fused LM head (``SFTTrainer``), which never holds the logits
     (:func:`~hf_dist.planning.activations.trl_head_bytes`).
     """
@@ -580,7 +591,9 @@ def estimate_memory(
         )
     else:
         head = logits_bytes(spec, seq_len, micro_batch_size, lay, liger=use_liger_kernel)
-    buffers, units = buffer_bytes(spec, s, world_size // run.tp_size, trainable, lay, ckpt, padded_unit)
+    buffers, units = buffer_bytes(
+        spec, s, world_size // run.tp_size, trainable, lay, ckpt, padded_unit, embedding_unit=fsdp2_embedding_unit
+    )
     step = step_bytes_per_rank(spec, s, degree, trainable, offload, lay)
     nvme = run.offload_device == "nvme"
     cpu = cpu_bytes_per_rank(spec, degree, trainable, method, offload, optimizer, lay, param_bytes, nvme)
@@ -591,8 +604,25 @@ def estimate_memory(
         allocator = allocator_bytes(spec, s, degree, trainable, lay, largest, grads, ckpt)
     fixed = int(overhead) if overhead is not None else (overhead_bytes(s, world_size) if on_gpu else 0)
     overlap = not grads_persist(s, lay, gradient_accumulation_steps)
+    layer_grads = (
+        layer_gradient_bytes(spec, seq_len, micro_batch_size, lay, liger=use_liger_kernel) if spec.has_shape else 0
+    )
     return MemoryEstimate(
-        params, grads, optim, acts, buffers, fixed, cpu, overlap, head, step, allocator, recompute, units, last_layer
+        params,
+        grads,
+        optim,
+        acts,
+        buffers,
+        fixed,
+        cpu,
+        overlap,
+        head,
+        step,
+        allocator,
+        recompute,
+        units,
+        last_layer,
+        layer_grads,
     )
 
 

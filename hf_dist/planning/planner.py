@@ -84,6 +84,7 @@ class _Setup:
     global_batch: int | None = None
     micro_batch: int | None = None
     checkpoint_children: bool = False  # LibraryFeatures.fsdp2_checkpoints_children
+    embedding_unit: bool = True  # LibraryFeatures.fsdp2_embedding_unit
     fused_lm_head: bool = False  # TRL's fused LM head computes the loss (planning/activations.trl_head_bytes)
     async_save: bool = False  # checkpoints staged in host RAM, then written in the background
 
@@ -112,6 +113,7 @@ def _estimate(s: _Setup, combo: Combo, mb, world=None, nodes=None, accum=1) -> M
         sp_size=combo.sp,
         offload_device="nvme" if combo.nvme else "cpu",
         checkpoint_children=s.checkpoint_children,
+        fsdp2_embedding_unit=s.embedding_unit,
         fused_lm_head=s.fused_lm_head,
     )
 
@@ -453,6 +455,7 @@ def plan(
         global_batch=global_batch_size,
         micro_batch=micro_batch_size,
         checkpoint_children=features.fsdp2_checkpoints_children,
+        embedding_unit=features.fsdp2_embedding_unit,
         fused_lm_head=bool(fused_lm_head),
         async_save=bool(async_save),
     )  # fmt: skip

@@ -99,6 +99,7 @@ def installed_features() -> LibraryFeatures:
         and _deepspeed_has("runtime/sequence_parallel/ulysses_sp.py"),
         deepspeed_autotp=_deepspeed_has("runtime/tensor_parallel/config.py"),
         fsdp2_checkpoints_children=_fsdp2_ac_wraps_children(),
+        fsdp2_embedding_unit=_fsdp2_shards_embedding_alone(),
     )
 
 
@@ -111,6 +112,19 @@ def _fsdp2_ac_wraps_children() -> bool:
         from accelerate.utils.fsdp_utils import fsdp2_apply_ac
 
         return "auto_wrap_policy_func(parent_module)" in inspect.getsource(fsdp2_apply_ac)
+    except (ImportError, OSError, TypeError):
+        return False
+
+
+def _fsdp2_shards_embedding_alone() -> bool:
+    """Whether the installed accelerate's ``fsdp2_prepare_model`` gives an untied input embedding a unit of its own
+    (resharded after forward) instead of leaving it in the root unit, gathered from forward to backward."""
+    import inspect
+
+    try:
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        return "fully_shard(input_embed" in inspect.getsource(fsdp2_prepare_model)
     except (ImportError, OSError, TypeError):
         return False
 

@@ -129,6 +129,7 @@ class TraceSetup:
             attention=self.attention, device=self.device, base_bytes=4 if self.base_dtype == "float32" else 2,
             tp_size=self.tp_size, cp_size=self.cp_size, sp_size=self.sp_size,
             checkpoint_children=installed_features().fsdp2_checkpoints_children,  # the accelerate the trace runs
+            fsdp2_embedding_unit=installed_features().fsdp2_embedding_unit,
             fused_lm_head=self.fused_lm_head,
         )  # fmt: skip
 

@@ -88,7 +88,7 @@ def test_nothing_fits_is_one_finding_a_line(tmp_path, capsys):
     assert main(["plan", str(tmp_path / "llama-3-70b"), "--gpus", "2", "--gpu-memory", "80"]) == 1
     lines = capsys.readouterr().err.splitlines()
     assert lines[0] == "hf-dist plan: error: nothing fits on 2 x 80 GiB:"
-    assert lines[1].startswith("  - the smallest candidate (ddp/none tp=2, micro_batch=1) needs 595.70 GiB per rank")
+    assert lines[1].startswith("  - the smallest candidate (ddp/none tp=2, micro_batch=1) needs 595.93 GiB per rank")
     assert lines[-1] == (
         "  - it would fit on at least 32 GPUs of 80 GiB (4 node(s)) with zero3, offload=none, "
         "activation_checkpointing=True"

@@ -189,8 +189,12 @@ def test_lora_and_qlora_memory():
 def test_fsdp_buffers_root_unit_two_layers_and_reduce_input():
     spec = model_spec(tiny_llama_config())
     m = estimate_memory(spec, "fsdp_full_shard", 2, seq_len=1)
-    # root (embedding 16384 + lm_head 16384) + 2 layers (2*36992) in bf16; + one layer's fp32 reduce-scatter input
-    assert m.buffers == (16384 * 2 + 2 * 36992) * 2 + 36992 * 4
+    # tail (lm_head 16384; the untied embedding is a unit of its own, resharded after forward) + 2 layers (2*36992)
+    # in bf16; + one layer's fp32 reduce-scatter input
+    assert m.buffers == (16384 + 2 * 36992) * 2 + 36992 * 4
+    # accelerate <= 1.14 keeps the embedding in the root unit, gathered with lm_head
+    old = estimate_memory(spec, "fsdp_full_shard", 2, seq_len=1, fsdp2_embedding_unit=False)
+    assert old.buffers == (16384 * 2 + 2 * 36992) * 2 + 36992 * 4
 
 
 def test_estimates_monotone_in_sharding():
@@ -239,9 +243,10 @@ def test_peak_overlaps_grads_and_activations_only_without_accumulation():
     one = estimate_memory(spec, "fsdp_full_shard", 2, **kw)
     assert one.activations + one.logits > one.grads
     # grads are created in backward as activations are freed: the peak holds the larger phase; the gathered
-    # decoder units are free while the logits are alive (the loss comes after the last layer resharded)
+    # decoder units are free while the logits are alive (the loss comes after the last layer resharded); a layer's
+    # backward holds its gathered units and the gradients it has in flight
     persistent = one.params + one.optimizer + one.buffers - one.unit_buffers
-    assert one.total == persistent + one.activations + max(one.logits, one.unit_buffers)
+    assert one.total == persistent + one.activations + max(one.logits, one.unit_buffers + one.layer_grads)
     accum = estimate_memory(spec, "fsdp_full_shard", 2, gradient_accumulation_steps=4, **kw)
     # under the Trainer's no_sync FSDP2 keeps every unsharded gradient (fp32 here) through the next forward
     assert accum.grads == spec.num_params * 4
@@ -272,3 +277,15 @@ def test_fsdp2_checkpointing_per_child_saves_every_childs_input():
     children = estimate_memory(config, "fsdp_full_shard", checkpoint_children=True, **kw)
     assert children.activations - layer.activations == 16 * 3 * 8192 * 2048 * 2
     assert estimate_memory(config, "ddp", checkpoint_children=True, **kw) == estimate_memory(config, "ddp", **kw)
+
+
+def test_a_layers_backward_holds_its_feed_forward_gradients():
+    """down_proj's input gradient and the product's two: three I-sized tensors per token (one with Liger, whose
+    SwiGLU backward writes into what it saved), plus the residual stream's gradient."""
+    spec = model_spec(tiny_llama_config())
+    kw = dict(seq_len=64, micro_batch_size=2, device="cpu")
+    tokens, inter, hidden = 128, spec.intermediate_size, spec.hidden_size
+    bf16 = estimate_memory(spec, "fsdp_full_shard", 2, **kw)  # bf16 compute, bf16 residual under FSDP2's policy
+    assert bf16.layer_grads == tokens * (3 * 2 * inter + 2 * hidden)
+    liger = estimate_memory(spec, "fsdp_full_shard", 2, use_liger_kernel=True, **kw)
+    assert liger.layer_grads == tokens * (2 * inter + 2 * hidden)

@@ -206,3 +206,21 @@ def test_a_model_that_fails_under_the_layout_is_a_trace_error():
                         num_key_value_heads=KV, vocab_size=VOCAB, num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
     with pytest.raises(TraceError, match=r"the model failed under ddp x 1 ranks, bf16 .*analytic estimate stands"):
         trace(moe, strategy="ddp")
+
+
+def test_the_embedding_unit_feature_says_what_accelerate_does():
+    """``LibraryFeatures.fsdp2_embedding_unit`` (read from accelerate's source) against what its
+    ``fsdp2_prepare_model`` really does to an untied input embedding, on a fake world of 2 ranks."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from hf_dist.runtime.support import installed_features
+    from hf_dist.tracing.prepare import build_model, shard
+    from hf_dist.tracing.trace import fake_world
+
+    setup = TraceSetup(strategy="fsdp_full_shard", world_size=2, seq_len=16)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False)  # fmt: skip
+    with fake_world(setup) as mesh:
+        model = shard(build_model(config, setup), setup, mesh)
+        alone = isinstance(model.get_input_embeddings(), FSDPModule)
+    assert alone == installed_features().fsdp2_embedding_unit
