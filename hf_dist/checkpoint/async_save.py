@@ -146,10 +146,6 @@ class BackgroundWriter:
 
     # ---- state of the queued writes ----
 
-    @property
-    def pending(self) -> bool:
-        return bool(self._futures)
-
     def done(self) -> bool:
         """True when every queued write ended (well or not); never blocks."""
         return all(f.done() for f in self._futures)
