@@ -222,22 +222,19 @@ def _candidate(s: _Setup, combo: Combo) -> Candidate:
             f"loading needs {load.text()}, more than the usable {format_bytes(host_usable)} of host RAM per node "
             "(ZeRO-3 reads the weights on rank 0 only; pass --host-memory / plan(host_memory_gib=...) if it is larger)"
         )
-        return Candidate(
-            strategy, offload, ckpt, mbs[-1], _estimate(s, combo, mbs[-1]), False, reason, None, liger, **extra
-        )
+        return Candidate(strategy, offload, ckpt, mbs[-1], largest, False, reason, None, liger, **extra)
     if host_need > host_usable:
-        mem = _estimate(s, combo, mbs[-1])
-        what = "NVMe offload's pinned buffers and gradients" if combo.nvme else "offloaded states"
-        what = (
-            f"async_save's staging copy ({format_bytes(staging)})" + (f" and {what}" if largest.cpu else "")
-            if staging
-            else what
+        held = (
+            ["NVMe offload's pinned buffers and gradients" if combo.nvme else "offloaded states"]
+            if largest.cpu
+            else []
         )
+        what = " and ".join(([f"async_save's staging copy ({format_bytes(staging)})"] if staging else []) + held)
         reason = (
             f"{what} need {format_bytes(host_need)} of host RAM per node, more than the usable {format_bytes(host_usable)} "
             "(pass --host-memory / plan(host_memory_gib=...) if it is larger)"
         )
-        return Candidate(strategy, offload, ckpt, mbs[-1], mem, False, reason, None, liger, **extra)
+        return Candidate(strategy, offload, ckpt, mbs[-1], largest, False, reason, None, liger, **extra)
     best = None
     for mb in mbs:  # largest first; memory only grows with the micro-batch
         accum = (s.global_batch // (mb * layout.dp_size)) if s.global_batch else 1
