@@ -87,7 +87,7 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
     if layout.offload_device == "nvme":
         from hf_dist.runtime.support import check_nvme_offload
 
-        check_nvme_offload(nvme_path)
+        check_nvme_offload(nvme_path, plan.swap_bytes)
     kwargs.update(
         strategy_args(
             layout, features=features, wrap_classes=wrap, cpu_adam=own.get("cpu_adam", True), nvme_path=nvme_path

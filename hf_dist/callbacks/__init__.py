@@ -29,6 +29,7 @@ _NAMES = {
     "AsyncCheckpointCallback": "hf_dist.callbacks.resume",
     "CompleteCheckpointCallback": "hf_dist.callbacks.resume",
     "ShardedResumeCallback": "hf_dist.callbacks.resume",
+    "ZeroInfinityResumeCallback": "hf_dist.callbacks.resume",
     "auto_resume": "hf_dist.checkpoint.auto_resume",
     "is_complete": "hf_dist.checkpoint.marker",
 }
@@ -49,8 +50,9 @@ def __getattr__(name: str) -> Any:
 def default(plan: Any = None, *, resume_from: str | None = None, async_save: bool = False) -> list[TrainerCallback]:
     """The recommended set: complete-checkpoint markers, NaN guard, throughput, memory, the plan when given,
     the optimizer checkpoint of models sharded at load (TP; :class:`~hf_dist.callbacks.resume.ShardedResumeCallback`,
-    before the markers) and the repair DeepSpeed's universal-checkpoint loads need
-    (:func:`hf_dist.checkpoint.reshard.reshard_callback`).
+    before the markers) and the repairs DeepSpeed's universal-checkpoint loads
+    (:func:`hf_dist.checkpoint.reshard.reshard_callback`) and ZeRO-Infinity resumes
+    (:class:`~hf_dist.callbacks.resume.ZeroInfinityResumeCallback`) need.
 
     Export and profiling cost disk and time, so they are opt-in (``ExportCallback``, ``ProfilerCallback``).
     ``resume_from``: the checkpoint ``trainer.train(resume_from_checkpoint=...)`` resumes, when it is not in the run's
@@ -61,7 +63,12 @@ def default(plan: Any = None, *, resume_from: str | None = None, async_save: boo
     from hf_dist.callbacks.memory import MemoryCallback
     from hf_dist.callbacks.nan_guard import NanGuardCallback
     from hf_dist.callbacks.plan import PlanCallback
-    from hf_dist.callbacks.resume import AsyncCheckpointCallback, CompleteCheckpointCallback, ShardedResumeCallback
+    from hf_dist.callbacks.resume import (
+        AsyncCheckpointCallback,
+        CompleteCheckpointCallback,
+        ShardedResumeCallback,
+        ZeroInfinityResumeCallback,
+    )
     from hf_dist.callbacks.throughput import ThroughputCallback
     from hf_dist.callbacks.watchdog import HangWatchdogCallback
     from hf_dist.checkpoint.reshard import reshard_callback
@@ -69,6 +76,7 @@ def default(plan: Any = None, *, resume_from: str | None = None, async_save: boo
     callbacks: list[TrainerCallback] = [PlanCallback(plan)] if plan is not None else []
     callbacks += [
         ShardedResumeCallback(resume_from=resume_from),
+        ZeroInfinityResumeCallback(resume_from=resume_from),
         AsyncCheckpointCallback() if async_save else CompleteCheckpointCallback(),
         NanGuardCallback(),
         ThroughputCallback(plan),

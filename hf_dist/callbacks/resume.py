@@ -6,6 +6,9 @@ The marker (:mod:`hf_dist.checkpoint.marker`) is what :func:`hf_dist.auto_resume
 
 ``ShardedResumeCallback``: saves and restores the optimizer and scheduler of a model sharded at load time
 (tensor parallelism, FSDP2 x TP), which the Trainer cannot (:mod:`hf_dist.checkpoint.sharded_state`).
+
+``ZeroInfinityResumeCallback``: restores the sub-groups that ZeRO-Infinity keeps in memory, which DeepSpeed's own
+NVMe resume skips (:mod:`hf_dist.checkpoint.zero_infinity`).
 """
 
 from __future__ import annotations
@@ -16,11 +19,16 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from hf_dist.checkpoint import sharded_state
+from hf_dist.checkpoint import sharded_state, zero_infinity
 from hf_dist.checkpoint.marker import clear_writing, mark_writing, write_marker
 from hf_dist.runtime import dist as _dist
 
-__all__ = ["AsyncCheckpointCallback", "CompleteCheckpointCallback", "ShardedResumeCallback"]
+__all__ = [
+    "AsyncCheckpointCallback",
+    "CompleteCheckpointCallback",
+    "ShardedResumeCallback",
+    "ZeroInfinityResumeCallback",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -223,3 +231,26 @@ class ShardedResumeCallback(TrainerCallback):
             sharded_state.save_optimizer_state(checkpoint, model, optimizer, lr_scheduler)
             if args.save_only_model:  # the Trainer left its RNG files out; it reads them back on resume itself
                 sharded_state.save_rng_state(checkpoint, args.world_size)
+
+
+class ZeroInfinityResumeCallback(TrainerCallback):
+    """On resume of a ZeRO-Infinity run (ZeRO-3, optimizer offloaded to NVMe), load the sub-groups DeepSpeed kept in
+    memory (under 1 MiB per rank, e.g. the norms) from the checkpoint's optimizer files: DeepSpeed's NVMe load copies
+    only the swap files back and would restart them from the initial weights with zero moments
+    (:mod:`hf_dist.checkpoint.zero_infinity`). A no-op for every other run. ``resume_from``: the checkpoint resumed
+    when it is not ``output_dir/checkpoint-<global step>``."""
+
+    def __init__(self, *, resume_from: str | None = None, trust_pickles: bool = False) -> None:
+        self.resume_from = resume_from
+        self.trust_pickles = trust_pickles
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        deepspeed_optimizer = zero_infinity.zero_infinity_optimizer(optimizer)
+        if state.global_step == 0 or deepspeed_optimizer is None:
+            return
+        checkpoint = Path(self.resume_from or Path(args.output_dir) / f"checkpoint-{state.global_step}")
+        restored = zero_infinity.restore_resident_subgroups(
+            deepspeed_optimizer, checkpoint, trust_pickles=self.trust_pickles
+        )
+        if state.is_world_process_zero:
+            logger.info("ZeRO-Infinity resume: %d in-memory sub-group(s) restored from %s", restored, checkpoint)

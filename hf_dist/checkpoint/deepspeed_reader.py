@@ -8,6 +8,11 @@ Layout (deepspeed 0.19, ``deepspeed/utils/zero_to_fp32.py`` is the reference dec
   each followed by ``param_alignment_paddings`` elements when present.
 * ZeRO-3: every param is split on its own: ``ceil(numel / world)`` elements per rank (the last
   rank zero-padded), laid out in ``param_shapes`` order in the rank's ``fp32_flat_groups``.
+* ZeRO-Infinity (ZeRO-3 with the optimizer offloaded to NVMe): a sub-group whose master partition was swapped out
+  has an empty tensor in ``fp32_flat_groups`` (its ``ds_id`` kept as an attribute); the partition is the raw fp32
+  file ``offloaded_tensors/rankNN/<ds_id>.tensor.swp`` that ``save_checkpoint`` copies next to the rank files (engine.py),
+  its length padded to DeepSpeed's I/O alignment. The sub-groups are the param groups cut at ``sub_group_size``
+  elements per rank (stage3.py ``_create_fp16_sub_groups``), which gives each file's true length.
 * Frozen params (e.g. a LoRA base model) have no master copy: ZeRO-1/2 keep them whole in
   ``mp_rank_00_model_states.pt``; ZeRO-3 keeps per-rank fragments in each rank's model states.
 
@@ -74,6 +79,8 @@ class DeepSpeedReader(Reader):
         self.train_dtype = _train_dtype(model_states.get("ds_config") or {}, info.train_dtype)
         self.model_files = model_files
         self._frozen_shapes = dict(model_states.get("frozen_param_shapes") or {})
+        sub_group = ((model_states.get("ds_config") or {}).get("zero_optimization") or {}).get("sub_group_size")
+        self._sub_group_sizes = zero3_sub_groups(model_states["param_shapes"], self.world_size, sub_group)
         self._buffer_names = list(model_states.get("buffer_names") or [])
         self._index_params([dict(group) for group in model_states["param_shapes"]])
         for name in self._buffer_names:
@@ -205,10 +212,37 @@ class DeepSpeedReader(Reader):
     def _flat_groups(self, rank: int) -> list:
         optim = self._optim(rank)
         key = "fp32_flat_groups" if int(optim["zero_stage"]) == 3 else "single_partition_of_fp32_groups"
-        return optim[key]
+        groups = list(optim[key])
+        for g, path in enumerate(self._swap_files(rank, groups)):
+            if path is not None:
+                groups[g] = _read_swap_file(path, self._sub_group_sizes[g])
+        return groups
 
-    def _flat_group_offsets(self, rank: int) -> list[int | None]:
-        """File offset of each flat fp32 group of ``rank`` (None: not stored as one contiguous fp32 run)."""
+    def _swap_files(self, rank: int, groups: list) -> list[Path | None]:
+        """Per flat group of ``rank``: the NVMe swap file holding its fp32 partition, or None when it is stored inline."""
+        folder = self.info.path / "offloaded_tensors" / f"rank{rank:02d}"
+        out: list[Path | None] = []
+        for g, tensor in enumerate(groups):
+            ds_id = getattr(tensor, "ds_id", None)
+            if tensor.numel() or ds_id is None or self.stage != 3:
+                out.append(None)
+                continue
+            path = folder / f"{ds_id}.tensor.swp"
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"{self.optim_files[rank].name} has no fp32 partition for sub-group {g} (ZeRO-Infinity swapped it to "
+                    f"NVMe) and {path} is missing: copy the complete checkpoint folder, offloaded_tensors/ included"
+                )
+            if g >= len(self._sub_group_sizes) or path.stat().st_size < self._sub_group_sizes[g] * 4:
+                raise ValueError(
+                    f"{path} holds {path.stat().st_size} bytes, less than sub-group {g}'s fp32 partition; the "
+                    "checkpoint's sub_group_size or its swap files do not belong together"
+                )
+            out.append(path)
+        return out
+
+    def _flat_group_offsets(self, rank: int) -> list[tuple[str, int] | None]:
+        """(file, offset) of each flat fp32 group of ``rank`` (None: not stored as one contiguous fp32 run)."""
         import torch
 
         if rank not in self._group_offsets:
@@ -216,10 +250,12 @@ class DeepSpeedReader(Reader):
                 "optimizer_state_dict"
             ]
             key = "fp32_flat_groups" if int(optim["zero_stage"]) == 3 else "single_partition_of_fp32_groups"
+            groups, path = optim[key], str(self.optim_files[rank])
             self._group_offsets[rank] = [
-                t.untyped_storage()._checkpoint_offset + t.storage_offset() * 4
+                (str(swap), 0) if swap is not None
+                else (path, t.untyped_storage()._checkpoint_offset + t.storage_offset() * 4)
                 if t.dtype == torch.float32 and t.is_contiguous() else None
-                for t in optim[key]
+                for t, swap in zip(groups, self._swap_files(rank, groups), strict=True)
             ]  # fmt: skip
         return self._group_offsets[rank]
 
@@ -230,12 +266,12 @@ class DeepSpeedReader(Reader):
         remaining = math.prod(source.shape) * 4  # fp32 master weights
         ranges = []
         for piece in source.pieces:
-            base = self._flat_group_offsets(piece.rank)[piece.group]
-            if base is None:
+            where = self._flat_group_offsets(piece.rank)[piece.group]
+            if where is None:
                 return None
             length = min(piece.length * 4, remaining)  # ZeRO-3 pads the last rank's piece
             if length > 0:
-                ranges.append((str(self.optim_files[piece.rank]), base + piece.start * 4, length))
+                ranges.append((where[0], where[1] + piece.start * 4, length))
             remaining -= length
         return ranges if remaining == 0 else None
 
@@ -266,6 +302,31 @@ class DeepSpeedReader(Reader):
             return self._load(self.model_file0)["frozen_param_fragments"][name].clone().view(source.shape)
         parts = [self._load(f)["frozen_param_fragments"][name].reshape(-1) for f in self.model_files]
         return torch.cat(parts)[:numel].view(source.shape)
+
+
+def zero3_sub_groups(param_shapes: list, world_size: int, sub_group_size: int | None) -> list[int]:
+    """Per-rank elements of each ZeRO-3 sub-group, in ``fp32_flat_groups`` order: each param group cut once its
+    params' partitions reach ``sub_group_size`` elements (deepspeed stage3.py ``_create_fp16_sub_groups``)."""
+    sizes = []
+    for shapes in param_shapes:
+        parts = [math.ceil(math.prod(shape) / world_size) for shape in dict(shapes).values()]
+        if not sub_group_size or sub_group_size >= sum(parts):
+            sizes.append(sum(parts))
+            continue
+        run = 0
+        for i, part in enumerate(parts):
+            run += part
+            if run >= sub_group_size or i == len(parts) - 1:
+                sizes.append(run)
+                run = 0
+    return sizes
+
+
+def _read_swap_file(path: Path, numel: int):
+    """The first ``numel`` fp32 values of a ZeRO-Infinity swap file (raw, no header)."""
+    import torch
+
+    return torch.from_file(str(path), shared=False, size=numel, dtype=torch.float32)
 
 
 def _split_range(rank: int, start: int, length: int, bounds: list[int]) -> list[Piece]:

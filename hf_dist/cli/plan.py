@@ -18,6 +18,7 @@ EPILOG = """examples:
   hf-dist plan ./llama-3-8b --gpus 8 --gpu-memory 80 --seq-len 131072 --global-batch 8   # long context: cp/sp
   hf-dist plan ./llama-3-70b --gpus 64 --nodes 8 --gpu-memory 80 --global-batch 16   # fewer sequences than GPUs
   hf-dist plan ./llama-3-70b --gpus 8 --gpu-memory 80 --host-memory 256 --nvme-gbps 12   # may offload to NVMe
+  hf-dist plan ./llama-3-70b --gpus 8 --gpu-memory 80 --offload-device nvme   # ZeRO-Infinity: swap files per node
   hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --tp-size 2   # pin a size (the others become 1)
   hf-dist plan ./my-model --gpus 64 --nodes 8 --gpu-memory 80 --verify   # check the pick by tracing the real model
 """
@@ -43,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="nvme_gbps",
         help="aggregate GB/s of each node's local NVMe drives (~3 per PCIe 4.0 drive); given, NVMe offload "
         "(ZeRO-Infinity) is considered when nothing else fits",
+    )
+    parser.add_argument(
+        "--offload-device",
+        choices=("cpu", "nvme"),
+        dest="offload_device",
+        help="pin where offloaded states go: nvme = ZeRO-Infinity (ZeRO-3; the plan states the swap files each node's "
+        "drive must hold), cpu = never NVMe; default: searched",
     )
     for dim, what in (("tp", "tensor"), ("cp", "context"), ("sp", "Ulysses sequence")):
         parser.add_argument(
@@ -144,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         tp_size=args.tp_size,
         cp_size=args.cp_size,
         sp_size=args.sp_size,
+        offload_device=args.offload_device,
         verify=args.verify,
         verify_time_limit_s=args.verify_time_limit,
     )

@@ -21,6 +21,8 @@ from hf_dist.planning.memory import (
     DS_PREFETCH_BUCKET_ELEMENTS,
     DS_REDUCE_BUCKET_ELEMENTS,
     DS_SUB_GROUP_ELEMENTS,
+)
+from hf_dist.planning.nvme import (
     NVME_OPTIMIZER_BUFFER_COUNT,
     NVME_PARAM_BUFFER_COUNT,
     NVME_PARAM_BUFFER_SIZE,

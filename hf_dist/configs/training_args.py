@@ -50,6 +50,7 @@ PLAN_KEYS = (
     "sp_size",
     "host_memory_gib",
     "nvme_gbps",
+    "offload_device",
     "fused_lm_head",
     "async_save",
     "train_tokens",

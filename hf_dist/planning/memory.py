@@ -42,6 +42,7 @@ from hf_dist.planning.activations import (
     trl_head_bytes,
 )
 from hf_dist.planning.layout import Layout, Strategy, strategy
+from hf_dist.planning.nvme import host_bytes, per_rank, swap_files
 from hf_dist.validation import check_choice, check_positive_int
 
 METHODS = ("full", "lora", "qlora")
@@ -58,15 +59,6 @@ GIB = 1024**3
 DS_REDUCE_BUCKET_ELEMENTS = int(5e8)
 DS_PREFETCH_BUCKET_ELEMENTS = int(5e7)
 DS_SUB_GROUP_ELEMENTS = int(1e9)
-# DeepSpeed's NVMe swap-buffer defaults (deepspeed/runtime/zero/offload_config.py)
-NVME_OPTIMIZER_BUFFER_COUNT = 4
-# ZeRO-Infinity swaps the optimizer one sub-group at a time through NVME_OPTIMIZER_BUFFER_COUNT pinned fp32 buffers
-# of the largest sub-group: DeepSpeed's default sub_group_size (1e9 elements) pins 16 GB per rank; 1e8 pins 1.6 GB
-# and still moves 400 MB per read, well above what an NVMe drive needs to reach its bandwidth.
-NVME_SUB_GROUP_SIZE = 100_000_000
-NVME_PARAM_BUFFER_COUNT = 5
-NVME_PARAM_BUFFER_SIZE = 100_000_000  # elements per parameter swap buffer
-NVME_PARAM_MAX_IN_CPU = 1_000_000_000  # 16-bit parameter elements DeepSpeed keeps in host memory next to NVMe
 # Outside torch's allocator, measured as device_used - max_memory_reserved on an H100 (torch 2.11,
 # CUDA 13; ../shared/gpu): 1.30 GiB in every single-process case (CUDA context, cuBLAS/cuBLASLt
 # workspaces, loaded kernel images), 0.38 GiB more once NCCL communicators exist (the DeepSpeed cases,
@@ -115,6 +107,7 @@ class MemoryEstimate:
     unit_buffers: int = 0
     last_layer: int = 0
     layer_grads: int = 0
+    swap: int = 0  # ZeRO-Infinity's swap files under nvme_path (offload_device="nvme"), not memory
 
     @property
     def model_states(self) -> int:
@@ -143,7 +136,7 @@ class MemoryEstimate:
 
     def to_dict(self) -> dict[str, int]:
         keys = ("params", "grads", "optimizer", "activations", "logits", "buffers", "step", "allocator", "overhead")
-        keys += ("cpu", "model_states", "allocated", "reserved", "total")
+        keys += ("cpu", "swap", "model_states", "allocated", "reserved", "total")
         return {k: int(getattr(self, k)) for k in keys}
 
     def gib(self) -> dict[str, float]:
@@ -325,29 +318,27 @@ def optimizer_bytes_per_rank(s: Strategy, degree, trainable, offload, optimizer,
 
 
 def cpu_bytes_per_rank(spec, degree, trainable, method, offload, optimizer, lay: Dtypes, compute, nvme=False) -> int:
-    """Host memory per rank holding offloaded states (fp32 gradients on the host for ZeRO-Offload).
-
-    NVMe (ZeRO-Infinity, stage3.py): the states live in swap files, but the host still holds, pinned, the fp32
-    gradient partition (``grad_partitions_flat_buffer`` is on the CPU whenever the optimizer is offloaded), the
-    optimizer swapper's ``buffer_count`` fp32 buffers of the largest sub-group partition
-    (swap_tensor/optimizer_utils.py: a sub-group's master weights, two moments and gradient) and, with the
-    parameters on NVMe, ``buffer_count`` parameter buffers of ``buffer_size`` elements
-    (swap_tensor/partitioned_param_swapper.py) plus up to ``max_in_cpu`` 16-bit parameter elements kept in host
-    memory (stage3.py ``param_groups_fp16_flat_cpu_memory``). The settings are the ones hf_dist's DeepSpeed JSON writes.
-    """
+    """Host memory per rank holding offloaded states (fp32 gradients on the host for ZeRO-Offload); with NVMe,
+    what DeepSpeed still pins on the host (:func:`hf_dist.planning.nvme.host_bytes`)."""
     if offload == "none":
         return 0
     if nvme:
-        partition = math.ceil(trainable / degree)
-        out = partition * FP32 + NVME_OPTIMIZER_BUFFER_COUNT * min(NVME_SUB_GROUP_SIZE, partition) * FP32
-        if offload == "optimizer+params":
-            in_cpu = min(NVME_PARAM_MAX_IN_CPU, math.ceil(base_weight_bytes(spec, method, 1) / degree))
-            out += (NVME_PARAM_BUFFER_COUNT * NVME_PARAM_BUFFER_SIZE + in_cpu) * compute
-        return out
+        weights = per_rank(base_weight_bytes(spec, method, 1), degree)
+        return host_bytes(per_rank(trainable, degree), weights, compute, offload == "optimizer+params")
     states = trainable * (optimizer_state_bytes(optimizer, FP32) + FP32 + FP32)  # moments, master, fp32 grads
     if offload == "optimizer+params":
         states += base_weight_bytes(spec, method, compute)
     return math.ceil(states / degree)
+
+
+def swap_bytes_per_rank(spec, degree, trainable, method, offload, optimizer, lay: Dtypes, compute) -> int:
+    """ZeRO-Infinity's swap files per rank (:func:`hf_dist.planning.nvme.swap_files`): the master partition (fp32, or
+    bf16 under pure bf16) with the optimizer's moments and gradients in the same dtype, and the 16-bit parameters
+    beyond ``max_in_cpu``."""
+    weights = per_rank(base_weight_bytes(spec, method, 1), degree)
+    state = optimizer_state_bytes(optimizer, lay.state)
+    files = swap_files(per_rank(trainable, degree), state, lay.state, weights, compute, offload == "optimizer+params")
+    return files.total
 
 
 def step_bytes_per_rank(spec, s: Strategy, degree, trainable, offload, lay: Dtypes) -> int:
@@ -597,6 +588,7 @@ def estimate_memory(
     step = step_bytes_per_rank(spec, s, degree, trainable, offload, lay)
     nvme = run.offload_device == "nvme"
     cpu = cpu_bytes_per_rank(spec, degree, trainable, method, offload, optimizer, lay, param_bytes, nvme)
+    swap = swap_bytes_per_rank(spec, degree, trainable, method, offload, optimizer, lay, param_bytes) if nvme else 0
     on_gpu = device == "cuda"
     allocator = 0
     if on_gpu:
@@ -623,6 +615,7 @@ def estimate_memory(
         units,
         last_layer,
         layer_grads,
+        swap,
     )
 
 

@@ -145,6 +145,12 @@ class Plan:
             self.mixed_precision, self.pure_bf16, self.tp_size, self.cp_size, self.sp_size, self.offload_device,
         )  # fmt: skip
 
+    @property
+    def swap_bytes(self) -> int:
+        """Bytes per node of ZeRO-Infinity's swap files under ``nvme_path`` (0 unless ``offload_device="nvme"``):
+        what the NVMe drive of each node must hold free (:mod:`hf_dist.planning.nvme`)."""
+        return self.memory.swap * self.hardware.gpus_per_node if self.offload_device == "nvme" else 0
+
     def time_to_finish(self, candidate: Candidate | None = None) -> tuple[float, float] | None:
         """(wall seconds, GPU-hours) to train ``train_tokens`` at the estimated speed of the chosen layout, or of one
         of its ``candidate`` alternatives; None without ``train_tokens`` or a speed estimate."""
@@ -189,6 +195,7 @@ class Plan:
         out["trace"] = self.trace.to_dict() if self.trace is not None else None
         out["memory"] = self.memory.to_dict()
         out["optimizer_state_dtype"] = self.optimizer_state_dtype
+        out["swap_bytes"] = self.swap_bytes
         out["hardware"] = self.hardware.to_dict()
         finish = self.time_to_finish()
         out["time_to_finish"] = None if finish is None else {"seconds": finish[0], "gpu_hours": finish[1]}
@@ -228,6 +235,11 @@ class Plan:
         ]
         if self.load is not None:
             lines.append(f"host RAM at load: {self.load.text()}")
+        if self.swap_bytes:
+            lines.append(
+                f"NVMe swap files: {format_bytes(self.swap_bytes)} per node under nvme_path "
+                f"({format_bytes(self.memory.swap)} per GPU); host RAM still pinned: {format_bytes(self.memory.cpu)} per GPU"
+            )
         if self.staging_bytes is not None:
             staging = (
                 f"{format_bytes(self.staging_bytes)} per node"

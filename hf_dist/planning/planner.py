@@ -25,7 +25,7 @@ from typing import Any
 
 from hf_dist.configs.features import check_features
 from hf_dist.planning.hardware import Hardware, detect_hardware
-from hf_dist.planning.layout import OFFLOADS, REGISTRY, STRATEGIES
+from hf_dist.planning.layout import OFFLOAD_DEVICES, OFFLOADS, REGISTRY, STRATEGIES
 from hf_dist.planning.load_memory import LoadMemory, load_memory
 from hf_dist.planning.memory import GIB, LORA_DROPOUT, METHODS, MemoryEstimate, engine_dtypes, estimate_memory
 from hf_dist.planning.model_parallel import pinned_sizes, size_options
@@ -271,14 +271,15 @@ def _best(fitting: list[Candidate]) -> Candidate:
     )
 
 
-def _reason_for(c: Candidate, best: Candidate, pinned: bool = False) -> str:
+def _reason_for(c: Candidate, best: Candidate, pinned: bool = False, offload_pinned: bool = False) -> str:
     if c is best:
         notes = []
         if REGISTRY[c.strategy].is_deepspeed and c.offload == "optimizer":
             notes.append("DeepSpeed because FSDP2 cannot offload only the optimizer")
         if c.offload != "none":
             where = "NVMe (ZeRO-Infinity)" if c.offload_device == "nvme" else "CPU"
-            notes.append(f"offload={c.offload} to {where} because nothing fits without it")
+            why = "as asked" if offload_pinned else "because nothing fits without it"
+            notes.append(f"offload={c.offload} to {where} {why}")
         if c.model_parallel > 1 and not pinned and c.offload != "none":
             notes.append(f"{c.label.split(' ', 1)[1]} because no layout fits without offload and no data-parallel "
                          "layout fits with it")  # fmt: skip
@@ -369,6 +370,7 @@ def plan(
     sp_size: int | None = None,
     host_memory_gib: float | None = None,
     nvme_gbps: float | None = None,
+    offload_device: str | None = None,
     features: Any = None,
     fused_lm_head: bool = False,
     async_save: bool = False,
@@ -388,7 +390,10 @@ def plan(
     None, the sizes the model, hardware and installed libraries allow (:mod:`hf_dist.planning.model_parallel`)
     are searched when no data-parallel layout fits without offload or the global batch is smaller than the
     GPUs. ``host_memory_gib`` (RAM per node) and ``nvme_gbps`` (the nodes' NVMe bandwidth; given, NVMe offload
-    is searched when nothing else fits) describe the hardware when ``hardware`` is not passed. ``features``: what
+    is searched when nothing else fits) describe the hardware when ``hardware`` is not passed. ``offload_device``
+    pins where offloaded states go: ``"nvme"`` plans ZeRO-Infinity (ZeRO-3 only, with offload ``optimizer`` or
+    ``optimizer+params``; ``Plan.swap_bytes`` is the space its swap files need per node), ``"cpu"`` never
+    searches NVMe. ``features``: what
     the libraries accept (default: the installed ones, ``hf_dist.runtime.support.installed_features()``).
     ``fused_lm_head=True``: the loss runs through TRL's fused LM head (``SFTTrainer``; ``auto_args(config_class=
     SFTConfig)`` sets it), which never holds the logits. ``async_save=True``: checkpoints are staged in host RAM and
@@ -422,6 +427,12 @@ def plan(
     if hw.device == "cpu" and offload not in (None, "none"):
         raise ValueError(f"offload {offload!r} moves states to host RAM, but training already runs on CPU; use 'none'")
     strategies = restrict("strategy", strategy, STRATEGIES)
+    if offload_device == "nvme":
+        strategies = _nvme_strategies(strategy, offload, method)
+    elif offload_device not in (None, *OFFLOAD_DEVICES):
+        raise ValueError(
+            f"offload_device must be one of {list(OFFLOAD_DEVICES)} or None (search), got {offload_device!r}"
+        )
     # bitsandbytes 4-bit weights stay on the GPU, so QLoRA never offloads
     no_offload = (method == "qlora" or hw.device == "cpu") and offload is None
     offloads = restrict("offload", offload, ("none",) if no_offload else OFFLOADS)
@@ -459,14 +470,16 @@ def plan(
     options = size_options(spec, hw, seq_len, features, method=method)
     sizes_pinned = any(v is not None for v in (tp_size, cp_size, sp_size))
     pinned = pinned_sizes(spec, options, tp_size or 1, cp_size or 1, sp_size or 1) if sizes_pinned else None
-    search = _Search(setup, strategies, offloads, ckpts, ligers, strategy is not None, features)
+    search = _Search(setup, strategies, offloads, ckpts, ligers, strategy is not None, features, offload_device)
     candidates, dims = search.run(options, pinned)
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         raise PlanError(_nothing_fits_message(setup, search.dp_combos, candidates, dims))
     best = _best(fitting)
     for c in candidates:
-        c.reason = _reason_for(c, best, pinned=sizes_pinned)
+        c.reason = _reason_for(
+            c, best, pinned=sizes_pinned, offload_pinned=offload not in (None, "none") or bool(offload_device)
+        )
     layout = best.key.layout(hw)
     global_batch = global_batch_size or best.micro_batch_size * layout.dp_size
     note = ""
@@ -541,9 +554,9 @@ class _Search:
     when no data-parallel layout fits without it or splits the global batch, then Ulysses SP with ZeRO CPU offload,
     then NVMe offload when nothing fits."""
 
-    def __init__(self, setup: _Setup, strategies, offloads, ckpts, ligers, pinned_strategy: bool, features):
+    def __init__(self, setup: _Setup, strategies, offloads, ckpts, ligers, pinned_strategy: bool, features, device):
         self.s, self.strategies, self.offloads, self.ckpts, self.ligers = setup, strategies, offloads, ckpts, ligers
-        self.pinned_strategy, self.features = pinned_strategy, features
+        self.pinned_strategy, self.features, self.device = pinned_strategy, features, device
         self.dp_combos = self._combos(strategies, offloads, (1, 1, 1))
 
     def _combos(self, strategies, offloads, *sizes) -> list[Combo]:
@@ -555,6 +568,8 @@ class _Search:
 
     def run(self, options, pinned: tuple[int, int, int] | None) -> tuple[list[Candidate], list[str]]:
         hw, dims = self.s.hw, [f"{n}: {why}" for n, why in options.unavailable.items()]
+        if self.device == "nvme":
+            return self._nvme([pinned or (1, 1, 1)]), dims + ["nvme: offload_device='nvme' was asked for"]
         if pinned is not None:
             combos = self._combos(self.strategies, self.offloads, pinned)
             if not combos:
@@ -588,14 +603,22 @@ class _Search:
                     "fits without offload")  # fmt: skip
         if any(c.fits for c in candidates):
             return candidates, dims
+        if self.device == "cpu":
+            return candidates, dims + ["nvme: not searched: offload_device='cpu' was asked for"]
         if hw.nvme_gbps is None:
             return candidates, dims + ["nvme: not searched: pass nvme_gbps (hf-dist plan --nvme-gbps) for the "
                                        "nodes' local NVMe drives to consider ZeRO-Infinity"]  # fmt: skip
+        nvme = self._nvme([(1, 1, 1), *seq])
+        return candidates + nvme, dims + [
+            f"nvme: searched zero3 offload to NVMe ({len(nvme)} layouts): nothing else fits"
+        ]
+
+    def _nvme(self, sizes) -> list[Candidate]:
+        """ZeRO-3 with its optimizer (and parameters) offloaded to NVMe, with the ``sizes`` (tp, cp, sp) triples."""
         zero3 = ["zero3"] if "zero3" in self.strategies else []
-        nvme = [c._replace(nvme=True) for c in self._combos(zero3, offloads, (1, 1, 1), *seq)]
-        nvme = [c for c in nvme if _refusal(c, hw, self.features) is None]
-        candidates += self._evaluate(nvme)
-        return candidates, dims + [f"nvme: searched zero3 offload to NVMe ({len(nvme)} layouts): nothing else fits"]
+        offloads = [o for o in ("optimizer", "optimizer+params") if o in self.offloads]
+        nvme = [c._replace(nvme=True) for c in self._combos(zero3, offloads, *sizes)]
+        return self._evaluate([c for c in nvme if _refusal(c, self.s.hw, self.features) is None])
 
     def _no_layout_for(self, sizes) -> str:
         """Why no strategy runs the pinned sizes: the library's own reason when one strategy was asked for."""
@@ -616,6 +639,21 @@ class _Search:
     def _batch_note(self, candidates: list[Candidate]) -> str:
         split = [c for c in candidates if c.model_parallel == 1 and "global_batch" in c.reason]
         return f" or splits the global batch ({split[0].reason.split(';')[0]})" if split else ""
+
+
+def _nvme_strategies(strategy: str | None, offload: str | None, method: str) -> tuple[str, ...]:
+    """The strategies ``offload_device="nvme"`` leaves: ZeRO-3 only (DeepSpeed swaps to NVMe in stage 3 alone)."""
+    if strategy not in (None, "zero3"):
+        raise ValueError(
+            f"offload_device='nvme' with strategy {strategy!r}: NVMe offload (ZeRO-Infinity) is DeepSpeed ZeRO-3's "
+            "(ZeRO-1/2 and FSDP2 offload to CPU memory only); use strategy='zero3', or offload_device='cpu'"
+        )
+    if offload == "none" or method == "qlora":
+        raise ValueError(
+            f"offload_device='nvme' needs offload 'optimizer' or 'optimizer+params', got "
+            f"{'method qlora (4-bit weights stay on the GPU)' if method == 'qlora' else 'offload none'}"
+        )
+    return ("zero3",)
 
 
 def _chosen_dimensions(best: Candidate) -> list[str]:

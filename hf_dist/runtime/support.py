@@ -178,27 +178,46 @@ def _trainer_reads_fsdp_version() -> bool:
     return '"version"' in source or "'version'" in source
 
 
-def check_nvme_offload(nvme_path: str | None, *, aio_available=None) -> None:
-    """Refuse NVMe offload (ZeRO-Infinity) before training starts: ``nvme_path`` must be a writable folder and
-    DeepSpeed's async-I/O op must be buildable (it needs libaio). ``aio_available`` replaces the probe in tests."""
+def check_nvme_offload(nvme_path: str | None, swap_bytes: int = 0, *, aio_available=None) -> None:
+    """Refuse NVMe offload (ZeRO-Infinity) before training starts, with the fix: ``nvme_path`` must be a folder
+    this process can create files in (probed by writing one), its disk must have ``swap_bytes`` free (the plan's
+    swap files per node, ``Plan.swap_bytes``), and DeepSpeed's async-I/O op must be buildable (it needs libaio).
+    ``aio_available`` replaces the libaio probe in tests."""
     import os
+    import shutil
+    import tempfile
 
     if not nvme_path:
         raise ValueError(
             "NVMe offload needs nvme_path: a writable folder on a local NVMe drive on every node "
             "(auto_args(..., nvme_path='/local_nvme/ds_offload'), hf-dist config --nvme-path ...)"
         )
-    if not os.path.isdir(nvme_path) or not os.access(nvme_path, os.W_OK | os.X_OK):
-        why = "does not exist or is not a folder" if not os.path.isdir(nvme_path) else "is not writable"
+    if not os.path.isdir(nvme_path):
         raise ValueError(
-            f"nvme_path {nvme_path!r} {why}; create it on a local NVMe drive on every node and make it writable "
-            "by the training user"
+            f"nvme_path {nvme_path!r} does not exist or is not a folder; create it on a local NVMe drive on every "
+            "node and make it writable by the training user"
+        )
+    try:
+        with tempfile.NamedTemporaryFile(dir=nvme_path, prefix=".hf_dist-write-probe-"):
+            pass
+    except OSError as exc:
+        raise ValueError(
+            f"nvme_path {nvme_path!r} is not writable ({exc.strerror}); DeepSpeed writes its swap files there: "
+            "make it writable by the training user, or choose a folder on another local drive"
+        ) from exc
+    free = shutil.disk_usage(nvme_path).free
+    if free < swap_bytes:
+        raise ValueError(
+            f"nvme_path {nvme_path!r} has {free / 2**30:.2f} GiB free, but the plan's swap files need "
+            f"{swap_bytes / 2**30:.2f} GiB on each node (Plan.swap_bytes: optimizer states, gradients and parameters "
+            "beyond max_in_cpu); free space there, choose a larger drive, or train on more GPUs"
         )
     available = _async_io_available() if aio_available is None else aio_available
     if not available:
         raise ValueError(
             "NVMe offload needs DeepSpeed's async_io op, which cannot be built here: libaio is missing "
-            "(install libaio-dev with apt, or libaio-devel with yum); offload to CPU instead (offload_device='cpu')"
+            "(install libaio-dev with apt, or libaio-devel with dnf/yum; `make test` installs it where apt runs as "
+            "root); offload to CPU instead (offload_device='cpu')"
         )
 
 

@@ -140,3 +140,23 @@ def test_plan_async_save_counts_the_staging_copy(tmp_path, capsys):
     assert data["staging_bytes"] is not None
     assert main(args) == 0
     assert "host RAM for async_save's staging copy: " in capsys.readouterr().out
+
+
+def test_plan_pinned_to_nvme_states_the_swap_files(tmp_path, capsys, monkeypatch):
+    from hf_dist.testing import public_config
+
+    monkeypatch.chdir(tmp_path)
+    public_config("llama-3-70b").save_pretrained("llama-3-70b")
+    args = ["plan", "./llama-3-70b", "--gpus", "8", "--gpu-memory", "80", "--offload-device", "nvme"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert (
+        "chosen: zero3, offload=optimizer to NVMe" in text or "chosen: zero3, offload=optimizer+params to NVMe" in text
+    )
+    assert "NVMe swap files: " in text and " per node under nvme_path" in text
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["offload_device"] == "nvme" and data["swap_bytes"] == 8 * data["memory"]["swap"] > 0
+    with pytest.raises(SystemExit):  # argparse names the choices
+        main(["plan", "./llama-3-70b", "--gpus", "8", "--gpu-memory", "80", "--offload-device", "disk"])
+    assert "invalid choice: 'disk' (choose from 'cpu', 'nvme')" in capsys.readouterr().err

@@ -31,6 +31,11 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategy", required=True, help="'none' (single process) or an hf_dist strategy")
     parser.add_argument("--offload", default="none")
+    parser.add_argument("--offload-device", default="cpu", help="cpu, or nvme (ZeRO-Infinity) with --nvme-path")
+    parser.add_argument("--nvme-path", help="folder for ZeRO-Infinity's swap files")
+    parser.add_argument("--vocab-size", type=int, default=256, help="embedded tiny Llama's vocabulary")
+    parser.add_argument("--save-steps", type=int, help="default: --steps (one checkpoint, at the end)")
+    parser.add_argument("--resume", action="store_true", help="resume from hf_dist.auto_resume(--output-dir)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--grad-accum", type=int, default=1)
@@ -40,7 +45,7 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def build_model():
+def build_model(vocab_size: int):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -49,7 +54,7 @@ def build_model():
     # Built before TrainingArguments so ZeRO-3 does not switch on zero.Init: every run starts from
     # bit-identical weights, and the engine partitions them afterwards.
     torch.manual_seed(SEED)
-    return AutoModelForCausalLM.from_config(tiny_llama_config(), dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(tiny_llama_config(vocab_size=vocab_size), dtype=torch.float32)
 
 
 def build_dataset(num_samples: int, vocab_size: int):
@@ -75,7 +80,7 @@ def training_kwargs(model, args: argparse.Namespace, world_size: int) -> dict:
         weight_decay=0.0,
         logging_steps=1,
         save_strategy="steps",
-        save_steps=args.steps,
+        save_steps=args.save_steps or args.steps,
         save_only_model=False,
         report_to=[],
         seed=SEED,
@@ -102,7 +107,7 @@ def training_kwargs(model, args: argparse.Namespace, world_size: int) -> dict:
         gradient_accumulation_steps=args.grad_accum,
         bf16=False,
         fp16=False,
-        **hardware_kwargs(args.offload, world_size),
+        **hardware_kwargs(args.offload, world_size, args.offload_device, args.nvme_path),
     )
     merged = {**auto, **common}  # use_cpu from auto_args: the DDP launch has no ACCELERATE_USE_CPU (conftest)
     if "deepspeed" in auto:
@@ -131,7 +136,7 @@ def in_order_trainer() -> tuple[type, dict]:
     return InOrderTrainer, {}
 
 
-def hardware_kwargs(offload: str, world_size: int) -> dict:
+def hardware_kwargs(offload: str, world_size: int, device: str = "cpu", nvme_path: str | None = None) -> dict:
     """Planner keywords: this CPU, except for offload, which the planner refuses on CPU hardware.
 
     Offload moves states to host RAM, which is pointless when training already runs there, so
@@ -144,7 +149,8 @@ def hardware_kwargs(offload: str, world_size: int) -> dict:
     from hf_dist.planning.hardware import Hardware
 
     hardware = Hardware(device="cuda", gpus_per_node=world_size, gpu_memory_gib=80.0, bf16=False)
-    return {"hardware": hardware, "offload": offload, "cpu_adam": False}
+    nvme = {"offload_device": "nvme", "nvme_path": nvme_path} if device == "nvme" else {}
+    return {"hardware": hardware, "offload": offload, "cpu_adam": False, **nvme}
 
 
 class LossRecorder:
@@ -185,6 +191,43 @@ def sharding_facts(trainer) -> dict:
     return facts
 
 
+class NVMeProbe:
+    """What ZeRO-Infinity holds after each optimizer step (before that step's save): the optimizer state and fp32
+    master partitions still resident in host memory, and this rank's swap files under ``nvme_path``."""
+
+    def __init__(self, nvme_path: str) -> None:
+        from transformers import TrainerCallback
+
+        probe, self.root, self.steps = self, Path(nvme_path), {}
+
+        class _Callback(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                probe.steps[state.global_step] = probe.facts(probe.trainer.model_wrapped.optimizer)
+
+        self.callback = _Callback()
+        self.trainer = None
+
+    def facts(self, optimizer) -> dict:
+        import torch
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        files = {
+            str(p.relative_to(self.root)): p.stat().st_size
+            for p in sorted(self.root.rglob("*.swp"))
+            if f"rank{rank}" in p.parts
+        }
+        states = optimizer.optimizer.state.values()
+        return {
+            "resident_state_numel": sum(
+                v.numel() for s in states for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+            ),
+            "resident_master_numel": sum(t.numel() for t in optimizer.fp32_partitioned_groups_flat),
+            "master_numel_per_group": [int(n) for n in optimizer.fp16_partitioned_groups_flat_numel],
+            "swap_files": files,
+        }
+
+
 def engine_facts(trainer) -> dict:
     wrapped = trainer.model_wrapped
     facts = {"model_wrapped": type(wrapped).__name__, "model": type(trainer.model).__name__}
@@ -192,6 +235,8 @@ def engine_facts(trainer) -> dict:
         facts["zero_stage"] = int(wrapped.zero_optimization_stage())
         device = getattr(wrapped.zero_offload_optimizer(), "device", None)
         facts["zero_offload_optimizer"] = str(getattr(device, "value", device) or "none")
+        param = getattr(wrapped.zero_offload_param(), "device", None)
+        facts["zero_offload_param"] = str(getattr(param, "value", param) or "none")
         facts["optimizer"] = type(wrapped.optimizer).__name__
     return facts
 
@@ -205,7 +250,7 @@ def main() -> None:
     args = parse_args()
     enable_fsdp_on_cpu_from_env()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    model = build_model()
+    model = build_model(args.vocab_size)
     kwargs = training_kwargs(model, args, world_size)
 
     from transformers import TrainingArguments
@@ -216,8 +261,21 @@ def main() -> None:
     global_batch = args.micro_batch * args.grad_accum * world_size
     dataset = build_dataset(global_batch * args.steps, model.config.vocab_size)
     recorder = LossRecorder()
-    trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=[recorder.callback])
-    trainer.train()
+    callbacks = [recorder.callback]
+    probe = NVMeProbe(args.nvme_path) if args.offload_device == "nvme" else None
+    callbacks += [probe.callback] if probe else []
+    resume = None
+    if args.resume:
+        import hf_dist
+
+        resume = hf_dist.auto_resume(args.output_dir, training_args=training_args)
+        from hf_dist.callbacks import ZeroInfinityResumeCallback  # in hf_dist.callbacks.default(), as recipes use
+
+        callbacks.append(ZeroInfinityResumeCallback())
+    trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=callbacks)
+    if probe:
+        probe.trainer = trainer
+    trainer.train(resume_from_checkpoint=resume)
     facts = {**engine_facts(trainer), **sharding_facts(trainer)}
     state = trainer.accelerator.state
     report = {
@@ -228,6 +286,8 @@ def main() -> None:
         "fsdp_version": getattr(getattr(state, "fsdp_plugin", None), "fsdp_version", None),
         "global_batch": global_batch,
         "training_args": {k: v for k, v in kwargs.items() if isinstance(v, str | int | float | bool)},
+        "resumed_from": resume,
+        "nvme": probe.steps if probe else None,
         **facts,
     }
     trainer.accelerator.wait_for_everyone()

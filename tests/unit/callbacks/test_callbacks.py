@@ -22,7 +22,7 @@ from hf_dist.callbacks import (
 )
 from hf_dist.callbacks.plan import PlanMismatchError, mismatch_error, plan_mismatches
 from hf_dist.callbacks.profiler import comm_time_us
-from hf_dist.callbacks.resume import CompleteCheckpointCallback, ShardedResumeCallback
+from hf_dist.callbacks.resume import CompleteCheckpointCallback, ShardedResumeCallback, ZeroInfinityResumeCallback
 from hf_dist.testing import tiny_llama_config
 
 TOKENS_PER_STEP = 2 * 16  # batch 2 x 16 tokens
@@ -220,10 +220,11 @@ def test_attach_replays_init_end_for_late_callbacks(make_trainer):
 
 def test_default_set(tiny_plan):
     kinds = [type(c) for c in default()]
-    assert kinds[:5] == [
-        ShardedResumeCallback, CompleteCheckpointCallback, NanGuardCallback, ThroughputCallback, MemoryCallback
+    assert kinds[:6] == [
+        ShardedResumeCallback, ZeroInfinityResumeCallback, CompleteCheckpointCallback, NanGuardCallback,
+        ThroughputCallback, MemoryCallback,
     ]  # fmt: skip  # the optimizer shards are written before the marker lists the files
-    assert [k.__name__ for k in kinds[5:]] == ["HangWatchdogCallback", "ReshardCallback"]
+    assert [k.__name__ for k in kinds[6:]] == ["HangWatchdogCallback", "ReshardCallback"]
     with_plan = default(tiny_plan)
     assert isinstance(with_plan[0], PlanCallback) and with_plan[-3].plan is tiny_plan
 

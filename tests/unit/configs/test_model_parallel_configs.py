@@ -211,8 +211,21 @@ def test_deepspeed_parses_the_model_parallel_json(kwargs):
 # ---------------------------------------------------------------- runtime checks of NVMe and probes
 
 
-def test_nvme_path_must_exist_and_be_writable(tmp_path, monkeypatch):
+def unwritable_folder(tmp_path):
+    """A folder this process cannot create files in: read-only by mode, or sysfs for root (which ignores modes)."""
     import os
+    from pathlib import Path
+
+    if os.geteuid() == 0:
+        return Path("/sys/kernel")
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    return folder
+
+
+def test_nvme_path_must_exist_be_writable_and_hold_the_swap_files(tmp_path):
+    import shutil
 
     from hf_dist.runtime.support import check_nvme_offload
 
@@ -220,9 +233,17 @@ def test_nvme_path_must_exist_and_be_writable(tmp_path, monkeypatch):
         check_nvme_offload(None, aio_available=True)
     with pytest.raises(ValueError, match="does not exist"):
         check_nvme_offload(str(tmp_path / "missing"), aio_available=True)
-    monkeypatch.setattr(os, "access", lambda path, mode: False)  # a read-only folder (root ignores chmod)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match="is not a folder"):
+        check_nvme_offload(str(tmp_path / "a-file"), aio_available=True)
     with pytest.raises(ValueError, match="is not writable"):
-        check_nvme_offload(str(tmp_path), aio_available=True)
+        check_nvme_offload(str(unwritable_folder(tmp_path)), aio_available=True)
+    # a disk that is full, or too small for the plan's swap files: its real free space against the plan's need
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(ValueError, match=r"GiB free, but the plan's swap files need .* on each node"):
+        check_nvme_offload(str(tmp_path), free + 2**30, aio_available=True)
+    check_nvme_offload(str(tmp_path), free // 2, aio_available=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"], "the write probe leaves nothing behind"
 
 
 def test_nvme_without_libaio_is_refused(tmp_path):
@@ -325,6 +346,8 @@ def test_auto_args_nvme_offload(plan_with_layout, tmp_path, monkeypatch):
     monkeypatch.setattr(support, "_async_io_available", lambda: True)
     kw = auto_args(tiny_llama_config(), plan=p, cpu_adam=False, nvme_path=str(tmp_path))
     offload = kw["deepspeed"]["zero_optimization"]["offload_optimizer"]
+    with pytest.raises(ValueError, match="is not writable"):  # the plan's checks run before any config is written
+        auto_args(tiny_llama_config(), plan=p, cpu_adam=False, nvme_path=str(unwritable_folder(tmp_path)))
     assert (offload["device"], offload["nvme_path"]) == ("nvme", str(tmp_path)) and "aio" in kw["deepspeed"]
 
 

@@ -1,0 +1,79 @@
+"""ZeRO-Infinity (DeepSpeed ZeRO-3 offload to NVMe): the settings hf_dist writes, and what they cost per rank.
+
+Two figures, both per rank, from how DeepSpeed 0.19 swaps (``deepspeed/runtime/swap_tensor/``, ``zero/stage3.py``):
+
+- :func:`host_bytes`: host RAM that NVMe offload still pins (:class:`~hf_dist.planning.memory.MemoryEstimate` ``cpu``);
+- :func:`swap_files`: the swap files under ``nvme_path`` (``Plan.swap_bytes`` per node, and the disk-space check
+  before training, :func:`hf_dist.runtime.support.check_nvme_offload`).
+
+Measured on 2 CPU ranks (tests/distributed/test_nvme_offload.py): the optimizer's swap files hold exactly the fp32
+master partition and the two Adam moments of every sub-group DeepSpeed swaps; its gradient files hold at most the
+fp32 gradient partition.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+FP32 = 4
+# DeepSpeed's NVMe swap-buffer defaults (deepspeed/runtime/zero/offload_config.py)
+NVME_OPTIMIZER_BUFFER_COUNT = 4
+# ZeRO-Infinity swaps the optimizer one sub-group at a time through NVME_OPTIMIZER_BUFFER_COUNT pinned fp32 buffers
+# of the largest sub-group: DeepSpeed's default sub_group_size (1e9 elements) pins 16 GB per rank; 1e8 pins 1.6 GB
+# and still moves 400 MB per read, well above what an NVMe drive needs to reach its bandwidth.
+NVME_SUB_GROUP_SIZE = 100_000_000
+NVME_PARAM_BUFFER_COUNT = 5
+NVME_PARAM_BUFFER_SIZE = 100_000_000  # elements per parameter swap buffer
+NVME_PARAM_MAX_IN_CPU = 1_000_000_000  # 16-bit parameter elements DeepSpeed keeps in host memory next to NVMe
+# A tensor smaller than this stays in host memory instead of a swap file (swap_tensor/utils.py MIN_AIO_BYTES, and
+# the aio block size, which hf_dist writes as 1 MiB): a sub-group of a few norms, or a tiny model's partition.
+MIN_SWAP_BYTES = 1024**2
+
+
+@dataclass(frozen=True)
+class SwapFiles:
+    """Bytes per rank in ZeRO-Infinity's swap files under ``nvme_path/zero_stage_3/``.
+
+    ``optimizer``: ``optimizer/rank*/`` master-weight and moment files (``<ids>.tensor.swp``, ``exp_avg-…``,
+    ``exp_avg_sq-…``); ``gradients``: the fp32 gradient partitions written there during backward (an upper bound:
+    pieces under :data:`MIN_SWAP_BYTES` stay in memory); ``params``: ``<dtype>params/rank*/``, the 16-bit parameter
+    partitions beyond ``max_in_cpu`` (none for a model under 1e9 elements per rank: DeepSpeed keeps those pinned)."""
+
+    optimizer: int = 0
+    gradients: int = 0
+    params: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.optimizer + self.gradients + self.params
+
+
+def swap_files(partition: int, state_bytes: int, master_bytes: int, param_partition: int, compute: int, params: bool):
+    """:class:`SwapFiles` of one rank: ``partition`` trainable elements (the rank's share), ``state_bytes`` optimizer
+    state per element, ``master_bytes`` per master weight, ``param_partition`` weight elements of the rank in
+    ``compute`` bytes, ``params``: the parameters are offloaded too (``optimizer+params``)."""
+    optimizer = partition * (state_bytes + master_bytes) if partition * master_bytes >= MIN_SWAP_BYTES else 0
+    beyond = max(0, param_partition - NVME_PARAM_MAX_IN_CPU) if params else 0
+    return SwapFiles(optimizer, partition * master_bytes if optimizer else 0, beyond * compute)
+
+
+def host_bytes(partition: int, param_partition: int, compute: int, params: bool) -> int:
+    """Host RAM per rank that NVMe offload still pins (stage3.py, swap_tensor/): the fp32 gradient partition
+    (``grad_partitions_flat_buffer`` is on the CPU whenever the optimizer is offloaded), the optimizer swapper's
+    ``buffer_count`` fp32 buffers of the largest sub-group partition (optimizer_utils.py: a sub-group's master
+    weights, two moments and gradient) and, with the parameters on NVMe, ``buffer_count`` parameter buffers of
+    ``buffer_size`` elements (partitioned_param_swapper.py) plus up to ``max_in_cpu`` 16-bit parameter elements
+    kept in host memory (stage3.py ``param_groups_fp16_flat_cpu_memory``). The settings are the ones hf_dist's
+    DeepSpeed JSON writes."""
+    out = partition * FP32 + NVME_OPTIMIZER_BUFFER_COUNT * min(NVME_SUB_GROUP_SIZE, partition) * FP32
+    if params:
+        out += (
+            NVME_PARAM_BUFFER_COUNT * NVME_PARAM_BUFFER_SIZE + min(NVME_PARAM_MAX_IN_CPU, param_partition)
+        ) * compute
+    return out
+
+
+def per_rank(count: float, degree: int) -> int:
+    """A rank's share of ``count`` elements split over ``degree`` ranks (DeepSpeed pads the last partition)."""
+    return math.ceil(count / degree)

@@ -1,0 +1,41 @@
+"""ZeRO-Infinity checkpoints: the sub-group cut the reader relies on, and the resume repair's no-op cases.
+
+The repair itself and reading the swap files run on a real 2-rank checkpoint in tests/distributed/test_nvme_offload.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from hf_dist.callbacks.resume import ZeroInfinityResumeCallback
+from hf_dist.checkpoint.deepspeed_reader import zero3_sub_groups
+from hf_dist.checkpoint.zero_infinity import zero_infinity_optimizer
+
+
+def test_sub_groups_are_cut_where_deepspeed_cuts_them():
+    shapes = [{"a": (10,), "b": (10,), "c": (10,)}, {"norm": (3,)}]
+    # per rank: 5, 5, 5 | 2; a group is cut once its partitions reach sub_group_size, and at its last param
+    assert zero3_sub_groups(shapes, 2, 8) == [10, 5, 2]
+    assert zero3_sub_groups(shapes, 2, 10) == [10, 5, 2]
+    assert zero3_sub_groups(shapes, 2, 100) == [15, 2]
+    assert zero3_sub_groups(shapes, 2, None) == [15, 2]
+
+
+def test_only_a_swapping_zero3_optimizer_is_repaired():
+    adam = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    assert zero_infinity_optimizer(None) is None and zero_infinity_optimizer(adam) is None
+    cpu_offload = SimpleNamespace(swap_optimizer=False, optimizer=adam)
+    assert zero_infinity_optimizer(SimpleNamespace(optimizer=cpu_offload)) is None
+    nvme = SimpleNamespace(swap_optimizer=True, optimizer=adam)
+    assert zero_infinity_optimizer(SimpleNamespace(optimizer=nvme)) is nvme  # behind accelerate's wrapper
+
+
+def test_resume_callback_leaves_other_runs_alone(tmp_path):
+    callback = ZeroInfinityResumeCallback()
+    args = SimpleNamespace(output_dir=str(tmp_path))
+    adam = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    # a resumed run without NVMe offload, and a fresh NVMe run: nothing to read (tmp_path holds no checkpoint)
+    callback.on_train_begin(args, SimpleNamespace(global_step=4), None, optimizer=adam)
+    nvme = SimpleNamespace(swap_optimizer=True)
+    callback.on_train_begin(args, SimpleNamespace(global_step=0), None, optimizer=nvme)

@@ -1,0 +1,73 @@
+"""NVMe offload (ZeRO-Infinity) pinned in the plan, and the swap files it counts (hf_dist/planning/nvme.py).
+
+The files themselves are measured on 2 CPU ranks in tests/distributed/test_nvme_offload.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hf_dist.planning.hardware import Hardware
+from hf_dist.planning.nvme import MIN_SWAP_BYTES, NVME_PARAM_MAX_IN_CPU, swap_files
+from hf_dist.planning.planner import plan
+from hf_dist.testing import tiny_llama_config
+
+GPUS = Hardware(device="cuda", gpus_per_node=2, gpu_memory_gib=80.0, bf16=False)
+
+
+def test_pinned_nvme_plans_zero3_and_counts_its_swap_files():
+    config = tiny_llama_config(vocab_size=8192)
+    p = plan(config, hardware=GPUS, offload="optimizer+params", offload_device="nvme", seq_len=32)
+    assert (p.strategy, p.offload, p.offload_device) == ("zero3", "optimizer+params", "nvme")
+    assert (p.tp_size, p.cp_size, p.sp_size) == (1, 1, 1)
+    # fp32 master partition + two fp32 Adam moments + the fp32 gradient partition, per rank; parameters stay in host
+    # RAM below max_in_cpu
+    partition = math.ceil(p.num_params / 2)
+    assert p.memory.swap == partition * (4 + 8 + 4)
+    assert p.swap_bytes == 2 * p.memory.swap
+    text = p.explain()
+    assert "offload=optimizer+params to NVMe (ZeRO-Infinity) as asked" in text
+    assert "NVMe swap files: 17.1 MiB per node under nvme_path" in text
+
+
+def test_nvme_offload_of_the_optimizer_only():
+    p = plan(tiny_llama_config(vocab_size=8192), hardware=GPUS, offload="optimizer", offload_device="nvme", seq_len=32)
+    assert (p.strategy, p.offload, p.layout.offload_device) == ("zero3", "optimizer", "nvme")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(strategy="zero2"), "offload_device='nvme' with strategy 'zero2': .* use strategy='zero3'"),
+        (dict(strategy="zero1"), "ZeRO-1/2 and FSDP2 offload to CPU memory only"),
+        (dict(strategy="fsdp_full_shard"), "offload_device='nvme' with strategy 'fsdp_full_shard'"),
+        (dict(offload="none"), "needs offload 'optimizer' or 'optimizer\\+params', got offload none"),
+        (dict(offload_device="disk"), "offload_device must be one of \\['cpu', 'nvme'\\] or None"),
+    ],
+)
+def test_nvme_with_what_cannot_swap_is_refused(kwargs, match):
+    kwargs = {"offload_device": "nvme", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        plan(tiny_llama_config(), hardware=GPUS, **kwargs)
+
+
+def test_offload_device_cpu_never_climbs_to_nvme():
+    """A model that fits nowhere: with nvme_gbps NVMe is searched, with offload_device='cpu' it is not."""
+    small = Hardware(device="cuda", gpus_per_node=1, gpu_memory_gib=10.3, host_memory_gib=8.5, nvme_gbps=3.0)
+    config = tiny_llama_config(hidden_size=2048, intermediate_size=8192, num_hidden_layers=8, vocab_size=32000)
+    searched = plan(config, hardware=small, seq_len=128, safety_margin=0.0)
+    assert searched.offload_device == "nvme" and searched.swap_bytes > 0
+    with pytest.raises(ValueError, match="nvme: not searched: offload_device='cpu' was asked for"):
+        plan(config, hardware=small, seq_len=128, safety_margin=0.0, offload_device="cpu")
+
+
+def test_swap_files_follow_deepspeed_thresholds():
+    # a partition under DeepSpeed's 1 MiB minimum stays in host memory: no files
+    tiny = MIN_SWAP_BYTES // 4 - 1
+    assert swap_files(tiny, 8, 4, tiny, 2, params=True).total == 0
+    big = 10**9
+    files = swap_files(big, 8, 4, 3 * 10**9, 2, params=True)
+    assert (files.optimizer, files.gradients) == (12 * big, 4 * big)
+    assert files.params == (3 * 10**9 - NVME_PARAM_MAX_IN_CPU) * 2  # only what max_in_cpu leaves out goes to NVMe
+    assert swap_files(big, 8, 4, 3 * 10**9, 2, params=False).params == 0
