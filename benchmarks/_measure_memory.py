@@ -9,7 +9,12 @@ STRATEGY is a registry name, or ``ddp+tp2``: tensor parallelism over both ranks 
 ``zero2+tp2`` (ZeRO-1/2): DeepSpeed AutoTP over both ranks (``"tensor_parallel": {"autotp_size": 2}``; the plain
 model is sharded when the engine starts), or ``zero1+sp2`` (any ZeRO stage): DeepSpeed Ulysses over both ranks, set up as accelerate does it
 (``UlyssesSPAttentionHF.register_with_transformers`` -> the engine's ``mpu``); each rank feeds its half of every
-sequence (input ids, positions and pre-shifted labels, what DeepSpeed's ``UlyssesSPDataLoaderAdapter`` hands it).
+sequence (input ids, positions and pre-shifted labels, what DeepSpeed's ``UlyssesSPDataLoaderAdapter`` hands it), or
+``zero3+nvme``: ZeRO-Infinity with hf_dist's DeepSpeed settings (optimizer and parameters offloaded to NVMe, swap
+files under ``$HF_DIST_MEASURE_DIR``); its row adds the host buffers DeepSpeed pins for it (``host``: the optimizer
+swapper's buffers, the fp32 gradient partition, the parameter swapper's buffers and the 16-bit parameters kept in
+host memory, read from DeepSpeed's own objects: they are allocated outside torch's allocator) and this rank's swap
+files (``swap``).
 
 For each model: one warm-up step (creates the optimizer state), then a measured step:
 - tensor walk (storages de-duplicated): parameters (local shards; ZeRO-3 ``ds_tensor``), optimizer state
@@ -38,14 +43,53 @@ SEQ, MICRO = 128, 2
 
 
 def parse_layout(layout: str) -> tuple[str, int, int]:
-    """``zero1+sp2`` -> ("zero1", tp 1, sp 2); ``fsdp_full_shard+tp2`` -> ("fsdp_full_shard", 2, 1)."""
-    strategy, *dims = layout.split("+")
+    """``zero1+sp2`` -> ("zero1", tp 1, sp 2); ``fsdp_full_shard+tp2`` -> ("fsdp_full_shard", 2, 1); ``+nvme``: see
+    :func:`is_nvme`."""
+    strategy, *dims = layout.removesuffix("+nvme").split("+")
     sizes = {"tp": 1, "sp": 1}
     for dim in dims:
         if dim[:2] not in sizes or not dim[2:].isdigit():
             raise ValueError(f"unknown layout {layout!r}: expected STRATEGY, STRATEGY+tpN or STRATEGY+spN")
         sizes[dim[:2]] = int(dim[2:])
     return strategy, sizes["tp"], sizes["sp"]
+
+
+def is_nvme(layout: str) -> bool:
+    """``zero3+nvme``: ZeRO-3 offloading optimizer and parameters to NVMe (ZeRO-Infinity)."""
+    return layout.endswith("+nvme")
+
+
+def nvme_config(folder: str) -> dict:
+    """hf_dist's ZeRO-Infinity settings for a fp32 run with a torch optimizer, as a raw DeepSpeed config."""
+    from hf_dist.configs.deepspeed import deepspeed_config
+
+    planned = deepspeed_config(
+        "zero3",
+        offload="optimizer+params",
+        mixed_precision="no",
+        cpu_adam=False,
+        offload_device="nvme",
+        nvme_path=folder,
+    )
+    keep = ("zero_optimization", "aio", "zero_force_ds_cpu_optimizer")
+    return {k: v for k, v in planned.items() if k in keep}
+
+
+def nvme_host_tensors(module, engine) -> list:
+    """The host buffers ZeRO-Infinity allocates (DeepSpeed 0.19 attribute names)."""
+    ds = engine.optimizer
+    out = list(ds.optimizer_swapper.swap_buffer_manager.all_buffers) + [ds.grad_partitions_flat_buffer]
+    out += [t for t in ds.param_groups_fp16_flat_cpu_memory if t.numel() > 1]  # 1-element placeholders otherwise
+    swapper = getattr(next(module.parameters()), "nvme_swapper", None)
+    return out + ([swapper.buffers] if swapper is not None else [])
+
+
+def swap_bytes(folder: str) -> int:
+    """This rank's swap files under ``folder`` (``zero_stage_3/*/rankR/``)."""
+    from pathlib import Path
+
+    rank = f"rank{dist.get_rank()}"
+    return sum(p.stat().st_size for p in Path(folder).rglob("*.swp") if rank in p.parts)
 
 
 def build(spec: str, tp_size: int = 1, fsdp_size: int = 1):
@@ -106,7 +150,7 @@ def nbytes(keyset: set) -> int:
     return sum(size for _, size in keyset)
 
 
-def wrap(strategy: str, model, tp_size: int = 1, sp_size: int = 1):
+def wrap(strategy: str, model, tp_size: int = 1, sp_size: int = 1, nvme: str | None = None):
     """Returns (module, optimizer, step_fn(ids, probe)), probe called between backward and step; under SP ``ids`` is
     the whole sequence and the step feeds this rank's slice."""
     s = registry_strategy(strategy)
@@ -137,6 +181,8 @@ def wrap(strategy: str, model, tp_size: int = 1, sp_size: int = 1):
         }
         if tp_size > 1:
             config["tensor_parallel"] = {"autotp_size": tp_size}
+        if nvme:
+            config.update(nvme_config(nvme))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         mpu = None
         if sp_size > 1:
@@ -222,7 +268,8 @@ def measure(layout: str, spec: str) -> dict:
     seen = {}
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         name, config, model = build(spec, tp_size if loaded_sharded else 1, fsdp_size)
-        module, optimizer, step = wrap(strategy, model, tp_size, sp_size)
+        nvme = os.environ["HF_DIST_MEASURE_DIR"] if is_nvme(layout) else None
+        module, optimizer, step = wrap(strategy, model, tp_size, sp_size, nvme)
         # every rank of a TP or SP group sees the same sequence; data-parallel ranks see different ones
         generator = torch.Generator().manual_seed(dist.get_rank() // (tp_size * sp_size))
         ids = torch.randint(0, config.vocab_size, (MICRO, SEQ), generator=generator)
@@ -242,7 +289,9 @@ def measure(layout: str, spec: str) -> dict:
     resident = before[-1] if before else 0
     in_step = [live for t, live in curve if start_ns <= t <= end_ns] or [resident]
     partitioned = registry_strategy(strategy).zero_stage == 3  # ZeRO-3 leaves empty placeholders in the module
+    host = {"host": nbytes(keys(nvme_host_tensors(module, module))), "swap": swap_bytes(nvme)} if nvme else {}
     return {
+        **host,
         "model": name,
         "strategy": layout,
         "num_params": None if partitioned or tp_size > 1 else sum(p.numel() for p in model.parameters()),
@@ -269,8 +318,9 @@ def main() -> None:
         merged = []
         for per_rank in zip(*gathered, strict=True):
             row = dict(per_rank[0])
-            for key in ("params", "optimizer", "grads", "resident_before_step", "peak"):
-                row[key] = max(r[key] for r in per_rank)
+            for key in ("params", "optimizer", "grads", "resident_before_step", "peak", "host", "swap"):
+                if key in row:
+                    row[key] = max(r[key] for r in per_rank)
             merged.append(row)
         tmp = out + ".tmp"
         with open(tmp, "w") as fh:

@@ -1,9 +1,12 @@
 """Planner accuracy: predicted vs measured per-rank memory on 2 CPU ranks, next to accelerate's and DeepSpeed's estimators.
 
-Usage:  python benchmarks/planner_accuracy.py [--strategies ddp,zero3,zero2+tp2,zero1+sp2] [--models A:256:688:4:4:2:8000] [--out results.json]
+Usage:  python benchmarks/planner_accuracy.py [--strategies ddp,zero3,zero2+tp2,zero1+sp2,zero3+nvme] [--models A:256:688:4:4:2:8000] [--out results.json]
 
-Layouts (default: all): a strategy name, ``STRATEGY+tp2`` (torch TP for ddp/FSDP2, DeepSpeed AutoTP for ZeRO-1/2)
-or ``STRATEGY+sp2`` (DeepSpeed Ulysses, ZeRO).
+Layouts (default: all): a strategy name, ``STRATEGY+tp2`` (torch TP for ddp/FSDP2, DeepSpeed AutoTP for ZeRO-1/2),
+``STRATEGY+sp2`` (DeepSpeed Ulysses, ZeRO) or ``zero3+nvme`` (ZeRO-Infinity: optimizer and parameters offloaded to
+NVMe with hf_dist's DeepSpeed settings; needs libaio). A ``zero3+nvme`` row is compared on what NVMe offload costs
+the host, in a table of its own: the host buffers DeepSpeed pins (``MemoryEstimate.cpu``) and the swap files
+(``MemoryEstimate.swap``), with the model-states target (1 %).
 
 For each small Llama config and strategy, ``_measure_memory.py`` trains one warm-up and one measured
 step (fp32, AdamW, seq 128, micro-batch 2) on 2 gloo ranks (4 for FSDP2 x TP: ``fsdp_full_shard+tp2``, a
@@ -36,13 +39,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _measure_memory import parse_layout  # noqa: E402  (the one parser of layout names, shared with the ranks)
+from _measure_memory import is_nvme, parse_layout  # noqa: E402  (the one parser of layout names, shared with the ranks)
 
 # name:hidden:intermediate:layers:heads:kv_heads:vocab
 MODELS = ("A:256:688:4:4:2:8000", "B:384:1024:6:6:2:8000", "C:512:1376:6:8:4:8000")
 STRATEGIES = (
     "ddp", "zero1", "zero2", "zero3", "fsdp_full_shard",
-    "ddp+tp2", "fsdp_full_shard+tp2", "zero2+tp2", "zero1+sp2", "zero2+sp2", "zero3+sp2",
+    "ddp+tp2", "fsdp_full_shard+tp2", "zero2+tp2", "zero1+sp2", "zero2+sp2", "zero3+sp2", "zero3+nvme",
 )  # fmt: skip
 SEQ, MICRO = 128, 2
 MB = 1e6
@@ -79,9 +82,10 @@ def predictions(spec_text: str, layout: str) -> dict:
     spec = model_spec(llama_config(spec_text))
     n = spec.num_params
     world = world_of(layout)
+    nvme = {"offload": "optimizer+params", "offload_device": "nvme"} if is_nvme(layout) else {}
     ours = estimate_memory(
         spec, s, world, param_bytes=4, master_weights=s.zero_stage in (1, 2),
-        seq_len=SEQ, micro_batch_size=MICRO, device="cpu", tp_size=tp, sp_size=sp,
+        seq_len=SEQ, micro_batch_size=MICRO, device="cpu", tp_size=tp, sp_size=sp, **nvme,
     )  # fmt: skip
     acc = estimate_training_usage(n * 4, "float32")
     out = {
@@ -91,6 +95,8 @@ def predictions(spec_text: str, layout: str) -> dict:
         "accelerate_states": acc["model"] + acc["gradients"] + acc["optimizer"],
         "accelerate_peak": max(acc.values()),
         "deepspeed_states": None,
+        "hf_host": ours.cpu,
+        "hf_swap": ours.swap,
     }
     if s.is_deepspeed:
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
@@ -157,6 +163,19 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def nvme_table(rows: list[dict]) -> str:
+    header = ("model", "params", "meas host MB", "hf_dist host", "ratio", "meas swap MB", "hf_dist swap", "ratio")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        cells = (
+            r["model"], f"{r['num_params'] / 1e6:.1f}M", f"{r['host'] / MB:.1f}", f"{r['hf_host'] / MB:.1f}",
+            ratio(r["hf_host"], r["host"]), f"{r['swap'] / MB:.1f}", f"{r['hf_swap'] / MB:.1f}",
+            ratio(r["hf_swap"], r["swap"]),
+        )  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
@@ -170,12 +189,23 @@ def main() -> None:
         for measured in measure(strategy, models):
             spec_text = next(m for m in models if m.split(":")[0] == measured["model"])
             rows.append({**measured, **predictions(spec_text, strategy)})
-    print(table(rows))
-    worst_states = max(abs(r["hf_states"] / (r["params"] + r["grads"] + r["optimizer"]) - 1) for r in rows)
-    worst_peak = max(abs(r["hf_total"] / r["peak"] - 1) for r in rows)
-    print(
-        f"\nhf_dist worst error: model states {worst_states:.1%} (target 1%), total peak {worst_peak:.1%} (target 10%)"
-    )
+    nvme = [r for r in rows if is_nvme(r["strategy"])]
+    rows = [r for r in rows if not is_nvme(r["strategy"])]
+    if rows:
+        print(table(rows))
+        worst_states = max(abs(r["hf_states"] / (r["params"] + r["grads"] + r["optimizer"]) - 1) for r in rows)
+        worst_peak = max(abs(r["hf_total"] / r["peak"] - 1) for r in rows)
+        print(
+            f"\nhf_dist worst error: model states {worst_states:.1%} (target 1%), total peak {worst_peak:.1%} "
+            "(target 10%)"
+        )
+    if nvme:
+        print(
+            "\nZeRO-Infinity (zero3+nvme), per rank: host buffers DeepSpeed pins, and swap files\n" + nvme_table(nvme)
+        )
+        worst = max(max(abs(r["hf_host"] / r["host"] - 1), abs(r["hf_swap"] / r["swap"] - 1)) for r in nvme)
+        print(f"\nhf_dist worst error on ZeRO-Infinity's host buffers and swap files: {worst:.1%} (target 1%)")
+    rows += nvme
     if args.out:
         tmp = args.out + ".tmp"
         with open(tmp, "w") as fh:

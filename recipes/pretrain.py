@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = ru.build_model(model_args, config, seed=train_kwargs["seed"]) if model_args.embedded else None
     args = ru.training_arguments(
         train_kwargs, explicit, config, method="full", seq_len=seq_len, strategy=model_args.strategy,
-        deepspeed_on_cpu=run_args.deepspeed_on_cpu, sizes=model_args.sizes, async_save=run_args.async_save,
+        deepspeed_on_cpu=run_args.deepspeed_on_cpu, sizes=model_args.sizes, offloading=model_args.offloading,
+        async_save=run_args.async_save,
     )  # fmt: skip
     load = ru.parallel_load_kwargs(args)  # tp_plan="auto" under tensor parallelism: sharded as it loads
     with args.main_process_first(desc="packing"):

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None, *, method: str = "full") -> dict:
     args = ru.training_arguments(
         train_kwargs, explicit, config, method=method, seq_len=seq_len, strategy=model_args.strategy,
         lora_rank=lora_args.lora_r, deepspeed_on_cpu=run_args.deepspeed_on_cpu, sizes=model_args.sizes,
-        async_save=run_args.async_save,
+        offloading=model_args.offloading, async_save=run_args.async_save,
     )  # fmt: skip
     load = ru.parallel_load_kwargs(args)  # tp_plan="auto" under tensor parallelism: sharded as it loads
     with args.main_process_first(desc="tokenizing"):

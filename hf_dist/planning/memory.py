@@ -317,28 +317,45 @@ def optimizer_bytes_per_rank(s: Strategy, degree, trainable, offload, optimizer,
     return _split(full, s.shards.optimizer, degree)
 
 
-def cpu_bytes_per_rank(spec, degree, trainable, method, offload, optimizer, lay: Dtypes, compute, nvme=False) -> int:
+def cpu_bytes_per_rank(
+    spec, degree, trainable, method, offload, optimizer, lay: Dtypes, compute, nvme=False, device="cuda"
+) -> int:
     """Host memory per rank holding offloaded states (fp32 gradients on the host for ZeRO-Offload); with NVMe,
-    what DeepSpeed still pins on the host (:func:`hf_dist.planning.nvme.host_bytes`)."""
+    what DeepSpeed still pins on the host (:func:`hf_dist.planning.nvme.host_bytes`; on CPU ranks its parameter
+    swap buffers are bf16)."""
     if offload == "none":
         return 0
     if nvme:
         weights = per_rank(base_weight_bytes(spec, method, 1), degree)
-        return host_bytes(per_rank(trainable, degree), weights, compute, offload == "optimizer+params")
+        buffers = 2 if device == "cpu" else compute
+        return host_bytes(per_rank(trainable, degree), weights, compute, offload == "optimizer+params", buffers)
     states = trainable * (optimizer_state_bytes(optimizer, FP32) + FP32 + FP32)  # moments, master, fp32 grads
     if offload == "optimizer+params":
         states += base_weight_bytes(spec, method, compute)
     return math.ceil(states / degree)
 
 
-def swap_bytes_per_rank(spec, degree, trainable, method, offload, optimizer, lay: Dtypes, compute) -> int:
+def swap_bytes_per_rank(spec, degree, trainable, method, offload, optimizer, lay: Dtypes, compute, device) -> int:
     """ZeRO-Infinity's swap files per rank (:func:`hf_dist.planning.nvme.swap_files`): the master partition (fp32, or
-    bf16 under pure bf16) with the optimizer's moments and gradients in the same dtype, and the 16-bit parameters
-    beyond ``max_in_cpu``."""
-    weights = per_rank(base_weight_bytes(spec, method, 1), degree)
+    bf16 under pure bf16) with the optimizer's moments and gradients in the same dtype, and the parameter partitions
+    in the parameter swapper's dtype (bf16 on CPU ranks, see :func:`~hf_dist.planning.nvme.host_bytes`)."""
+    tensors = (
+        [per_rank(n, degree) for n in trainable_tensors(spec)] if method == "full" and spec.lora_linears else None
+    )
     state = optimizer_state_bytes(optimizer, lay.state)
-    files = swap_files(per_rank(trainable, degree), state, lay.state, weights, compute, offload == "optimizer+params")
-    return files.total
+    params = offload == "optimizer+params"
+    swapper = 2 if device == "cpu" else compute
+    return swap_files(per_rank(trainable, degree), state, lay.state, swapper, params, tensors).total
+
+
+def trainable_tensors(spec) -> list[int]:
+    """Elements of each weight tensor of a full fine-tuning: the embedding, an untied head, each decoder layer's
+    linears (``ModelSpec.lora_linears``) and, in an MoE layer, the rest of the layer as one stacked expert tensor;
+    the norms are left out (they are far under DeepSpeed's 1 MiB swap threshold)."""
+    linears = [i * o for _, i, o in spec.lora_linears]
+    layer = linears + ([spec.layer_params - sum(linears)] if spec.experts else [])
+    head = [spec.lm_head_params] if not spec.tie_word_embeddings and spec.lm_head_params else []
+    return [spec.embedding_params, *head, *layer * spec.num_layers]
 
 
 def step_bytes_per_rank(spec, s: Strategy, degree, trainable, offload, lay: Dtypes) -> int:
@@ -587,8 +604,12 @@ def estimate_memory(
     )
     step = step_bytes_per_rank(spec, s, degree, trainable, offload, lay)
     nvme = run.offload_device == "nvme"
-    cpu = cpu_bytes_per_rank(spec, degree, trainable, method, offload, optimizer, lay, param_bytes, nvme)
-    swap = swap_bytes_per_rank(spec, degree, trainable, method, offload, optimizer, lay, param_bytes) if nvme else 0
+    cpu = cpu_bytes_per_rank(spec, degree, trainable, method, offload, optimizer, lay, param_bytes, nvme, device)
+    swap = (
+        swap_bytes_per_rank(spec, degree, trainable, method, offload, optimizer, lay, param_bytes, device)
+        if nvme
+        else 0
+    )
     on_gpu = device == "cuda"
     allocator = 0
     if on_gpu:

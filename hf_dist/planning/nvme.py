@@ -36,9 +36,11 @@ class SwapFiles:
     """Bytes per rank in ZeRO-Infinity's swap files under ``nvme_path/zero_stage_3/``.
 
     ``optimizer``: ``optimizer/rank*/`` master-weight and moment files (``<ids>.tensor.swp``, ``exp_avg-…``,
-    ``exp_avg_sq-…``); ``gradients``: the fp32 gradient partitions written there during backward (an upper bound:
-    pieces under :data:`MIN_SWAP_BYTES` stay in memory); ``params``: ``<dtype>params/rank*/``, the 16-bit parameter
-    partitions beyond ``max_in_cpu`` (none for a model under 1e9 elements per rank: DeepSpeed keeps those pinned)."""
+    ``exp_avg_sq-…``); ``gradients``: the fp32 gradient partitions written there during backward, one piece per
+    parameter whose partition reaches :data:`MIN_SWAP_BYTES` (smaller ones stay in the host's gradient
+    partition); ``params``: ``<dtype>params/rank*/``, each parameter partition that reaches it, written when ZeRO-3
+    partitions the model (partition_parameters.py) and kept, also for the parameters then held in host memory
+    under ``max_in_cpu``."""
 
     optimizer: int = 0
     gradients: int = 0
@@ -49,28 +51,46 @@ class SwapFiles:
         return self.optimizer + self.gradients + self.params
 
 
-def swap_files(partition: int, state_bytes: int, master_bytes: int, param_partition: int, compute: int, params: bool):
+def swap_files(
+    partition: int,
+    state_bytes: int,
+    master_bytes: int,
+    param_bytes: int,
+    params: bool,
+    tensors: list[int] | None = None,
+) -> SwapFiles:
     """:class:`SwapFiles` of one rank: ``partition`` trainable elements (the rank's share), ``state_bytes`` optimizer
-    state per element, ``master_bytes`` per master weight, ``param_partition`` weight elements of the rank in
-    ``compute`` bytes, ``params``: the parameters are offloaded too (``optimizer+params``)."""
-    optimizer = partition * (state_bytes + master_bytes) if partition * master_bytes >= MIN_SWAP_BYTES else 0
-    beyond = max(0, param_partition - NVME_PARAM_MAX_IN_CPU) if params else 0
-    return SwapFiles(optimizer, partition * master_bytes if optimizer else 0, beyond * compute)
+    state per element, ``master_bytes`` per master weight (and gradient), ``param_bytes`` per element of the
+    parameter swapper (its dtype), ``params``: the parameters are offloaded too (``optimizer+params``). ``tensors``:
+    the rank's elements of each weight tensor when known; otherwise every gradient and parameter counts as swapped
+    (an upper bound)."""
+
+    def swapped(pieces: list[int], size: int) -> int:
+        return sum(n for n in pieces if n * size >= MIN_SWAP_BYTES) * size
+
+    pieces = [partition] if tensors is None else tensors
+    if partition * master_bytes < MIN_SWAP_BYTES:  # the sub-group stays in memory, and its gradients with it
+        return SwapFiles(params=swapped(pieces, param_bytes) if params else 0)
+    optimizer = partition * (state_bytes + master_bytes)
+    return SwapFiles(optimizer, swapped(pieces, master_bytes), swapped(pieces, param_bytes) if params else 0)
 
 
-def host_bytes(partition: int, param_partition: int, compute: int, params: bool) -> int:
+def host_bytes(
+    partition: int, param_partition: int, compute: int, params: bool, buffer_bytes: int | None = None
+) -> int:
     """Host RAM per rank that NVMe offload still pins (stage3.py, swap_tensor/): the fp32 gradient partition
     (``grad_partitions_flat_buffer`` is on the CPU whenever the optimizer is offloaded), the optimizer swapper's
     ``buffer_count`` fp32 buffers of the largest sub-group partition (optimizer_utils.py: a sub-group's master
     weights, two moments and gradient) and, with the parameters on NVMe, ``buffer_count`` parameter buffers of
     ``buffer_size`` elements (partitioned_param_swapper.py) plus up to ``max_in_cpu`` 16-bit parameter elements
     kept in host memory (stage3.py ``param_groups_fp16_flat_cpu_memory``). The settings are the ones hf_dist's
-    DeepSpeed JSON writes."""
+    DeepSpeed JSON writes. ``buffer_bytes``: bytes per element of the parameter swapper's buffers, ``compute`` but on
+    DeepSpeed's CPU accelerator, where ``zero.Init`` picks bf16 whatever the model's dtype (partition_parameters.py
+    ``_set_dtype``: ``dtype or torch.float16 if fp16_supported else torch.bfloat16 ...``)."""
     out = partition * FP32 + NVME_OPTIMIZER_BUFFER_COUNT * min(NVME_SUB_GROUP_SIZE, partition) * FP32
     if params:
-        out += (
-            NVME_PARAM_BUFFER_COUNT * NVME_PARAM_BUFFER_SIZE + min(NVME_PARAM_MAX_IN_CPU, param_partition)
-        ) * compute
+        buffers = NVME_PARAM_BUFFER_COUNT * NVME_PARAM_BUFFER_SIZE * (buffer_bytes or compute)
+        out += buffers + min(NVME_PARAM_MAX_IN_CPU, param_partition) * compute
     return out
 
 

@@ -111,6 +111,22 @@ class ModelArguments:
     sp_size: int | None = field(
         default=None, metadata={"help": "Ulysses sequence parallel size (DeepSpeed); default: the plan's choice."}
     )
+    offload: str | None = field(
+        default=None,
+        metadata={"help": "Pin offload: none | optimizer | optimizer+params; default: the plan's choice."},
+    )
+    offload_device: str | None = field(
+        default=None,
+        metadata={
+            "help": "Pin where offloaded states go: cpu | nvme (ZeRO-Infinity, with --nvme_path); default: searched."
+        },
+    )
+    nvme_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "Folder on each node's local NVMe drive for ZeRO-Infinity's swap files (checked before training)."
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "cp_size", "sp_size"):
@@ -119,6 +135,10 @@ class ModelArguments:
                 raise ValueError(f"--{name} must be a positive int (1 = off), got {value}")
         if self.torch_dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(f"--torch_dtype {self.torch_dtype!r} is not one of auto, bfloat16, float16, float32")
+        if self.offload not in (None, "none", "optimizer", "optimizer+params"):
+            raise ValueError(f"--offload {self.offload!r} is not one of none, optimizer, optimizer+params")
+        if self.offload_device not in (None, "cpu", "nvme"):
+            raise ValueError(f"--offload_device {self.offload_device!r} is not one of cpu, nvme")
         if self.strategy is not None and self.strategy not in STRATEGY_CHOICES:
             raise ValueError(f"--strategy {self.strategy!r} is not one of {list(STRATEGY_CHOICES)}")
         if self.tiny_hidden_size % 4 or self.tiny_hidden_size <= 0 or self.tiny_num_layers <= 0:
@@ -135,6 +155,11 @@ class ModelArguments:
     def sizes(self) -> dict[str, int | None]:
         """``--tp_size``/``--cp_size``/``--sp_size`` as planner keywords (None: the plan's choice)."""
         return {"tp_size": self.tp_size, "cp_size": self.cp_size, "sp_size": self.sp_size}
+
+    @property
+    def offloading(self) -> dict[str, str | None]:
+        """``--offload``/``--offload_device``/``--nvme_path`` as ``auto_args`` keywords (None: the plan's choice)."""
+        return {"offload": self.offload, "offload_device": self.offload_device, "nvme_path": self.nvme_path}
 
 
 @dataclass
@@ -281,13 +306,15 @@ def training_arguments(
     deepspeed_on_cpu: bool = False,
     sizes: dict[str, int | None] | None = None,
     async_save: bool = False,
+    offloading: dict[str, str | None] | None = None,
 ):
     """``TrainingArguments`` = recipe defaults < ``hf_dist.auto_args`` (the plan) < explicit user flags.
 
     The plan is skipped when the user chose the strategy with ``--fsdp``/``--deepspeed`` or an
     accelerate FSDP/DeepSpeed config; ``--strategy`` pins the plan's strategy instead.
     ``sizes``: the recipes' ``--tp_size``/``--cp_size``/``--sp_size`` (None: the plan searches them).
-    ``async_save``: the plan counts the staging copy of background saves in host RAM.
+    ``async_save``: the plan counts the staging copy of background saves in host RAM. ``offloading``: the recipes'
+    ``--offload``/``--offload_device``/``--nvme_path`` (None: the plan's choice).
     ``deepspeed_on_cpu`` (the recipes' ``--deepspeed_on_cpu``, tests and CPU development only) lets a
     DeepSpeed run count every CPU rank (:func:`hf_dist.runtime.cpu_fsdp.cpu_deepspeed_training_kwargs`);
     without it DeepSpeed on several CPU ranks is refused here, before DeepSpeed's own batch-size error.
@@ -303,6 +330,7 @@ def training_arguments(
 
         plan_kwargs: dict[str, Any] = {"method": method, "seq_len": seq_len, "strategy": strategy}
         plan_kwargs.update({k: v for k, v in (sizes or {}).items() if v is not None})  # --tp_size/--cp_size/--sp_size
+        plan_kwargs.update({k: v for k, v in (offloading or {}).items() if v is not None})  # --offload, --nvme_path
         if method != "full":
             plan_kwargs["lora_rank"] = lora_rank
         if async_save:

@@ -80,15 +80,15 @@ def launch(workdir, name: str, done: dict) -> dict:
     return {**json.loads(out.read_text()), "output_dir": str(run), "nvme_path": str(nvme)}
 
 
-def planned():
-    """The plan of the launches (strategies_train.hardware_kwargs): 2 GPUs of 80 GiB, fp32, NVMe pinned."""
+def modelled():
+    """What the memory model counts for the launches (2 CPU ranks, fp32, ZeRO-Infinity with hf_dist's settings)."""
     from hf_dist.embedded.model import tiny_llama_config
-    from hf_dist.planning.hardware import Hardware
-    from hf_dist.planning.planner import plan
+    from hf_dist.planning.memory import estimate_memory
 
-    hardware = Hardware(device="cuda", gpus_per_node=2, gpu_memory_gib=80.0, bf16=False)
-    config = tiny_llama_config(vocab_size=VOCAB)
-    return plan(config, hardware=hardware, offload="optimizer+params", offload_device="nvme", seq_len=SEQ_LEN)
+    return estimate_memory(
+        tiny_llama_config(vocab_size=VOCAB), "zero3", 2, offload="optimizer+params", offload_device="nvme",
+        param_bytes=4, master_weights=False, seq_len=SEQ_LEN, micro_batch_size=2, device="cpu",
+    )  # fmt: skip
 
 
 def test_zero_infinity_really_ran(runs):
@@ -111,16 +111,14 @@ def test_optimizer_state_lives_in_swap_files_not_host_memory(runs):
 
 def test_swap_files_have_the_sizes_the_plan_counts(runs):
     files = runs("nvme")["nvme"][str(STEPS)]["swap_files"]
-    optimizer = sum(
-        size for path, size in files.items() if path.startswith("zero_stage_3/optimizer/") and "gradient" not in path
-    )
     gradients = sum(size for path, size in files.items() if "gradient" in path)
     params = sum(size for path, size in files.items() if "params/" in path)
-    per_rank = planned().memory.swap  # fp32 master + 2 fp32 Adam moments (12 B) and fp32 gradients (4 B) per element
-    assert math.isclose(optimizer, per_rank * 12 / 16, rel_tol=0.01), (optimizer, per_rank, files)
-    assert 0 < gradients <= per_rank * 4 / 16, (gradients, per_rank)
-    assert params == 0, "the plan keeps parameters below max_in_cpu in host memory, as DeepSpeed does"
-    assert optimizer + gradients <= per_rank
+    # fp32 master + 2 fp32 Adam moments of the swapped sub-group, and the fp32 gradients of the embedding and the head,
+    # the only tensors whose partition reaches DeepSpeed's 1 MiB swap threshold here (8192 x 64 / 2 ranks x 4 B);
+    # in the parameter swapper's bf16 (CPU ranks) they stay under it: no parameter files
+    assert gradients == 2 * 2**20, files
+    assert params == 0, files
+    assert math.isclose(sum(files.values()), modelled().swap, rel_tol=0.01), (files, modelled().swap)
 
 
 def test_losses_match_the_cpu_offload_run(runs):

@@ -343,3 +343,32 @@ def test_the_printed_plan_describes_the_users_own_strategy(tmp_path):
     args = ru.training_arguments(kwargs, {"deepspeed"}, None, method="full", seq_len=16, strategy=None)
     text = ru.describe_plan(tiny_llama_config(), method="full", seq_len=16, args=args)
     assert "plan: chosen: zero2" in text, text
+
+
+def test_offload_flags_reach_the_plan(tmp_path, monkeypatch):
+    """--offload/--offload_device/--nvme_path pin the plan (ZeRO-Infinity on GPUs); on CPU ranks the plan refuses."""
+    import hf_dist
+
+    for key in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(key, raising=False)
+    flags = ["--output_dir", str(tmp_path), "--strategy", "zero3", "--offload", "optimizer+params"]
+    flags += ["--offload_device", "nvme", "--nvme_path", str(tmp_path)]
+    model_args, kwargs, explicit = parse(flags, (ru.ModelArguments,))
+    assert model_args.offloading == {
+        "offload": "optimizer+params",
+        "offload_device": "nvme",
+        "nvme_path": str(tmp_path),
+    }
+    config = tiny_llama_config(num_hidden_layers=1)
+    with pytest.raises(ValueError, match="training already runs on CPU"):  # this machine: CPU ranks
+        ru.training_arguments(
+            kwargs, explicit, config, method="full", seq_len=32, strategy="zero3", offloading=model_args.offloading
+        )
+    seen = {}
+    monkeypatch.setattr(hf_dist, "auto_args", lambda model, **kw: seen.update(kw) or {})
+    ru.training_arguments(
+        kwargs, explicit, config, method="full", seq_len=32, strategy="zero3", offloading=model_args.offloading
+    )
+    assert {k: seen[k] for k in model_args.offloading} == model_args.offloading
+    with pytest.raises(ValueError, match="--offload_device 'disk' is not one of cpu, nvme"):
+        parse(["--output_dir", str(tmp_path), "--offload_device", "disk"], (ru.ModelArguments,))

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from hf_dist.planning.hardware import Hardware
-from hf_dist.planning.nvme import MIN_SWAP_BYTES, NVME_PARAM_MAX_IN_CPU, swap_files
+from hf_dist.planning.nvme import MIN_SWAP_BYTES, swap_files
 from hf_dist.planning.planner import plan
 from hf_dist.testing import tiny_llama_config
 
@@ -21,14 +21,15 @@ def test_pinned_nvme_plans_zero3_and_counts_its_swap_files():
     p = plan(config, hardware=GPUS, offload="optimizer+params", offload_device="nvme", seq_len=32)
     assert (p.strategy, p.offload, p.offload_device) == ("zero3", "optimizer+params", "nvme")
     assert (p.tp_size, p.cp_size, p.sp_size) == (1, 1, 1)
-    # fp32 master partition + two fp32 Adam moments + the fp32 gradient partition, per rank; parameters stay in host
-    # RAM below max_in_cpu
+    # fp32 master partition + two fp32 Adam moments per rank, and the fp32 gradients and (fp32, the compute dtype
+    # here) parameters of the tensors whose partition reaches DeepSpeed's 1 MiB swap threshold: the embedding and the
+    # head, 8192 x 64 / 2 ranks = 1 MiB each
     partition = math.ceil(p.num_params / 2)
-    assert p.memory.swap == partition * (4 + 8 + 4)
+    assert p.memory.swap == partition * (4 + 8) + 2 * 2**20 + 2 * 2**20
     assert p.swap_bytes == 2 * p.memory.swap
     text = p.explain()
     assert "offload=optimizer+params to NVMe (ZeRO-Infinity) as asked" in text
-    assert "NVMe swap files: 17.1 MiB per node under nvme_path" in text
+    assert "NVMe swap files: 20.8 MiB per node under nvme_path" in text
 
 
 def test_nvme_offload_of_the_optimizer_only():
@@ -63,11 +64,13 @@ def test_offload_device_cpu_never_climbs_to_nvme():
 
 
 def test_swap_files_follow_deepspeed_thresholds():
-    # a partition under DeepSpeed's 1 MiB minimum stays in host memory: no files
+    # a sub-group under DeepSpeed's 1 MiB minimum stays in host memory with its gradients: no optimizer files
     tiny = MIN_SWAP_BYTES // 4 - 1
-    assert swap_files(tiny, 8, 4, tiny, 2, params=True).total == 0
+    assert swap_files(tiny, 8, 4, 2, params=False).total == 0
     big = 10**9
-    files = swap_files(big, 8, 4, 3 * 10**9, 2, params=True)
-    assert (files.optimizer, files.gradients) == (12 * big, 4 * big)
-    assert files.params == (3 * 10**9 - NVME_PARAM_MAX_IN_CPU) * 2  # only what max_in_cpu leaves out goes to NVMe
-    assert swap_files(big, 8, 4, 3 * 10**9, 2, params=False).params == 0
+    files = swap_files(big, 8, 4, 2, params=True)  # tensors unknown: every gradient and parameter (upper bound)
+    assert (files.optimizer, files.gradients, files.params) == (12 * big, 4 * big, 2 * big)
+    # known tensors: only those whose partition reaches 1 MiB are written (gradients in fp32, parameters in bf16)
+    files = swap_files(big, 8, 4, 2, params=True, tensors=[big - 300_000, 300_000])
+    assert (files.gradients, files.params) == (4 * big, 2 * (big - 300_000))
+    assert swap_files(big, 8, 4, 2, params=False).params == 0
