@@ -22,6 +22,12 @@ from hf_dist.checkpoint.safe_pickle import safe_load
 
 __all__ = ["restore_resident_subgroups", "zero_infinity_optimizer"]
 
+# what the repair reads and calls on DeepSpeed's DeepSpeedZeroOptimizer_Stage3 (deepspeed 0.19)
+_INTERNALS = (
+    "fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat", "fp16_partitioned_groups_flat_numel",
+    "optimizer_swapper", "checkpoint_event_prologue", "checkpoint_event_epilogue", "dp_process_group",
+)  # fmt: skip
+
 
 def zero_infinity_optimizer(optimizer: Any) -> Any | None:
     """DeepSpeed's ZeRO-3 optimizer behind accelerate's wrapper when it swaps to NVMe, else None."""
@@ -44,6 +50,13 @@ def restore_resident_subgroups(
     import torch
     import torch.distributed as dist
 
+    missing = [name for name in _INTERNALS if not hasattr(optimizer, name)]
+    if missing:
+        raise RuntimeError(
+            f"cannot repair this ZeRO-Infinity resume: DeepSpeed's ZeRO-3 optimizer has no {missing} (written against "
+            "deepspeed 0.19); without the repair the resumed run would restart Adam and the in-memory sub-groups. "
+            "Install deepspeed 0.19, the version the repair is tested with"
+        )
     rank = dist.get_rank(group=optimizer.dp_process_group)
     saved = safe_load(_optim_file(Path(checkpoint_dir), rank), trust_pickles=trust_pickles)["optimizer_state_dict"]
     groups, states = saved["fp32_flat_groups"], saved["optimizer_state_dict"]["state"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from hf_dist.callbacks.resume import ZeroInfinityResumeCallback
@@ -39,3 +40,11 @@ def test_resume_callback_leaves_other_runs_alone(tmp_path):
     callback.on_train_begin(args, SimpleNamespace(global_step=4), None, optimizer=adam)
     nvme = SimpleNamespace(swap_optimizer=True)
     callback.on_train_begin(args, SimpleNamespace(global_step=0), None, optimizer=nvme)
+
+
+def test_a_deepspeed_without_the_internals_is_refused_not_half_repaired(tmp_path):
+    from hf_dist.checkpoint.zero_infinity import restore_resident_subgroups
+
+    other_version = SimpleNamespace(swap_optimizer=True, fp32_partitioned_groups_flat=[])
+    with pytest.raises(RuntimeError, match="cannot repair this ZeRO-Infinity resume: .*'optimizer_swapper'"):
+        restore_resident_subgroups(other_version, tmp_path)
