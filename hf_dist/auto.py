@@ -83,15 +83,18 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
         deepspeed_pure_bf16_check(plan, own.get("cpu_adam", True))
         _quiet_deepspeed_collectives()
     wrap = _wrap_classes(plan, model, own) if layout.strategy.is_fsdp else None
-    nvme_path = own.get("nvme_path")
+    nvme = {}
     if layout.offload_device == "nvme":
+        from hf_dist.planning.memory import nvme_param_buffer
         from hf_dist.runtime.support import check_nvme_offload
 
-        check_nvme_offload(nvme_path, plan.swap_bytes)
+        check_nvme_offload(own.get("nvme_path"), plan.swap_bytes)
+        nvme = {
+            "nvme_path": own.get("nvme_path"),
+            "nvme_param_buffer": nvme_param_buffer(plan.model, layout.state_shard_size),
+        }
     kwargs.update(
-        strategy_args(
-            layout, features=features, wrap_classes=wrap, cpu_adam=own.get("cpu_adam", True), nvme_path=nvme_path
-        )
+        strategy_args(layout, features=features, wrap_classes=wrap, cpu_adam=own.get("cpu_adam", True), **nvme)
     )
     kwargs["ddp_timeout"] = DEFAULT_DDP_TIMEOUT_S
     kwargs.update(from_class)

@@ -7,8 +7,8 @@ The marker (:mod:`hf_dist.checkpoint.marker`) is what :func:`hf_dist.auto_resume
 ``ShardedResumeCallback``: saves and restores the optimizer and scheduler of a model sharded at load time
 (tensor parallelism, FSDP2 x TP), which the Trainer cannot (:mod:`hf_dist.checkpoint.sharded_state`).
 
-``ZeroInfinityResumeCallback``: restores the sub-groups that ZeRO-Infinity keeps in memory, which DeepSpeed's own
-NVMe resume skips (:mod:`hf_dist.checkpoint.zero_infinity`).
+``ZeroInfinityResumeCallback``: restores the optimizer state that DeepSpeed's own NVMe resume drops
+(:mod:`hf_dist.checkpoint.zero_infinity`).
 """
 
 from __future__ import annotations
@@ -234,9 +234,9 @@ class ShardedResumeCallback(TrainerCallback):
 
 
 class ZeroInfinityResumeCallback(TrainerCallback):
-    """On resume of a ZeRO-Infinity run (ZeRO-3, optimizer offloaded to NVMe), load the sub-groups DeepSpeed kept in
-    memory (under 1 MiB per rank, e.g. the norms) from the checkpoint's optimizer files: DeepSpeed's NVMe load copies
-    only the swap files back and would restart them from the initial weights with zero moments
+    """On resume of a ZeRO-Infinity run (ZeRO-3, optimizer offloaded to NVMe), restore what DeepSpeed's NVMe load
+    drops: it copies only the swap files back, so the sub-groups it keeps in memory (under 1 MiB per rank, e.g. the
+    norms) would restart from the initial weights, and every Adam moment and step count from zero
     (:mod:`hf_dist.checkpoint.zero_infinity`). A no-op for every other run. ``resume_from``: the checkpoint resumed
     when it is not ``output_dir/checkpoint-<global step>``."""
 

@@ -52,6 +52,7 @@ def deepspeed_config(
     sp_size: int = 1,
     offload_device: str = "cpu",
     nvme_path: str | None = None,
+    nvme_param_buffer: int = NVME_PARAM_BUFFER_SIZE,
 ) -> dict[str, Any]:
     """DeepSpeed config dict for ``TrainingArguments(deepspeed=...)`` or a JSON file.
 
@@ -67,7 +68,10 @@ def deepspeed_config(
     ``sp_size > 1``: DeepSpeed Ulysses, ``"sequence_parallel_size": sp_size`` (accelerate's
     ``ParallelismConfig(sp_backend="deepspeed")`` sets up the attention; DeepSpeed reads the size for ``zero.Init``).
     ``offload_device="nvme"``: ZeRO-Infinity (ZeRO-3): the offloaded states go to ``nvme_path`` (required: a
-    folder on a local NVMe drive, one per node) with DeepSpeed's default buffer and ``aio`` settings written out.
+    folder on a local NVMe drive, one per node) with DeepSpeed's default buffer and ``aio`` settings written out;
+    ``nvme_param_buffer``: elements per parameter swap buffer, at least the model's largest parameter partition
+    (``auto_args`` passes :func:`hf_dist.planning.memory.nvme_param_buffer`; the 1e8 default holds any tensor of up
+    to 1e8 elements per rank).
     """
     stage = zero_stage(strategy)
     check_choice("offload", offload, OFFLOADS)
@@ -83,7 +87,7 @@ def deepspeed_config(
         "gradient_accumulation_steps": "auto",
         "train_batch_size": "auto",
         "gradient_clipping": "auto",
-        "zero_optimization": _zero_section(stage, offload, offload_device, nvme_path),
+        "zero_optimization": _zero_section(stage, offload, offload_device, nvme_path, nvme_param_buffer),
         # Accumulate gradients in fp32 across micro-batches even when compute is bf16/fp16.
         "data_types": {"grad_accum_dtype": "fp32"},
         # The Trainer hands DeepSpeed a torch optimizer; allow it instead of refusing.
@@ -163,7 +167,11 @@ def _precision_section(mixed_precision: str, *, pure_bf16: bool = False) -> dict
 
 
 def _zero_section(
-    stage: int, offload: str, offload_device: str = "cpu", nvme_path: str | None = None
+    stage: int,
+    offload: str,
+    offload_device: str = "cpu",
+    nvme_path: str | None = None,
+    nvme_param_buffer: int = NVME_PARAM_BUFFER_SIZE,
 ) -> dict[str, Any]:
     check_choice("offload_device", offload_device, OFFLOAD_DEVICES)
     if offload_device == "nvme":
@@ -213,7 +221,7 @@ def _zero_section(
             zero["offload_param"].update(
                 {
                     "buffer_count": NVME_PARAM_BUFFER_COUNT,
-                    "buffer_size": NVME_PARAM_BUFFER_SIZE,
+                    "buffer_size": nvme_param_buffer,
                     "max_in_cpu": NVME_PARAM_MAX_IN_CPU,
                 }
             )

@@ -112,6 +112,7 @@ def strategy_args(
     cpu_adam: bool = True,
     cpu_ram_efficient_loading: bool = True,
     nvme_path: str | None = None,
+    nvme_param_buffer: int | None = None,
 ) -> dict[str, Any]:
     """The one strategy -> ``TrainingArguments`` kwargs emitter (auto_args, the accelerate YAML and bench use it).
 
@@ -126,7 +127,8 @@ def strategy_args(
     :func:`from_pretrained_kwargs`, and the Trainer checkpoints its weights only (``save_only_model=True``:
     transformers cannot checkpoint or resume the optimizer state of a model sharded at load;
     :class:`hf_dist.callbacks.ShardedResumeCallback` adds it).
-    ``nvme_path``: where ZeRO-Infinity swaps (required with NVMe offload).
+    ``nvme_path``: where ZeRO-Infinity swaps (required with NVMe offload); ``nvme_param_buffer``: its parameter
+    buffers' elements (default: DeepSpeed's 1e8; ``auto_args`` sizes them to the model's largest partition).
     Layouts the ``features`` cannot run are refused with the versions they need.
     """
     check_features(layout, features)
@@ -159,6 +161,7 @@ def strategy_args(
             sp_size=layout.sp_size,
             offload_device=layout.offload_device,
             nvme_path=nvme_path,
+            **({"nvme_param_buffer": nvme_param_buffer} if nvme_param_buffer else {}),
         )
         out = {"deepspeed": ds, **checkpointing}
         if layout.sp_size > 1:

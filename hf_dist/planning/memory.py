@@ -42,7 +42,7 @@ from hf_dist.planning.activations import (
     trl_head_bytes,
 )
 from hf_dist.planning.layout import Layout, Strategy, strategy
-from hf_dist.planning.nvme import host_bytes, per_rank, swap_files
+from hf_dist.planning.nvme import host_bytes, param_buffer_elements, per_rank, swap_files
 from hf_dist.validation import check_choice, check_positive_int
 
 METHODS = ("full", "lora", "qlora")
@@ -328,7 +328,9 @@ def cpu_bytes_per_rank(
     if nvme:
         weights = per_rank(base_weight_bytes(spec, method, 1), degree)
         buffers = 2 if device == "cpu" else compute
-        return host_bytes(per_rank(trainable, degree), weights, compute, offload == "optimizer+params", buffers)
+        params = offload == "optimizer+params"
+        size = nvme_param_buffer(spec, degree)
+        return host_bytes(per_rank(trainable, degree), weights, compute, params, buffers, size)
     states = trainable * (optimizer_state_bytes(optimizer, FP32) + FP32 + FP32)  # moments, master, fp32 grads
     if offload == "optimizer+params":
         states += base_weight_bytes(spec, method, compute)
@@ -346,6 +348,13 @@ def swap_bytes_per_rank(spec, degree, trainable, method, offload, optimizer, lay
     params = offload == "optimizer+params"
     swapper = 2 if device == "cpu" else compute
     return swap_files(per_rank(trainable, degree), state, lay.state, swapper, params, tensors).total
+
+
+def nvme_param_buffer(spec, degree: int) -> int:
+    """``offload_param.buffer_size`` for ``spec`` sharded over ``degree`` ranks (:func:`~hf_dist.planning.nvme.
+    param_buffer_elements`): the largest weight tensor's partition, or the default for a bare count."""
+    tensors = trainable_tensors(spec) if spec.has_shape else []
+    return param_buffer_elements(max((per_rank(n, degree) for n in tensors), default=0))
 
 
 def trainable_tensors(spec) -> list[int]:

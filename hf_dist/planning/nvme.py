@@ -24,7 +24,7 @@ NVME_OPTIMIZER_BUFFER_COUNT = 4
 # and still moves 400 MB per read, well above what an NVMe drive needs to reach its bandwidth.
 NVME_SUB_GROUP_SIZE = 100_000_000
 NVME_PARAM_BUFFER_COUNT = 5
-NVME_PARAM_BUFFER_SIZE = 100_000_000  # elements per parameter swap buffer
+NVME_PARAM_BUFFER_SIZE = 100_000_000  # elements per parameter swap buffer, at least (see param_buffer_elements)
 NVME_PARAM_MAX_IN_CPU = 1_000_000_000  # 16-bit parameter elements DeepSpeed keeps in host memory next to NVMe
 # A tensor smaller than this stays in host memory instead of a swap file (swap_tensor/utils.py MIN_AIO_BYTES, and
 # the aio block size, which hf_dist writes as 1 MiB): a sub-group of a few norms, or a tiny model's partition.
@@ -76,22 +76,34 @@ def swap_files(
 
 
 def host_bytes(
-    partition: int, param_partition: int, compute: int, params: bool, buffer_bytes: int | None = None
+    partition: int,
+    param_partition: int,
+    compute: int,
+    params: bool,
+    buffer_bytes: int | None = None,
+    buffer_elements: int = NVME_PARAM_BUFFER_SIZE,
 ) -> int:
     """Host RAM per rank that NVMe offload still pins (stage3.py, swap_tensor/): the fp32 gradient partition
     (``grad_partitions_flat_buffer`` is on the CPU whenever the optimizer is offloaded), the optimizer swapper's
     ``buffer_count`` fp32 buffers of the largest sub-group partition (optimizer_utils.py: a sub-group's master
     weights, two moments and gradient) and, with the parameters on NVMe, ``buffer_count`` parameter buffers of
-    ``buffer_size`` elements (partitioned_param_swapper.py) plus up to ``max_in_cpu`` 16-bit parameter elements
+    ``buffer_elements`` (:func:`param_buffer_elements`, partitioned_param_swapper.py) plus up to ``max_in_cpu`` 16-bit parameter elements
     kept in host memory (stage3.py ``param_groups_fp16_flat_cpu_memory``). The settings are the ones hf_dist's
     DeepSpeed JSON writes. ``buffer_bytes``: bytes per element of the parameter swapper's buffers, ``compute`` but on
     DeepSpeed's CPU accelerator, where ``zero.Init`` picks bf16 whatever the model's dtype (partition_parameters.py
     ``_set_dtype``: ``dtype or torch.float16 if fp16_supported else torch.bfloat16 ...``)."""
     out = partition * FP32 + NVME_OPTIMIZER_BUFFER_COUNT * min(NVME_SUB_GROUP_SIZE, partition) * FP32
     if params:
-        buffers = NVME_PARAM_BUFFER_COUNT * NVME_PARAM_BUFFER_SIZE * (buffer_bytes or compute)
+        buffers = NVME_PARAM_BUFFER_COUNT * buffer_elements * (buffer_bytes or compute)
         out += buffers + min(NVME_PARAM_MAX_IN_CPU, param_partition) * compute
     return out
+
+
+def param_buffer_elements(largest_partition: int) -> int:
+    """``offload_param.buffer_size``: DeepSpeed swaps a parameter partition in through one buffer and asserts it fits
+    (partitioned_param_swapper.py ``get_buffer``: "More elements ... than buffer size"), so the buffers must hold the
+    largest partition, e.g. a 128k x 8k embedding over 8 ranks (1.3e8 elements) is over the 1e8 default."""
+    return max(NVME_PARAM_BUFFER_SIZE, largest_partition)
 
 
 def per_rank(count: float, degree: int) -> int:

@@ -346,6 +346,13 @@ def test_auto_args_nvme_offload(plan_with_layout, tmp_path, monkeypatch):
     monkeypatch.setattr(support, "_async_io_available", lambda: True)
     kw = auto_args(tiny_llama_config(), plan=p, cpu_adam=False, nvme_path=str(tmp_path))
     offload = kw["deepspeed"]["zero_optimization"]["offload_optimizer"]
+    # the parameter swap buffers hold the model's largest partition (DeepSpeed asserts it), sized from the plan
+    from hf_dist.planning import memory
+
+    p, _ = plan_with_layout("zero3", offload="optimizer+params", offload_device="nvme")
+    monkeypatch.setattr(memory, "nvme_param_buffer", lambda spec, degree: 131_334_144)
+    params = auto_args(tiny_llama_config(), plan=p, cpu_adam=False, nvme_path=str(tmp_path))["deepspeed"]
+    assert params["zero_optimization"]["offload_param"]["buffer_size"] == 131_334_144
     with pytest.raises(ValueError, match="is not writable"):  # the plan's checks run before any config is written
         auto_args(tiny_llama_config(), plan=p, cpu_adam=False, nvme_path=str(unwritable_folder(tmp_path)))
     assert (offload["device"], offload["nvme_path"]) == ("nvme", str(tmp_path)) and "aio" in kw["deepspeed"]

@@ -74,3 +74,28 @@ def test_swap_files_follow_deepspeed_thresholds():
     files = swap_files(big, 8, 4, 2, params=True, tensors=[big - 300_000, 300_000])
     assert (files.gradients, files.params) == (4 * big, 2 * (big - 300_000))
     assert swap_files(big, 8, 4, 2, params=False).params == 0
+
+
+def test_parameter_buffers_hold_the_largest_partition(monkeypatch):
+    """DeepSpeed swaps a parameter partition through one buffer and asserts it fits: Llama-3-70B's 128256 x 8192
+    embedding over 8 ranks (1.31e8 elements) needs more than the 1e8 default; the host RAM counts the larger buffers."""
+    from hf_dist.configs.deepspeed import deepspeed_config
+    from hf_dist.planning import memory
+    from hf_dist.planning.memory import estimate_memory, nvme_param_buffer
+    from hf_dist.planning.modelinfo import model_spec
+    from hf_dist.planning.nvme import NVME_PARAM_BUFFER_COUNT, NVME_PARAM_BUFFER_SIZE
+    from hf_dist.testing import public_config
+
+    spec = model_spec(public_config("llama-3-70b"))
+    assert nvme_param_buffer(spec, 8) == math.ceil(128256 * 8192 / 8)
+    assert nvme_param_buffer(spec, 64) == NVME_PARAM_BUFFER_SIZE
+    assert nvme_param_buffer(model_spec(7 * 10**9), 8) == NVME_PARAM_BUFFER_SIZE  # a bare count: the default
+    cfg = deepspeed_config(
+        "zero3", offload="optimizer+params", offload_device="nvme", nvme_path="/nvme", nvme_param_buffer=123
+    )
+    assert cfg["zero_optimization"]["offload_param"]["buffer_size"] == 123
+    kw = dict(offload="optimizer+params", offload_device="nvme")
+    sized = estimate_memory(spec, "zero3", 8, **kw).cpu
+    monkeypatch.setattr(memory, "nvme_param_buffer", lambda spec, degree: NVME_PARAM_BUFFER_SIZE)
+    default = estimate_memory(spec, "zero3", 8, **kw).cpu
+    assert sized - default == NVME_PARAM_BUFFER_COUNT * (math.ceil(128256 * 8192 / 8) - NVME_PARAM_BUFFER_SIZE) * 2
