@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.layout import OPTIM_FILE_RE
+from hf_dist.checkpoint.layout import OPTIM_FILE_RE, read_layout
 from hf_dist.checkpoint.safe_pickle import safe_load
 
 __all__ = ["restore_resident_subgroups", "zero_infinity_optimizer"]
@@ -74,7 +74,8 @@ def restore_resident_subgroups(
             continue
         if groups[i].numel() != fp32.numel():
             raise ValueError(
-                f"sub-group {i}: the checkpoint holds {groups[i].numel()} elements, this run {fp32.numel()}"
+                f"sub-group {i} of rank {rank}: {checkpoint_dir} holds {groups[i].numel()} elements, this run "
+                f"{fp32.numel()}; resume with the model, DeepSpeed config and world size the checkpoint was saved with"
             )
         with torch.no_grad():
             fp32.copy_(groups[i])
@@ -106,11 +107,8 @@ def _clone(value: Any) -> Any:
 
 
 def _optim_file(checkpoint_dir: Path, rank: int) -> Path:
-    tags = sorted(checkpoint_dir.glob("global_step*"))
-    latest = checkpoint_dir / "latest"
-    tag_dir = (
-        checkpoint_dir / latest.read_text().strip() if latest.is_file() else (tags[-1] if tags else checkpoint_dir)
-    )
+    """This rank's ``*_optim_states.pt`` in the tag :func:`~hf_dist.checkpoint.layout.read_layout` resolves."""
+    tag_dir = read_layout(checkpoint_dir).path
     for path in tag_dir.iterdir():
         match = OPTIM_FILE_RE.match(path.name)
         if match and int(match["rank"]) == rank and int(match["mp"]) == 0:

@@ -42,7 +42,7 @@ from hf_dist.planning.activations import (
     trl_head_bytes,
 )
 from hf_dist.planning.layout import Layout, Strategy, strategy
-from hf_dist.planning.nvme import host_bytes, param_buffer_elements, per_rank, swap_files
+from hf_dist.planning.nvme import host_bytes, param_buffer_elements, param_swapper_bytes, per_rank, swap_files
 from hf_dist.validation import check_choice, check_positive_int
 
 METHODS = ("full", "lora", "qlora")
@@ -321,16 +321,14 @@ def cpu_bytes_per_rank(
     spec, degree, trainable, method, offload, optimizer, lay: Dtypes, compute, nvme=False, device="cuda"
 ) -> int:
     """Host memory per rank holding offloaded states (fp32 gradients on the host for ZeRO-Offload); with NVMe,
-    what DeepSpeed still pins on the host (:func:`hf_dist.planning.nvme.host_bytes`; on CPU ranks its parameter
-    swap buffers are bf16)."""
+    what DeepSpeed still pins on the host (:func:`hf_dist.planning.nvme.host_bytes`)."""
     if offload == "none":
         return 0
     if nvme:
         weights = per_rank(base_weight_bytes(spec, method, 1), degree)
-        buffers = 2 if device == "cpu" else compute
         params = offload == "optimizer+params"
-        size = nvme_param_buffer(spec, degree)
-        return host_bytes(per_rank(trainable, degree), weights, compute, params, buffers, size)
+        swapper, size = param_swapper_bytes(device, compute), nvme_param_buffer(spec, degree)
+        return host_bytes(per_rank(trainable, degree), weights, compute, params, swapper, size)
     states = trainable * (optimizer_state_bytes(optimizer, FP32) + FP32 + FP32)  # moments, master, fp32 grads
     if offload == "optimizer+params":
         states += base_weight_bytes(spec, method, compute)
@@ -346,7 +344,7 @@ def swap_bytes_per_rank(spec, degree, trainable, method, offload, optimizer, lay
     )
     state = optimizer_state_bytes(optimizer, lay.state)
     params = offload == "optimizer+params"
-    swapper = 2 if device == "cpu" else compute
+    swapper = param_swapper_bytes(device, compute)
     return swap_files(per_rank(trainable, degree), state, lay.state, swapper, params, tensors).total
 
 

@@ -89,14 +89,20 @@ def host_bytes(
     weights, two moments and gradient) and, with the parameters on NVMe, ``buffer_count`` parameter buffers of
     ``buffer_elements`` (:func:`param_buffer_elements`, partitioned_param_swapper.py) plus up to ``max_in_cpu`` 16-bit parameter elements
     kept in host memory (stage3.py ``param_groups_fp16_flat_cpu_memory``). The settings are the ones hf_dist's
-    DeepSpeed JSON writes. ``buffer_bytes``: bytes per element of the parameter swapper's buffers, ``compute`` but on
-    DeepSpeed's CPU accelerator, where ``zero.Init`` picks bf16 whatever the model's dtype (partition_parameters.py
-    ``_set_dtype``: ``dtype or torch.float16 if fp16_supported else torch.bfloat16 ...``)."""
+    DeepSpeed JSON writes. ``buffer_bytes``: bytes per element of the parameter swapper's buffers
+    (:func:`param_swapper_bytes`; default ``compute``)."""
     out = partition * FP32 + NVME_OPTIMIZER_BUFFER_COUNT * min(NVME_SUB_GROUP_SIZE, partition) * FP32
     if params:
         buffers = NVME_PARAM_BUFFER_COUNT * buffer_elements * (buffer_bytes or compute)
         out += buffers + min(NVME_PARAM_MAX_IN_CPU, param_partition) * compute
     return out
+
+
+def param_swapper_bytes(device: str, compute: int) -> int:
+    """Bytes per element of the parameter swapper's buffers and files: the compute dtype's, but bf16 on DeepSpeed's
+    CPU accelerator, where ``zero.Init`` picks bf16 whatever the model's dtype (partition_parameters.py ``_set_dtype``:
+    ``dtype or torch.float16 if fp16_supported else torch.bfloat16 ...``)."""
+    return 2 if device == "cpu" else compute
 
 
 def param_buffer_elements(largest_partition: int) -> int:

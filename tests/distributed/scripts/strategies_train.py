@@ -201,11 +201,12 @@ class NVMeProbe:
         probe, self.root, self.steps = self, Path(nvme_path), {}
 
         class _Callback(TrainerCallback):
-            def on_step_end(self, args, state, control, **kwargs):
-                probe.steps[state.global_step] = probe.facts(probe.trainer.model_wrapped.optimizer)
+            def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+                from hf_dist.checkpoint.zero_infinity import zero_infinity_optimizer
+
+                probe.steps[state.global_step] = probe.facts(zero_infinity_optimizer(optimizer))
 
         self.callback = _Callback()
-        self.trainer = None
 
     def facts(self, optimizer) -> dict:
         import torch
@@ -273,8 +274,6 @@ def main() -> None:
 
         callbacks.append(ZeroInfinityResumeCallback())
     trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=callbacks)
-    if probe:
-        probe.trainer = trainer
     trainer.train(resume_from_checkpoint=resume)
     facts = {**engine_facts(trainer), **sharding_facts(trainer)}
     state = trainer.accelerator.state
