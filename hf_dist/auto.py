@@ -11,8 +11,13 @@ accelerate launcher's DeepSpeed fields) and the model (FSDP wrap classes, precis
 activation checkpointing and batch split come from :func:`hf_dist.plan`; the result holds ``fsdp``/``fsdp_config``
 or ``deepspeed``, ``bf16``/``fp16`` by hardware, ``per_device_train_batch_size``, ``gradient_accumulation_steps``,
 activation checkpointing in the form the strategy needs, and a generous ``ddp_timeout``. Every other keyword is
-passed to ``TrainingArguments`` as given; user values win, and values that contradict each other raise a
-``ValueError`` showing the arithmetic.
+passed to ``TrainingArguments`` as given; user values win.
+
+One way, one check: the keywords are sorted (:mod:`~hf_dist.configs.request`), planned, rendered
+(:mod:`~hf_dist.configs.training_args`), merged with the user's fields (:mod:`~hf_dist.configs.overrides`), and
+validated once (:mod:`~hf_dist.configs.validate`): every value that contradicts the plan or another value is
+reported in one ``ValueError`` (:func:`hf_dist.validation.raise_contradictions`, the arithmetic shown) before the
+model is touched (:mod:`hf_dist.runtime.precision`).
 """
 
 from __future__ import annotations
@@ -20,20 +25,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from hf_dist.configs.config_class import class_fields, plan_from_class
 from hf_dist.configs.overrides import apply_strategy_overrides
-from hf_dist.configs.training_args import (
-    CONFIG_KEYS,
-    DEFAULT_DDP_TIMEOUT_S,
-    PLAN_KEYS,
-    batch_args,
-    check_final,
-    check_user_overrides,
-    lr_args,
-    precision_args,
-    strategy_args,
-    sync_deepspeed_precision,
-)
+from hf_dist.configs.request import Request, read_request
+from hf_dist.configs.training_args import sync_deepspeed_precision, training_kwargs
+from hf_dist.configs.validate import validate
 
 __all__ = ["auto_args"]
 
@@ -64,59 +59,85 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
     masters themselves. ``pure_bf16=True`` keeps bf16 weights and bf16 Adam state instead (no fp32 master
     copy, Adam state at half its size; less accurate updates). See :mod:`hf_dist.runtime.precision`.
     """
-    from hf_dist.runtime.cpu_fsdp import cpu_launch_kwargs
     from hf_dist.runtime.launch import check_one_process_launch
-    from hf_dist.runtime.precision import check_final_flags, deepspeed_pure_bf16_check, prepare_model
     from hf_dist.runtime.support import installed_features
 
     check_one_process_launch()  # `accelerate launch --num_processes 2` that started one process
     features = installed_features()
-    plan_kwargs, own, user = _split(overrides)
-    from_class = plan_from_class(own.get("config_class"), plan_kwargs, user, own.get("plan"))  # e.g. TRL's max_length
-    plan = _plan(model, plan_kwargs, own, user)
-    kwargs = batch_args(plan, user, gbs_given="global_batch_size" in plan_kwargs)
-    kwargs.update(precision_args(plan))
-    if getattr(plan, "use_liger_kernel", False):
-        kwargs["use_liger_kernel"] = True  # the planner chose it: fused kernels, less memory, faster
-    layout = plan.layout
-    if layout.strategy.is_deepspeed:
-        deepspeed_pure_bf16_check(plan, own.get("cpu_adam", True))
-        _quiet_deepspeed_collectives()
-    wrap = _wrap_classes(plan, model, own) if layout.strategy.is_fsdp else None
-    nvme = {}
-    if layout.offload_device == "nvme":
-        from hf_dist.planning.memory import nvme_param_buffer
-        from hf_dist.runtime.support import check_nvme_offload
-
-        check_nvme_offload(own.get("nvme_path"), plan.swap_bytes)
-        nvme = {
-            "nvme_path": own.get("nvme_path"),
-            "nvme_param_buffer": nvme_param_buffer(plan.model, layout.state_shard_size),
-        }
-    kwargs.update(
-        strategy_args(layout, features=features, wrap_classes=wrap, cpu_adam=own.get("cpu_adam", True), **nvme)
+    request = read_request(overrides)  # 1. the keywords sorted: planner, auto_args', TrainingArguments'
+    plan = _plan(model, request)  # 2. the plan
+    ours = _generate(plan, request, model, features)  # 3. the plan as TrainingArguments kwargs
+    final, merge_conflicts = _merge(plan, ours, request)  # 4. the user's fields merged in
+    validate(  # 5. every contradiction at once, before anything touches the model
+        plan,
+        request,
+        final,
+        merge_conflicts=merge_conflicts,
+        features=features,
+        launcher_ds_fields=os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", ""),
     )
-    kwargs["ddp_timeout"] = DEFAULT_DDP_TIMEOUT_S
-    kwargs.update(from_class)
-    mbs, gas = kwargs["per_device_train_batch_size"], kwargs["gradient_accumulation_steps"]
-    kwargs.update(lr_args(own, user, mbs, gas, plan, features))
+    _prepare(model, plan, final)  # 6. the model and the live objects
+    return final
 
-    apply_strategy_overrides(plan, kwargs, user)  # fsdp / fsdp_config / deepspeed: merged key by key, or refused
-    check_user_overrides(plan, kwargs, user, features)
-    kwargs.update(cpu_launch_kwargs(layout.strategy.is_deepspeed))  # CPU ranks that train as one job
-    kwargs["dataloader_pin_memory"] = plan.hardware.device == "cuda"  # pinning needs CUDA (warns on CPU)
-    ours_ds = kwargs.get("deepspeed")
-    kwargs.update(user)
-    if ours_ds is not None and kwargs.get("deepspeed") is ours_ds:
-        sync_deepspeed_precision(kwargs, pure_bf16=bool(getattr(plan, "pure_bf16", False)))
-    check_final(kwargs)
-    _check_launcher(kwargs)
-    check_final_flags(plan, kwargs)
-    prepare_model(model, plan, "bf16" if kwargs.get("bf16") else "fp16" if kwargs.get("fp16") else "no")
+
+def _plan(model: Any, request: Request) -> Any:
+    if request.given_plan is not None:
+        return request.given_plan
+    from hf_dist.planning.planner import plan as make_plan
+
+    return make_plan(model, **request.plan_kwargs)
+
+
+def _generate(plan: Any, request: Request, model: Any, features: Any) -> dict[str, Any]:
+    """What hf_dist sets from the plan: :func:`~hf_dist.configs.training_args.training_kwargs`, with the FSDP wrap
+    classes found in the model, ZeRO-Infinity's checked swap folder, and what CPU ranks need."""
+    from hf_dist.runtime.cpu_fsdp import cpu_launch_kwargs
+
+    layout = plan.layout
+    wrap = _wrap_classes(plan, model, request.own) if layout.strategy.is_fsdp else None
+    out = training_kwargs(plan, request, features, wrap_classes=wrap, nvme=_nvme(plan, request))
+    out.update(cpu_launch_kwargs(layout.strategy.is_deepspeed))  # CPU ranks that train as one job
+    out["dataloader_pin_memory"] = plan.hardware.device == "cuda"  # pinning needs CUDA (warns on CPU)
+    return out
+
+
+def _nvme(plan: Any, request: Request) -> dict[str, Any]:
+    """ZeRO-Infinity's swap folder (checked writable, with room for the swap files) and parameter buffer size."""
+    layout = plan.layout
+    if layout.offload_device != "nvme":
+        return {}
+    from hf_dist.planning.memory import nvme_param_buffer
+    from hf_dist.runtime.support import check_nvme_offload
+
+    check_nvme_offload(request.own.get("nvme_path"), plan.swap_bytes)
+    return {
+        "nvme_path": request.own.get("nvme_path"),
+        "nvme_param_buffer": nvme_param_buffer(plan.model, layout.state_shard_size),
+    }
+
+
+def _merge(plan: Any, ours: dict[str, Any], request: Request) -> tuple[dict[str, Any], list[str]]:
+    """The user's fields over ours: engine configs merged key by key (contradicting keys kept as the plan's and
+    returned as conflicts), every other field as given; our DeepSpeed JSON follows the final precision flags."""
+    user = dict(request.user)
+    conflicts = apply_strategy_overrides(plan, ours, user)  # fsdp / fsdp_config / deepspeed / parallelism_config
+    final = {**ours, **user}
+    if ours.get("deepspeed") is not None and final.get("deepspeed") is ours["deepspeed"]:
+        sync_deepspeed_precision(final, pure_bf16=bool(getattr(plan, "pure_bf16", False)))
+    return final, conflicts
+
+
+def _prepare(model: Any, plan: Any, final: dict[str, Any]) -> None:
+    """What a validated request changes outside the kwargs: the model's precision and KV cache, DeepSpeed's
+    warnings, and accelerate's ``ParallelismConfig`` object."""
+    from hf_dist.runtime.precision import prepare_model
+
+    if plan.layout.strategy.is_deepspeed:
+        _quiet_deepspeed_collectives()
+    prepare_model(model, plan, "bf16" if final.get("bf16") else "fp16" if final.get("fp16") else "no")
     disable_kv_cache_under_checkpointing(model, plan)
-    if isinstance(kwargs.get("parallelism_config"), dict):
-        kwargs["parallelism_config"] = build_parallelism_config(kwargs["parallelism_config"])
-    return kwargs
+    if isinstance(final.get("parallelism_config"), dict):
+        final["parallelism_config"] = build_parallelism_config(final["parallelism_config"])
 
 
 def disable_kv_cache_under_checkpointing(model: Any, plan: Any) -> None:
@@ -151,41 +172,6 @@ def build_parallelism_config(data: dict[str, Any]) -> Any:
     return ParallelismConfig(**data)
 
 
-def _plan(model: Any, plan_kwargs: dict[str, Any], own: dict[str, Any], user: dict[str, Any]) -> Any:
-    if "per_device_train_batch_size" in user:
-        mbs = user["per_device_train_batch_size"]
-        if plan_kwargs.get("micro_batch_size", mbs) != mbs:
-            raise ValueError(
-                f"micro_batch_size ({plan_kwargs['micro_batch_size']}) != per_device_train_batch_size ({mbs}); "
-                "they are the same thing, pass one."
-            )
-        plan_kwargs["micro_batch_size"] = mbs
-    plan = own.get("plan")
-    if plan is None:
-        from hf_dist.planning.planner import plan as make_plan
-
-        return make_plan(model, **plan_kwargs)
-    if plan_kwargs:
-        raise ValueError(f"pass either plan= or planner keywords, not both (got plan= and {sorted(plan_kwargs)}).")
-    return plan
-
-
-def _split(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    from transformers import TrainingArguments
-
-    plan_kwargs = {k: v for k, v in overrides.items() if k in PLAN_KEYS and v is not None}
-    own = {k: v for k, v in overrides.items() if k in CONFIG_KEYS}
-    user = {k: v for k, v in overrides.items() if k not in PLAN_KEYS and k not in CONFIG_KEYS}
-    config_class = own.get("config_class") or TrainingArguments
-    unknown = sorted(k for k in user if k not in class_fields(config_class))
-    if unknown:
-        raise ValueError(
-            f"auto_args got unknown keyword(s) {unknown}: not fields of {config_class.__name__} (config_class=) of the "
-            f"installed versions, nor planner keywords {list(PLAN_KEYS)}, nor auto_args keywords {list(CONFIG_KEYS)}."
-        )
-    return plan_kwargs, own, user
-
-
 def _wrap_classes(plan: Any, model: Any, own: dict[str, Any]) -> list[str] | None:
     from hf_dist.planning.wrap import fsdp_wrap_classes
 
@@ -206,14 +192,3 @@ def _quiet_deepspeed_collectives() -> None:
     import warnings
 
     warnings.filterwarnings("once", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated")
-
-
-def _check_launcher(kwargs: dict[str, Any]) -> None:
-    launcher_ds_fields = os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", "")
-    clashing = {"zero_stage", "offload_optimizer_device", "offload_param_device", "gradient_accumulation_steps"}
-    if kwargs.get("deepspeed") and clashing & set(launcher_ds_fields.split(",")):
-        raise ValueError(
-            "auto_args chose DeepSpeed, but this process was launched with an accelerate DeepSpeed config that sets "
-            f"{sorted(clashing & set(launcher_ds_fields.split(',')))}; accelerate refuses both. Launch with "
-            "accelerate_configs/ddp.yaml or torchrun (auto_args supplies the DeepSpeed JSON)."
-        )

@@ -44,3 +44,19 @@ def restrict(name: str, value: Any, allowed: tuple) -> tuple:
     if value is None:
         return allowed
     return (check_choice(name, value, allowed),)
+
+
+def raise_contradictions(problems: Iterable[str], what: str = "auto_args") -> None:
+    """Raise one ``ValueError`` listing every problem in ``problems`` (its ``problems`` attribute holds them), or
+    return when there is none. With one problem the message is that problem; several are numbered, so a user fixes
+    them in one pass instead of one per run."""
+    problems = list(problems)
+    if not problems:
+        return
+    message = problems[0]
+    if len(problems) > 1:
+        lines = "\n".join(f"  {i}. {p}" for i, p in enumerate(problems, 1))
+        message = f"{what}: {len(problems)} contradictions, fix them all:\n{lines}"
+    error = ValueError(message)
+    error.problems = problems
+    raise error

@@ -106,7 +106,7 @@ _FIXES = {
 def plan_mismatches(plan: Any, live: dict[str, Any], planned_wrap: list[str] | None = None) -> list[str]:
     """Human-readable differences between ``plan`` and ``live`` (:func:`live_setup`); a value ``live`` lacks or holds
     as None is not checked. Pure."""
-    from hf_dist.runtime.precision import trainer_mixed_precision
+    from hf_dist.configs.training_args import trainer_mixed_precision
 
     planned_sizes = (plan.tp_size, plan.cp_size, plan.sp_size)
     pairs = [

@@ -36,61 +36,73 @@ def class_fields(config_class: Any) -> dict[str, Any]:
     return {f.name: f.default for f in dataclasses.fields(config_class) if f.init}
 
 
-def plan_from_class(config_class: Any, plan_kwargs: dict[str, Any], user: dict[str, Any], plan: Any = None) -> dict:
-    """Fold ``config_class``'s memory fields into ``plan_kwargs`` (mutated) and return the kwargs to emit for them."""
+def plan_from_class(
+    config_class: Any, plan_kwargs: dict[str, Any], user: dict[str, Any], plan: Any = None
+) -> tuple[dict[str, Any], list[str]]:
+    """Fold ``config_class``'s memory fields into ``plan_kwargs`` (mutated); return the kwargs to emit for them and
+    the contradictions found (``auto_args`` reports them with every other one)."""
     if config_class is None:
-        return {}
+        return {}, []
     defaults = class_fields(config_class)
-    _plan_loss_head(config_class, defaults, plan_kwargs, user, plan)
+    conflicts = _loss_head_conflicts(config_class, defaults, plan_kwargs, user, plan)
     if user.get("activation_offloading"):
-        raise ValueError(
+        conflicts.append(
             "activation_offloading=True moves saved activations to host memory, which the plan does not model (its "
             "memory estimate would be wrong both ways). Drop it; to lower activation memory let the plan choose, or "
             "pass activation_checkpointing=True / a smaller micro_batch_size to auto_args."
         )
     if SEQ_FIELD not in defaults:
-        return {}
+        return {}, conflicts
     if user.get("padding_free") and not user.get("packing", defaults.get("packing")):
-        raise ValueError(
+        conflicts.append(
             f"padding_free=True without packing: {config_class.__name__}'s trainer then does not truncate to "
             f"{SEQ_FIELD}, so a micro-batch's tokens have no bound the plan could count.\n"
             "  Pass packing=True as well (each packed sequence holds at most max_length tokens), or drop padding_free"
         )
+    planned, seq_conflict = _sequence_length(config_class, defaults, plan_kwargs, user, plan)
+    user.pop(SEQ_FIELD, None)
+    return ({SEQ_FIELD: planned} if planned is not None else {}), conflicts + seq_conflict
+
+
+def _sequence_length(config_class: Any, defaults: dict, plan_kwargs: dict, user: dict, plan: Any) -> tuple:
+    """The sequence length the plan is for (TRL's ``max_length`` when no ``seq_len`` is given), and a conflict when
+    the two disagree or neither bounds the sequences."""
     planned = plan.seq_len if plan is not None else plan_kwargs.get("seq_len")
     given = user.get(SEQ_FIELD, defaults[SEQ_FIELD])
+    if planned is None and given is None:
+        return None, [
+            f"{config_class.__name__}({SEQ_FIELD}=None) leaves sequences untruncated: the plan needs their length; "
+            f"pass {SEQ_FIELD}= (or seq_len=) to auto_args"
+        ]
     if planned is None:
-        if given is None:
-            raise ValueError(
-                f"{config_class.__name__}({SEQ_FIELD}=None) leaves sequences untruncated: the plan needs their length; "
-                f"pass {SEQ_FIELD}= (or seq_len=) to auto_args"
-            )
-        plan_kwargs["seq_len"] = planned = int(given)
-    elif SEQ_FIELD in user and user[SEQ_FIELD] != planned:
-        raise ValueError(
+        plan_kwargs["seq_len"] = int(given)
+        return int(given), []
+    if SEQ_FIELD in user and user[SEQ_FIELD] != planned:
+        return planned, [
             f"{SEQ_FIELD}={user[SEQ_FIELD]} contradicts the plan's seq_len {planned}: they are the same length (the "
             f"length {config_class.__name__} truncates or packs to); pass one."
-        )
-    user.pop(SEQ_FIELD, None)
-    return {SEQ_FIELD: planned}
+        ]
+    return planned, []
 
 
-def _plan_loss_head(config_class: Any, defaults: dict, plan_kwargs: dict, user: dict, plan: Any) -> None:
+def _loss_head_conflicts(config_class: Any, defaults: dict, plan_kwargs: dict, user: dict, plan: Any) -> list[str]:
     """Plan TRL's fused LM head when ``config_class`` is TRL's ``SFTConfig`` (``SFTTrainer`` computes its loss
-    there unless label smoothing needs the full logits); refuse a plan or keyword that says otherwise."""
+    there unless label smoothing needs the full logits); a plan or keyword that says otherwise is a conflict."""
     if config_class.__module__.split(".")[0] != "trl":
-        return
+        return []
     from trl import SFTConfig
 
     if not issubclass(config_class, SFTConfig):
-        return
+        return []
     fused = not user.get("label_smoothing_factor", defaults.get("label_smoothing_factor", 0.0))
     why = "its fused LM head, without the logits" if fused else "the full logits (label_smoothing_factor > 0)"
     planned = plan.fused_lm_head if plan is not None else plan_kwargs.get("fused_lm_head", fused)
-    if bool(planned) != fused:
-        raise ValueError(
-            f"{config_class.__name__}'s trainer computes the loss through {why}, but the plan has "
-            f"fused_lm_head={bool(planned)}: drop fused_lm_head (auto_args sets it from the config class), or plan "
-            f"with fused_lm_head={fused}."
-        )
     if plan is None:
         plan_kwargs["fused_lm_head"] = fused
+    if bool(planned) == fused:
+        return []
+    return [
+        f"{config_class.__name__}'s trainer computes the loss through {why}, but the plan has "
+        f"fused_lm_head={bool(planned)}: drop fused_lm_head (auto_args sets it from the config class), or plan "
+        f"with fused_lm_head={fused}."
+    ]

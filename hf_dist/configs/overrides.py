@@ -31,30 +31,31 @@ _ABSENT_MEANS_OFF = {
 _MESH_SIZES = ("tp_size", "cp_size", "sp_size", "dp_replicate_size", "dp_shard_size")  # the model-parallel first
 
 
-def apply_strategy_overrides(plan: Any, ours: dict[str, Any], user: dict[str, Any]) -> None:
-    """Fold ``user``'s ``fsdp``/``fsdp_config``/``deepspeed`` into ``ours`` (both mutated) or raise ValueError."""
+def apply_strategy_overrides(plan: Any, ours: dict[str, Any], user: dict[str, Any]) -> list[str]:
+    """Fold ``user``'s ``fsdp``/``fsdp_config``/``deepspeed`` into ``ours`` (both mutated); return the keys that
+    contradict the plan, each as a message with its fix (where one does, the plan's value is kept)."""
     strategy = plan.strategy
     s = registry_entry(strategy)
-    _check_engine_flag(strategy, "fsdp", user, ours, s.is_fsdp)
-    _check_engine_flag(strategy, "deepspeed", user, ours, s.is_deepspeed)
-    if "fsdp_config" in user:
-        given = user.pop("fsdp_config")
-        if given is not None:
-            if not s.is_fsdp:
-                raise ValueError(
-                    f"fsdp_config={given!r} was given but the plan's strategy is {strategy!r}, not FSDP; pass "
-                    "strategy='fsdp_full_shard' (or 'fsdp_shard_grad_op') to train with FSDP, or drop fsdp_config."
-                )
-            given = {_fsdp_key(k): v for k, v in _as_dict("fsdp_config", given).items()}
-            ours["fsdp_config"] = merge_nested(ours["fsdp_config"], given, "fsdp_config", strategy)
+    conflicts = _engine_flag_conflicts(strategy, "fsdp", user, ours, s.is_fsdp)
+    conflicts += _engine_flag_conflicts(strategy, "deepspeed", user, ours, s.is_deepspeed)
+    given = user.pop("fsdp_config", None)
+    if given is not None and not s.is_fsdp:
+        conflicts.append(
+            f"fsdp_config={given!r} was given but the plan's strategy is {strategy!r}, not FSDP; pass "
+            "strategy='fsdp_full_shard' (or 'fsdp_shard_grad_op') to train with FSDP, or drop fsdp_config."
+        )
+    elif given is not None:
+        given = {_fsdp_key(k): v for k, v in _as_dict("fsdp_config", given).items()}
+        ours["fsdp_config"] = merge_nested(ours["fsdp_config"], given, "fsdp_config", strategy, conflicts)
     if user.get("deepspeed") and s.is_deepspeed:
         given = _as_dict("deepspeed", user.pop("deepspeed"))
-        ours["deepspeed"] = merge_nested(ours["deepspeed"], given, "deepspeed", strategy)
+        ours["deepspeed"] = merge_nested(ours["deepspeed"], given, "deepspeed", strategy, conflicts)
     if user.get("parallelism_config") is not None:
-        _check_mesh(plan, ours, user)
+        conflicts += _mesh_conflicts(plan, ours, user)
+    return conflicts
 
 
-def _check_mesh(plan: Any, ours: dict[str, Any], user: dict[str, Any]) -> None:
+def _mesh_conflicts(plan: Any, ours: dict[str, Any], user: dict[str, Any]) -> list[str]:
     """A user ``parallelism_config`` (dict or accelerate ``ParallelismConfig``) must give the plan's mesh sizes: a
     size the plan did not choose would shard the model and split the batch other than the memory and batch math
     assumed. Consistent, it replaces the generated one (a dict is merged into it)."""
@@ -64,15 +65,15 @@ def _check_mesh(plan: Any, ours: dict[str, Any], user: dict[str, Any]) -> None:
     planned = {k: getattr(layout, k) for k in _MESH_SIZES}
     if layout.strategy.is_deepspeed:  # AutoTP lives in the DeepSpeed JSON, not in the mesh
         planned["tp_size"] = 1
-    for key in _MESH_SIZES:
-        value = sizes.get(key)
-        if value is not None and int(value) != planned[key]:
-            raise ValueError(
-                f"parallelism_config {key}={value} contradicts the plan ({plan.strategy}, {key} {planned[key]}): "
-                f"{_MESH_FIX[key]} and drop it from parallelism_config (the plan writes the mesh)."
-            )
+    conflicts = [
+        f"parallelism_config {key}={sizes[key]} contradicts the plan ({plan.strategy}, {key} {planned[key]}): "
+        f"{_MESH_FIX[key]} and drop it from parallelism_config (the plan writes the mesh)."
+        for key in _MESH_SIZES
+        if sizes.get(key) is not None and int(sizes[key]) != planned[key]
+    ]
     if isinstance(given, dict):
         user["parallelism_config"] = {**(ours.get("parallelism_config") or {}), **given}
+    return conflicts
 
 
 _MESH_FIX = {
@@ -84,67 +85,79 @@ _MESH_FIX = {
 }
 
 
-def _check_engine_flag(strategy: str, key: str, user: dict[str, Any], ours: dict[str, Any], planned: bool) -> None:
+def _engine_flag_conflicts(
+    strategy: str, key: str, user: dict[str, Any], ours: dict[str, Any], planned: bool
+) -> list[str]:
+    """``fsdp=``/``deepspeed=`` given by the user against the plan's engine (a contradicting flag is dropped: the
+    plan's engine config stays)."""
     if key not in user:
-        return
+        return []
     value = user[key]
     other = "strategy='zero3' (or zero1/zero2)" if key == "deepspeed" else "strategy='fsdp_full_shard'"
     if planned and not value:
-        raise ValueError(
+        user.pop(key)
+        return [
             f"{key}={value!r} turns off the engine of strategy {strategy!r} that the plan uses; drop {key}={value!r} "
             f"to keep {strategy}, or pass strategy='ddp' (or another strategy) to train without it."
-        )
+        ]
     if not planned and value:
-        raise ValueError(
+        user.pop(key)
+        return [
             f"{key}={_short(value)} asks for {'DeepSpeed' if key == 'deepspeed' else 'FSDP'} but the plan's strategy "
             f"is {strategy!r}; pass {other} so the plan (memory, batch split) matches, and give only the keys you "
             "want to change: they are merged into the generated config."
-        )
+        ]
     if not planned:  # False/None on a plan without that engine: consistent, nothing to add
         user.pop(key)
-        return
+        return []
     if key == "fsdp":
         user.pop(key)
-        _check_fsdp_flag(strategy, value, ours)
+        return _fsdp_flag_conflicts(strategy, value, ours)
+    return []
 
 
-def _check_fsdp_flag(strategy: str, value: Any, ours: dict[str, Any]) -> None:
+def _fsdp_flag_conflicts(strategy: str, value: Any, ours: dict[str, Any]) -> list[str]:
     """``fsdp=True`` or the legacy string/list form: its words must agree with the plan."""
     if value is True:
-        return
+        return []
     words = set(value.split() if isinstance(value, str) else value if isinstance(value, (list, tuple)) else [])
     mode = registry_entry(strategy).fsdp_mode
     modes = words & {"full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard"}
+    conflicts = []
     if modes - {mode}:
-        raise ValueError(
+        conflicts.append(
             f"fsdp={value!r} asks for {sorted(modes)} but the plan's strategy is {strategy!r} ({mode}); pass "
             f"strategy= with the one you want (fsdp_full_shard, fsdp_shard_grad_op, hsdp) and fsdp=True."
         )
     offload = bool(ours["fsdp_config"].get("cpu_offload"))
     if ("offload" in words) != offload:
-        raise ValueError(
+        conflicts.append(
             f"fsdp={value!r} {'asks for' if 'offload' in words else 'leaves out'} CPU offload but the plan has "
             f"offload {'on' if offload else 'off'}; pass offload='optimizer+params' (or 'none') to auto_args instead."
         )
+    return conflicts
 
 
-def merge_nested(ours: dict[str, Any], given: dict[str, Any], where: str, strategy: str) -> dict[str, Any]:
-    """``ours`` with ``given`` merged in key by key (recursively); a key set to another value raises."""
+def merge_nested(
+    ours: dict[str, Any], given: dict[str, Any], where: str, strategy: str, conflicts: list[str]
+) -> dict[str, Any]:
+    """``ours`` with ``given`` merged in key by key (recursively); a key set to another value keeps the plan's and
+    is added to ``conflicts``."""
     merged = dict(ours)
     for key, value in given.items():
         mine = ours.get(key, _MISSING)
         path = f"{where}[{key!r}]"
         if mine is _MISSING and key in _ABSENT_MEANS_OFF and _ABSENT_MEANS_OFF[key](value):
-            raise ValueError(
+            conflicts.append(
                 f"{path}={value!r} contradicts the plan ({strategy}), which leaves it off ({path} absent). "
                 f"{_fix(key, strategy)}"
             )
-        if mine is _MISSING or mine in _FILLED_LATER or _same(mine, value):
+        elif mine is _MISSING or mine in _FILLED_LATER or _same(mine, value):
             merged[key] = value
         elif isinstance(mine, dict) and isinstance(value, dict):
-            merged[key] = merge_nested(mine, value, path, strategy)
+            merged[key] = merge_nested(mine, value, path, strategy, conflicts)
         else:
-            raise ValueError(
+            conflicts.append(
                 f"{path}={value!r} contradicts the plan ({strategy}), which sets {path}={mine!r}. {_fix(key, strategy)}"
             )
     return merged

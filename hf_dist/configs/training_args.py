@@ -14,60 +14,19 @@ from typing import Any
 from hf_dist.configs.deepspeed import deepspeed_config
 from hf_dist.configs.features import NEWEST_TESTED_FEATURES, LibraryFeatures, check_features
 from hf_dist.configs.fsdp import fsdp_config
-from hf_dist.planning.layout import Layout
+from hf_dist.configs.request import Request
+from hf_dist.planning.layout import Layout, strategy
 from hf_dist.validation import check_choice
 
 __all__ = [
     "strategy_args",
     "parallelism_kwargs",
     "from_pretrained_kwargs",
-    "PLAN_KEYS",
-    "CONFIG_KEYS",
+    "training_kwargs",
+    "trainer_mixed_precision",
     "DEFAULT_DDP_TIMEOUT_S",
     "scaled_learning_rate",
 ]
-
-# Keywords that go to hf_dist.plan() rather than TrainingArguments.
-PLAN_KEYS = (
-    "gpus",
-    "gpu_memory_gib",
-    "nodes",
-    "method",
-    "seq_len",
-    "global_batch_size",
-    "micro_batch_size",
-    "optimizer",
-    "lora_rank",
-    "strategy",
-    "offload",
-    "activation_checkpointing",
-    "use_liger_kernel",
-    "safety_margin",
-    "hardware",
-    "pure_bf16",
-    "tp_size",
-    "cp_size",
-    "sp_size",
-    "host_memory_gib",
-    "nvme_gbps",
-    "offload_device",
-    "fused_lm_head",
-    "async_save",
-    "train_tokens",
-    "verify",
-    "verify_time_limit_s",
-)
-# Keywords auto_args itself consumes.
-CONFIG_KEYS = (
-    "plan",
-    "wrap_classes",
-    "lr_scaling",
-    "reference_batch_size",
-    "cpu_adam",
-    "trust_remote_code",
-    "nvme_path",
-    "config_class",
-)
 
 # 3 hours: the first collective waits for the slowest rank, which may be loading, converting or
 # `zero.Init`-partitioning a large checkpoint from network storage. torch's default (30 min) kills
@@ -80,28 +39,55 @@ LR_SCALINGS = ("linear", "sqrt")
 # ---------------------------------------------------------------- pieces
 
 
-def batch_args(plan: Any, user: dict[str, Any], *, gbs_given: bool) -> dict[str, Any]:
-    mbs = int(plan.micro_batch_size)
-    gas = int(plan.gradient_accumulation_steps)
-    world = int(plan.world_size)
-    if "gradient_accumulation_steps" in user:
-        user_gas = user["gradient_accumulation_steps"]
-        if gbs_given and mbs * user_gas * world != plan.global_batch_size:
-            raise ValueError(
-                f"per_device_train_batch_size({mbs}) * gradient_accumulation_steps({user_gas}) * world_size({world}) "
-                f"= {mbs * user_gas * world} != global_batch_size({plan.global_batch_size}); "
-                "drop one of them or make the product match."
-            )
-        gas = user_gas
-    return {"per_device_train_batch_size": mbs, "gradient_accumulation_steps": gas}
+def training_kwargs(
+    plan: Any,
+    request: Request,
+    features: LibraryFeatures,
+    *,
+    wrap_classes: Sequence[str] | None = None,
+    nvme: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Everything ``auto_args`` generates from ``plan`` before the user's fields are merged: the batch split,
+    precision, the strategy's engine config, the timeout, ``config_class``'s planned fields and a scaled LR."""
+    out = batch_args(plan, request.user)
+    out.update(precision_args(plan))
+    if getattr(plan, "use_liger_kernel", False):
+        out["use_liger_kernel"] = True  # the planner chose it: fused kernels, less memory, faster
+    out.update(
+        strategy_args(
+            plan.layout, features=features, wrap_classes=wrap_classes, cpu_adam=request.cpu_adam, **(nvme or {})
+        )
+    )
+    out["ddp_timeout"] = DEFAULT_DDP_TIMEOUT_S
+    out.update(request.from_class)
+    out.update(
+        lr_args(request, out["per_device_train_batch_size"], out["gradient_accumulation_steps"], plan, features)
+    )
+    return out
+
+
+def batch_args(plan: Any, user: dict[str, Any]) -> dict[str, Any]:
+    """The plan's micro-batch and accumulation steps (the user's ``gradient_accumulation_steps`` wins; whether it
+    still gives the planned global batch is checked by :func:`hf_dist.configs.validate.contradictions`)."""
+    gas = user.get("gradient_accumulation_steps", int(plan.gradient_accumulation_steps))
+    return {"per_device_train_batch_size": int(plan.micro_batch_size), "gradient_accumulation_steps": gas}
 
 
 def precision_args(plan: Any) -> dict[str, Any]:
-    from hf_dist.runtime.precision import trainer_mixed_precision
-
     mixed_precision = trainer_mixed_precision(plan)  # pure bf16 FSDP2: "no" (accelerate would upcast to fp32)
     # both flags, explicitly: a TrainingArguments subclass may default to bf16=True (TRL's SFTConfig)
     return {"bf16": mixed_precision == "bf16", "fp16": mixed_precision == "fp16"}
+
+
+def trainer_mixed_precision(plan: Any) -> str:
+    """The precision ``TrainingArguments`` get for ``plan``: "no" for pure bf16 under FSDP2, else the plan's.
+
+    accelerate upcasts FSDP2 parameters to fp32 whenever mixed precision is on, so pure bf16 FSDP2 runs
+    with ``bf16=False``: the bf16 weights set the compute dtype.
+    """
+    if getattr(plan, "pure_bf16", False) and strategy(plan.strategy).is_fsdp:
+        return "no"
+    return plan.mixed_precision
 
 
 def strategy_args(
@@ -247,9 +233,9 @@ def scaled_learning_rate(base_lr: float, global_batch_size: int, reference_batch
     return base_lr * (ratio if rule == "linear" else math.sqrt(ratio))
 
 
-def lr_args(
-    own: dict[str, Any], user: dict[str, Any], mbs: int, gas: int, plan: Any, features: LibraryFeatures
-) -> dict[str, Any]:
+def lr_args(request: Request, mbs: int, gas: int, plan: Any, features: LibraryFeatures) -> dict[str, Any]:
+    """``learning_rate`` scaled to the global batch (``lr_scaling=``) and a default warmup; {} when not asked."""
+    own, user = request.own, request.user
     rule = own.get("lr_scaling")
     if rule is None:
         if "reference_batch_size" in own:
@@ -273,48 +259,9 @@ def lr_args(
     return out
 
 
-def check_user_overrides(plan: Any, ours: dict[str, Any], user: dict[str, Any], features: LibraryFeatures) -> None:
-    if user.get("bf16") and plan.mixed_precision == "fp16":
-        raise ValueError(
-            f"bf16=True but the hardware ({plan.hardware.gpu_name or plan.hardware.device}) has no bf16 support; "
-            "use fp16=True (the plan's choice) or drop bf16."
-        )
-    if ("fsdp" in ours and user.get("deepspeed")) or ("deepspeed" in ours and user.get("fsdp")):
-        chosen = plan.strategy
-        raise ValueError(
-            f"the plan chose {chosen} but you passed {'deepspeed' if user.get('deepspeed') else 'fsdp'}=...; "
-            "FSDP and DeepSpeed cannot both be on. Force the strategy with strategy='zero3' (or 'fsdp_full_shard') "
-            "instead of passing the config."
-        )
-    ac_flag = features.activation_checkpointing_field
-    user_ac = user.get(ac_flag) or user.get("gradient_checkpointing")
-    if "fsdp" in ours and user_ac:
-        raise ValueError(
-            f"{ac_flag}=True with FSDP ({plan.strategy}) checkpoints through the model and adds a redundant "
-            "all-gather; pass activation_checkpointing=True to auto_args (planner keyword) so it goes to fsdp_config."
-        )
-    given = {k: user[k] for k in {ac_flag, "gradient_checkpointing"} if k in user}
-    planned = bool(plan.activation_checkpointing)
-    if "fsdp" not in ours and any(bool(v) != planned for v in given.values()):
-        raise ValueError(
-            f"{given} contradicts the plan, which {'checkpoints' if planned else 'does not checkpoint'} activations "
-            f"(memory and speed were planned for it); pass activation_checkpointing={not planned} to auto_args "
-            "(planner keyword) so the plan accounts for it."
-        )
-
-
 def sync_deepspeed_precision(kwargs: dict[str, Any], *, pure_bf16: bool = False) -> None:
     """Keep our DeepSpeed JSON's precision equal to the final bf16/fp16 flags (the Trainer checks they match)."""
     from hf_dist.configs.deepspeed import _precision_section
 
     mp = "bf16" if kwargs.get("bf16") else "fp16" if kwargs.get("fp16") else "no"
     kwargs["deepspeed"] = {**kwargs["deepspeed"], **_precision_section(mp, pure_bf16=pure_bf16 and mp == "bf16")}
-
-
-def check_final(kwargs: dict[str, Any]) -> None:
-    if kwargs.get("fsdp") and kwargs.get("deepspeed"):
-        raise ValueError(
-            "fsdp and deepspeed are both set; choose one strategy (strategy='zero3' or 'fsdp_full_shard')."
-        )
-    if kwargs.get("bf16") and kwargs.get("fp16"):
-        raise ValueError("bf16=True and fp16=True are both set; pass only one.")

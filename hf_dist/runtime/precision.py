@@ -71,17 +71,6 @@ def loaded_dtype(model: Any) -> str | None:
     return max(counts, key=counts.get) if counts else None
 
 
-def trainer_mixed_precision(plan: Any) -> str:
-    """The precision ``TrainingArguments`` get for ``plan``: "no" for pure bf16 under FSDP2, else the plan's.
-
-    accelerate upcasts FSDP2 parameters to fp32 whenever mixed precision is on, so pure bf16 FSDP2 runs
-    with ``bf16=False``: the bf16 weights set the compute dtype.
-    """
-    if getattr(plan, "pure_bf16", False) and strategy(plan.strategy).is_fsdp:
-        return "no"
-    return plan.mixed_precision
-
-
 def check_pure_bf16_hardware(pure_bf16: bool, hw: Any) -> None:
     """Refuse pure bf16 on hardware without bf16 before any training starts."""
     if not isinstance(pure_bf16, bool):
@@ -92,33 +81,6 @@ def check_pure_bf16_hardware(pure_bf16: bool, hw: Any) -> None:
             f"pure_bf16=True needs bf16 support, but the hardware ({where}, bf16={hw.bf16}) has none; "
             "drop pure_bf16 (the plan then keeps fp32 master weights), or describe bf16 hardware with "
             "detect_hardware(bf16=True)."
-        )
-
-
-def deepspeed_pure_bf16_check(plan: Any, cpu_adam: bool) -> None:
-    """DeepSpeed keeps offloaded bf16 optimizer state only in DeepSpeedCPUAdam (fp32_optimizer_states=False)."""
-    if plan.pure_bf16 and plan.offload != "none" and not cpu_adam:
-        raise ValueError(
-            f"pure_bf16=True with {plan.strategy} offload={plan.offload!r} needs DeepSpeedCPUAdam (DeepSpeed asserts "
-            "otherwise), but cpu_adam=False; pass cpu_adam=True, or drop pure_bf16 to keep fp32 optimizer state."
-        )
-
-
-def check_final_flags(plan: Any, kwargs: dict[str, Any]) -> None:
-    """The final bf16 flag must give the precision the plan states (user overrides included)."""
-    if not plan.pure_bf16:
-        return
-    bf16 = bool(kwargs.get("bf16"))
-    fsdp = strategy(plan.strategy).is_fsdp
-    if fsdp and bf16:
-        raise ValueError(
-            f"pure_bf16=True with {plan.strategy} needs bf16=False: with bf16=True accelerate upcasts the sharded "
-            "parameters to fp32 (fp32 master weights and Adam state). Drop bf16=True; the model's own bf16 "
-            "weights set the compute dtype."
-        )
-    if not fsdp and not bf16:
-        raise ValueError(
-            f"pure_bf16=True with {plan.strategy} needs bf16=True, got bf16={kwargs.get('bf16')!r}; drop bf16=False."
         )
 
 

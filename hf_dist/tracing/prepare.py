@@ -40,7 +40,7 @@ def trainable_dtype(setup: TraceSetup) -> Any:
 
 def native_amp(setup: TraceSetup) -> bool:
     """Whether accelerate wraps the forward in autocast: mixed precision on, except pure bf16 FSDP2, which
-    hf_dist runs with mixed precision "no" (``hf_dist.runtime.precision.trainer_mixed_precision``)."""
+    hf_dist runs with mixed precision "no" (``hf_dist.configs.training_args.trainer_mixed_precision``)."""
     return setup.mixed_precision != "no" and not (setup.pure_bf16 and setup.layout.strategy.is_fsdp)
 
 

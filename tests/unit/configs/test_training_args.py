@@ -5,6 +5,8 @@ with `use_cpu=True` added; everything else (fsdp/deepspeed/parallelism/ checkpoi
 fields) is exactly what a GPU run would get.
 """
 
+import re
+
 import pytest
 from transformers import TrainingArguments
 
@@ -330,3 +332,31 @@ def test_deepspeeds_deprecated_gather_warning_is_shown_once():
         for line in range(3):  # three call sites, as ZeRO-3's gathers are
             warnings.warn_explicit(message, FutureWarning, "deepspeed/comm/torch.py", 100 + line)
     assert sum(message in str(w.message) for w in seen) == 1
+
+
+def test_every_contradiction_is_reported_at_once(monkeypatch):
+    """auto_args validates once: five contradictions of five kinds come back in one error, each with its fix, and
+    nothing was applied to the model before it (the check runs before the model is touched)."""
+    monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "zero_stage")
+    with pytest.raises(ValueError) as caught:
+        auto_args(
+            CFG,
+            strategy="zero3",
+            per_device_train_batch_size=1,
+            micro_batch_size=2,  # 1. the same thing twice, two values
+            gradient_accumulation_steps=3,  # 2. 1 x 3 x 4 ranks != 16
+            deepspeed={"zero_optimization": {"stage": 2}},  # 3. another stage than the plan's
+            fp16=True,  # 4. with the plan's bf16
+            **GPU,
+        )  # 5. the launcher's DeepSpeed fields clash with the JSON
+    problems = caught.value.problems
+    assert len(problems) == 5, problems
+    for pattern in (
+        r"micro_batch_size \(2\) != per_device_train_batch_size \(1\)",
+        r"gradient_accumulation_steps\(3\) \* world_size\(4\) = 12 != global_batch_size\(16\)",
+        r"\['zero_optimization'\]\['stage'\]=2 contradicts the plan \(zero3\)",
+        r"bf16=True and fp16=True are both set",
+        r"launched with an accelerate DeepSpeed config that sets \['zero_stage'\]",
+    ):
+        assert sum(bool(re.search(pattern, p)) for p in problems) == 1, (pattern, problems)
+    assert str(caught.value).startswith("auto_args: 5 contradictions, fix them all:\n  1. ")

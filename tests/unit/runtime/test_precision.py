@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from hf_dist.auto import auto_args
 from hf_dist.cli.main import main
 from hf_dist.configs.deepspeed import deepspeed_config
-from hf_dist.configs.training_args import PLAN_KEYS
+from hf_dist.configs.request import PLAN_KEYS
 from hf_dist.planning.hardware import Hardware
 from hf_dist.planning.planner import plan
 from hf_dist.runtime.precision import loaded_dtype

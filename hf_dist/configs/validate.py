@@ -1,0 +1,161 @@
+"""The one validation step of ``auto_args``: every way the final ``TrainingArguments`` kwargs can contradict the
+plan, collected and reported at once (:func:`hf_dist.validation.raise_contradictions`).
+
+It runs after the user's fields are merged into the generated ones and before anything touches the model, so a
+contradiction never leaves a half-prepared run. The conflicts found earlier while sorting the keywords
+(:mod:`hf_dist.configs.request`) and merging the engine configs (:mod:`hf_dist.configs.overrides`) come in as lists
+and are reported here with the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hf_dist.configs.features import LibraryFeatures
+from hf_dist.configs.request import Request
+from hf_dist.planning.layout import strategy
+from hf_dist.validation import raise_contradictions
+
+__all__ = ["validate", "contradictions"]
+
+# DeepSpeed fields of an accelerate launcher config that clash with a DeepSpeed JSON passed to the Trainer
+LAUNCHER_DS_CLASHES = ("zero_stage", "offload_optimizer_device", "offload_param_device", "gradient_accumulation_steps")
+
+
+def validate(
+    plan: Any,
+    request: Request,
+    final: dict[str, Any],
+    *,
+    merge_conflicts: list[str],
+    features: LibraryFeatures,
+    launcher_ds_fields: str = "",
+) -> None:
+    """Raise one ValueError listing every contradiction, or return."""
+    raise_contradictions(
+        contradictions(
+            plan,
+            request,
+            final,
+            merge_conflicts=merge_conflicts,
+            features=features,
+            launcher_ds_fields=launcher_ds_fields,
+        )
+    )
+
+
+def contradictions(
+    plan: Any,
+    request: Request,
+    final: dict[str, Any],
+    *,
+    merge_conflicts: list[str],
+    features: LibraryFeatures,
+    launcher_ds_fields: str = "",
+) -> list[str]:
+    """Every contradiction between ``request``, ``plan`` and the ``final`` kwargs, one message (with its fix) each."""
+    return [
+        *request.conflicts,
+        *merge_conflicts,
+        *_batch(plan, request),
+        *_precision(plan, request, final),
+        *_activation_checkpointing(plan, request.user, final, features),
+        *_engines(plan, request.user, final),
+        *_launcher(final, launcher_ds_fields),
+    ]
+
+
+def _batch(plan: Any, request: Request) -> list[str]:
+    """A user ``gradient_accumulation_steps`` must still give the global batch the user asked the plan for."""
+    gas = request.user.get("gradient_accumulation_steps")
+    if gas is None or "global_batch_size" not in request.plan_kwargs:
+        return []
+    mbs, world = int(plan.micro_batch_size), int(plan.world_size)
+    if mbs * gas * world == plan.global_batch_size:
+        return []
+    return [
+        f"per_device_train_batch_size({mbs}) * gradient_accumulation_steps({gas}) * world_size({world}) "
+        f"= {mbs * gas * world} != global_batch_size({plan.global_batch_size}); "
+        "drop one of them or make the product match."
+    ]
+
+
+def _precision(plan: Any, request: Request, final: dict[str, Any]) -> list[str]:
+    """bf16 where the hardware has it; one precision flag; pure bf16's flags and optimizer as the plan states."""
+    out = []
+    if request.user.get("bf16") and plan.mixed_precision == "fp16":
+        out.append(
+            f"bf16=True but the hardware ({plan.hardware.gpu_name or plan.hardware.device}) has no bf16 support; "
+            "use fp16=True (the plan's choice) or drop bf16."
+        )
+    if final.get("bf16") and final.get("fp16"):
+        out.append("bf16=True and fp16=True are both set; pass only one.")
+    return out + _pure_bf16(plan, request, final)
+
+
+def _pure_bf16(plan: Any, request: Request, final: dict[str, Any]) -> list[str]:
+    """Pure bf16: FSDP2 runs with bf16=False (accelerate would upcast to fp32), the others with bf16=True; DeepSpeed
+    keeps offloaded bf16 optimizer state only in DeepSpeedCPUAdam."""
+    if not plan.pure_bf16:
+        return []
+    out = []
+    bf16, fsdp = bool(final.get("bf16")), strategy(plan.strategy).is_fsdp
+    if fsdp and bf16:
+        out.append(
+            f"pure_bf16=True with {plan.strategy} needs bf16=False: with bf16=True accelerate upcasts the sharded "
+            "parameters to fp32 (fp32 master weights and Adam state). Drop bf16=True; the model's own bf16 "
+            "weights set the compute dtype."
+        )
+    if not fsdp and not bf16:
+        out.append(
+            f"pure_bf16=True with {plan.strategy} needs bf16=True, got bf16={final.get('bf16')!r}; drop bf16=False."
+        )
+    if strategy(plan.strategy).is_deepspeed and plan.offload != "none" and not request.cpu_adam:
+        out.append(
+            f"pure_bf16=True with {plan.strategy} offload={plan.offload!r} needs DeepSpeedCPUAdam (DeepSpeed asserts "
+            "otherwise), but cpu_adam=False; pass cpu_adam=True, or drop pure_bf16 to keep fp32 optimizer state."
+        )
+    return out
+
+
+def _activation_checkpointing(plan: Any, user: dict[str, Any], final: dict[str, Any], features: LibraryFeatures):
+    """Checkpointing is planned (memory and speed): under FSDP it goes to ``fsdp_config``; elsewhere the flag must
+    say what the plan says."""
+    ac_flag = features.activation_checkpointing_field
+    fsdp = strategy(plan.strategy).is_fsdp
+    if fsdp and (user.get(ac_flag) or user.get("gradient_checkpointing")):
+        return [
+            f"{ac_flag}=True with FSDP ({plan.strategy}) checkpoints through the model and adds a redundant "
+            "all-gather; pass activation_checkpointing=True to auto_args (planner keyword) so it goes to fsdp_config."
+        ]
+    given = {k: user[k] for k in {ac_flag, "gradient_checkpointing"} if k in user}
+    planned = bool(plan.activation_checkpointing)
+    if fsdp or all(bool(v) == planned for v in given.values()):
+        return []
+    return [
+        f"{given} contradicts the plan, which {'checkpoints' if planned else 'does not checkpoint'} activations "
+        f"(memory and speed were planned for it); pass activation_checkpointing={not planned} to auto_args "
+        "(planner keyword) so the plan accounts for it."
+    ]
+
+
+def _engines(plan: Any, user: dict[str, Any], final: dict[str, Any]) -> list[str]:
+    """One engine: FSDP and DeepSpeed cannot both be on."""
+    if final.get("fsdp") and final.get("deepspeed"):
+        return [
+            f"fsdp and deepspeed are both set (the plan chose {plan.strategy}); choose one strategy "
+            "(strategy='zero3' or 'fsdp_full_shard')."
+        ]
+    return []
+
+
+def _launcher(final: dict[str, Any], launcher_ds_fields: str) -> list[str]:
+    """accelerate refuses a DeepSpeed JSON when its launcher config already sets these DeepSpeed fields."""
+    clashing = sorted(set(LAUNCHER_DS_CLASHES) & set(launcher_ds_fields.split(",")))
+    if not (final.get("deepspeed") and clashing):
+        return []
+    return [
+        "auto_args chose DeepSpeed, but this process was launched with an accelerate DeepSpeed config that sets "
+        f"{clashing}; accelerate refuses both. Launch with accelerate_configs/ddp.yaml or torchrun (auto_args "
+        "supplies the DeepSpeed JSON)."
+    ]
