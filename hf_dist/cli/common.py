@@ -11,6 +11,12 @@ def add_positional(parser: argparse.ArgumentParser, name: str, help: str | None 
     parser.add_argument(name, metavar=name.upper(), help=help, **kwargs)
 
 
+def add_checkpoint_paths(parser: argparse.ArgumentParser, src_help: str, dst_help: str, *, dst_required: bool = True):
+    """``SRC`` (the checkpoint to read) and ``DST`` (the folder to write; optional: ``dst`` is then None)."""
+    add_positional(parser, "src", src_help)
+    add_positional(parser, "dst", dst_help, **({} if dst_required else {"nargs": "?"}))
+
+
 def arg_kwargs(args: argparse.Namespace, *names: str, **renamed: str) -> dict[str, Any]:
     """The parsed flags ``names`` as keyword arguments of the same names, and ``keyword=flag`` for ``renamed``:
     ``arg_kwargs(args, "tag", global_batch_size="global_batch")`` is

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hf_dist.cli.common import add_positional, arg_kwargs
+from hf_dist.cli.common import add_checkpoint_paths, arg_kwargs
 
 EPILOG = """examples:
   hf-dist convert out/checkpoint-500 out/hf-model                     # ZeRO-1/2/3 or FSDP, detected
@@ -26,8 +26,11 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_positional(parser, "src", "checkpoint-N/ folder, its inner folder, or an HF folder")
-    add_positional(parser, "dst", "output folder (must not exist unless --overwrite)")
+    add_checkpoint_paths(
+        parser,
+        "checkpoint-N/ folder, its inner folder, or an HF folder",
+        "output folder (must not exist unless --overwrite)",
+    )
     parser.add_argument(
         "--dtype",
         choices=("auto", "bf16", "fp16", "fp32"),

@@ -35,16 +35,16 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_positional(parser, "model", "hub name, local model folder or config.json")
-    _add_hardware(parser)
+    _add_model_and_hardware(parser)
     _add_layout_pins(parser)
     _add_workload(parser)
     _add_estimate_options(parser)
     _add_verification_and_output(parser)
 
 
-def _add_hardware(parser: argparse.ArgumentParser) -> None:
-    """The machines: detected where not given."""
+def _add_model_and_hardware(parser: argparse.ArgumentParser) -> None:
+    """What is planned for: the model, and the machines (detected where not given)."""
+    add_positional(parser, "model", "hub name, local model folder or config.json")
     parser.add_argument("--gpus", type=int, help="total GPUs across all nodes (default: detected)")
     parser.add_argument("--gpu-memory", type=float, dest="gpu_memory", help="GiB per GPU (default: detected)")
     parser.add_argument("--nodes", type=int, help="number of nodes (default: from the launcher env, else 1)")
@@ -78,7 +78,7 @@ def _add_layout_pins(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_workload(parser: argparse.ArgumentParser) -> None:
-    """What is trained and how: method, batch shape, optimizer, kernels, loss."""
+    """What is trained and how: method, batch shape, optimizer, kernels."""
     parser.add_argument("--method", choices=("full", "lora", "qlora"), default="full")
     parser.add_argument("--seq-len", type=int, default=2048, dest="seq_len")
     parser.add_argument("--global-batch", type=int, dest="global_batch", help="sequences per optimizer step")
@@ -91,6 +91,10 @@ def _add_workload(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="Liger kernels (use_liger_kernel): auto = considered on CUDA when liger-kernel is installed",
     )
+
+
+def _add_estimate_options(parser: argparse.ArgumentParser) -> None:
+    """What the estimate counts: logits, checkpoint staging, run length, safety margin, master weights."""
     parser.add_argument(
         "--fused-lm-head",
         action="store_true",
@@ -98,9 +102,6 @@ def _add_workload(parser: argparse.ArgumentParser) -> None:
         help="the loss runs through TRL's fused LM head (SFTTrainer): no logits held; default: the Trainer's loss",
     )
 
-
-def _add_estimate_options(parser: argparse.ArgumentParser) -> None:
-    """What the estimate counts besides the training step: checkpoint staging, run length, margin, precision."""
     parser.add_argument(
         "--async-save",
         action="store_true",

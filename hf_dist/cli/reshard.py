@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hf_dist.cli.common import add_positional
+from hf_dist.cli.common import add_checkpoint_paths
 
 EPILOG = """examples:
   hf-dist reshard out/checkpoint-500                      # ZeRO: add the universal conversion in place
@@ -26,8 +26,12 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_positional(parser, "src", "a Trainer checkpoint-N folder")
-    add_positional(parser, "dst", "write a converted copy here (default: in place)", nargs="?")
+    add_checkpoint_paths(
+        parser,
+        "a Trainer checkpoint-N folder",
+        "write a converted copy here (default: in place)",
+        dst_required=False,
+    )
     parser.add_argument("--check", type=int, metavar="WORLD_SIZE", help="report only; convert nothing")
     parser.add_argument("--workers", type=int, default=1, help="processes for DeepSpeed's conversion (default 1)")
     parser.add_argument(
