@@ -103,19 +103,26 @@ def accelerate_config(
     s = layout.strategy
     emitted = strategy_args(layout, features=features, wrap_classes=wrap_classes, nvme_path=nvme_path)
     _check_inline_deepspeed(s, tp_size, sp_size, deepspeed_config_file)
-    cfg: dict[str, Any] = {
-        "compute_environment": "LOCAL_MACHINE",
-        "debug": False,
-        "distributed_type": _DISTRIBUTED_TYPE[s.engine],
-        "mixed_precision": mixed_precision,
-    }
-    if s.is_deepspeed and deepspeed_config_file is not None:
-        del cfg["mixed_precision"]  # precision must come from the JSON, accelerate refuses both
+    cfg = _environment_keys(s, mixed_precision, deepspeed_config_file)
     cfg.update(
         _engine_sections(s, emitted, state_dict_type, offload, nodes, deepspeed_config_file, offload_device, nvme_path)
     )
     cfg.update(_machine_keys(nodes, num_processes, main_process_ip, main_process_port))
     return cfg
+
+
+def _environment_keys(s: Strategy, mixed_precision: str, deepspeed_config_file: str | None) -> dict[str, Any]:
+    """The keys the YAML opens with: where it runs, the distributed type, the precision."""
+    keys: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "debug": False,
+        "distributed_type": _DISTRIBUTED_TYPE[s.engine],
+    }
+    if not (s.is_deepspeed and deepspeed_config_file is not None):
+        keys["mixed_precision"] = (
+            mixed_precision  # with a DeepSpeed JSON it comes from the JSON: accelerate refuses both
+        )
+    return keys
 
 
 def _check_inline_deepspeed(s: Strategy, tp_size: int, sp_size: int, deepspeed_config_file: str | None) -> None:
