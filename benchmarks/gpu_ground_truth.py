@@ -22,12 +22,14 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import os
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from hf_dist.atomic_io import atomic_write_json  # noqa: E402  (the repository's hf_dist, found through ROOT)
+
 DATA = ROOT / "benchmarks" / "data" / "gpu"
 GIB = 1024**3
 LOW, HIGH = 0.95, 1.15
@@ -228,10 +230,7 @@ def main() -> None:
     for failure in failures:
         print(f"MISS {failure}")
     if args.json:
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump(rows, fh, indent=1)
-        os.replace(tmp, args.json)
+        atomic_write_json(args.json, rows, indent=1)
 
 
 if __name__ == "__main__":

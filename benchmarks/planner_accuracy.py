@@ -41,6 +41,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _measure_memory import is_nvme, parse_layout  # noqa: E402  (the one parser of layout names, shared with the ranks)
 
+from hf_dist.atomic_io import atomic_write_json  # noqa: E402
+
 # name:hidden:intermediate:layers:heads:kv_heads:vocab
 MODELS = ("A:256:688:4:4:2:8000", "B:384:1024:6:6:2:8000", "C:512:1376:6:8:4:8000")
 STRATEGIES = (
@@ -207,10 +209,7 @@ def main() -> None:
         print(f"\nhf_dist worst error on ZeRO-Infinity's host buffers and swap files: {worst:.1%} (target 1%)")
     rows += nvme
     if args.out:
-        tmp = args.out + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump(rows, fh, indent=1)
-        os.replace(tmp, args.out)
+        atomic_write_json(args.out, rows, indent=1)
 
 
 if __name__ == "__main__":

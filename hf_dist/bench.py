@@ -300,31 +300,15 @@ def strategy_kwargs(strategy: str, model: Any, precision: str, device: str) -> d
 
 
 def _worker(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="hf_dist.bench --worker")
-    parser.add_argument("--worker", action="store_true")
-    parser.add_argument("--strategy", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--config", required=True)
-    args = parser.parse_args(argv)
-    raw = json.loads(args.config)
-    raw["strategies"] = tuple(raw["strategies"]) if raw.get("strategies") else None
-    config = BenchConfig(**raw)
+    args, config = _worker_args(argv)
 
     import torch
-    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     from hf_dist.runtime.dist import shutdown
 
     device = _device()
-    if device == "cpu":
-        from hf_dist.runtime.cpu_fsdp import cpu_deepspeed_training_kwargs, enable_fsdp_on_cpu
-
-        enable_fsdp_on_cpu()
-    if device == "cpu" and REGISTRY[args.strategy].is_deepspeed:
-        cpu_kwargs = cpu_deepspeed_training_kwargs()  # accelerate drops DeepSpeed when cpu=True
-        cpu_kwargs.setdefault("use_cpu", False)
-    else:
-        cpu_kwargs = {"use_cpu": device == "cpu"}
+    cpu_kwargs = _cpu_training_kwargs(args.strategy, device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     precision = _precision(config.mixed_precision, device)
     torch.manual_seed(0)
@@ -333,21 +317,6 @@ def _worker(argv: list[str]) -> None:
     data = torch.randint(0, model.config.vocab_size, (config.micro_batch_size * world * steps, config.seq_len))
     dataset = [{"input_ids": row, "labels": row} for row in data]
     marks: dict[str, float] = {}
-
-    class Timer(TrainerCallback):
-        def _now(self) -> float:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            return time.perf_counter()
-
-        def on_step_begin(self, a, state, control, **kw):
-            if state.global_step == config.warmup:
-                marks["start"] = self._now()
-
-        def on_step_end(self, a, state, control, **kw):
-            if state.global_step == steps:
-                marks["end"] = self._now()
-
     training_args = TrainingArguments(
         output_dir=str(Path(args.out).parent / "trainer"),
         per_device_train_batch_size=config.micro_batch_size,
@@ -362,19 +331,72 @@ def _worker(argv: list[str]) -> None:
         disable_tqdm=True,
         **strategy_kwargs(args.strategy, model, precision, device),
     )
-    trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=[Timer()])
+    timer = _step_timer(config.warmup, steps, marks)
+    trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=[timer])
     trainer.train()
     if trainer.is_world_process_zero():
-        elapsed = marks["end"] - marks["start"]
-        samples = config.steps * config.micro_batch_size * world
-        result = {
-            "samples_per_s": samples / elapsed,
-            "tokens_per_s": samples * config.seq_len / elapsed,
-            "step_s": elapsed / config.steps,
-            "wrapped": type(trainer.model_wrapped).__name__,
-        }
-        Path(args.out).write_text(json.dumps(result))
+        _write_result(args.out, config, world, marks["end"] - marks["start"], type(trainer.model_wrapped).__name__)
     shutdown()
+
+
+def _worker_args(argv: list[str]) -> tuple[argparse.Namespace, BenchConfig]:
+    """The worker's command line: the strategy to time, where to write the result, the run's BenchConfig as JSON."""
+    parser = argparse.ArgumentParser(prog="hf_dist.bench --worker")
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--strategy", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--config", required=True)
+    args = parser.parse_args(argv)
+    raw = json.loads(args.config)
+    raw["strategies"] = tuple(raw["strategies"]) if raw.get("strategies") else None
+    return args, BenchConfig(**raw)
+
+
+def _cpu_training_kwargs(strategy: str, device: str) -> dict[str, Any]:
+    """``use_cpu`` (and for DeepSpeed on CPU, the kwargs that keep it); FSDP enabled on CPU first."""
+    if device == "cpu":
+        from hf_dist.runtime.cpu_fsdp import cpu_deepspeed_training_kwargs, enable_fsdp_on_cpu
+
+        enable_fsdp_on_cpu()
+    if device == "cpu" and REGISTRY[strategy].is_deepspeed:
+        cpu_kwargs = cpu_deepspeed_training_kwargs()  # accelerate drops DeepSpeed when cpu=True
+        cpu_kwargs.setdefault("use_cpu", False)
+        return cpu_kwargs
+    return {"use_cpu": device == "cpu"}
+
+
+def _step_timer(warmup: int, steps: int, marks: dict[str, float]) -> Any:
+    """A TrainerCallback that records in ``marks`` when step ``warmup`` starts and step ``steps`` ends."""
+    import torch
+    from transformers import TrainerCallback
+
+    class Timer(TrainerCallback):
+        def _now(self) -> float:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            return time.perf_counter()
+
+        def on_step_begin(self, a, state, control, **kw):
+            if state.global_step == warmup:
+                marks["start"] = self._now()
+
+        def on_step_end(self, a, state, control, **kw):
+            if state.global_step == steps:
+                marks["end"] = self._now()
+
+    return Timer()
+
+
+def _write_result(out: str, config: BenchConfig, world: int, elapsed: float, wrapped: str) -> None:
+    """Rank 0's throughput over the timed steps, as JSON at ``out``."""
+    samples = config.steps * config.micro_batch_size * world
+    result = {
+        "samples_per_s": samples / elapsed,
+        "tokens_per_s": samples * config.seq_len / elapsed,
+        "step_s": elapsed / config.steps,
+        "wrapped": wrapped,
+    }
+    Path(out).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
+
+from hf_dist.cli.common import arg_kwargs
 
 EPILOG = """examples:
   hf-dist config --strategy fsdp_full_shard --out fsdp.yaml
@@ -71,35 +74,39 @@ def render(args: argparse.Namespace) -> str:
     s = strategy(args.strategy)
     _check_nvme_path(args)
     if args.format == "deepspeed":
-        from hf_dist.configs.deepspeed import deepspeed_config
+        return _render_deepspeed(args, s)
+    return _render_accelerate(args, s)
 
-        if not s.is_deepspeed:
-            raise ValueError(
-                f"--format deepspeed needs a ZeRO strategy (zero1, zero2, zero3), got {args.strategy!r}; "
-                "use --format accelerate for ddp/FSDP."
-            )
-        if args.cp_size > 1:
-            raise ValueError(
-                f"--cp-size {args.cp_size} with {args.strategy}: context parallelism runs only with FSDP2; use "
-                "--sp-size (DeepSpeed Ulysses) with a ZeRO strategy, or --strategy fsdp_full_shard --format accelerate"
-            )
-        if args.num_processes is not None:  # the planner's checks on the job's size (the JSON does not carry it)
-            from hf_dist.planning.layout import Layout
 
-            Layout(args.strategy, args.num_processes, args.nodes, args.offload, tp_size=args.tp_size,
-                   sp_size=args.sp_size, offload_device=args.offload_device)  # fmt: skip
-        cfg = deepspeed_config(
-            args.strategy,
-            offload=args.offload,
-            mixed_precision=args.mixed_precision,
-            pure_bf16=args.pure_bf16,
-            tp_size=args.tp_size,
-            sp_size=args.sp_size,
-            offload_device=args.offload_device,
-            nvme_path=args.nvme_path,
+# the flags both config factories take under their own names
+_SHARED_OPTIONS = ("offload", "tp_size", "sp_size", "offload_device", "nvme_path")
+
+
+def _render_deepspeed(args: argparse.Namespace, s) -> str:
+    """The DeepSpeed JSON for a ZeRO strategy."""
+    from hf_dist.configs.deepspeed import deepspeed_config
+
+    if not s.is_deepspeed:
+        raise ValueError(
+            f"--format deepspeed needs a ZeRO strategy (zero1, zero2, zero3), got {args.strategy!r}; "
+            "use --format accelerate for ddp/FSDP."
         )
-        return json.dumps(cfg, indent=2) + "\n"
+    if args.cp_size > 1:
+        raise ValueError(
+            f"--cp-size {args.cp_size} with {args.strategy}: context parallelism runs only with FSDP2; use "
+            "--sp-size (DeepSpeed Ulysses) with a ZeRO strategy, or --strategy fsdp_full_shard --format accelerate"
+        )
+    if args.num_processes is not None:  # the planner's checks on the job's size (the JSON does not carry it)
+        from hf_dist.planning.layout import Layout
 
+        Layout(args.strategy, args.num_processes, args.nodes, args.offload, tp_size=args.tp_size,
+               sp_size=args.sp_size, offload_device=args.offload_device)  # fmt: skip
+    cfg = deepspeed_config(args.strategy, **arg_kwargs(args, *_SHARED_OPTIONS, "mixed_precision", "pure_bf16"))
+    return json.dumps(cfg, indent=2) + "\n"
+
+
+def _render_accelerate(args: argparse.Namespace, s) -> str:
+    """The commented accelerate YAML, its header naming the choices that differ from the defaults."""
     from hf_dist.configs.accelerate import accelerate_config, header_for, to_yaml
 
     if args.deepspeed_config_file is not None and not s.is_deepspeed:
@@ -107,21 +114,20 @@ def render(args: argparse.Namespace) -> str:
     if args.deepspeed_config_file is not None:
         _check_deepspeed_json(args)
     mixed_precision, note = _pure_bf16_accelerate(args, s) if args.pure_bf16 else (args.mixed_precision, "")
+    options = arg_kwargs(args, *_SHARED_OPTIONS, "nodes", "num_processes", "activation_checkpointing", "cp_size")
     cfg = accelerate_config(
         args.strategy,
-        offload=args.offload,
-        nodes=args.nodes,
-        num_processes=args.num_processes,
         mixed_precision=mixed_precision,
         wrap_classes=args.wrap_class,
-        activation_checkpointing=args.activation_checkpointing,
-        tp_size=args.tp_size,
-        cp_size=args.cp_size,
-        sp_size=args.sp_size,
-        offload_device=args.offload_device,
-        nvme_path=args.nvme_path,
         deepspeed_config_file=args.deepspeed_config_file,
+        **options,
     )
+    name = Path(args.out).name if args.out else "config.yaml"
+    return to_yaml(cfg, header_for(name, _shown_in_header(args), path=args.out or name) + note)
+
+
+def _shown_in_header(args: argparse.Namespace) -> dict[str, Any]:
+    """The choices the YAML's header names: the strategy and every option not at its default."""
     shown = {"strategy": args.strategy}
     if args.offload != "none":
         shown["offload"] = args.offload
@@ -134,8 +140,7 @@ def render(args: argparse.Namespace) -> str:
             shown[key] = getattr(args, key)
     if args.deepspeed_config_file is not None:
         shown["deepspeed_config_file"] = args.deepspeed_config_file
-    name = Path(args.out).name if args.out else "config.yaml"
-    return to_yaml(cfg, header_for(name, shown, path=args.out or name) + note)
+    return shown
 
 
 def _check_nvme_path(args: argparse.Namespace) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from hf_dist.cli.common import add_checkpoint_paths, arg_kwargs
+
 EPILOG = """examples:
   hf-dist convert out/checkpoint-500 out/hf-model                     # ZeRO-1/2/3 or FSDP, detected
   hf-dist convert out/checkpoint-500/global_step500 out/hf-model      # the inner folder works too
@@ -24,8 +26,11 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", metavar="SRC", help="checkpoint-N/ folder, its inner folder, or an HF folder")
-    parser.add_argument("dst", metavar="DST", help="output folder (must not exist unless --overwrite)")
+    add_checkpoint_paths(
+        parser,
+        "checkpoint-N/ folder, its inner folder, or an HF folder",
+        "output folder (must not exist unless --overwrite)",
+    )
     parser.add_argument(
         "--dtype",
         choices=("auto", "bf16", "fp16", "fp32"),
@@ -51,20 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from hf_dist.checkpoint.convert import convert
 
-    report = convert(
-        args.src,
-        args.dst,
-        dtype=args.dtype,
-        max_shard_size=args.max_shard_size,
-        model_config=args.model_config,
-        tokenizer=args.tokenizer,
-        tag=args.tag,
-        adapter=args.adapter,
-        merge_adapter=args.merge_adapter,
-        overwrite=args.overwrite,
-        to=args.to,
-        trust_pickles=args.trust_pickles,
-        progress=args.progress,
-    )
+    options = ("dtype", "max_shard_size", "model_config", "tokenizer", "tag", "adapter", "merge_adapter", "overwrite")
+    report = convert(args.src, args.dst, **arg_kwargs(args, *options, "to", "trust_pickles", "progress"))
     print(report.summary())
     return 0

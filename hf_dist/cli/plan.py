@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from hf_dist.cli.common import add_positional, arg_kwargs
+
 EPILOG = """examples:
   hf-dist plan meta-llama/Llama-3.1-8B --gpus 8 --gpu-memory 80
   hf-dist plan ./my-model/config.json --gpus 16 --nodes 2 --gpu-memory 80 --global-batch 128
@@ -33,7 +35,16 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL", help="hub name, local model folder or config.json")
+    _add_model_and_hardware(parser)
+    _add_layout_pins(parser)
+    _add_workload(parser)
+    _add_estimate_options(parser)
+    _add_verification_and_output(parser)
+
+
+def _add_model_and_hardware(parser: argparse.ArgumentParser) -> None:
+    """What is planned for: the model, and the machines (detected where not given)."""
+    add_positional(parser, "model", "hub name, local model folder or config.json")
     parser.add_argument("--gpus", type=int, help="total GPUs across all nodes (default: detected)")
     parser.add_argument("--gpu-memory", type=float, dest="gpu_memory", help="GiB per GPU (default: detected)")
     parser.add_argument("--nodes", type=int, help="number of nodes (default: from the launcher env, else 1)")
@@ -45,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="aggregate GB/s of each node's local NVMe drives (~3 per PCIe 4.0 drive); given, NVMe offload "
         "(ZeRO-Infinity) is considered when nothing else fits",
     )
+
+
+def _add_layout_pins(parser: argparse.ArgumentParser) -> None:
+    """Parts of the layout the user fixes instead of the search."""
     parser.add_argument(
         "--offload-device",
         choices=("cpu", "nvme"),
@@ -60,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help=f"pin the {what} parallel size (1 = off); default: searched when data parallelism is not enough. "
             "Pinning one size sets the others to 1 unless given",
         )
+
+
+def _add_workload(parser: argparse.ArgumentParser) -> None:
+    """What is trained and how: method, batch shape, optimizer, kernels."""
     parser.add_argument("--method", choices=("full", "lora", "qlora"), default="full")
     parser.add_argument("--seq-len", type=int, default=2048, dest="seq_len")
     parser.add_argument("--global-batch", type=int, dest="global_batch", help="sequences per optimizer step")
@@ -72,12 +91,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="Liger kernels (use_liger_kernel): auto = considered on CUDA when liger-kernel is installed",
     )
+
+
+def _add_estimate_options(parser: argparse.ArgumentParser) -> None:
+    """What the estimate counts: logits, checkpoint staging, run length, safety margin, master weights."""
     parser.add_argument(
         "--fused-lm-head",
         action="store_true",
         dest="fused_lm_head",
         help="the loss runs through TRL's fused LM head (SFTTrainer): no logits held; default: the Trainer's loss",
     )
+
     parser.add_argument(
         "--async-save",
         action="store_true",
@@ -101,6 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="plan bf16 weights and bf16 Adam state without fp32 master weights (less memory, less accurate "
         "updates); default: bf16 mixed precision with fp32 master weights and Adam state",
     )
+
+
+def _add_verification_and_output(parser: argparse.ArgumentParser) -> None:
+    """Loading and tracing the real model, and the output format."""
     parser.add_argument("--trust-remote-code", action="store_true", dest="trust_remote_code")
     parser.add_argument(
         "--verify",
@@ -118,6 +146,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print Plan.to_dict() as JSON")
 
 
+# the flags plan() takes under their own names, and plan()'s keyword -> the flag
+_PLAN_OPTIONS = (
+    "method", "seq_len", "optimizer", "lora_rank", "safety_margin", "fused_lm_head", "async_save",
+    "train_tokens", "pure_bf16", "tp_size", "cp_size", "sp_size", "offload_device", "verify",
+)  # fmt: skip
+_PLAN_RENAMED = {
+    "global_batch_size": "global_batch",
+    "micro_batch_size": "micro_batch",
+    "verify_time_limit_s": "verify_time_limit",
+}
+
+
 def run(args: argparse.Namespace) -> int:
     from hf_dist.planning.hardware import detect_hardware
     from hf_dist.planning.modelinfo import model_spec
@@ -126,35 +166,15 @@ def run(args: argparse.Namespace) -> int:
     # --liger on for GPUs described with --gpu-memory: the target machines have it, whatever this one has
     described = args.gpu_memory is not None and args.liger == "on"
     hardware = detect_hardware(
-        gpus=args.gpus,
-        gpu_memory_gib=args.gpu_memory,
-        nodes=args.nodes,
-        host_memory_gib=args.host_memory,
         liger_kernel=True if described else None,
-        nvme_gbps=args.nvme_gbps,
+        **arg_kwargs(args, "gpus", "nodes", "nvme_gbps", gpu_memory_gib="gpu_memory", host_memory_gib="host_memory"),
     )
     spec = model_spec(args.model, trust_remote_code=args.trust_remote_code)
     result = plan(
         spec,
         hardware=hardware,
-        method=args.method,
-        seq_len=args.seq_len,
-        global_batch_size=args.global_batch,
-        micro_batch_size=args.micro_batch,
-        optimizer=args.optimizer,
-        lora_rank=args.lora_rank,
-        safety_margin=args.safety_margin,
         use_liger_kernel={"auto": None, "on": True, "off": False}[args.liger],
-        fused_lm_head=args.fused_lm_head,
-        async_save=args.async_save,
-        train_tokens=args.train_tokens,
-        pure_bf16=args.pure_bf16,
-        tp_size=args.tp_size,
-        cp_size=args.cp_size,
-        sp_size=args.sp_size,
-        offload_device=args.offload_device,
-        verify=args.verify,
-        verify_time_limit_s=args.verify_time_limit,
+        **arg_kwargs(args, *_PLAN_OPTIONS, **_PLAN_RENAMED),
     )
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.explain())
     return 0

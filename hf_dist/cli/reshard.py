@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from hf_dist.cli.common import add_checkpoint_paths
+
 EPILOG = """examples:
   hf-dist reshard out/checkpoint-500                      # ZeRO: add the universal conversion in place
   hf-dist reshard out/checkpoint-500 out/ckpt-any-world   # ... into a copy, the original untouched
@@ -24,8 +26,12 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", metavar="SRC", help="a Trainer checkpoint-N folder")
-    parser.add_argument("dst", metavar="DST", nargs="?", help="write a converted copy here (default: in place)")
+    add_checkpoint_paths(
+        parser,
+        "a Trainer checkpoint-N folder",
+        "write a converted copy here (default: in place)",
+        dst_required=False,
+    )
     parser.add_argument("--check", type=int, metavar="WORLD_SIZE", help="report only; convert nothing")
     parser.add_argument("--workers", type=int, default=1, help="processes for DeepSpeed's conversion (default 1)")
     parser.add_argument(

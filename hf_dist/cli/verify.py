@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from hf_dist.cli.common import add_positional
+
 EPILOG = """examples:
   hf-dist verify out/checkpoint-500 out/hf-model                 # exact comparison, any two formats
   hf-dist verify out/checkpoint-500 out/hf-model --atol 1e-2     # e.g. fp32 master vs bf16 output
@@ -19,8 +21,8 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("a", metavar="A")
-    parser.add_argument("b", metavar="B")
+    add_positional(parser, "a")
+    add_positional(parser, "b")
     parser.add_argument("--atol", type=float, default=0.0, help="allowed max abs difference (default 0: exact)")
     parser.add_argument("--logits", action="store_true", help="also run both models on a fixed input")
     parser.add_argument("--model-config", dest="model_config", help="config folder when A or B has none")

@@ -102,14 +102,41 @@ def accelerate_config(
     )
     s = layout.strategy
     emitted = strategy_args(layout, features=features, wrap_classes=wrap_classes, nvme_path=nvme_path)
-    if s.is_deepspeed and tp_size > 1 and deepspeed_config_file is None:
+    _check_inline_deepspeed(s, tp_size, sp_size, deepspeed_config_file)
+    cfg = _environment_keys(s, mixed_precision, deepspeed_config_file)
+    cfg.update(
+        _engine_sections(s, emitted, state_dict_type, offload, nodes, deepspeed_config_file, offload_device, nvme_path)
+    )
+    cfg.update(_machine_keys(nodes, num_processes, main_process_ip, main_process_port))
+    return cfg
+
+
+def _environment_keys(s: Strategy, mixed_precision: str, deepspeed_config_file: str | None) -> dict[str, Any]:
+    """The keys the YAML opens with: where it runs, the distributed type, the precision."""
+    keys: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "debug": False,
+        "distributed_type": _DISTRIBUTED_TYPE[s.engine],
+    }
+    if not (s.is_deepspeed and deepspeed_config_file is not None):
+        keys["mixed_precision"] = (
+            mixed_precision  # with a DeepSpeed JSON it comes from the JSON: accelerate refuses both
+        )
+    return keys
+
+
+def _check_inline_deepspeed(s: Strategy, tp_size: int, sp_size: int, deepspeed_config_file: str | None) -> None:
+    """Refuse the sizes only a DeepSpeed JSON can carry when the YAML would use accelerate's inline keys."""
+    if deepspeed_config_file is not None or not s.is_deepspeed:
+        return
+    if tp_size > 1:
         raise ValueError(
             f"tp_size {tp_size} with {s.name} is DeepSpeed AutoTP ('tensor_parallel': {{'autotp_size': {tp_size}}}), "
             "which accelerate's inline DeepSpeed keys cannot set; write the JSON with "
             f"`hf-dist config --strategy {s.name} --tp-size {tp_size} --format deepspeed --out ds.json` and pass "
             "deepspeed_config_file='ds.json'"
         )
-    if s.is_deepspeed and s.zero_stage == 3 and sp_size > 1 and deepspeed_config_file is None:
+    if s.zero_stage == 3 and sp_size > 1:
         raise ValueError(
             f"sp_size {sp_size} with zero3: DeepSpeed's zero.Init reads the data-parallel world size from "
             "'sequence_parallel_size' in its JSON, which accelerate's inline DeepSpeed keys cannot set; write the JSON "
@@ -117,32 +144,46 @@ def accelerate_config(
             "deepspeed_config_file='ds.json' (or use zero1/zero2)"
         )
 
-    cfg: dict[str, Any] = {"compute_environment": "LOCAL_MACHINE", "debug": False}
-    cfg["distributed_type"] = _DISTRIBUTED_TYPE[s.engine]
-    cfg["mixed_precision"] = mixed_precision
+
+def _engine_sections(
+    s: Strategy,
+    emitted: dict[str, Any],
+    state_dict_type: str,
+    offload: str,
+    nodes: int,
+    deepspeed_config_file: str | None,
+    offload_device: str,
+    nvme_path: str | None,
+) -> dict[str, Any]:
+    """The engine's own section (``deepspeed_config`` / ``fsdp_config``) and the ``parallelism_config`` mesh."""
+    sections: dict[str, Any] = {}
     if s.is_deepspeed:
-        cfg["deepspeed_config"] = _deepspeed_section(
+        sections["deepspeed_config"] = _deepspeed_section(
             s, offload, nodes, deepspeed_config_file, offload_device, nvme_path
         )
-        if deepspeed_config_file is not None:
-            del cfg["mixed_precision"]  # precision must come from the JSON, accelerate refuses both
     elif s.is_fsdp:
-        cfg["fsdp_config"] = _fsdp_section(emitted["fsdp_config"], state_dict_type)
+        sections["fsdp_config"] = _fsdp_section(emitted["fsdp_config"], state_dict_type)
     if "parallelism_config" in emitted:
-        cfg["parallelism_config"] = {f"parallelism_config_{k}": v for k, v in emitted["parallelism_config"].items()}
-    cfg.update(
-        {
-            "num_machines": nodes,
-            "num_processes": num_processes,
-            "machine_rank": 0,
-            "gpu_ids": "all",
-            "use_cpu": False,
-            "downcast_bf16": False,
-            "main_training_function": "main",
-        }
-    )
+        mesh = emitted["parallelism_config"]
+        sections["parallelism_config"] = {f"parallelism_config_{k}": v for k, v in mesh.items()}
+    return sections
+
+
+def _machine_keys(
+    nodes: int, num_processes: int, main_process_ip: str | None, main_process_port: int
+) -> dict[str, Any]:
+    """The launch keys: machines, processes, and for several nodes the rendezvous on the main node."""
+    keys: dict[str, Any] = {
+        "num_machines": nodes,
+        "num_processes": num_processes,
+        "machine_rank": 0,
+        "gpu_ids": "all",
+        "use_cpu": False,
+        "downcast_bf16": False,
+        "main_training_function": "main",
+    }
     if nodes > 1:
-        cfg.update(
+        keys.update(
             {
                 "main_process_ip": main_process_ip or MAIN_IP_PLACEHOLDER,
                 "main_process_port": main_process_port,
@@ -150,7 +191,7 @@ def accelerate_config(
                 "same_network": True,
             }
         )
-    return cfg
+    return keys
 
 
 def _process_counts(nodes: int, num_processes: int | None, gpus_per_node: int | None) -> tuple[int, int]:

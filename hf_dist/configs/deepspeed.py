@@ -74,6 +74,20 @@ def deepspeed_config(
     to 1e8 elements per rank).
     """
     stage = zero_stage(strategy)
+    _check_offload(strategy, stage, offload, mixed_precision)
+    cfg = _base_config(_zero_section(stage, offload, offload_device, nvme_path, nvme_param_buffer))
+    if pure_bf16 and mixed_precision != "bf16":
+        raise ValueError(
+            f"pure_bf16=True keeps bf16 weights and Adam state and needs mixed_precision='bf16', "
+            f"got {mixed_precision!r}; use mixed_precision='bf16' or drop pure_bf16."
+        )
+    cfg.update(_precision_section(mixed_precision, pure_bf16=pure_bf16))
+    _check_model_parallel(strategy, tp_size, sp_size)
+    cfg.update(_optional_keys(tp_size, sp_size, offload, offload_device, pure_bf16, cpu_adam))
+    return cfg
+
+
+def _check_offload(strategy: str, stage: int, offload: str, mixed_precision: str) -> None:
     check_choice("offload", offload, OFFLOADS)
     check_choice("mixed_precision", mixed_precision, MIXED_PRECISIONS)
     if offload == "optimizer+params" and stage != 3:
@@ -82,12 +96,15 @@ def deepspeed_config(
             "use strategy='zero3' or offload='optimizer'."
         )
 
-    cfg: dict[str, Any] = {
+
+def _base_config(zero_optimization: dict[str, Any]) -> dict[str, Any]:
+    """The keys every config has: the Trainer's ``"auto"`` batch settings, the ZeRO section, fp32 accumulation."""
+    return {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "train_batch_size": "auto",
         "gradient_clipping": "auto",
-        "zero_optimization": _zero_section(stage, offload, offload_device, nvme_path, nvme_param_buffer),
+        "zero_optimization": zero_optimization,
         # Accumulate gradients in fp32 across micro-batches even when compute is bf16/fp16.
         "data_types": {"grad_accum_dtype": "fp32"},
         # The Trainer hands DeepSpeed a torch optimizer; allow it instead of refusing.
@@ -95,27 +112,27 @@ def deepspeed_config(
         "steps_per_print": 1_000_000,  # the Trainer logs; silence DeepSpeed's own step prints
         "wall_clock_breakdown": False,
     }
-    if pure_bf16 and mixed_precision != "bf16":
-        raise ValueError(
-            f"pure_bf16=True keeps bf16 weights and Adam state and needs mixed_precision='bf16', "
-            f"got {mixed_precision!r}; use mixed_precision='bf16' or drop pure_bf16."
-        )
-    cfg.update(_precision_section(mixed_precision, pure_bf16=pure_bf16))
-    _check_model_parallel(strategy, tp_size, sp_size)
+
+
+def _optional_keys(
+    tp_size: int, sp_size: int, offload: str, offload_device: str, pure_bf16: bool, cpu_adam: bool
+) -> dict[str, Any]:
+    """AutoTP, Ulysses, NVMe async I/O, bf16 accumulation and the Trainer's own CPU optimizer, where asked for."""
+    keys: dict[str, Any] = {}
     if tp_size > 1:
-        cfg["tensor_parallel"] = {"autotp_size": tp_size}
+        keys["tensor_parallel"] = {"autotp_size": tp_size}
     if sp_size > 1:
-        cfg["sequence_parallel_size"] = sp_size
+        keys["sequence_parallel_size"] = sp_size
     if offload_device == "nvme":
-        cfg["aio"] = dict(AIO_DEFAULTS)
+        keys["aio"] = dict(AIO_DEFAULTS)
     if pure_bf16:
         # ZeRO-1 with bf16 and fp32 accumulation switches to DeepSpeed's BF16_Optimizer, which always
         # keeps fp32 masters (engine._do_optimizer_sanity_check); bf16 accumulation keeps the ZeRO optimizer
-        cfg["data_types"] = {"grad_accum_dtype": "bf16"}
+        keys["data_types"] = {"grad_accum_dtype": "bf16"}  # replaces the fp32 default, in its place
     if offload != "none" and not cpu_adam:
         # Keep the Trainer's torch optimizer on CPU instead of swapping in DeepSpeedCPUAdam.
-        cfg["zero_force_ds_cpu_optimizer"] = False
-    return cfg
+        keys["zero_force_ds_cpu_optimizer"] = False
+    return keys
 
 
 # DeepSpeed's async-I/O defaults (deepspeed/runtime/swap_tensor/constants.py), written out so the JSON shows them

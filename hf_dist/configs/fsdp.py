@@ -31,6 +31,7 @@ __all__ = ["fsdp_config", "fsdp_plugin_kwargs", "apply_fp32_reduce", "mixed_prec
 # Sharded checkpoints: each rank writes its own shard (fast, no rank-0 gather of the full model);
 # `hf-dist convert` turns them back into an HF folder.
 DEFAULT_STATE_DICT_TYPE = "SHARDED_STATE_DICT"
+DEFAULT_MIXED_PRECISION = "bf16"
 FSDP_STRATEGIES = tuple(s.name for s in by_engine(Engine.FSDP2))
 
 
@@ -40,7 +41,7 @@ def fsdp_config(
     wrap_classes: Sequence[str] | None = None,
     activation_checkpointing: bool = False,
     offload: str = "none",
-    mixed_precision: str = "bf16",
+    mixed_precision: str = DEFAULT_MIXED_PRECISION,
     state_dict_type: str = DEFAULT_STATE_DICT_TYPE,
     cpu_ram_efficient_loading: bool = True,
     features: LibraryFeatures = NEWEST_TESTED_FEATURES,
@@ -103,26 +104,16 @@ def mixed_precision_policy(mixed_precision: str = "bf16", *, reduce_dtype: str =
     return {"param_dtype": compute, "reduce_dtype": dtypes[reduce_dtype], "output_dtype": compute}
 
 
-def fsdp_plugin_kwargs(
-    strategy: str,
-    *,
-    wrap_classes: Sequence[str] | None = None,
-    activation_checkpointing: bool = False,
-    offload: str = "none",
-    mixed_precision: str = "bf16",
-    reduce_dtype: str = "fp32",
-    state_dict_type: str = DEFAULT_STATE_DICT_TYPE,
-) -> dict[str, Any]:
-    """Kwargs for ``accelerate.utils.FullyShardedDataParallelPlugin`` (FSDP2) with an explicit fp32 reduce."""
-    cfg = fsdp_config(
-        strategy,
-        wrap_classes=wrap_classes,
-        activation_checkpointing=activation_checkpointing,
-        offload=offload,
-        mixed_precision=mixed_precision,
-        state_dict_type=state_dict_type,
-        features=NEWEST_TESTED_FEATURES,  # FSDP2: this function builds accelerate's FSDP2 plugin
-    )["fsdp_config"]
+def fsdp_plugin_kwargs(strategy: str, *, reduce_dtype: str = "fp32", **options: Any) -> dict[str, Any]:
+    """Kwargs for ``accelerate.utils.FullyShardedDataParallelPlugin`` (FSDP2) with an explicit fp32 reduce.
+
+    ``options``: :func:`fsdp_config`'s keyword arguments (``wrap_classes``, ``activation_checkpointing``,
+    ``offload``, ``mixed_precision``, ``state_dict_type``...), except ``features``: the plugin is FSDP2's.
+    """
+    if "features" in options:
+        raise TypeError("fsdp_plugin_kwargs() builds accelerate's FSDP2 plugin and takes no 'features'")
+    cfg = fsdp_config(strategy, features=NEWEST_TESTED_FEATURES, **options)["fsdp_config"]
+    mixed_precision = options.get("mixed_precision", DEFAULT_MIXED_PRECISION)
     kwargs: dict[str, Any] = {
         "fsdp_version": 2,
         "auto_wrap_policy": "transformer_based_wrap",
@@ -133,8 +124,8 @@ def fsdp_plugin_kwargs(
         "cpu_offload": cfg["cpu_offload"],
         "mixed_precision_policy": mixed_precision_policy(mixed_precision, reduce_dtype=reduce_dtype),
     }
-    if wrap_classes:
-        kwargs["transformer_cls_names_to_wrap"] = list(wrap_classes)
+    if "transformer_layer_cls_to_wrap" in cfg:
+        kwargs["transformer_cls_names_to_wrap"] = cfg["transformer_layer_cls_to_wrap"]
     return kwargs
 
 

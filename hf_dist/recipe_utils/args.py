@@ -328,26 +328,11 @@ def training_arguments(
     if not (explicit & set(STRATEGY_FLAGS)) and not _accelerate_config_strategy():
         import hf_dist
 
-        plan_kwargs: dict[str, Any] = {"method": method, "seq_len": seq_len, "strategy": strategy}
-        plan_kwargs.update({k: v for k, v in (sizes or {}).items() if v is not None})  # --tp_size/--cp_size/--sp_size
-        plan_kwargs.update({k: v for k, v in (offloading or {}).items() if v is not None})  # --offload, --nvme_path
-        if method != "full":
-            plan_kwargs["lora_rank"] = lora_rank
-        if async_save:
-            plan_kwargs["async_save"] = True
-        if "per_device_train_batch_size" in kwargs:  # a user flag or a recipe default pins the micro batch
-            plan_kwargs["micro_batch_size"] = kwargs["per_device_train_batch_size"]
+        plan_kwargs = _plan_kwargs(kwargs, method, seq_len, strategy, lora_rank, sizes, async_save, offloading)
         planned = hf_dist.auto_args(model, **plan_kwargs)
         kwargs.update({k: v for k, v in planned.items() if k not in explicit})
     if kwargs.get("deepspeed") and not _has_accelerator() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        if not deepspeed_on_cpu:
-            raise ValueError(
-                "DeepSpeed on CPU ranks: accelerate would count one rank and DeepSpeed's batch check fail; pass "
-                "--deepspeed_on_cpu (tests and CPU development only) or train on GPUs"
-            )
-        from hf_dist.runtime.cpu_fsdp import cpu_deepspeed_training_kwargs
-
-        kwargs.update(cpu_deepspeed_training_kwargs())
+        kwargs.update(_deepspeed_on_cpu_kwargs(deepspeed_on_cpu))
     if "dataloader_pin_memory" not in explicit and not _has_accelerator():
         kwargs["dataloader_pin_memory"] = False  # pinning needs a GPU; on CPU torch warns from every DataLoader
     from hf_dist.configs.fsdp import apply_fp32_reduce
@@ -358,6 +343,42 @@ def training_arguments(
     if not args.deepspeed and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() not in ("1", "true"):
         _no_deepspeed_in_unwrap()
     return args
+
+
+def _plan_kwargs(
+    kwargs: dict[str, Any],
+    method: str,
+    seq_len: int,
+    strategy: str | None,
+    lora_rank: int,
+    sizes: dict[str, int | None] | None,
+    async_save: bool,
+    offloading: dict[str, str | None] | None,
+) -> dict[str, Any]:
+    """``hf_dist.auto_args`` keywords for the recipe's flags; ``kwargs``' micro batch, when set, is pinned."""
+    plan_kwargs: dict[str, Any] = {"method": method, "seq_len": seq_len, "strategy": strategy}
+    plan_kwargs.update({k: v for k, v in (sizes or {}).items() if v is not None})  # --tp_size/--cp_size/--sp_size
+    plan_kwargs.update({k: v for k, v in (offloading or {}).items() if v is not None})  # --offload, --nvme_path
+    if method != "full":
+        plan_kwargs["lora_rank"] = lora_rank
+    if async_save:
+        plan_kwargs["async_save"] = True
+    if "per_device_train_batch_size" in kwargs:  # a user flag or a recipe default pins the micro batch
+        plan_kwargs["micro_batch_size"] = kwargs["per_device_train_batch_size"]
+    return plan_kwargs
+
+
+def _deepspeed_on_cpu_kwargs(deepspeed_on_cpu: bool) -> dict[str, Any]:
+    """DeepSpeed over several CPU ranks: refused unless ``--deepspeed_on_cpu``, then the kwargs that make it count
+    every rank."""
+    if not deepspeed_on_cpu:
+        raise ValueError(
+            "DeepSpeed on CPU ranks: accelerate would count one rank and DeepSpeed's batch check fail; pass "
+            "--deepspeed_on_cpu (tests and CPU development only) or train on GPUs"
+        )
+    from hf_dist.runtime.cpu_fsdp import cpu_deepspeed_training_kwargs
+
+    return cpu_deepspeed_training_kwargs()
 
 
 def _check_sizes_honoured(args: Any, sizes: dict[str, int | None], explicit: set[str]) -> None:
