@@ -118,42 +118,60 @@ def strategy_args(
     Layouts the ``features`` cannot run are refused with the versions they need.
     """
     check_features(layout, features)
-    s = layout.strategy
+    if layout.strategy.is_fsdp:
+        return _fsdp_args(layout, features, wrap_classes, cpu_ram_efficient_loading)
+    if layout.strategy.is_deepspeed:
+        engine = {"cpu_adam": cpu_adam, "nvme_path": nvme_path}
+        if nvme_param_buffer:
+            engine["nvme_param_buffer"] = nvme_param_buffer
+        return _deepspeed_args(layout, features, engine)
+    return _ddp_args(layout, features)
+
+
+def _checkpointing(layout: Layout, features: LibraryFeatures) -> dict[str, Any]:
+    """The Trainer's activation-checkpointing flag, explicit either way: a ``TrainingArguments`` subclass (TRL's
+    ``SFTConfig``: ``gradient_checkpointing=True``) has other defaults. Non-reentrant: works with frozen inputs."""
     ac_flag, ac_kwargs = features.activation_checkpointing_field, features.activation_checkpointing_kwargs_field
-    # explicit either way: a TrainingArguments subclass (TRL's SFTConfig: gradient_checkpointing=True) has other defaults
-    checkpointing = {ac_flag: True, ac_kwargs: {"use_reentrant": False}} if layout.activation_checkpointing else {}
-    checkpointing = checkpointing or {ac_flag: False}
-    if s.is_fsdp:
-        out = fsdp_config(
-            s.name,
-            wrap_classes=wrap_classes,
-            activation_checkpointing=layout.activation_checkpointing,
-            offload=layout.offload,
-            mixed_precision=layout.mixed_precision,
-            cpu_ram_efficient_loading=cpu_ram_efficient_loading,
-            features=features,
-        )
-        if features.fsdp_version == 2 and (layout.dp_replicate_size > 1 or _model_parallel(layout)):
-            out["parallelism_config"] = parallelism_kwargs(layout)
-        return {**out, ac_flag: False, **_sharded_at_load(layout)}  # FSDP checkpoints inside fsdp_config
-    if s.is_deepspeed:
-        ds = deepspeed_config(
-            s.name,
-            offload=layout.offload,
-            mixed_precision=layout.mixed_precision,
-            cpu_adam=cpu_adam,
-            pure_bf16=layout.pure_bf16,
-            tp_size=layout.tp_size,
-            sp_size=layout.sp_size,
-            offload_device=layout.offload_device,
-            nvme_path=nvme_path,
-            **({"nvme_param_buffer": nvme_param_buffer} if nvme_param_buffer else {}),
-        )
-        out = {"deepspeed": ds, **checkpointing}
-        if layout.sp_size > 1:
-            out["parallelism_config"] = parallelism_kwargs(layout)
-        return out
-    out = {"ddp_find_unused_parameters": False, **checkpointing}
+    if layout.activation_checkpointing:
+        return {ac_flag: True, ac_kwargs: {"use_reentrant": False}}
+    return {ac_flag: False}
+
+
+def _fsdp_args(layout: Layout, features: LibraryFeatures, wrap_classes, cpu_ram_efficient_loading) -> dict[str, Any]:
+    out = fsdp_config(
+        layout.strategy.name,
+        wrap_classes=wrap_classes,
+        activation_checkpointing=layout.activation_checkpointing,
+        offload=layout.offload,
+        mixed_precision=layout.mixed_precision,
+        cpu_ram_efficient_loading=cpu_ram_efficient_loading,
+        features=features,
+    )
+    if features.fsdp_version == 2 and (layout.dp_replicate_size > 1 or _model_parallel(layout)):
+        out["parallelism_config"] = parallelism_kwargs(layout)
+    # FSDP checkpoints inside fsdp_config: the Trainer's flag would add a redundant all-gather in backward
+    return {**out, features.activation_checkpointing_field: False, **_sharded_at_load(layout)}
+
+
+def _deepspeed_args(layout: Layout, features: LibraryFeatures, engine: dict[str, Any]) -> dict[str, Any]:
+    ds = deepspeed_config(
+        layout.strategy.name,
+        offload=layout.offload,
+        mixed_precision=layout.mixed_precision,
+        pure_bf16=layout.pure_bf16,
+        tp_size=layout.tp_size,
+        sp_size=layout.sp_size,
+        offload_device=layout.offload_device,
+        **engine,
+    )
+    out = {"deepspeed": ds, **_checkpointing(layout, features)}
+    if layout.sp_size > 1:
+        out["parallelism_config"] = parallelism_kwargs(layout)
+    return out
+
+
+def _ddp_args(layout: Layout, features: LibraryFeatures) -> dict[str, Any]:
+    out = {"ddp_find_unused_parameters": False, **_checkpointing(layout, features)}
     if layout.tp_size > 1:
         if layout.dp_replicate_size > 1:
             raise ValueError(
