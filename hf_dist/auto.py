@@ -64,10 +64,10 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
     masters themselves. ``pure_bf16=True`` keeps bf16 weights and bf16 Adam state instead (no fp32 master
     copy, Adam state at half its size; less accurate updates). See :mod:`hf_dist.runtime.precision`.
     """
+    from hf_dist.planning.features import installed_features
     from hf_dist.runtime.cpu_fsdp import cpu_launch_kwargs
     from hf_dist.runtime.launch import check_one_process_launch
     from hf_dist.runtime.precision import check_final_flags, deepspeed_pure_bf16_check, prepare_model
-    from hf_dist.runtime.support import installed_features
 
     check_one_process_launch()  # `accelerate launch --num_processes 2` that started one process
     features = installed_features()
@@ -85,7 +85,7 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
     wrap = _wrap_classes(plan, model, own) if layout.strategy.is_fsdp else None
     nvme = {}
     if layout.offload_device == "nvme":
-        from hf_dist.planning.memory import nvme_param_buffer
+        from hf_dist.planning.model_states import nvme_param_buffer
         from hf_dist.runtime.support import check_nvme_offload
 
         check_nvme_offload(own.get("nvme_path"), plan.swap_bytes)
@@ -162,7 +162,7 @@ def _plan(model: Any, plan_kwargs: dict[str, Any], own: dict[str, Any], user: di
         plan_kwargs["micro_batch_size"] = mbs
     plan = own.get("plan")
     if plan is None:
-        from hf_dist.planning.planner import plan as make_plan
+        from hf_dist.tracing.verify import plan as make_plan
 
         return make_plan(model, **plan_kwargs)
     if plan_kwargs:
