@@ -66,31 +66,14 @@ class Setup:
 
 def estimate(s: Setup, combo: Combo, mb, world=None, nodes=None, accum=1) -> MemoryEstimate:
     return estimate_memory(
-        s.spec,
-        combo.strategy,
-        world or s.hw.world_size,
-        nodes=nodes or s.hw.nodes,
-        method=s.method,
-        offload=combo.offload,
-        optimizer=s.optimizer,
-        master_weights=s.master,
-        base_bytes=s.base_bytes,
-        param_bytes=s.pb,
-        seq_len=s.seq_len,
-        micro_batch_size=mb,
-        activation_checkpointing=combo.ckpt,
-        lora_rank=s.lora_rank,
-        gradient_accumulation_steps=accum,
-        use_liger_kernel=combo.liger,
-        device=s.hw.device,
-        tp_size=combo.tp,
-        cp_size=combo.cp,
-        sp_size=combo.sp,
-        offload_device="nvme" if combo.nvme else "cpu",
-        checkpoint_children=s.checkpoint_children,
-        fsdp2_embedding_unit=s.embedding_unit,
+        s.spec, combo.strategy, world or s.hw.world_size, nodes=nodes or s.hw.nodes, method=s.method,
+        offload=combo.offload, optimizer=s.optimizer, master_weights=s.master, base_bytes=s.base_bytes,
+        param_bytes=s.pb, seq_len=s.seq_len, micro_batch_size=mb, activation_checkpointing=combo.ckpt,
+        lora_rank=s.lora_rank, gradient_accumulation_steps=accum, use_liger_kernel=combo.liger, device=s.hw.device,
+        tp_size=combo.tp, cp_size=combo.cp, sp_size=combo.sp, offload_device="nvme" if combo.nvme else "cpu",
+        checkpoint_children=s.checkpoint_children, fsdp2_embedding_unit=s.embedding_unit,
         fused_lm_head=s.fused_lm_head,
-    )
+    )  # fmt: skip
 
 
 def step_seconds(s: Setup, combo: Combo, mb: int, accum: int, memory: MemoryEstimate) -> StepTime:
