@@ -40,7 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full", action="store_true", help="print every candidate (Plan.explain())")
     args = parser.parse_args()
-    from hf_dist.configs.features import NEWEST_TESTED_FEATURES
+    from hf_dist.planning.features import NEWEST_TESTED_FEATURES
     from hf_dist.planning.hardware import detect_hardware
     from hf_dist.planning.planner import PlanError, plan
     from hf_dist.testing import llama3_config

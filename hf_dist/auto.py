@@ -59,8 +59,8 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
     masters themselves. ``pure_bf16=True`` keeps bf16 weights and bf16 Adam state instead (no fp32 master
     copy, Adam state at half its size; less accurate updates). See :mod:`hf_dist.runtime.precision`.
     """
+    from hf_dist.planning.features import installed_features
     from hf_dist.runtime.launch import check_one_process_launch
-    from hf_dist.runtime.support import installed_features
 
     check_one_process_launch()  # `accelerate launch --num_processes 2` that started one process
     features = installed_features()
@@ -83,7 +83,7 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
 def _plan(model: Any, request: Request) -> Any:
     if request.given_plan is not None:
         return request.given_plan
-    from hf_dist.planning.planner import plan as make_plan
+    from hf_dist.tracing.verify import plan as make_plan
 
     return make_plan(model, **request.plan_kwargs)
 
@@ -106,7 +106,7 @@ def _nvme(plan: Any, request: Request) -> dict[str, Any]:
     layout = plan.layout
     if layout.offload_device != "nvme":
         return {}
-    from hf_dist.planning.memory import nvme_param_buffer
+    from hf_dist.planning.model_states import nvme_param_buffer
     from hf_dist.runtime.support import check_nvme_offload
 
     check_nvme_offload(request.own.get("nvme_path"), plan.swap_bytes)

@@ -288,8 +288,8 @@ def _precision(requested: str, device: str) -> str:
 def strategy_kwargs(strategy: str, model: Any, precision: str, device: str) -> dict[str, Any]:
     """TrainingArguments kwargs for ``strategy`` on this process's world, from the shared emitter."""
     from hf_dist.configs.training_args import strategy_args
+    from hf_dist.planning.features import installed_features
     from hf_dist.planning.wrap import fsdp_wrap_classes
-    from hf_dist.runtime.support import installed_features
 
     layout = Layout(strategy, int(os.environ.get("WORLD_SIZE", "1")), mixed_precision=precision)
     wrap = fsdp_wrap_classes(model) if layout.strategy.is_fsdp else None

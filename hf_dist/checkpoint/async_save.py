@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from hf_dist.atomic_io import atomic_path
-from hf_dist.planning.memory import GIB
+from hf_dist.planning.dtypes import GIB
 from hf_dist.runtime import dist as _dist
 
 logger = logging.getLogger(__name__)

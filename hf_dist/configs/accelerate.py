@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.atomic_io import atomic_write_text
-from hf_dist.configs.features import NEWEST_TESTED_FEATURES, LibraryFeatures
 from hf_dist.configs.training_args import strategy_args
+from hf_dist.planning.features import NEWEST_TESTED_FEATURES, LibraryFeatures
 from hf_dist.planning.layout import STRATEGIES, Engine, Layout, Strategy, strategy
 from hf_dist.validation import check_choice
 

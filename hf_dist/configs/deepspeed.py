@@ -17,17 +17,17 @@ from __future__ import annotations
 from typing import Any
 
 from hf_dist.planning.layout import MIXED_PRECISIONS, OFFLOAD_DEVICES, OFFLOADS, Engine, Layout, by_engine, strategy
-from hf_dist.planning.memory import (
-    DS_PREFETCH_BUCKET_ELEMENTS,
-    DS_REDUCE_BUCKET_ELEMENTS,
-    DS_SUB_GROUP_ELEMENTS,
-)
 from hf_dist.planning.nvme import (
     NVME_OPTIMIZER_BUFFER_COUNT,
     NVME_PARAM_BUFFER_COUNT,
     NVME_PARAM_BUFFER_SIZE,
     NVME_PARAM_MAX_IN_CPU,
     NVME_SUB_GROUP_SIZE,
+)
+from hf_dist.planning.transients import (
+    DS_PREFETCH_BUCKET_ELEMENTS,
+    DS_REDUCE_BUCKET_ELEMENTS,
+    DS_SUB_GROUP_ELEMENTS,
 )
 from hf_dist.validation import check_choice
 
@@ -70,7 +70,7 @@ def deepspeed_config(
     ``offload_device="nvme"``: ZeRO-Infinity (ZeRO-3): the offloaded states go to ``nvme_path`` (required: a
     folder on a local NVMe drive, one per node) with DeepSpeed's default buffer and ``aio`` settings written out;
     ``nvme_param_buffer``: elements per parameter swap buffer, at least the model's largest parameter partition
-    (``auto_args`` passes :func:`hf_dist.planning.memory.nvme_param_buffer`; the 1e8 default holds any tensor of up
+    (``auto_args`` passes :func:`hf_dist.planning.model_states.nvme_param_buffer`; the 1e8 default holds any tensor of up
     to 1e8 elements per rank).
     """
     stage = zero_stage(strategy)

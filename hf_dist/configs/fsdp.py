@@ -1,7 +1,7 @@
 """FSDP settings in the form ``transformers.TrainingArguments`` takes (``fsdp`` + ``fsdp_config``).
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) is the default. FSDP1 is emitted only for a stack that
-cannot run FSDP2 (``LibraryFeatures.fsdp_version``, probed by ``hf_dist.runtime.support.installed_features``).
+cannot run FSDP2 (``LibraryFeatures.fsdp_version``, probed by ``hf_dist.planning.features.installed_features``).
 
 Mixed precision, what really happens (transformers 5.x, accelerate 1.x, FSDP2):
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hf_dist.configs.features import NEWEST_TESTED_FEATURES, LibraryFeatures
+from hf_dist.planning.features import NEWEST_TESTED_FEATURES, LibraryFeatures
 from hf_dist.planning.layout import MIXED_PRECISIONS, Engine, by_engine
 from hf_dist.planning.layout import strategy as registry_entry
 from hf_dist.validation import check_choice
@@ -54,7 +54,7 @@ def fsdp_config(
     ``offload`` other than ``"none"`` turns on FSDP CPU offload, which always moves parameters, gradients
     and the optimizer step together. ``mixed_precision`` is validated here but set through ``bf16``/``fp16``
     on ``TrainingArguments``. ``features``: what the installed libraries accept
-    (``hf_dist.runtime.support.installed_features()``; default: the newest tested versions).
+    (``hf_dist.planning.features.installed_features()``; default: the newest tested versions).
     """
     check_choice("FSDP strategy", strategy, FSDP_STRATEGIES, "DDP and ZeRO strategies are not FSDP.")
     s = registry_entry(strategy)

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from hf_dist.configs.deepspeed import deepspeed_config
-from hf_dist.configs.features import NEWEST_TESTED_FEATURES, LibraryFeatures, check_features
 from hf_dist.configs.fsdp import fsdp_config
 from hf_dist.configs.request import Request
+from hf_dist.planning.features import NEWEST_TESTED_FEATURES, LibraryFeatures, check_features
 from hf_dist.planning.layout import Layout, strategy
 from hf_dist.validation import check_choice
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_dist.configs.features import LibraryFeatures
 from hf_dist.configs.request import Request
+from hf_dist.planning.features import LibraryFeatures
 from hf_dist.planning.layout import strategy
 from hf_dist.validation import raise_contradictions
 

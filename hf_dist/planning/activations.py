@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from hf_dist.planning.memory import Dtypes
+from hf_dist.planning.dtypes import FP32, Dtypes
 
-FP32 = 4
 INDEX = 8  # int64 indices (sort, topk, gather)
 # which tensor feeds each LoRA target of a Llama-style block: targets that read one tensor share it when they save
 # it unchanged (no dropout, no dtype cast)

@@ -25,8 +25,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from hf_dist.planning.dtypes import GIB
 from hf_dist.planning.layout import Strategy, strategy
-from hf_dist.planning.memory import GIB
 
 
 class LoadPath(enum.Enum):

@@ -3,7 +3,7 @@
 Sizes are powers of two. TP stays inside a node (it all-reduces inside every layer) and needs a model whose
 config carries a tensor-parallel plan; CP (torch ring attention through accelerate's ``ParallelismConfig``)
 needs FSDP2 and CUDA; SP (DeepSpeed Ulysses) needs accelerate >= 1.12 and deepspeed >= 0.18.2. What the
-installed libraries accept comes in as a ``LibraryFeatures`` (``hf_dist.runtime.support.installed_features``);
+installed libraries accept comes in as a ``LibraryFeatures`` (``hf_dist.planning.features.installed_features``);
 a size the model cannot be split by (heads, KV heads, sequence length) is never offered.
 """
 

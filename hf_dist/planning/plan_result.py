@@ -7,10 +7,11 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
+from hf_dist.planning.dtypes import GIB
 from hf_dist.planning.hardware import Hardware
 from hf_dist.planning.layout import Layout
 from hf_dist.planning.load_memory import LoadMemory
-from hf_dist.planning.memory import GIB, MemoryEstimate
+from hf_dist.planning.memory import MemoryEstimate
 from hf_dist.planning.modelinfo import ModelSpec
 from hf_dist.planning.throughput import StepTime
 

@@ -24,64 +24,9 @@ import os
 from typing import Any
 
 from hf_dist.planning.layout import strategy
+from hf_dist.planning.precision import dtype_name, float_params, is_module
 
 logger = logging.getLogger(__name__)
-
-# dtypes the memory model has byte counts for (hf_dist.planning.memory: param_bytes 2 or 4)
-KNOWN_DTYPES = ("float32", "bfloat16", "float16")
-# bitsandbytes / quantized parameter classes: their storage is not a trainable float weight
-_QUANTIZED_PARAM_CLASSES = ("Params4bit", "Int8Params")
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _is_module(model: Any) -> bool:
-    import torch
-
-    return isinstance(model, torch.nn.Module)
-
-
-def _float_params(model: Any):
-    """(name, parameter) for floating-point, non-quantized parameters."""
-    for name, param in model.named_parameters():
-        if param.is_floating_point() and type(param).__name__ not in _QUANTIZED_PARAM_CLASSES:
-            yield name, param
-
-
-def loaded_dtype(model: Any) -> str | None:
-    """The dtype ``model`` was loaded in (``"bfloat16"``...), or None when it is not a loaded module.
-
-    A name, config or parameter count has no loaded dtype. For a module it is the dtype holding most
-    floating-point parameter elements (PEFT adapters in fp32 do not change a bf16 base). Raises
-    ValueError when a floating-point parameter has a dtype the memory model does not know.
-    """
-    if not _is_module(model):
-        return None
-    counts: dict[str, int] = {}
-    for name, param in _float_params(model):
-        dtype = _dtype_name(param.dtype)
-        if dtype not in KNOWN_DTYPES:
-            raise ValueError(
-                f"parameter {name!r} is {dtype}; hf_dist plans models loaded in {', '.join(KNOWN_DTYPES)}. "
-                "Load the model with dtype=torch.bfloat16 (or torch.float32), or call model.to(torch.bfloat16)."
-            )
-        counts[dtype] = counts.get(dtype, 0) + param.numel()
-    return max(counts, key=counts.get) if counts else None
-
-
-def check_pure_bf16_hardware(pure_bf16: bool, hw: Any) -> None:
-    """Refuse pure bf16 on hardware without bf16 before any training starts."""
-    if not isinstance(pure_bf16, bool):
-        raise ValueError(f"pure_bf16 must be True or False, got {pure_bf16!r}")
-    if pure_bf16 and not hw.bf16:
-        where = hw.gpu_name or hw.device
-        raise ValueError(
-            f"pure_bf16=True needs bf16 support, but the hardware ({where}, bf16={hw.bf16}) has none; "
-            "drop pure_bf16 (the plan then keeps fp32 master weights), or describe bf16 hardware with "
-            "detect_hardware(bf16=True)."
-        )
 
 
 def prepare_model(model: Any, plan: Any, mixed_precision: str | None = None) -> None:
@@ -97,12 +42,12 @@ def prepare_model(model: Any, plan: Any, mixed_precision: str | None = None) -> 
       every strategy, since no autocast bridges bf16 and fp32 tensors.
     Quantized parameters are never touched. One warning says what was upcast.
     """
-    if not _is_module(model):
+    if not is_module(model):
         return
     import torch
 
     if plan.pure_bf16:
-        wrong = sorted({_dtype_name(p.dtype) for _, p in _float_params(model) if p.requires_grad} - {"bfloat16"})
+        wrong = sorted({dtype_name(p.dtype) for _, p in float_params(model) if p.requires_grad} - {"bfloat16"})
         if wrong:
             raise ValueError(
                 f"pure_bf16=True trains bf16 weights, but the model has trainable {'/'.join(wrong)} parameters; "
@@ -115,12 +60,12 @@ def prepare_model(model: Any, plan: Any, mixed_precision: str | None = None) -> 
         return
     upcast = [
         p
-        for _, p in _float_params(model)
+        for _, p in float_params(model)
         if p.dtype in (torch.bfloat16, torch.float16) and (everything or p.requires_grad)
     ]
     if not upcast:
         return
-    dtypes = "/".join(sorted({_dtype_name(p.dtype) for p in upcast}))
+    dtypes = "/".join(sorted({dtype_name(p.dtype) for p in upcast}))
     with torch.no_grad():
         for param in upcast:
             param.data = param.data.to(torch.float32)

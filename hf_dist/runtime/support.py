@@ -8,10 +8,7 @@ an installed version outside ``[lowest, newest tested]``. docs/testing.md lists 
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
-
-from hf_dist.configs.features import LibraryFeatures
 
 # the libraries whose APIs hf_dist calls into; their versions decide whether it works
 MATRIX_PACKAGES = (
@@ -77,105 +74,6 @@ def support_status(installed: dict[str, str | None]) -> dict[str, str | None]:
         else:
             out[name] = None
     return out
-
-
-@functools.cache
-def installed_features() -> LibraryFeatures:
-    """What the installed transformers / accelerate / torch accept (probed for features, not version numbers)."""
-    import dataclasses
-
-    from transformers import TrainingArguments
-
-    fields = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
-    ac_field = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
-    return LibraryFeatures(
-        fsdp_version=_installed_fsdp_version(),
-        # newer transformers 5.x want fsdp=True (strings/lists are deprecated); 5.0 wants the string form
-        fsdp_flag_takes_bool=hasattr(TrainingArguments, "_apply_legacy_fsdp_to_config"),
-        activation_checkpointing_field=ac_field,
-        warmup_ratio_field="warmup_ratio" in fields,
-        parallelism_config="parallelism_config" in fields and {"tp_size", "cp_size"} <= _parallelism_fields(),
-        sequence_parallel={"sp_size", "sp_backend"} <= _parallelism_fields()
-        and _deepspeed_has("runtime/sequence_parallel/ulysses_sp.py"),
-        deepspeed_autotp=_deepspeed_has("runtime/tensor_parallel/config.py"),
-        fsdp2_checkpoints_children=_fsdp2_ac_wraps_children(),
-        fsdp2_embedding_unit=_fsdp2_shards_embedding_alone(),
-    )
-
-
-def _fsdp2_ac_wraps_children() -> bool:
-    """Whether the installed accelerate's ``fsdp2_apply_ac`` checkpoints each child of a wrapped unit (it tests the
-    wrap policy on the parent module: accelerate <= 1.14) instead of the unit itself."""
-    import inspect
-
-    try:
-        from accelerate.utils.fsdp_utils import fsdp2_apply_ac
-
-        return "auto_wrap_policy_func(parent_module)" in inspect.getsource(fsdp2_apply_ac)
-    except (ImportError, OSError, TypeError):
-        return False
-
-
-def _fsdp2_shards_embedding_alone() -> bool:
-    """Whether the installed accelerate's ``fsdp2_prepare_model`` gives an untied input embedding a unit of its own
-    (resharded after forward) instead of leaving it in the root unit, gathered from forward to backward."""
-    import inspect
-
-    try:
-        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
-
-        return "fully_shard(input_embed" in inspect.getsource(fsdp2_prepare_model)
-    except (ImportError, OSError, TypeError):
-        return False
-
-
-def _parallelism_fields() -> set[str]:
-    """Fields of the installed accelerate's ``ParallelismConfig`` (empty before accelerate 1.10)."""
-    import dataclasses
-
-    try:
-        from accelerate.parallelism_config import ParallelismConfig
-    except ImportError:
-        return set()
-    return {f.name for f in dataclasses.fields(ParallelismConfig)}
-
-
-def _deepspeed_has(relative: str) -> bool:
-    """Whether the installed DeepSpeed ships ``relative`` (a feature's module), without importing DeepSpeed."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("deepspeed")
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    return any((Path(loc) / relative).is_file() for loc in spec.submodule_search_locations)
-
-
-def _installed_fsdp_version() -> int:
-    """2 when the installed torch/accelerate/transformers can run FSDP2 through the Trainer, else 1."""
-    import dataclasses
-
-    try:
-        from accelerate.utils import FullyShardedDataParallelPlugin
-        from torch.distributed.fsdp import fully_shard  # noqa: F401  (FSDP2's entry point)
-    except ImportError:
-        return 1
-    plugin_fields = {f.name for f in dataclasses.fields(FullyShardedDataParallelPlugin)}
-    return 2 if "fsdp_version" in plugin_fields and _trainer_reads_fsdp_version() else 1
-
-
-def _trainer_reads_fsdp_version() -> bool:
-    """Whether ``TrainingArguments`` forwards ``fsdp_config["version"]`` to accelerate (every transformers 5.x)."""
-    import inspect
-
-    from transformers import TrainingArguments
-
-    process = getattr(TrainingArguments, "_process_fsdp_args", None) or TrainingArguments.__post_init__
-    try:
-        source = inspect.getsource(process)
-    except (OSError, TypeError):  # no source on disk (frozen install): every supported transformers forwards it
-        return True
-    return '"version"' in source or "'version'" in source
 
 
 def check_nvme_offload(nvme_path: str | None, swap_bytes: int = 0, *, aio_available=None) -> None:

@@ -117,7 +117,7 @@ class TraceSetup:
     def estimate_kwargs(self) -> dict[str, Any]:
         """The same run as :func:`hf_dist.planning.memory.estimate_memory` keywords (after the model and strategy),
         so traced and modelled memory always describe one layout."""
-        from hf_dist.runtime.support import installed_features
+        from hf_dist.planning.features import installed_features
 
         sixteen = self.mixed_precision != "no"
         return dict(

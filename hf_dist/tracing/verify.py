@@ -1,5 +1,8 @@
 """``plan(..., verify=True)``: the chosen layout traced, and replaced by the next one when the trace does not fit.
 
+:func:`plan` is ``hf_dist.plan``: the planner's search (:func:`hf_dist.planning.planner.plan`), then, with
+``verify=True``, :func:`verify_plan`.
+
 The analytic plan stands where a layout cannot be traced (DeepSpeed, Liger, offload, CP; the plan says why). A
 traced layout fits when its traced peak plus the memory model's non-tensor terms (caching allocator, CUDA context)
 stays within the usable memory; otherwise the candidate is marked as not fitting, with the traced figure as its
@@ -11,17 +14,29 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hf_dist.planning.memory import GIB
+from hf_dist.planning.choice import best, reason_for
+from hf_dist.planning.dtypes import GIB
 from hf_dist.planning.plan_result import Plan, PlanError, format_bytes
+from hf_dist.planning.planner import plan as search_plan
 from hf_dist.tracing.setup import TraceUnsupported
 from hf_dist.tracing.trace import TraceError, TraceTimeout
 
 MAX_TRACED = 3
 
 
+def plan(model: Any, *, verify: bool = False, verify_time_limit_s: float = 120.0, **planner_keywords: Any) -> Plan:
+    """:func:`hf_dist.planning.planner.plan` (``planner_keywords``: its keywords), then, with ``verify=True``, the
+    chosen layout traced on the real model with fake tensors (:mod:`hf_dist.tracing`, seconds to a minute; at most
+    ``verify_time_limit_s`` per trace), moving to the next candidate when the trace does not fit (``Plan.trace``,
+    ``Plan.verification``; docs/planner.md, "Tracing")."""
+    result = search_plan(model, **planner_keywords)
+    if not verify:
+        return result
+    return verify_plan(result, time_limit_s=verify_time_limit_s)
+
+
 def verify_plan(plan: Plan, *, time_limit_s: float, trust_remote_code: bool = False) -> Plan:
     """``plan`` with its choice traced: the same plan with ``trace`` set, or the next traced candidate that fits."""
-    from hf_dist.planning.planner import _best, _reason_for
     from hf_dist.tracing.api import trace_memory
 
     config = plan.model.config
@@ -36,12 +51,10 @@ def verify_plan(plan: Plan, *, time_limit_s: float, trust_remote_code: bool = Fa
             trace = trace_memory(config, plan, candidate=chosen, time_limit_s=time_limit_s,
                                  trust_remote_code=trust_remote_code)  # fmt: skip
         except (TraceUnsupported, TraceTimeout, TraceError) as exc:
-            return _with_choice(
-                plan, chosen, _reason_for(chosen, chosen), note=f"not traced: {exc}", rejected=rejected
-            )
+            return _with_choice(plan, chosen, reason_for(chosen, chosen), note=f"not traced: {exc}", rejected=rejected)
         need = trace.device_total(chosen.memory)
         if need <= usable:
-            return _with_choice(plan, chosen, _reason_for(chosen, chosen), trace=trace, rejected=rejected)
+            return _with_choice(plan, chosen, reason_for(chosen, chosen), trace=trace, rejected=rejected)
         chosen.fits = False
         chosen.reason = (
             f"traced: {format_bytes(trace.peak_bytes)} of tensors + {format_bytes(need - trace.peak_bytes)} allocator "
@@ -52,8 +65,8 @@ def verify_plan(plan: Plan, *, time_limit_s: float, trust_remote_code: bool = Fa
         fitting = [c for c in plan.candidates if c.fits]
         if not fitting:
             raise PlanError(f"nothing fits once traced: {'; '.join(rejected)}")
-        chosen = _best(fitting)
-    return _with_choice(plan, chosen, _reason_for(chosen, chosen),
+        chosen = best(fitting)
+    return _with_choice(plan, chosen, reason_for(chosen, chosen),
                         note=f"not traced: {MAX_TRACED} traced candidates did not fit", rejected=rejected)  # fmt: skip
 
 

@@ -122,9 +122,8 @@ def test_model_parallel_files_reach_the_launch_environment(name):
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.parallelism_config import ParallelismConfig
 
-    from hf_dist.configs.features import check_features
+    from hf_dist.planning.features import check_features, installed_features
     from hf_dist.planning.layout import Layout
-    from hf_dist.runtime.support import installed_features
 
     args = launch_command_parser().parse_args(["--config_file", str(SHIPPED_DIR / name), "train.py"])
     args, _, _ = _validate_launch_command(args)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hf_dist.auto import auto_args
-from hf_dist.runtime.support import installed_features
+from hf_dist.planning.features import installed_features
 from hf_dist.testing import tiny_llama_config
 
 trl = pytest.importorskip("trl", reason="the trl extra (hf_dist[trl]) is not installed in this environment")

@@ -3,11 +3,10 @@
 import pytest
 import torch
 
-from hf_dist.configs.features import LibraryFeatures
 from hf_dist.configs.fsdp import apply_fp32_reduce, fsdp_config, fsdp_plugin_kwargs
 from hf_dist.configs.training_args import strategy_args
+from hf_dist.planning.features import LibraryFeatures, installed_features
 from hf_dist.planning.layout import Layout
-from hf_dist.runtime.support import installed_features
 
 FEATURES = installed_features()
 

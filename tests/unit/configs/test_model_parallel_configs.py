@@ -6,8 +6,8 @@ import json
 import pytest
 
 from hf_dist.configs.deepspeed import AIO_DEFAULTS, deepspeed_config
-from hf_dist.configs.features import LibraryFeatures
 from hf_dist.configs.training_args import from_pretrained_kwargs, parallelism_kwargs, strategy_args
+from hf_dist.planning.features import LibraryFeatures
 from hf_dist.planning.layout import Layout
 
 
@@ -87,7 +87,7 @@ def test_no_model_parallel_keys_when_unused():
 def test_accelerate_builds_the_parallelism_config(layout):
     """The installed accelerate builds the mesh hf_dist emits; a dimension it lacks is refused before that."""
     from hf_dist.auto import build_parallelism_config
-    from hf_dist.runtime.support import installed_features
+    from hf_dist.planning.features import installed_features
 
     features = installed_features()
     if layout.sp_size > 1 and not features.sequence_parallel:  # accelerate < 1.12 (make test-min)
@@ -124,7 +124,7 @@ def test_installed_features_are_probed():
 
     from packaging.version import Version
 
-    from hf_dist.runtime.support import installed_features
+    from hf_dist.planning.features import installed_features
 
     features = installed_features()
     accelerate, deepspeed = Version(version("accelerate")), Version(version("deepspeed"))
@@ -255,7 +255,7 @@ def test_nvme_without_libaio_is_refused(tmp_path):
 
 
 def test_probe_is_by_feature(monkeypatch):
-    from hf_dist.runtime import support
+    from hf_dist.planning import features as support
 
     support.installed_features.cache_clear()
     monkeypatch.setattr(support, "_parallelism_fields", lambda: {"dp_replicate_size", "dp_shard_size", "tp_size"})
@@ -308,7 +308,7 @@ def plan_with_layout(monkeypatch):
 
 def test_auto_args_builds_the_sp_parallelism_config(plan_with_layout):
     from hf_dist.auto import auto_args
-    from hf_dist.runtime.support import installed_features
+    from hf_dist.planning.features import installed_features
     from hf_dist.testing import tiny_llama_config
 
     p, layout = plan_with_layout("zero2", sp_size=2)
@@ -347,7 +347,7 @@ def test_auto_args_nvme_offload(plan_with_layout, tmp_path, monkeypatch):
     kw = auto_args(tiny_llama_config(), plan=p, cpu_adam=False, nvme_path=str(tmp_path))
     offload = kw["deepspeed"]["zero_optimization"]["offload_optimizer"]
     # the parameter swap buffers hold the model's largest partition (DeepSpeed asserts it), sized from the plan
-    from hf_dist.planning import memory
+    from hf_dist.planning import model_states as memory
 
     p, _ = plan_with_layout("zero3", offload="optimizer+params", offload_device="nvme")
     monkeypatch.setattr(memory, "nvme_param_buffer", lambda spec, degree: 131_334_144)

@@ -9,8 +9,8 @@ import pytest
 import hf_dist.configs
 from hf_dist.bench import strategy_kwargs
 from hf_dist.configs.accelerate import accelerate_config
-from hf_dist.configs.features import LibraryFeatures
 from hf_dist.configs.training_args import strategy_args
+from hf_dist.planning.features import LibraryFeatures
 from hf_dist.planning.layout import REGISTRY, Layout
 from hf_dist.testing import tiny_llama_config
 
@@ -65,7 +65,7 @@ def test_hsdp_mesh_is_the_same_in_yaml_and_training_args():
 def test_bench_uses_the_same_emitter(monkeypatch, name):
     monkeypatch.setenv("WORLD_SIZE", "2")
     config = tiny_llama_config()
-    from hf_dist.runtime.support import installed_features
+    from hf_dist.planning.features import installed_features
 
     expected = strategy_args(
         Layout(name, 2, mixed_precision="no"),

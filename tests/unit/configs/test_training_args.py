@@ -13,8 +13,8 @@ from transformers import TrainingArguments
 from hf_dist.auto import auto_args
 from hf_dist.configs.fsdp import fsdp_config
 from hf_dist.configs.training_args import DEFAULT_DDP_TIMEOUT_S
+from hf_dist.planning.features import installed_features
 from hf_dist.planning.hardware import Hardware
-from hf_dist.runtime.support import installed_features
 from hf_dist.testing import tiny_llama_config
 
 CFG = tiny_llama_config()

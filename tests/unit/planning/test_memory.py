@@ -4,19 +4,17 @@ import math
 
 import pytest
 
+from hf_dist.planning.dtypes import GIB, engine_dtypes
 from hf_dist.planning.layout import STRATEGIES
-from hf_dist.planning.memory import (
+from hf_dist.planning.memory import estimate_memory
+from hf_dist.planning.model_states import QLORA_BASE_BYTES_PER_PARAM, lora_trainable_params
+from hf_dist.planning.modelinfo import model_spec
+from hf_dist.planning.transients import (
     CUDA_CONTEXT_BYTES,
     DS_PREFETCH_BUCKET_ELEMENTS,
     DS_REDUCE_BUCKET_ELEMENTS,
-    GIB,
     NCCL_BYTES,
-    QLORA_BASE_BYTES_PER_PARAM,
-    engine_dtypes,
-    estimate_memory,
-    lora_trainable_params,
 )
-from hf_dist.planning.modelinfo import model_spec
 from hf_dist.testing import tiny_llama_config
 
 P = 1_000_000_000  # a bare 1B-parameter count: no shape, so activations are 0

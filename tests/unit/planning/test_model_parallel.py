@@ -9,7 +9,7 @@ import re
 import pytest
 from transformers import GPT2Config
 
-from hf_dist.configs.features import LibraryFeatures
+from hf_dist.planning.features import LibraryFeatures
 from hf_dist.planning.hardware import detect_hardware
 from hf_dist.planning.layout import Layout
 from hf_dist.planning.memory import GIB, estimate_memory
@@ -64,7 +64,7 @@ def test_eager_attention_under_sp_attends_over_the_whole_sequence():
 
 
 def test_nvme_offload_keeps_gpu_side_and_counts_pinned_buffers():
-    from hf_dist.planning.memory import trainable_tensors
+    from hf_dist.planning.model_states import trainable_tensors
 
     cpu = estimate_memory(LLAMA_70B, "zero3", 8, offload="optimizer+params")
     nvme = estimate_memory(LLAMA_70B, "zero3", 8, offload="optimizer+params", offload_device="nvme")

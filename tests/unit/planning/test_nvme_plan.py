@@ -80,8 +80,9 @@ def test_parameter_buffers_hold_the_largest_partition(monkeypatch):
     """DeepSpeed swaps a parameter partition through one buffer and asserts it fits: Llama-3-70B's 128256 x 8192
     embedding over 8 ranks (1.31e8 elements) needs more than the 1e8 default; the host RAM counts the larger buffers."""
     from hf_dist.configs.deepspeed import deepspeed_config
-    from hf_dist.planning import memory
-    from hf_dist.planning.memory import estimate_memory, nvme_param_buffer
+    from hf_dist.planning import model_states as memory
+    from hf_dist.planning.memory import estimate_memory
+    from hf_dist.planning.model_states import nvme_param_buffer
     from hf_dist.planning.modelinfo import model_spec
     from hf_dist.planning.nvme import NVME_PARAM_BUFFER_COUNT, NVME_PARAM_BUFFER_SIZE
     from hf_dist.testing import public_config

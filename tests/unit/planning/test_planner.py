@@ -172,7 +172,7 @@ def test_cpu_plan_uses_fp32_and_no_cuda_overhead():
 
 
 def test_a_lora_plan_that_offloads_says_what_qlora_or_liger_would_fit_without_offload():
-    from hf_dist.configs.features import LibraryFeatures
+    from hf_dist.planning.features import LibraryFeatures
 
     # the newest libraries' behaviour, whatever is installed (accelerate <= 1.14 checkpoints each child of a layer,
     # which saves more and moves the 16 GiB threshold)

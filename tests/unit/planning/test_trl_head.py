@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hf_dist.planning.activations import trl_head_bytes
-from hf_dist.planning.memory import engine_dtypes, estimate_memory
+from hf_dist.planning.dtypes import engine_dtypes
+from hf_dist.planning.memory import estimate_memory
 from hf_dist.planning.modelinfo import ModelSpec
 from hf_dist.testing import memory_curve, public_config
 

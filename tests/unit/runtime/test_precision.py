@@ -13,7 +13,7 @@ from hf_dist.configs.deepspeed import deepspeed_config
 from hf_dist.configs.request import PLAN_KEYS
 from hf_dist.planning.hardware import Hardware
 from hf_dist.planning.planner import plan
-from hf_dist.runtime.precision import loaded_dtype
+from hf_dist.planning.precision import loaded_dtype
 from hf_dist.testing import tiny_llama_config
 
 CFG = tiny_llama_config()

@@ -213,7 +213,7 @@ def test_the_embedding_unit_feature_says_what_accelerate_does():
     ``fsdp2_prepare_model`` really does to an untied input embedding, on a fake world of 2 ranks."""
     from torch.distributed.fsdp import FSDPModule
 
-    from hf_dist.runtime.support import installed_features
+    from hf_dist.planning.features import installed_features
     from hf_dist.tracing.prepare import build_model, shard
     from hf_dist.tracing.trace import fake_world
 

@@ -1,0 +1,211 @@
+"""One searched combination (strategy, offload, checkpointing, Liger, tp/cp/sp sizes) made a candidate: the
+micro-batch options of the batch split, its memory, host RAM at load and for async_save, and its estimated speed.
+
+:class:`Setup` is the run every candidate shares; :func:`combos` enumerates the combinations a search asks for,
+leaving out those a layout or the installed libraries refuse (:func:`refusal`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hf_dist.planning.choice import TIE_FRACTION
+from hf_dist.planning.dtypes import GIB, engine_dtypes
+from hf_dist.planning.features import check_features
+from hf_dist.planning.hardware import Hardware
+from hf_dist.planning.layout import REGISTRY
+from hf_dist.planning.load_memory import LoadMemory, load_memory
+from hf_dist.planning.memory import LORA_DROPOUT, MemoryEstimate, estimate_memory
+from hf_dist.planning.modelinfo import ModelSpec
+from hf_dist.planning.plan_result import Candidate, Combo, format_bytes
+from hf_dist.planning.throughput import StepTime, comm_seconds, model_parallel_seconds, nvme_seconds, step_time
+
+MAX_MICRO_BATCH = 16
+
+
+def micro_batch_options(global_batch, micro_batch, world) -> list[int]:
+    """Micro-batch sizes to try, largest first, each dividing global / world."""
+    if micro_batch is not None:
+        if global_batch is not None and global_batch % (micro_batch * world):
+            raise ValueError(
+                f"global_batch ({global_batch}) is not divisible by micro_batch ({micro_batch}) * world ({world}) "
+                f"= {micro_batch * world}; choose a global batch that is a multiple of {micro_batch * world}"
+            )
+        return [micro_batch]
+    if global_batch is None:
+        return [1]
+    if global_batch % world:
+        raise ValueError(
+            f"global_batch ({global_batch}) is not divisible by world size ({world}): "
+            f"micro_batch * accumulation * {world} can never equal {global_batch}; use a multiple of {world}"
+        )
+    per_rank = global_batch // world
+    return [m for m in range(min(per_rank, MAX_MICRO_BATCH), 0, -1) if per_rank % m == 0]
+
+
+@dataclass(frozen=True)
+class Setup:
+    spec: ModelSpec
+    hw: Hardware
+    method: str
+    optimizer: str
+    seq_len: int
+    lora_rank: int
+    pb: int
+    master: bool
+    base_bytes: int  # a LoRA model's frozen base as loaded: 4 for fp32, else 2
+    usable: float
+    trainable: int
+    global_batch: int | None = None
+    micro_batch: int | None = None
+    checkpoint_children: bool = False  # LibraryFeatures.fsdp2_checkpoints_children
+    embedding_unit: bool = True  # LibraryFeatures.fsdp2_embedding_unit
+    fused_lm_head: bool = False  # TRL's fused LM head computes the loss (planning/activations.trl_head_bytes)
+    async_save: bool = False  # checkpoints staged in host RAM, then written in the background
+
+
+def estimate(s: Setup, combo: Combo, mb, world=None, nodes=None, accum=1) -> MemoryEstimate:
+    return estimate_memory(
+        s.spec, combo.strategy, world or s.hw.world_size, nodes=nodes or s.hw.nodes, method=s.method,
+        offload=combo.offload, optimizer=s.optimizer, master_weights=s.master, base_bytes=s.base_bytes,
+        param_bytes=s.pb, seq_len=s.seq_len, micro_batch_size=mb, activation_checkpointing=combo.ckpt,
+        lora_rank=s.lora_rank, gradient_accumulation_steps=accum, use_liger_kernel=combo.liger, device=s.hw.device,
+        tp_size=combo.tp, cp_size=combo.cp, sp_size=combo.sp, offload_device="nvme" if combo.nvme else "cpu",
+        checkpoint_children=s.checkpoint_children, fsdp2_embedding_unit=s.embedding_unit,
+        fused_lm_head=s.fused_lm_head,
+    )  # fmt: skip
+
+
+def step_seconds(s: Setup, combo: Combo, mb: int, accum: int, memory: MemoryEstimate) -> StepTime:
+    hw, layout = s.hw, combo.layout(s.hw)
+    strategy = REGISTRY[combo.strategy]
+    spec = layout.rank_spec(s.spec)  # what one rank of a TP group holds and computes
+    trainable = s.trainable // combo.tp
+    grad_bytes = 4 if s.pb == 4 else 2  # what the collectives move (DeepSpeed reduces in the compute dtype)
+    # the data-parallel collectives run over the ranks that hold the same TP slice
+    comm = comm_seconds(strategy, combo.offload, spec, trainable, hw.world_size // combo.tp, hw.nodes, accum, s.pb,
+                        grad_bytes, hw)  # fmt: skip
+    comm += model_parallel_seconds(layout, s.spec, s.seq_len, mb, hw, combo.ckpt) * accum
+    if combo.nvme:
+        comm += nvme_seconds(s.spec, s.trainable, combo.offload, accum, s.pb, hw)
+    return step_time(
+        spec, hw, memory, strategy=strategy, offload=combo.offload, trainable=trainable, micro_batch_size=mb,
+        accumulation=accum, seq_len=s.seq_len, activation_checkpointing=combo.ckpt, use_liger_kernel=combo.liger,
+        comm=comm, dp_size=layout.dp_size, seq_shards=layout.seq_shards, tp_size=combo.tp,
+        lora_adapters=len(spec.lora_linears) if s.method != "full" else 0, lora_dropout=LORA_DROPOUT > 0,
+    )  # fmt: skip
+
+
+def combos(
+    strategies, offloads, ckpts, ligers, hw: Hardware, pinned: bool, features, sizes=((1, 1, 1),)
+) -> list[Combo]:
+    """Every allowed combination. On one GPU there is nothing to shard: a sharding engine is only
+    searched with offload (it would add its overhead for nothing), unless the strategy is pinned.
+    ``sizes``: the (tp, cp, sp) triples to combine with them; those a layout or the installed libraries
+    (``features``) refuse are left out."""
+    out = []
+    for liger in ligers:
+        for offload in offloads:
+            for ckpt in ckpts:
+                for name in strategies:
+                    s = REGISTRY[name]
+                    if hw.nodes < s.min_nodes or (
+                        hw.world_size == 1 and not s.is_ddp and offload == "none" and not pinned
+                    ):
+                        continue
+                    if offload not in s.offloads:
+                        continue
+                    for tp, cp, sp in sizes:
+                        combo = Combo(name, offload, ckpt, liger, tp, cp, sp)
+                        if refusal(combo, hw, features) is None:
+                            out.append(combo)
+    return out
+
+
+def refusal(combo: Combo, hw: Hardware, features) -> str | None:
+    """Why ``combo`` cannot run on ``hw`` with the libraries ``features`` describes; None when it can."""
+    try:
+        layout = combo.layout(hw)
+        check_features(layout, features)
+    except ValueError as e:
+        return str(e)
+    if layout.strategy.is_ddp and combo.tp > 1 and layout.dp_size > 1:
+        return (
+            f"tp_size {combo.tp} with ddp over {hw.world_size} ranks: accelerate composes TP only with sharded data "
+            "parallelism; use fsdp_full_shard for FSDP2 x TP, or tp_size = world size"
+        )
+    return None
+
+
+def load_for(s: Setup, combo: Combo) -> LoadMemory:
+    """Host RAM while ``combo``'s engine loads the model: each rank holds the plan's weight dtype (a LoRA model's
+    frozen base: as loaded) until the engine moves the weights to the device."""
+    held = engine_dtypes(combo.strategy, s.pb, s.master).weights if s.method == "full" else s.base_bytes
+    return load_memory(
+        s.spec.num_params, combo.strategy, held_bytes=held, checkpoint_bytes=s.spec.checkpoint_bytes,
+        ranks_per_node=s.hw.gpus_per_node, tp_size=combo.tp,
+    )  # fmt: skip
+
+
+def staging_per_node(s: Setup, combo: Combo, mem: MemoryEstimate) -> int:
+    """Host RAM per node that async_save's staging copy takes (:mod:`hf_dist.checkpoint.async_save`): the states the
+    node's ranks write. FSDP2 (DCP): every rank its shards of the weights and optimizer, wherever they live (offloaded
+    ones too, ``mem.cpu``). DDP: rank 0 alone writes the weights (a LoRA model: its adapters) and ``optimizer.pt``.
+    A tensor-parallel rank stages its shards too. DeepSpeed saves synchronously: nothing is staged."""
+    strategy = REGISTRY[combo.strategy]
+    if not s.async_save or strategy.is_deepspeed:
+        return 0
+    if strategy.shards.params or combo.tp > 1:
+        return (mem.params + mem.optimizer + mem.cpu) * s.hw.gpus_per_node
+    weights = mem.params if s.method == "full" else s.trainable * (4 if s.master else s.pb)
+    return weights + mem.optimizer
+
+
+def candidate(s: Setup, combo: Combo) -> Candidate:
+    layout = combo.layout(s.hw)
+    extra = dict(tp_size=combo.tp, cp_size=combo.cp, sp_size=combo.sp, offload_device="nvme" if combo.nvme else "cpu")
+    strategy, offload, ckpt, liger = combo.strategy, combo.offload, combo.ckpt, combo.liger
+    try:
+        mbs = micro_batch_options(s.global_batch, s.micro_batch, layout.dp_size)
+    except ValueError as e:
+        mem = estimate(s, combo, s.micro_batch or 1)
+        return Candidate(strategy, offload, ckpt, s.micro_batch or 1, mem, False, str(e), None, liger, **extra)
+    largest = estimate(s, combo, mbs[-1])
+    staging = staging_per_node(s, combo, largest)
+    host_need = largest.cpu * s.hw.gpus_per_node + staging
+    host_usable = s.usable / (s.hw.gpu_memory_gib * GIB) * s.hw.host_memory_limit_gib * GIB
+    load = load_for(s, combo)
+    if s.hw.device != "cpu" and load.per_node > host_usable:
+        reason = (
+            f"loading needs {load.text()}, more than the usable {format_bytes(host_usable)} of host RAM per node "
+            "(ZeRO-3 reads the weights on rank 0 only; pass --host-memory / plan(host_memory_gib=...) if it is larger)"
+        )
+        return Candidate(strategy, offload, ckpt, mbs[-1], largest, False, reason, None, liger, **extra)
+    if host_need > host_usable:
+        held = (
+            ["NVMe offload's pinned buffers and gradients" if combo.nvme else "offloaded states"]
+            if largest.cpu
+            else []
+        )
+        what = " and ".join(([f"async_save's staging copy ({format_bytes(staging)})"] if staging else []) + held)
+        reason = (
+            f"{what} need {format_bytes(host_need)} of host RAM per node, more than the usable {format_bytes(host_usable)} "
+            "(pass --host-memory / plan(host_memory_gib=...) if it is larger)"
+        )
+        return Candidate(strategy, offload, ckpt, mbs[-1], largest, False, reason, None, liger, **extra)
+    best = None
+    for mb in mbs:  # largest first; memory only grows with the micro-batch
+        accum = (s.global_batch // (mb * layout.dp_size)) if s.global_batch else 1
+        mem = estimate(s, combo, mb, accum=accum)
+        if mem.total > s.usable:
+            continue
+        time = step_seconds(s, combo, mb, accum, mem)
+        if best is None or time.tokens_per_s > best.time.tokens_per_s * (1 + TIE_FRACTION):
+            best = Candidate(strategy, offload, ckpt, mb, mem, True, "", time.comm, liger, time, **extra)
+    if best is not None:
+        return best
+    short = mem.total - s.usable
+    reason = f"needs {format_bytes(mem.total)} per rank at micro_batch {mbs[-1]}, {format_bytes(short)} over the usable memory"
+    # a near miss (under 1 % of the card) gets its speed, for the plan's margin note (near_miss)
+    time = step_seconds(s, combo, mbs[-1], accum, mem) if short < 0.01 * s.hw.gpu_memory_gib * GIB else None
+    return Candidate(strategy, offload, ckpt, mbs[-1], mem, False, reason, None, liger, time, **extra)

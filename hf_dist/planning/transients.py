@@ -1,0 +1,152 @@
+"""What a rank holds beyond its model states and activations: working copies and communication buffers, the
+optimizer step's transients, the caching allocator's reserve and the memory outside torch's allocator.
+
+Units: every function returns bytes (``_bytes`` in its name) for ONE rank.
+"""
+
+from __future__ import annotations
+
+from hf_dist.planning.dtypes import FP32, GIB, Dtypes
+from hf_dist.planning.layout import Strategy
+from hf_dist.planning.model_states import bf16_optimizer, shard_bytes
+
+# deepspeed/runtime/zero/config.py defaults, which hf_dist's DeepSpeed JSON writes out explicitly
+# (hf_dist/configs/deepspeed.py) so that plan and config agree: reduce_bucket_size 5e8 elements,
+# stage3_prefetch_bucket_size 5e7. The reduce buckets are allocated at their full size whatever the
+# model size (measured on CPU ranks: +2.0 GB for a 7M-parameter fp32 model, benchmarks/planner_accuracy.py).
+DS_REDUCE_BUCKET_ELEMENTS = int(5e8)
+DS_PREFETCH_BUCKET_ELEMENTS = int(5e7)
+DS_SUB_GROUP_ELEMENTS = int(1e9)
+# Outside torch's allocator, measured as device_used - max_memory_reserved on an H100 (torch 2.11,
+# CUDA 13; ../shared/gpu): 1.30 GiB in every single-process case (CUDA context, cuBLAS/cuBLASLt
+# workspaces, loaded kernel images), 0.38 GiB more once NCCL communicators exist (the DeepSpeed cases,
+# which create them even on one GPU). Other GPUs and CUDA versions land within a few hundred MiB.
+CUDA_CONTEXT_BYTES = int(1.30 * GIB)
+NCCL_BYTES = int(0.38 * GIB)
+
+
+def step_bytes_per_rank(spec, s: Strategy, degree, trainable, offload, lay: Dtypes) -> int:
+    """Transients of the end of backward and the optimizer step, which coexist with the gradients.
+
+    The Trainer's default optimizer on CUDA is ``adamw_torch_fused``: no state-sized temporaries.
+    DeepSpeed (bf16, fp32 accumulation):
+    - ZeRO-1 (``BF16_Optimizer``): the bf16 cast of the gradients all-reduced at the accumulation
+      boundary (engine.py ``allreduce_bucket``) and one fp32 upcast of the largest parameter;
+    - ZeRO-1/2 in stage_1_and_2.py: the contiguous-gradient buckets (reduce_bucket_size elements, two
+      with overlap_comm), allocated at the first gradient hook of each backward and freed at its end;
+      fp64 norm temporaries of the largest parameter's partition (``get_grad_norm_direct``);
+    - ZeRO-3: the flattened fp32 gradient of one sub-group (sub_group_size 1e9 elements) in ``step``
+      and the same fp64 norm temporaries.
+    """
+    if not s.is_deepspeed or offload != "none":
+        return 0
+    largest = min(max(spec.layer_params, spec.embedding_params), trainable) if spec.has_shape else 0
+    norm = shard_bytes(largest * 8, True, degree)
+    if bf16_optimizer(s, lay):
+        return trainable * lay.compute + largest * FP32
+    if s.zero_stage in (1, 2):
+        buckets = 2 if s.zero_stage == 2 and lay.compute < FP32 else 1  # overlap_comm (hf_dist: stage >= 2)
+        return buckets * DS_REDUCE_BUCKET_ELEMENTS * lay.compute + norm
+    return min(DS_SUB_GROUP_ELEMENTS, shard_bytes(trainable, True, degree)) * FP32 + norm
+
+
+# ---------------------------------------------------------------- buffers
+
+
+def _linear_params(spec) -> int:
+    """Weights that pass through a linear layer: everything but the input embedding (unless tied to lm_head)."""
+    return spec.num_params - (spec.embedding_params if spec.lm_head_params else 0)
+
+
+def buffer_bytes(
+    spec, s: Strategy, world_size, trainable, lay: Dtypes, ckpt: bool, padded: int = 0, *, embedding_unit: bool = True
+) -> tuple[int, int]:
+    """(working copies and communication buffers alive during forward, per rank; the part of them gathered only
+    around one decoder layer, which is free while the loss's logits are alive: the tracer's peaks at the loss show
+    no decoder unit gathered).
+
+    - autocast (DDP mixed): the bf16 copy of every linear weight, cached by autocast and saved by the
+      linear for backward (torch ``cached_cast``); with checkpointing only lm_head's copy outlives
+      the forward (the recomputed layers cast again, one at a time).
+    - DDP at world > 1: the Reducer's flat buckets hold a second copy of the gradients in the weights'
+      dtype, from construction (``gradient_as_bucket_view=False``; torch reducer.cpp ``initialize_buckets``).
+    - ZeRO-3: the contiguous-gradient bucket (reduce_bucket_size elements, kept from init, stage3.py)
+      and, at world > 1, the gathered module plus the prefetch bucket. ZeRO-1/2 buckets exist only in
+      backward (:func:`step_bytes_per_rank`).
+    - FSDP2: the unsharded compute-dtype copy of the tail unit (final norm and lm_head, or the tied embedding:
+      ``reshard_after_forward=False``; an untied input embedding is a unit of its own, resharded after its forward,
+      with ``embedding_unit`` (accelerate >= 1.15), else it stays in the root unit), of the current and the prefetched
+      decoder layer, and the reduce-scatter input of one layer (fp32 reduce); shard-grad-op keeps every unit gathered.
+    """
+    c = lay.compute
+    out = 0
+    if lay.autocast:
+        out += c * ((spec.lm_head_params or spec.embedding_params) if ckpt else _linear_params(spec))
+    unit = spec.layer_params
+    if s.is_ddp:
+        return out + (trainable * lay.grads if world_size > 1 else 0), 0
+    if s.is_deepspeed and not s.shards.params:  # ZeRO-1/2
+        return out, 0
+    if s.is_deepspeed:  # ZeRO-3
+        out += DS_REDUCE_BUCKET_ELEMENTS * c
+        gathered = (max(unit, spec.embedding_params) + min(DS_PREFETCH_BUCKET_ELEMENTS, spec.num_params)) * c
+        return (out + gathered, gathered) if world_size > 1 else (out, 0)
+    unit += padded  # FSDP2 gathers the padded rows too (fsdp_row_padding)
+    reduce_input = unit * lay.grads if trainable == spec.num_params else 0
+    if s.gathers_params:
+        return out + (spec.num_params + padded * spec.num_layers) * c + reduce_input, reduce_input
+    root = (
+        (spec.lm_head_params or spec.embedding_params)
+        if embedding_unit
+        else spec.embedding_params + spec.lm_head_params
+    )
+    units = 2 * unit * c + reduce_input
+    return out + root * c + units, units
+
+
+# ---------------------------------------------------------------- allocator and overhead
+
+
+def allocator_bytes(
+    spec, s: Strategy, degree, trainable, lay: Dtypes, largest_transient: int, grads: int, ckpt: bool
+) -> int:
+    """Reserved beyond the peak allocated: torch's caching allocator never moves or returns blocks.
+
+    c10/cuda/CUDACachingAllocator.cpp caches freed blocks per stream (``get_free_block`` only returns
+    a block of the requesting stream) and splits cached blocks to serve smaller requests, so free space
+    ends up scattered between live tensors. Counted:
+    - one block of the largest transient tensor (the fp32 logits, or an MLP activation): a request
+      that size needs one contiguous free block, which the earlier phases' scattered frees rarely are;
+    - with activation checkpointing, the gradients allocated layer by layer in backward between the
+      recomputed activations pin the blocks those activations freed;
+    - blocks cached by communication streams, which the compute stream never reuses: FSDP2's sharded
+      fp32 gradients come from reduce-scatter outputs on its reduce-scatter stream
+      (``_fsdp_collectives.foreach_reduce``); ZeRO-2 builds its fp32 gradient partition, the bucket
+      flatten and the per-parameter upcasts on the reduction stream (stage_1_and_2.py ``average_tensor``);
+      ZeRO-3 flattens buckets and upcasts partitions there (stage3.py, ``reduce_scatter_coalesced``) and
+      records the bf16 gradients in flight (up to the two overlapped buckets) on it before freeing them.
+    """
+    out = largest_transient
+    if ckpt:
+        out += grads
+    bucket = min(DS_REDUCE_BUCKET_ELEMENTS, trainable)  # what a flatten of the gradients in it holds
+    largest = min(max(spec.layer_params, spec.embedding_params), trainable) if spec.has_shape else 0
+    if s.is_fsdp:
+        out += shard_bytes(trainable * lay.grads, True, degree)
+    elif s.zero_stage == 2:
+        out += (
+            shard_bytes(trainable * lay.grads, True, degree)
+            + bucket * lay.compute
+            + shard_bytes(largest * FP32, True, degree)
+        )
+    elif s.zero_stage == 3:
+        out += (
+            bucket * lay.compute + shard_bytes(bucket * FP32, True, degree) + min(trainable, 2 * bucket) * lay.compute
+        )
+    return out
+
+
+def overhead_bytes(s: Strategy, world_size: int) -> int:
+    """CUDA context and library workspaces, plus NCCL communicators when a process group is used."""
+    nccl = world_size > 1 or s.is_deepspeed
+    return CUDA_CONTEXT_BYTES + (NCCL_BYTES if nccl else 0)
