@@ -209,12 +209,7 @@ def detect_hardware(
     _check_optional_positive("gpus", gpus, int)
     _check_optional_positive("nodes", nodes, int)
     _check_optional_positive("gpu_memory_gib", gpu_memory_gib, (int, float))
-    detected = _detect_cuda()
-    hypothetical = detected is None and gpu_memory_gib is not None
-    if detected is None:
-        detected = _detect_cpu()
-        if hypothetical:
-            detected.update(device="cuda", bf16=True, fp16=True, gpu_name=gpu_name, host_memory_gib=None)
+    detected, hypothetical = _detected(gpu_memory_gib, gpu_name)
     nodes = nodes or nodes_from_env() or 1
     if gpus is not None:
         if gpus % nodes:
@@ -226,16 +221,7 @@ def detect_hardware(
     if bf16 is True and not detected["bf16"] and detected["device"] == "cuda" and not hypothetical:
         where = detected.get("gpu_name") or "this GPU"
         raise ValueError(f"bf16 was requested but {where} does not support it; use fp16 (bf16=False) instead")
-    if bf16 is not None:
-        detected["bf16"] = bf16
-    if gpu_memory_gib is not None:
-        detected["gpu_memory_gib"] = float(gpu_memory_gib)
-    elif detected["device"] == "cpu":
-        detected["gpu_memory_gib"] /= detected["gpus_per_node"]
-    if gpu_name is not None:
-        detected["gpu_name"] = gpu_name
-    if host_memory_gib is not None:
-        detected["host_memory_gib"] = float(host_memory_gib)
+    _override(detected, bf16=bf16, gpu_name=gpu_name, host_memory_gib=host_memory_gib, gpu_memory_gib=gpu_memory_gib)
     if liger_kernel is None:
         liger_kernel = detected["device"] == "cuda" and liger_kernel_installed()
     return Hardware(
@@ -248,6 +234,32 @@ def detect_hardware(
         nvme_gbps=nvme_gbps,
         **detected,
     )
+
+
+def _detected(gpu_memory_gib: float | None, gpu_name: str | None) -> tuple[dict, bool]:
+    """What this machine has: its CUDA GPUs, else its CPU; a GPU memory given on a machine without CUDA describes
+    hypothetical CUDA GPUs (the second value says so)."""
+    detected = _detect_cuda()
+    hypothetical = detected is None and gpu_memory_gib is not None
+    if detected is None:
+        detected = _detect_cpu()
+        if hypothetical:
+            detected.update(device="cuda", bf16=True, fp16=True, gpu_name=gpu_name, host_memory_gib=None)
+    return detected, hypothetical
+
+
+def _override(detected: dict, *, bf16, gpu_name, host_memory_gib, gpu_memory_gib) -> None:
+    """The values the caller gave over the detected ones; a CPU's memory is shared by the processes on it."""
+    if bf16 is not None:
+        detected["bf16"] = bf16
+    if gpu_memory_gib is not None:
+        detected["gpu_memory_gib"] = float(gpu_memory_gib)
+    elif detected["device"] == "cpu":
+        detected["gpu_memory_gib"] /= detected["gpus_per_node"]
+    if gpu_name is not None:
+        detected["gpu_name"] = gpu_name
+    if host_memory_gib is not None:
+        detected["host_memory_gib"] = float(host_memory_gib)
 
 
 def _check_optional_positive(name: str, value, types) -> None:

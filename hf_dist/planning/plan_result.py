@@ -215,12 +215,20 @@ class Plan:
 
     def explain(self) -> str:
         """A readable table of every candidate by component (per rank) with its verdict and reason."""
+        lines = [*self._header_lines(), *self._note_lines(), *self._table_lines()]
+        if self.verification:
+            lines.append(f"verify: {self.verification}")
+        if self.trace is not None:
+            lines.append(self.trace.compare(self.memory))
+        lines += ["", "reasons:", *(f"  {c.label}: {c.reason}" for c in self.candidates)]
+        return "\n".join(lines)
+
+    def _header_lines(self) -> list[str]:
+        """The model, the hardware, the choice and why."""
         hw = self.hardware
         size = f"{self.num_params / 1e9:.2f}B" if self.num_params >= 1e9 else f"{self.num_params / 1e6:.2f}M"
-        # small models read better in MiB
-        unit, div = ("GiB", GIB) if max(c.memory.total for c in self.candidates) >= GIB else ("MiB", 1024**2)
         speed = f", ~{self.tokens_per_s:,.0f} tokens/s estimated" if self.tokens_per_s else ""
-        lines = [
+        return [
             f"model: {self.model.name or 'model'} ({size} params), method={self.method}, optimizer={self.optimizer}, "
             f"seq_len={self.seq_len}, precision={self._precision_text()}"
             + (f", model loaded in {self.model_dtype}" if self.model_dtype else "")
@@ -234,6 +242,10 @@ class Plan:
             f"{self.layout.dp_size} = global_batch {self.global_batch_size}{speed}",
             f"why: {self.reason}",
         ]
+
+    def _note_lines(self) -> list[str]:
+        """Host RAM, swap files, staging, time, and the planner's notes, each where it applies."""
+        lines = []
         if self.load is not None:
             lines.append(f"host RAM at load: {self.load.text()}")
         if self.swap_bytes:
@@ -242,25 +254,17 @@ class Plan:
                 f"({format_bytes(self.memory.swap)} per GPU); host RAM still pinned: {format_bytes(self.memory.cpu)} per GPU"
             )
         if self.staging_bytes is not None:
-            staging = (
-                f"{format_bytes(self.staging_bytes)} per node"
-                if self.staging_bytes
-                else ("none: DeepSpeed writes its checkpoint itself, synchronously")
-            )
+            staging = f"{format_bytes(self.staging_bytes)} per node" if self.staging_bytes else (
+                "none: DeepSpeed writes its checkpoint itself, synchronously")  # fmt: skip
             lines.append(f"host RAM for async_save's staging copy: {staging}")
-        if self._time_text():
-            lines.append(f"time to finish: {self._time_text()}")
-        if self.liger_note:
-            lines.append(f"liger: {self.liger_note}")
-        if self.margin_note:
-            lines.append(f"margin: {self.margin_note}")
-        if self.offload_note:
-            lines.append(f"instead of offload: {self.offload_note}")
-        lines += [f"parallelism: {note}" for note in self.dimensions]
-        lines.append(
-            f"per-rank memory in {unit} (total = device memory in use at the peak: allocated tensors + caching "
-            "allocator + CUDA context):"
-        )
+        notes = (("time to finish", self._time_text()), ("liger", self.liger_note), ("margin", self.margin_note),
+                 ("instead of offload", self.offload_note))  # fmt: skip
+        lines += [f"{label}: {note}" for label, note in notes if note]
+        return lines + [f"parallelism: {note}" for note in self.dimensions]
+
+    def _table_lines(self) -> list[str]:
+        """Every candidate's memory by component, speed and verdict, in MiB for small models."""
+        unit, div = ("GiB", GIB) if max(c.memory.total for c in self.candidates) >= GIB else ("MiB", 1024**2)
         terms = ("params", "grads", "optimizer", "activations", "logits", "buffers", "allocator", "overhead", "total")
         sized = any(c.model_parallel > 1 or c.offload_device == "nvme" for c in self.candidates)
         header = ("strategy", "offload", "ckpt", "liger") + (("tp/cp/sp",) if sized else ()) + ("mb", "params")
@@ -276,21 +280,17 @@ class Plan:
             rows.append((c.strategy, offload, *flags, *dims, str(c.micro_batch_size), *sizes, speed, verdict))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         first_number = 5 if sized else 4
+        lines = [
+            f"per-rank memory in {unit} (total = device memory in use at the peak: allocated tensors + caching "
+            "allocator + CUDA context):"
+        ]
         for row in rows:
             cells = [
                 cell.rjust(w) if i >= first_number else cell.ljust(w)
                 for i, (cell, w) in enumerate(zip(row, widths, strict=True))
             ]
             lines.append("  ".join(cells))
-        if self.verification:
-            lines.append(f"verify: {self.verification}")
-        if self.trace is not None:
-            lines.append(self.trace.compare(self.memory))
-        lines.append("")
-        lines.append("reasons:")
-        for c in self.candidates:
-            lines.append(f"  {c.label}: {c.reason}")
-        return "\n".join(lines)
+        return lines
 
     def _sizes_text(self) -> str:
         sizes = [f"{n}={getattr(self, n + '_size')}" for n in ("tp", "cp", "sp") if getattr(self, n + "_size") > 1]
