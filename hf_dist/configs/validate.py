@@ -22,26 +22,9 @@ __all__ = ["validate", "contradictions"]
 LAUNCHER_DS_CLASHES = ("zero_stage", "offload_optimizer_device", "offload_param_device", "gradient_accumulation_steps")
 
 
-def validate(
-    plan: Any,
-    request: Request,
-    final: dict[str, Any],
-    *,
-    merge_conflicts: list[str],
-    features: LibraryFeatures,
-    launcher_ds_fields: str = "",
-) -> None:
-    """Raise one ValueError listing every contradiction, or return."""
-    raise_contradictions(
-        contradictions(
-            plan,
-            request,
-            final,
-            merge_conflicts=merge_conflicts,
-            features=features,
-            launcher_ds_fields=launcher_ds_fields,
-        )
-    )
+def validate(plan: Any, request: Request, final: dict[str, Any], **context: Any) -> None:
+    """Raise one ValueError listing every contradiction (:func:`contradictions`, same arguments), or return."""
+    raise_contradictions(contradictions(plan, request, final, **context))
 
 
 def contradictions(

@@ -47,47 +47,47 @@ def _powers_of_two(limit: int) -> list[int]:
     return out
 
 
+def _first_reason(*checks: tuple[bool, str]) -> str | None:
+    """The reason of the first check that holds: why a dimension is unavailable, or None."""
+    return next((reason for holds, reason in checks if holds), None)
+
+
 def size_options(spec, hw, seq_len: int, features, *, method: str = "full") -> SizeOptions:
     """The sizes the model, the hardware, the installed libraries and the method allow, per dimension."""
-    unavailable: dict[str, str] = {}
     if not spec.has_shape:
         reason = "the model is a bare parameter count; pass a config to split it"
         return SizeOptions(unavailable={"tp": reason, "cp": reason, "sp": reason})
     heads, kv = spec.num_attention_heads, spec.num_key_value_heads
     tp = [t for t in _powers_of_two(hw.gpus_per_node) if hw.gpus_per_node % t == 0 and heads % t == 0 and kv % t == 0]
-    if method != "full":
-        # measured: PEFT's lora.Linear wraps a TP-sharded Linear and reshapes with the unsharded width
-        # ("shape '[448, 16]' is invalid for input of size 14336"); DeepSpeed AutoTP replaces the wrapped layers
-        unavailable["tp"] = (
-            f"{method}: PEFT's LoRA layers do not run on tensor-parallel weights; shard the frozen base with "
-            "fsdp_full_shard (or zero3) instead"
-        )
-    elif not spec.tp_plan:
-        unavailable["tp"] = "the model's config has no tensor-parallel plan (base_model_tp_plan)"
-    elif not features.parallelism_config:
-        unavailable["tp"] = "the installed accelerate/transformers lack ParallelismConfig (accelerate >= 1.10)"
-    elif hw.gpus_per_node < 2:
-        unavailable["tp"] = "one GPU per node: tensor parallelism splits layers across the GPUs of a node"
-    elif not tp:
-        unavailable["tp"] = f"no size > 1 divides the {hw.gpus_per_node} GPU(s) per node and the {kv} KV heads"
     cp = [c for c in _powers_of_two(hw.world_size) if seq_len % (2 * c) == 0]
-    if hw.device != "cuda":
-        unavailable["cp"] = "CPU ranks: torch's context_parallel has no CPU attention kernels"
-    elif not (features.parallelism_config and features.fsdp_version == 2):
-        unavailable["cp"] = (
-            "the installed accelerate/transformers lack FSDP2 with ParallelismConfig (accelerate >= 1.10)"
-        )
-    elif hw.world_size < 2:
-        unavailable["cp"] = "one GPU in the job: context parallelism splits each sequence across ranks"
-    elif not cp:
-        unavailable["cp"] = f"seq_len {seq_len} is not divisible by 4"
     sp = [s for s in _powers_of_two(hw.world_size) if heads % s == 0 and seq_len % s == 0]
-    if not features.sequence_parallel:
-        unavailable["sp"] = "needs accelerate >= 1.12 and deepspeed >= 0.18.2 (DeepSpeed Ulysses)"
-    elif hw.world_size < 2:
-        unavailable["sp"] = "one GPU in the job: sequence parallelism splits each sequence across ranks"
-    elif not sp:
-        unavailable["sp"] = f"no size > 1 divides the {heads} attention heads and seq_len {seq_len}"
+    one_rank = "one GPU in the job: {} parallelism splits each sequence across ranks"
+    # measured: PEFT's lora.Linear wraps a TP-sharded Linear and reshapes with the unsharded width
+    # ("shape '[448, 16]' is invalid for input of size 14336"); DeepSpeed AutoTP replaces the wrapped layers
+    lora_tp = (f"{method}: PEFT's LoRA layers do not run on tensor-parallel weights; shard the frozen base with "
+               "fsdp_full_shard (or zero3) instead")  # fmt: skip
+    reasons = {
+        "tp": _first_reason(
+            (method != "full", lora_tp),
+            (not spec.tp_plan, "the model's config has no tensor-parallel plan (base_model_tp_plan)"),
+            (not features.parallelism_config, "the installed accelerate/transformers lack ParallelismConfig (accelerate >= 1.10)"),
+            (hw.gpus_per_node < 2, "one GPU per node: tensor parallelism splits layers across the GPUs of a node"),
+            (not tp, f"no size > 1 divides the {hw.gpus_per_node} GPU(s) per node and the {kv} KV heads"),
+        ),
+        "cp": _first_reason(
+            (hw.device != "cuda", "CPU ranks: torch's context_parallel has no CPU attention kernels"),
+            (not (features.parallelism_config and features.fsdp_version == 2),
+             "the installed accelerate/transformers lack FSDP2 with ParallelismConfig (accelerate >= 1.10)"),
+            (hw.world_size < 2, one_rank.format("context")),
+            (not cp, f"seq_len {seq_len} is not divisible by 4"),
+        ),
+        "sp": _first_reason(
+            (not features.sequence_parallel, "needs accelerate >= 1.12 and deepspeed >= 0.18.2 (DeepSpeed Ulysses)"),
+            (hw.world_size < 2, one_rank.format("sequence")),
+            (not sp, f"no size > 1 divides the {heads} attention heads and seq_len {seq_len}"),
+        ),
+    }  # fmt: skip
+    unavailable = {name: reason for name, reason in reasons.items() if reason}
     keep = {n: tuple(v) if n not in unavailable else () for n, v in (("tp", tp), ("cp", cp), ("sp", sp))}
     return SizeOptions(**keep, unavailable=unavailable)
 

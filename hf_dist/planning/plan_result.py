@@ -28,6 +28,14 @@ class Combo(NamedTuple):
     sp: int = 1
     nvme: bool = False
 
+    @classmethod
+    def of(cls, chosen: Any) -> Combo:
+        """The point of a :class:`Candidate` or a :class:`Plan` (both carry the same fields)."""
+        return cls(
+            chosen.strategy, chosen.offload, chosen.activation_checkpointing, chosen.use_liger_kernel,
+            chosen.tp_size, chosen.cp_size, chosen.sp_size, chosen.offload_device == "nvme",
+        )  # fmt: skip
+
     def layout(self, hw: Hardware, world: int | None = None, nodes: int | None = None) -> Layout:
         return Layout(
             self.strategy, world or hw.world_size, nodes or hw.nodes, self.offload, self.ckpt,
@@ -77,10 +85,7 @@ class Candidate:
 
     @property
     def key(self) -> Combo:
-        return Combo(
-            self.strategy, self.offload, self.activation_checkpointing, self.use_liger_kernel,
-            self.tp_size, self.cp_size, self.sp_size, self.offload_device == "nvme",
-        )  # fmt: skip
+        return Combo.of(self)
 
     @property
     def model_parallel(self) -> int:
@@ -298,7 +303,4 @@ class Plan:
 
     @property
     def _chosen_key(self) -> Combo:
-        return Combo(
-            self.strategy, self.offload, self.activation_checkpointing, self.use_liger_kernel,
-            self.tp_size, self.cp_size, self.sp_size, self.offload_device == "nvme",
-        )  # fmt: skip
+        return Combo.of(self)
