@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
+from hf_dist.planning.precision import is_module
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -120,7 +122,7 @@ def model_spec(model: Any, *, trust_remote_code: bool = False) -> ModelSpec:
         return spec_from_config(config_from_dict(model))
     if _is_config(model):
         return spec_from_config(model)
-    if _is_module(model):
+    if is_module(model):
         return spec_from_module(model)
     raise ValueError(
         f"cannot describe a model of type {type(model).__name__}; pass a parameter count, a transformers config, "
@@ -152,12 +154,6 @@ def _is_config(obj: Any) -> bool:
     from transformers import PretrainedConfig
 
     return isinstance(obj, PretrainedConfig)
-
-
-def _is_module(obj: Any) -> bool:
-    import torch
-
-    return isinstance(obj, torch.nn.Module)
 
 
 def config_from_dict(data: dict) -> Any:
