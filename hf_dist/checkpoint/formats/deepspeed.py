@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.layout import OPTIM_FILE_RE, ZERO3_MODEL_FILE_RE, CheckpointLayout
-from hf_dist.checkpoint.reader import Reader, TensorSpec
-from hf_dist.checkpoint.safe_pickle import safe_load
+from hf_dist.checkpoint.formats.layout import OPTIM_FILE_RE, ZERO3_MODEL_FILE_RE, CheckpointLayout
+from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
+from hf_dist.checkpoint.safety.pickles import safe_load
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class ParamSource:
 
 class DeepSpeedReader(Reader):
     """The data-parallel ZeRO checkpoint of one tensor-parallel rank ``mp_rank`` (0: the only one without AutoTP;
-    :class:`hf_dist.checkpoint.autotp_reader.AutoTPReader` merges the ranks of an AutoTP checkpoint)."""
+    :class:`hf_dist.checkpoint.formats.autotp.AutoTPReader` merges the ranks of an AutoTP checkpoint)."""
 
     def __init__(self, info: CheckpointLayout, *, trust_pickles: bool = False, mp_rank: int = 0) -> None:
         super().__init__()

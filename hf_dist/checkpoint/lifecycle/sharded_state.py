@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from hf_dist.atomic_io import atomic_write_json
-from hf_dist.checkpoint.layout import SHARDED_OPTIMIZER_DIR as OPTIMIZER_DIR
+from hf_dist.checkpoint.formats.layout import SHARDED_OPTIMIZER_DIR as OPTIMIZER_DIR
 from hf_dist.runtime import dist as _dist
 
 SCHEDULER_FILE = "hf_dist_scheduler.json"
@@ -139,13 +139,13 @@ def load_optimizer_state(
 ) -> None:
     """Load what :func:`save_optimizer_state` wrote into this run's optimizer, resharded by DCP to its layout.
 
-    The folder passes the loading gate first (:func:`~hf_dist.checkpoint.safe_pickle.check_pickles`: DCP unpickles
+    The folder passes the loading gate first (:func:`~hf_dist.checkpoint.safety.pickles.check_pickles`: DCP unpickles
     ``.metadata`` and the non-tensor values, e.g. ``param_groups``, without ``weights_only``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    from hf_dist.checkpoint.dcp_reader import safe_filesystem_reader
-    from hf_dist.checkpoint.safe_pickle import check_pickles
+    from hf_dist.checkpoint.safety.dcp_metadata import safe_filesystem_reader
+    from hf_dist.checkpoint.safety.pickles import check_pickles
 
     folder = Path(checkpoint_dir) / OPTIMIZER_DIR
     check_pickles(folder, trust_pickles=trust_pickles)

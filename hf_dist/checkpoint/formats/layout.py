@@ -20,7 +20,7 @@ Accepted layouts (any of them given directly, or the Trainer ``checkpoint-N/`` f
 
 A Trainer checkpoint also holds one ``rng_state_R.pth`` per rank; one of a model sharded at load time (tensor
 parallelism) holds ``model.safetensors`` and hf_dist's optimizer DCP ``hf_dist_optimizer/``
-(:mod:`hf_dist.checkpoint.sharded_state`).
+(:mod:`hf_dist.checkpoint.lifecycle.sharded_state`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ HF_WEIGHT_NAMES = (
     "adapter_model.safetensors",
     "adapter_model.bin",
 )
-SHARDED_OPTIMIZER_DIR = "hf_dist_optimizer"  # written by hf_dist.checkpoint.sharded_state
+SHARDED_OPTIMIZER_DIR = "hf_dist_optimizer"  # written by hf_dist.checkpoint.lifecycle.sharded_state
 UNIVERSAL_SUFFIX = "_universal"
 LATEST_UNIVERSAL = "latest_universal"
 

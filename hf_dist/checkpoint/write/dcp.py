@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.reader import TensorSpec
-from hf_dist.checkpoint.writer import atomic_output_dir
+from hf_dist.checkpoint.formats.reader import TensorSpec
+from hf_dist.checkpoint.write.hf_folder import atomic_output_dir
 
 DEFAULT_PREFIX = "model."
 FILE_SIZE = 1024**3

@@ -6,7 +6,7 @@ done long before the others. A job killed in that window leaves a folder that lo
 :class:`hf_dist.callbacks.resume.CompleteCheckpointCallback` waits for every rank after the save and only
 then has rank 0 write ``hf_dist_complete.json`` (atomically, :func:`write_marker`) listing every file and its
 size. :func:`incomplete_reasons` / :func:`is_complete` check a folder against its marker and its
-per-rank files (:meth:`hf_dist.checkpoint.layout.CheckpointLayout.missing_rank_files`).
+per-rank files (:meth:`hf_dist.checkpoint.formats.layout.CheckpointLayout.missing_rank_files`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.atomic_io import atomic_write_json
-from hf_dist.checkpoint.layout import read_layout
+from hf_dist.checkpoint.formats.layout import read_layout
 from hf_dist.planning.layout import CheckpointFamily
 
 MARKER_NAME = "hf_dist_complete.json"
