@@ -20,7 +20,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from hf_dist.checkpoint.formats.layout import CheckpointLayout
+from hf_dist.checkpoint.formats.layout import DCP_SHARD_FILE_RE, CheckpointLayout
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
 from hf_dist.checkpoint.safety.dcp_metadata import load_metadata, safe_filesystem_reader
 from hf_dist.checkpoint.safety.errors import CorruptCheckpointError
@@ -74,7 +74,7 @@ class DCPReader(Reader):
     @staticmethod
     def _world_size(metadata) -> int | None:
         files = {info.relative_path for info in (metadata.storage_data or {}).values()}
-        ranks = {name.split("_")[2] for name in files if name.startswith("__") and name.endswith(".distcp")}
+        ranks = {m["rank"] for name in files if (m := DCP_SHARD_FILE_RE.match(name))}
         return len(ranks) or None
 
     def read(self, names: list[str]) -> dict[str, Any]:

@@ -11,26 +11,15 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.lifecycle.marker import MARKER_NAME, incomplete_reasons, unmarked_reasons
+from hf_dist.checkpoint.formats.layout import MARKER_NAME, is_checkpoint_dir, list_checkpoints
+from hf_dist.checkpoint.lifecycle.marker import incomplete_reasons, unmarked_reasons
 from hf_dist.checkpoint.lifecycle.reshard import prepare_resume
 from hf_dist.checkpoint.lifecycle.resume_checks import check_resume_compatible, gate_checkpoint, strategy_and_world
 
 logger = logging.getLogger(__name__)
-
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-
-
-def list_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, str]]:
-    """``(step, path)`` of every ``checkpoint-N`` folder in ``output_dir``, newest first."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), str(p)) for p in root.iterdir() if p.is_dir() and (m := _CHECKPOINT_RE.match(p.name))]
-    return sorted(found, reverse=True)
 
 
 def auto_resume(
@@ -136,7 +125,7 @@ def _live_world_size(world_size: int | None, training_args: Any, running: Any) -
 
 def _check_output_dir(output_dir: str | os.PathLike) -> None:
     root = Path(output_dir)
-    if _CHECKPOINT_RE.match(root.name) or (root / MARKER_NAME).is_file() or (root / "trainer_state.json").is_file():
+    if is_checkpoint_dir(root):
         raise ValueError(
             f"auto_resume got {root}, which is a checkpoint folder itself.\n"
             f"  Pass the run's output_dir that holds the checkpoint-N folders: {root.parent}\n"
