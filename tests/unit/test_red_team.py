@@ -17,7 +17,7 @@ import pytest
 
 from hf_dist.cli.main import main
 from tests.unit.checkpoint.fakes import make_autotp_checkpoint, make_zero_checkpoint, tiny_model_state
-from tests.unit.checkpoint.test_loading_gate import _args_for, _build
+from tests.unit.checkpoint.safety.test_loading_gate import _args_for, _build
 
 STATE = tiny_model_state()
 

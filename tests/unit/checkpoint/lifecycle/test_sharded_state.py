@@ -133,7 +133,7 @@ def test_loading_passes_the_gate_first(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from hf_dist.checkpoint.safety.pickles import UnsafePickleError
-    from tests.unit.checkpoint.test_loading_gate import Payload
+    from tests.unit.checkpoint.safety.test_loading_gate import Payload
 
     model, optimizer, scheduler = trained()
     sharded_state.save_optimizer_state(tmp_path, model, optimizer, scheduler)
