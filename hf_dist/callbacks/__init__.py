@@ -30,8 +30,8 @@ _NAMES = {
     "CompleteCheckpointCallback": "hf_dist.callbacks.resume",
     "ShardedResumeCallback": "hf_dist.callbacks.resume",
     "ZeroInfinityResumeCallback": "hf_dist.callbacks.resume",
-    "auto_resume": "hf_dist.checkpoint.auto_resume",
-    "is_complete": "hf_dist.checkpoint.marker",
+    "auto_resume": "hf_dist.checkpoint.lifecycle.auto_resume",
+    "is_complete": "hf_dist.checkpoint.lifecycle.marker",
 }
 
 __all__ = sorted(_NAMES) + ["attach", "default"]
@@ -51,7 +51,7 @@ def default(plan: Any = None, *, resume_from: str | None = None, async_save: boo
     """The recommended set: complete-checkpoint markers, NaN guard, throughput, memory, the plan when given,
     the optimizer checkpoint of models sharded at load (TP; :class:`~hf_dist.callbacks.resume.ShardedResumeCallback`,
     before the markers) and the repairs DeepSpeed's universal-checkpoint loads
-    (:func:`hf_dist.checkpoint.reshard.reshard_callback`) and ZeRO-Infinity resumes
+    (:func:`hf_dist.checkpoint.lifecycle.reshard.reshard_callback`) and ZeRO-Infinity resumes
     (:class:`~hf_dist.callbacks.resume.ZeroInfinityResumeCallback`) need.
 
     Export and profiling cost disk and time, so they are opt-in (``ExportCallback``, ``ProfilerCallback``).
@@ -71,7 +71,7 @@ def default(plan: Any = None, *, resume_from: str | None = None, async_save: boo
     )
     from hf_dist.callbacks.throughput import ThroughputCallback
     from hf_dist.callbacks.watchdog import HangWatchdogCallback
-    from hf_dist.checkpoint.reshard import reshard_callback
+    from hf_dist.checkpoint.lifecycle.reshard import reshard_callback
 
     callbacks: list[TrainerCallback] = [PlanCallback(plan)] if plan is not None else []
     callbacks += [

@@ -1,14 +1,14 @@
 """Callbacks that make a run resumable.
 
 ``CompleteCheckpointCallback``: after each save, once every rank finished, rank 0 marks the checkpoint complete.
-The marker (:mod:`hf_dist.checkpoint.marker`) is what :func:`hf_dist.auto_resume`
-(:mod:`hf_dist.checkpoint.auto_resume`) trusts: it resumes only from checkpoints every rank finished.
+The marker (:mod:`hf_dist.checkpoint.lifecycle.marker`) is what :func:`hf_dist.auto_resume`
+(:mod:`hf_dist.checkpoint.lifecycle.auto_resume`) trusts: it resumes only from checkpoints every rank finished.
 
 ``ShardedResumeCallback``: saves and restores the optimizer and scheduler of a model sharded at load time
-(tensor parallelism, FSDP2 x TP), which the Trainer cannot (:mod:`hf_dist.checkpoint.sharded_state`).
+(tensor parallelism, FSDP2 x TP), which the Trainer cannot (:mod:`hf_dist.checkpoint.lifecycle.sharded_state`).
 
 ``ZeroInfinityResumeCallback``: restores the optimizer state that DeepSpeed's own NVMe resume drops
-(:mod:`hf_dist.checkpoint.zero_infinity`).
+(:mod:`hf_dist.checkpoint.lifecycle.zero_infinity`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from hf_dist.checkpoint import sharded_state, zero_infinity
-from hf_dist.checkpoint.marker import clear_writing, mark_writing, write_marker
+from hf_dist.checkpoint.lifecycle import sharded_state, zero_infinity
+from hf_dist.checkpoint.lifecycle.marker import clear_writing, mark_writing, write_marker
 from hf_dist.runtime import dist as _dist
 
 __all__ = [
@@ -75,7 +75,7 @@ class CompleteCheckpointCallback(TrainerCallback):
 
 class AsyncCheckpointCallback(CompleteCheckpointCallback):
     """Checkpoints that don't stall training: the Trainer's save stages its state to host memory and returns; a
-    thread writes ``checkpoint-N/`` in the Trainer's own layout (:mod:`hf_dist.checkpoint.async_save` says what is
+    thread writes ``checkpoint-N/`` in the Trainer's own layout (:mod:`hf_dist.checkpoint.lifecycle.async_save` says what is
     written in the background and what is not). Replaces :class:`CompleteCheckpointCallback`
     (``attach(trainer, async_save=True)``): the completion marker is written only once every rank's background
     writes finished, so a job killed during them resumes from the checkpoint before.
@@ -107,7 +107,7 @@ class AsyncCheckpointCallback(CompleteCheckpointCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         super().on_train_begin(args, state, control, **kwargs)
-        from hf_dist.checkpoint.async_save import BackgroundWriter, check_staging_fits
+        from hf_dist.checkpoint.lifecycle.async_save import BackgroundWriter, check_staging_fits
         from hf_dist.planning.layout import strategy
 
         if strategy(_dist.live_strategy(args)).is_deepspeed:
@@ -161,7 +161,7 @@ class AsyncCheckpointCallback(CompleteCheckpointCallback):
         """Collective: if every rank's writes of the pending save ended, check them and mark the checkpoint."""
         if self.pending_step is None:
             return
-        from hf_dist.checkpoint.async_save import AsyncSaveError, all_ranks_done
+        from hf_dist.checkpoint.lifecycle.async_save import AsyncSaveError, all_ranks_done
 
         done, errors = all_ranks_done(self.writer, block=block)
         if not done:
@@ -237,7 +237,7 @@ class ZeroInfinityResumeCallback(TrainerCallback):
     """On resume of a ZeRO-Infinity run (ZeRO-3, optimizer offloaded to NVMe), restore what DeepSpeed's NVMe load
     drops: it copies only the swap files back, so the sub-groups it keeps in memory (under 1 MiB per rank, e.g. the
     norms) would restart from the initial weights, and every Adam moment and step count from zero
-    (:mod:`hf_dist.checkpoint.zero_infinity`). A no-op for every other run. ``resume_from``: the checkpoint resumed
+    (:mod:`hf_dist.checkpoint.lifecycle.zero_infinity`). A no-op for every other run. ``resume_from``: the checkpoint resumed
     when it is not ``output_dir/checkpoint-<global step>``."""
 
     def __init__(self, *, resume_from: str | None = None, trust_pickles: bool = False) -> None:

@@ -1,11 +1,18 @@
 """Everything about checkpoint files. Submodules import torch lazily.
 
-- ``layout``: what a checkpoint folder holds (format, family, world size, tag/step, per-rank files), read from
-  file names by :func:`hf_dist.checkpoint.layout.read_layout`: the one model convert, reshard and resume use.
-- ``marker`` / ``auto_resume``: complete-checkpoint markers, and the newest complete checkpoint a run may
-  resume from (:func:`hf_dist.auto_resume`), checked against its strategy and world size.
-- ``reshard``: resume on another number of ranks (:func:`hf_dist.prepare_resume`, ``hf-dist reshard``).
-- ``convert`` / ``verify``: read (``deepspeed_reader``, ``dcp_reader``, ``hf_io``; pickles through
-  ``safe_pickle``) -> plan names (``plan``, ``param_specs``, ``transform``) -> write (``writer``,
-  ``dcp_writer``; destinations checked by ``paths``, built atomically by :mod:`hf_dist.atomic_io`).
+- ``formats/``: what a checkpoint folder holds and how to read it. ``formats.layout`` answers which layout a folder
+  has and which files it must hold (format, family, world size, tag/step, per-rank files), read from file names by
+  :func:`hf_dist.checkpoint.formats.layout.read_layout`: the one model convert, reshard and resume use. Beside it
+  the reader interface (``reader``), one reader per training format (``deepspeed``, ``autotp``, ``dcp``, ``hf``)
+  and the parameter specs of known model families (``param_specs``).
+- ``write/``: converted weights written as a Hugging Face folder (``hf_folder``) or a DCP folder (``dcp``).
+- ``safety/``: the pickle loading gate (``pickles``, with DCP's metadata in ``dcp_metadata``, its errors in
+  ``errors``) and the destination checks of every output folder (``output_paths``).
+- ``lifecycle/``: a run's checkpoints over time: completion markers (``marker``), the checks before a resume
+  (``resume_checks``), the newest complete checkpoint a run may resume from (``auto_resume``,
+  :func:`hf_dist.auto_resume`), resuming on another number of ranks (``reshard``, :func:`hf_dist.prepare_resume`,
+  ``hf-dist reshard``), hf_dist's sharded optimizer state (``sharded_state``), background saves (``async_save``)
+  and ZeRO-Infinity resume repairs (``zero_infinity``).
+- ``convert`` / ``verify``: read (``formats``) -> plan names (``plan``, ``formats.param_specs``, ``transform``) ->
+  write (``write``; destinations checked by ``safety.output_paths``, built atomically by :mod:`hf_dist.atomic_io`).
 """

@@ -16,10 +16,10 @@ from typing import Any
 
 from hf_dist.checkpoint import plan as planning
 from hf_dist.checkpoint import transform
-from hf_dist.checkpoint.hf_io import config_dir
-from hf_dist.checkpoint.layout import CheckpointLayout, read_layout
-from hf_dist.checkpoint.paths import check_output_path
-from hf_dist.checkpoint.reader import Reader, TensorSpec
+from hf_dist.checkpoint.formats.hf import config_dir
+from hf_dist.checkpoint.formats.layout import CheckpointLayout, read_layout
+from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
+from hf_dist.checkpoint.safety.output_paths import check_output_path
 
 TARGETS = ("hf", "dcp")
 # Bytes of source tensors read per batch: bounds resident memory independently of --max-shard-size.
@@ -56,18 +56,18 @@ class ConversionReport:
 
 def open_reader(info: CheckpointLayout, *, trust_pickles: bool = False) -> Reader:
     if info.format == "deepspeed" and info.tp_size > 1:
-        from hf_dist.checkpoint.autotp_reader import AutoTPReader
+        from hf_dist.checkpoint.formats.autotp import AutoTPReader
 
         return AutoTPReader(info, trust_pickles=trust_pickles)
     if info.format == "deepspeed":
-        from hf_dist.checkpoint.deepspeed_reader import DeepSpeedReader
+        from hf_dist.checkpoint.formats.deepspeed import DeepSpeedReader
 
         return DeepSpeedReader(info, trust_pickles=trust_pickles)
     if info.format == "dcp":
-        from hf_dist.checkpoint.dcp_reader import DCPReader
+        from hf_dist.checkpoint.formats.dcp import DCPReader
 
         return DCPReader(info, trust_pickles=trust_pickles)
-    from hf_dist.checkpoint.hf_io import HFReader, TorchFileReader
+    from hf_dist.checkpoint.formats.hf import HFReader, TorchFileReader
 
     cls = TorchFileReader if info.format == "fsdp_full" else HFReader
     return cls(info, trust_pickles=trust_pickles)
@@ -109,7 +109,7 @@ def convert(
             for name, t in conversion.tensors.items()
         }  # fmt: skip
         if to == "dcp":
-            from hf_dist.checkpoint.dcp_writer import write_dcp
+            from hf_dist.checkpoint.write.dcp import write_dcp
 
             files = write_dcp(dst, out_specs, _tensor_stream(reader, conversion, out_specs), overwrite=overwrite,
                               sources=sources)  # fmt: skip
@@ -174,7 +174,7 @@ def _adapter_config(info: CheckpointLayout) -> dict:
     path = _find_adapter_config(info)
     if path is None:
         raise ValueError(f"no adapter_config.json found next to {info.path}; copy the run's adapter_config.json there")
-    from hf_dist.checkpoint.hf_io import read_json
+    from hf_dist.checkpoint.formats.hf import read_json
 
     return read_json(path)
 
@@ -191,9 +191,9 @@ def _tensor_stream(reader: Reader, conversion, out_specs: dict[str, TensorSpec],
     """Output tensors in ``names`` order, read in batches of at most BATCH_BYTES, cast to the output dtype.
 
     With ``as_ranges``, a tensor written unchanged whose bytes the reader can locate comes as
-    :class:`~hf_dist.checkpoint.writer.FileRanges` instead (nothing read; the writer copies the bytes).
+    :class:`~hf_dist.checkpoint.write.hf_folder.FileRanges` instead (nothing read; the writer copies the bytes).
     """
-    from hf_dist.checkpoint.writer import FileRanges
+    from hf_dist.checkpoint.write.hf_folder import FileRanges
 
     names = list(out_specs) if names is None else names
     batch: list[str] = []
@@ -286,8 +286,8 @@ def prefetch(items: Iterator[Any], depth: int = 2) -> Iterator[Any]:
 
 
 def _write_hf(info, reader, conversion, out_specs, dst, max_shard_size, tokenizer, overwrite, progress) -> list[str]:
-    from hf_dist.checkpoint.hf_io import copy_side_files
-    from hf_dist.checkpoint.writer import atomic_output_dir, write_hf_weights
+    from hf_dist.checkpoint.formats.hf import copy_side_files
+    from hf_dist.checkpoint.write.hf_folder import atomic_output_dir, write_hf_weights
 
     total = sum(s.nbytes for s in out_specs.values())
     weights_name = "adapter_model.safetensors" if conversion.kind == "adapter" else "model.safetensors"

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.checkpoint import transform
-from hf_dist.checkpoint.reader import TensorSpec
+from hf_dist.checkpoint.formats.reader import TensorSpec
 
 
 @dataclass
@@ -33,8 +33,8 @@ class ConversionPlan:
 
 def expected_specs(config_dir: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     """Names -> shapes of the model the config describes, and its tied ``target -> source`` keys."""
-    from hf_dist.checkpoint.hf_io import load_config_dict
-    from hf_dist.checkpoint.param_specs import llama_like_specs
+    from hf_dist.checkpoint.formats.hf import load_config_dict
+    from hf_dist.checkpoint.formats.param_specs import llama_like_specs
 
     known = llama_like_specs(load_config_dict(Path(config_dir)))
     if known is not None:

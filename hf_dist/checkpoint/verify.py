@@ -16,9 +16,9 @@ from typing import Any
 from hf_dist.checkpoint import plan as planning
 from hf_dist.checkpoint import transform
 from hf_dist.checkpoint.convert import BATCH_BYTES, open_reader
-from hf_dist.checkpoint.hf_io import config_dir
-from hf_dist.checkpoint.layout import CheckpointLayout, read_layout
-from hf_dist.checkpoint.reader import Reader
+from hf_dist.checkpoint.formats.hf import config_dir
+from hf_dist.checkpoint.formats.layout import CheckpointLayout, read_layout
+from hf_dist.checkpoint.formats.reader import Reader
 
 
 @dataclass

@@ -12,7 +12,7 @@ EPILOG = """examples:
   hf-dist reshard out/checkpoint-500 --check 16           # only report what resuming on 16 ranks needs
 
 then resume with "checkpoint": {"load_universal": true} in the DeepSpeed config, or call
-hf_dist.checkpoint.reshard.prepare_resume(ckpt, training_args=args) in the training script (it does both steps).
+hf_dist.checkpoint.lifecycle.reshard.prepare_resume(ckpt, training_args=args) in the training script (it does both steps).
 FSDP2 (DCP) checkpoints need nothing: accelerate reshards them on load.
 """
 
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hf_dist.checkpoint.reshard import inspect_checkpoint, reshard
+    from hf_dist.checkpoint.lifecycle.reshard import inspect_checkpoint, reshard
 
     layout = inspect_checkpoint(args.src)
     print(f"found: {layout.describe()}")
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def resume_advice(layout, world_size: int) -> str:
-    """What resuming ``layout`` (a :class:`hf_dist.checkpoint.layout.CheckpointLayout`) on ``world_size`` needs."""
+    """What resuming ``layout`` (a :class:`hf_dist.checkpoint.formats.layout.CheckpointLayout`) on ``world_size`` needs."""
     if world_size < 1:
         raise ValueError(f"--check needs a world size >= 1, got {world_size}")
     if not layout.family.is_zero:

@@ -148,7 +148,7 @@ def load_for(s: Setup, combo: Combo) -> LoadMemory:
 
 
 def staging_per_node(s: Setup, combo: Combo, mem: MemoryEstimate) -> int:
-    """Host RAM per node that async_save's staging copy takes (:mod:`hf_dist.checkpoint.async_save`): the states the
+    """Host RAM per node that async_save's staging copy takes (:mod:`hf_dist.checkpoint.lifecycle.async_save`): the states the
     node's ranks write. FSDP2 (DCP): every rank its shards of the weights and optimizer, wherever they live (offloaded
     ones too, ``mem.cpu``). DDP: rank 0 alone writes the weights (a LoRA model: its adapters) and ``optimizer.pt``.
     A tensor-parallel rank stages its shards too. DeepSpeed saves synchronously: nothing is staged."""

@@ -71,21 +71,21 @@ def resume_checkpoint(args: Any) -> str | None:
     ``auto``: the newest complete checkpoint in ``--output_dir`` (:func:`hf_dist.auto_resume`; None, a fresh
     start, when there is none); a path: that checkpoint. A DeepSpeed ZeRO checkpoint saved by another number
     of ranks is converted to DeepSpeed's universal format first, and a checkpoint of another strategy is
-    refused (:func:`hf_dist.checkpoint.reshard.prepare_resume`).
+    refused (:func:`hf_dist.checkpoint.lifecycle.reshard.prepare_resume`).
     """
     value = args.resume_from_checkpoint
     if not value:
         _refuse_earlier_checkpoints(args.output_dir)
         return None
     if value == "auto":
-        from hf_dist.checkpoint.auto_resume import auto_resume
+        from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
 
         found = auto_resume(args.output_dir, training_args=args)
         if args.process_index == 0:
             print(f"[hf_dist] resuming from {found}" if found else
                   f"[hf_dist] no complete checkpoint in {args.output_dir}: starting from scratch", flush=True)  # fmt: skip
         return found
-    from hf_dist.checkpoint.reshard import prepare_resume
+    from hf_dist.checkpoint.lifecycle.reshard import prepare_resume
 
     return prepare_resume(value, training_args=args)
 
@@ -215,7 +215,7 @@ def describe_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy
         f"{args.per_device_train_batch_size} x grad accum {args.gradient_accumulation_steps} x data parallel {dp} "
         f"= global batch {batch} sequences of <= {seq_len} tokens"
     ]
-    from hf_dist.checkpoint.auto_resume import strategy_of_args
+    from hf_dist.checkpoint.lifecycle.resume_checks import strategy_of_args
     from hf_dist.planning.planner import plan
 
     strategy = strategy or strategy_of_args(args)  # what these arguments run (the user's own config may choose it)

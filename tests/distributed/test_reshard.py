@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_dist.checkpoint.reshard import inspect_checkpoint
+from hf_dist.checkpoint.lifecycle.reshard import inspect_checkpoint
 from hf_dist.testing import torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "reshard_train.py"

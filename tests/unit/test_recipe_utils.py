@@ -116,7 +116,7 @@ def test_sft_bad_inputs_fail_before_the_model_is_built(tmp_path, monkeypatch):
 def test_resume_checkpoint_auto_path_and_none(tmp_path, capsys):
     from types import SimpleNamespace
 
-    from hf_dist.checkpoint.marker import write_marker
+    from hf_dist.checkpoint.lifecycle.marker import write_marker
 
     args = SimpleNamespace(resume_from_checkpoint=None, output_dir=str(tmp_path), process_index=0,
                            deepspeed=None, fsdp=[])  # fmt: skip

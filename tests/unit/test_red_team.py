@@ -17,7 +17,7 @@ import pytest
 
 from hf_dist.cli.main import main
 from tests.unit.checkpoint.fakes import make_autotp_checkpoint, make_zero_checkpoint, tiny_model_state
-from tests.unit.checkpoint.test_loading_gate import _args_for, _build
+from tests.unit.checkpoint.safety.test_loading_gate import _args_for, _build
 
 STATE = tiny_model_state()
 
@@ -26,8 +26,8 @@ def payload(kind: str, fmt: str, entry: str):
     """A payload planted in ``kind`` (zip or legacy tar), reached through ``entry``."""
 
     def run(tmp: Path) -> str:
-        from hf_dist.checkpoint.auto_resume import auto_resume
-        from hf_dist.checkpoint.reshard import prepare_resume, reshard
+        from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
+        from hf_dist.checkpoint.lifecycle.reshard import prepare_resume, reshard
 
         ckpt, _, marker = _build(kind, tmp, STATE, fmt)
         try:
@@ -52,13 +52,13 @@ def resume_case(layout: str, form: str):
     """A checkpoint that must not be resumed as is, given as ``form``: the run folder or the checkpoint path."""
 
     def run(tmp: Path) -> str:
-        from hf_dist.checkpoint.auto_resume import auto_resume
-        from hf_dist.checkpoint.reshard import prepare_resume
+        from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
+        from hf_dist.checkpoint.lifecycle.reshard import prepare_resume
 
         config, state = STATE
         ckpt = tmp / "run" / "checkpoint-3"
         if layout == "zero3 for zero2":
-            from hf_dist.checkpoint.marker import write_marker
+            from hf_dist.checkpoint.lifecycle.marker import write_marker
 
             make_zero_checkpoint(ckpt, config, state, stage=3)
             write_marker(ckpt, world_size=2, step=3)  # complete: only the strategy is wrong

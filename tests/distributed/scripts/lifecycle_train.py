@@ -78,7 +78,7 @@ class KillDuringSaveTrainer(Trainer):
 
 def slow_background_writes(seconds: float) -> None:
     """Every write queued by async_save's writer thread waits ``seconds`` first: a window to kill a rank in."""
-    from hf_dist.checkpoint.async_save import BackgroundWriter
+    from hf_dist.checkpoint.lifecycle.async_save import BackgroundWriter
 
     submit = BackgroundWriter._submit
 

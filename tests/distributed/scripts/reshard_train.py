@@ -7,7 +7,7 @@ same at every world size, so a resumed run sees the same samples per step as an 
     torchrun --nproc_per_node 3 reshard_train.py --backend fsdp --out OUT --max-steps 6 --resume OUT/checkpoint-3
     torchrun --nproc_per_node 3 reshard_train.py --backend zero2 --out OUT2 --max-steps 6 --auto-resume
 
-``--resume`` goes through ``hf_dist.checkpoint.reshard.prepare_resume``; ``--auto-resume`` through
+``--resume`` goes through ``hf_dist.checkpoint.lifecycle.reshard.prepare_resume``; ``--auto-resume`` through
 ``hf_dist.auto_resume(OUT, training_args=...)``, which finds the newest complete checkpoint in OUT itself.
 """
 
@@ -106,7 +106,7 @@ def main() -> None:
         **strategy_args(args.backend, model),
     )
     if args.resume:
-        from hf_dist.checkpoint.reshard import prepare_resume
+        from hf_dist.checkpoint.lifecycle.reshard import prepare_resume
 
         # converts a ZeRO checkpoint saved at another world size to universal and enables load_universal
         args.resume = prepare_resume(args.resume, world, training_args=training_args)
@@ -117,7 +117,7 @@ def main() -> None:
         if args.resume is None:
             raise SystemExit(f"--auto-resume: no complete checkpoint in {args.out}")
     from hf_dist.callbacks import CompleteCheckpointCallback
-    from hf_dist.checkpoint.reshard import reshard_callback
+    from hf_dist.checkpoint.lifecycle.reshard import reshard_callback
     from hf_dist.runtime.dist import shutdown
 
     callbacks = [Record(), CompleteCheckpointCallback(), reshard_callback()]

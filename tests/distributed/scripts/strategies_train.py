@@ -202,7 +202,7 @@ class NVMeProbe:
 
         class _Callback(TrainerCallback):
             def on_step_end(self, args, state, control, optimizer=None, **kwargs):
-                from hf_dist.checkpoint.zero_infinity import zero_infinity_optimizer
+                from hf_dist.checkpoint.lifecycle.zero_infinity import zero_infinity_optimizer
 
                 probe.steps[state.global_step] = probe.facts(zero_infinity_optimizer(optimizer))
 

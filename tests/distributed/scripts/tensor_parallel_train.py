@@ -159,7 +159,7 @@ def main() -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from hf_dist.callbacks import CompleteCheckpointCallback, ShardedResumeCallback, attach
-    from hf_dist.checkpoint.auto_resume import auto_resume
+    from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
     from hf_dist.runtime.cpu_fsdp import allow_parallelism_config_on_cpu
     from hf_dist.runtime.dist import shutdown
 

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 from hf_dist.callbacks import attach, default
 from hf_dist.callbacks.resume import AsyncCheckpointCallback, CompleteCheckpointCallback
-from hf_dist.checkpoint import async_save
-from hf_dist.checkpoint.auto_resume import auto_resume
-from hf_dist.checkpoint.marker import MARKER_NAME, WRITING_NAME, is_complete, unmarked_reasons
+from hf_dist.checkpoint.lifecycle import async_save
+from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
+from hf_dist.checkpoint.lifecycle.marker import MARKER_NAME, WRITING_NAME, is_complete, unmarked_reasons
 
 SAVE = dict(save_strategy="steps", save_steps=2, save_total_limit=3)
 

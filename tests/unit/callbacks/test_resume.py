@@ -10,10 +10,17 @@ from pathlib import Path
 import pytest
 
 from hf_dist.callbacks.resume import CompleteCheckpointCallback
-from hf_dist.checkpoint.auto_resume import auto_resume, check_resume_compatible
-from hf_dist.checkpoint.layout import read_layout
-from hf_dist.checkpoint.marker import MARKER_NAME, incomplete_reasons, is_complete, missing_rank_files, write_marker
-from hf_dist.checkpoint.safe_pickle import is_pickle_file
+from hf_dist.checkpoint.formats.layout import read_layout
+from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
+from hf_dist.checkpoint.lifecycle.marker import (
+    MARKER_NAME,
+    incomplete_reasons,
+    is_complete,
+    missing_rank_files,
+    write_marker,
+)
+from hf_dist.checkpoint.lifecycle.resume_checks import check_resume_compatible
+from hf_dist.checkpoint.safety.pickles import is_pickle_file
 
 
 def fake_checkpoint(root: Path, step: int, files: dict[str, bytes]) -> Path:
@@ -172,7 +179,7 @@ def test_a_run_without_hf_dist_callbacks_resumes_from_the_trainers_own_files(mak
     trainer = make_trainer(output_dir=str(out), save_strategy="steps", save_steps=2)
     trainer.train()
     assert not (out / "checkpoint-4" / MARKER_NAME).exists()
-    with caplog.at_level("INFO", logger="hf_dist.checkpoint.auto_resume"):
+    with caplog.at_level("INFO", logger="hf_dist.checkpoint.lifecycle.auto_resume"):
         assert auto_resume(out) == str(out / "checkpoint-4")
     assert "proved complete from the Trainer's own files" in caplog.text
     from transformers import TrainerCallback
@@ -288,6 +295,6 @@ def test_auto_resume_checks_the_family_against_training_args(tmp_path, layout, a
 def test_strategy_of_args_names_registry_strategies(args, expected):
     from types import SimpleNamespace
 
-    from hf_dist.checkpoint.auto_resume import strategy_of_args
+    from hf_dist.checkpoint.lifecycle.resume_checks import strategy_of_args
 
     assert strategy_of_args(SimpleNamespace(**args)) == expected

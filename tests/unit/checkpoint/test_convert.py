@@ -149,7 +149,7 @@ def test_prefetch_keeps_order_raises_errors_and_stops_with_the_consumer():
 def test_copy_ranges_by_kernel_or_buffer(tmp_path, monkeypatch, kernel):
     import errno
 
-    import hf_dist.checkpoint.writer as writer
+    import hf_dist.checkpoint.write.hf_folder as writer
 
     src = tmp_path / "src.bin"
     src.write_bytes(bytes(range(256)) * 40)
@@ -176,7 +176,7 @@ def test_disk_full_up_front_and_while_writing_leave_nothing(zero_ckpt, tmp_path,
     import errno
     from collections import namedtuple
 
-    import hf_dist.checkpoint.writer as writer
+    import hf_dist.checkpoint.write.hf_folder as writer
 
     root, _ = zero_ckpt
     usage = namedtuple("usage", "total used free")

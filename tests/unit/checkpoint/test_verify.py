@@ -44,8 +44,8 @@ def test_missing_tensor_names_the_side_that_lacks_it(tiny_state, tmp_path, capsy
 
 
 def test_dcp_without_any_config_asks_for_one(tiny_state, tmp_path, capsys):
-    from hf_dist.checkpoint.dcp_writer import write_dcp
-    from hf_dist.checkpoint.reader import TensorSpec
+    from hf_dist.checkpoint.formats.reader import TensorSpec
+    from hf_dist.checkpoint.write.dcp import write_dcp
 
     config, state = tiny_state
     dcp = tmp_path / "dcp"

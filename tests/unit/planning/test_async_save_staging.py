@@ -1,4 +1,4 @@
-"""The planner counts async_save's staging copy in host RAM (hf_dist.checkpoint.async_save stages what each rank
+"""The planner counts async_save's staging copy in host RAM (hf_dist.checkpoint.lifecycle.async_save stages what each rank
 writes): FSDP2 every rank its shards, DDP rank 0 alone, DeepSpeed nothing (it saves synchronously)."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Layout (deepspeed 0.19, ``DeepSpeedEngine._save_checkpoint`` with ``"tensor_parallel": {"autotp_size": N}``):
 each TP rank ``M`` writes ``mp_rank_0M_model_states.pt`` and, per data-parallel rank ``R``,
 ``zero_pp_rank_R_mp_rank_0M_optim_states.pt``: the ZeRO-1/2 checkpoint of the slices that rank holds, read by
-:class:`~hf_dist.checkpoint.deepspeed_reader.DeepSpeedReader` (``mp_rank=M``). How each tensor was split is
+:class:`~hf_dist.checkpoint.formats.deepspeed.DeepSpeedReader` (``mp_rank=M``). How each tensor was split is
 recorded in every model-states file's ``universal_checkpoint_info`` (the input of DeepSpeed's own
 ``ds_to_universal``): ``tp_replicated_parameter_patterns`` are whole on every rank (embeddings, norms),
 ``parameter_with_row_parallelism_patterns`` are split along dim 1 (``LinearAllreduce``: o_proj, down_proj), every
@@ -16,9 +16,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from hf_dist.checkpoint.deepspeed_reader import DeepSpeedReader
-from hf_dist.checkpoint.layout import CheckpointLayout
-from hf_dist.checkpoint.reader import Reader, TensorSpec
+from hf_dist.checkpoint.formats.deepspeed import DeepSpeedReader
+from hf_dist.checkpoint.formats.layout import CheckpointLayout
+from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
 
 REPLICATED, ROW_PARALLEL = "tp_replicated_parameter_patterns", "parameter_with_row_parallelism_patterns"
 

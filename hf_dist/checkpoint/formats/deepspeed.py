@@ -27,9 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.layout import OPTIM_FILE_RE, ZERO3_MODEL_FILE_RE, CheckpointLayout
-from hf_dist.checkpoint.reader import Reader, TensorSpec
-from hf_dist.checkpoint.safe_pickle import safe_load
+from hf_dist.checkpoint.formats.layout import (
+    OPTIM_FILE_RE,
+    PIPELINE_LAYER_GLOB,
+    ZERO3_MODEL_FILE_RE,
+    CheckpointLayout,
+    tp_model_file,
+)
+from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
+from hf_dist.checkpoint.safety.pickles import safe_load
 
 
 @dataclass(frozen=True)
@@ -51,7 +57,7 @@ class ParamSource:
 
 class DeepSpeedReader(Reader):
     """The data-parallel ZeRO checkpoint of one tensor-parallel rank ``mp_rank`` (0: the only one without AutoTP;
-    :class:`hf_dist.checkpoint.autotp_reader.AutoTPReader` merges the ranks of an AutoTP checkpoint)."""
+    :class:`hf_dist.checkpoint.formats.autotp.AutoTPReader` merges the ranks of an AutoTP checkpoint)."""
 
     def __init__(self, info: CheckpointLayout, *, trust_pickles: bool = False, mp_rank: int = 0) -> None:
         super().__init__()
@@ -65,7 +71,7 @@ class DeepSpeedReader(Reader):
         model_files = sorted(
             p for p in tag_dir.iterdir() if (m := ZERO3_MODEL_FILE_RE.match(p.name)) and int(m["mp"]) == mp_rank
         )
-        self.model_file0 = model_files[0] if model_files else tag_dir / f"mp_rank_{mp_rank:02d}_model_states.pt"
+        self.model_file0 = model_files[0] if model_files else tp_model_file(tag_dir, mp_rank)
         model_states = self._load(self.model_file0)
         for key in ("param_shapes", "module"):
             if key not in model_states:
@@ -99,7 +105,7 @@ class DeepSpeedReader(Reader):
                 f"no *_optim_states.pt files in {tag_dir}: the fp32 master weights are missing "
                 "(was the checkpoint saved with save_checkpoint on every rank?)"
             )
-        if any(tag_dir.glob("layer_*")):
+        if any(tag_dir.glob(PIPELINE_LAYER_GLOB)):
             raise ValueError(
                 f"{tag_dir} is a pipeline-parallel DeepSpeed checkpoint (layer_* files); only data-parallel ZeRO-1/2/3 "
                 "and AutoTP checkpoints can be read. Use DeepSpeed's ds_to_universal.py"

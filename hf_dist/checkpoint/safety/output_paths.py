@@ -10,16 +10,10 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 from collections.abc import Iterable
 from pathlib import Path
 
-# Files and folders that only a training run writes: a folder holding one of them is a checkpoint or a run.
-_TRAINING_FILES = ("trainer_state.json", "hf_dist_complete.json", "latest", "latest_universal", "optimizer.pt",
-                   "scheduler.pt", "training_args.bin", "pytorch_model_fsdp.bin", "zero_to_fp32.py")  # fmt: skip
-_TRAINING_PATTERNS = re.compile(
-    r"^(checkpoint-\d+|global_step\d+.*|pytorch_model_fsdp_\d+|optimizer_\d+|rng_state.*\.pth)$"
-)
+from hf_dist.checkpoint.formats.layout import is_training_state
 
 
 class UnsafeOutputError(ValueError):
@@ -33,7 +27,7 @@ def training_state_in(folder: Path) -> str | None:
     except OSError:
         return None
     for name in names:
-        if name in _TRAINING_FILES or _TRAINING_PATTERNS.match(name):
+        if is_training_state(name):
             return name
     return None
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.atomic_io import atomic_dir
-from hf_dist.checkpoint.reader import TensorSpec
+from hf_dist.checkpoint.formats.reader import TensorSpec
 
 SAFETENSORS_DTYPES = {
     "torch.float32": "F32",
@@ -194,11 +194,11 @@ def atomic_output_dir(
 ) -> Iterator[Path]:
     """Yield a temporary sibling of ``dst``; on success it replaces ``dst``, on any error it is removed.
 
-    ``dst`` passes :func:`hf_dist.checkpoint.paths.check_output_path` first (never the source, a folder around
+    ``dst`` passes :func:`hf_dist.checkpoint.safety.output_paths.check_output_path` first (never the source, a folder around
     or inside it, or a training checkpoint) and its file system must have ``needed_bytes`` free; the folder
     is then built by :func:`hf_dist.atomic_io.atomic_dir`.
     """
-    from hf_dist.checkpoint.paths import check_output_path, format_bytes, make_parent
+    from hf_dist.checkpoint.safety.output_paths import check_output_path, format_bytes, make_parent
 
     dst = check_output_path(dst, sources=sources, overwrite=overwrite)
     make_parent(dst)

@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_dist.checkpoint.auto_resume import auto_resume
-from hf_dist.checkpoint.marker import write_marker
-from hf_dist.checkpoint.reshard import prepare_resume, reshard
-from hf_dist.checkpoint.safe_pickle import UnsafePickleError, check_pickles
+from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
+from hf_dist.checkpoint.lifecycle.marker import write_marker
+from hf_dist.checkpoint.lifecycle.reshard import prepare_resume, reshard
+from hf_dist.checkpoint.safety.pickles import UnsafePickleError, check_pickles
 from hf_dist.cli.main import main
 from tests.unit.checkpoint.fakes import make_zero_checkpoint
 
@@ -79,8 +79,8 @@ def _zero_run(tmp_path: Path, tiny_state, stage: int) -> Path:
 
 
 def _dcp_run(tmp_path: Path, tiny_state) -> Path:
-    from hf_dist.checkpoint.dcp_writer import write_dcp
-    from hf_dist.checkpoint.reader import TensorSpec
+    from hf_dist.checkpoint.formats.reader import TensorSpec
+    from hf_dist.checkpoint.write.dcp import write_dcp
 
     config, state = tiny_state
     ckpt = tmp_path / "run" / "checkpoint-3"
@@ -273,7 +273,7 @@ def test_polyglot_file_is_checked_as_torch_reads_it(tmp_path):
 def test_torchscript_archive_is_refused(tmp_path):
     """torch.load(weights_only=False) hands a TorchScript zip to torch.jit.load, which runs the module's code
     (its ``__setstate__``); no checkpoint is one, so the gate and safe_load refuse it by torch's own test."""
-    from hf_dist.checkpoint.safe_pickle import safe_load
+    from hf_dist.checkpoint.safety.pickles import safe_load
 
     path = tmp_path / "pytorch_model.bin"
     torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), path)

@@ -1,4 +1,4 @@
-"""hf_dist.checkpoint.sharded_state and ShardedResumeCallback in one process (the TP runs on 2 and 4 ranks are in
+"""hf_dist.checkpoint.lifecycle.sharded_state and ShardedResumeCallback in one process (the TP runs on 2 and 4 ranks are in
 tests/distributed/test_tensor_parallel.py)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from hf_dist.callbacks.resume import ShardedResumeCallback
-from hf_dist.checkpoint import sharded_state
-from hf_dist.checkpoint.layout import SHARDED_OPTIM, read_layout
+from hf_dist.checkpoint.formats.layout import SHARDED_OPTIM, read_layout
+from hf_dist.checkpoint.lifecycle import sharded_state
 from hf_dist.planning.layout import CheckpointFamily
 from hf_dist.testing import free_port
 
@@ -132,8 +132,8 @@ def test_loading_passes_the_gate_first(tmp_path):
     """DCP unpickles the optimizer's non-tensor values with weights_only=False; a planted one is refused unread."""
     import torch.distributed.checkpoint as dcp
 
-    from hf_dist.checkpoint.safe_pickle import UnsafePickleError
-    from tests.unit.checkpoint.test_loading_gate import Payload
+    from hf_dist.checkpoint.safety.pickles import UnsafePickleError
+    from tests.unit.checkpoint.safety.test_loading_gate import Payload
 
     model, optimizer, scheduler = trained()
     sharded_state.save_optimizer_state(tmp_path, model, optimizer, scheduler)

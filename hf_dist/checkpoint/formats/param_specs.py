@@ -3,7 +3,7 @@
 Validating a checkpoint against its config through transformers means importing transformers
 and building the model on the meta device, which costs seconds, often more than the conversion
 itself. For the Llama family (the common case) the parameter list is small, declarative data; other
-architectures fall back to transformers. ``tests/unit/checkpoint/test_param_specs.py`` checks these
+architectures fall back to transformers. ``tests/unit/checkpoint/formats/test_param_specs.py`` checks these
 against transformers' own models.
 """
 

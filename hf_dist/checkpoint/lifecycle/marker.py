@@ -6,7 +6,7 @@ done long before the others. A job killed in that window leaves a folder that lo
 :class:`hf_dist.callbacks.resume.CompleteCheckpointCallback` waits for every rank after the save and only
 then has rank 0 write ``hf_dist_complete.json`` (atomically, :func:`write_marker`) listing every file and its
 size. :func:`incomplete_reasons` / :func:`is_complete` check a folder against its marker and its
-per-rank files (:meth:`hf_dist.checkpoint.layout.CheckpointLayout.missing_rank_files`).
+per-rank files (:meth:`hf_dist.checkpoint.formats.layout.CheckpointLayout.missing_rank_files`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,18 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.atomic_io import atomic_write_json
-from hf_dist.checkpoint.layout import read_layout
+from hf_dist.checkpoint.formats.layout import (
+    MARKER_NAME,
+    TRAINER_STATE,
+    WRITING_NAME,
+    dcp_folders_without_metadata,
+    read_layout,
+)
 from hf_dist.planning.layout import CheckpointFamily
 
-MARKER_NAME = "hf_dist_complete.json"
 MARKER_VERSION = 1
-# A save whose files a background thread is still writing (async_save); removed just before the marker is written.
-WRITING_NAME = "hf_dist_writing.json"
+# WRITING_NAME: a save whose files a background thread is still writing (async_save); removed just before the
+# marker is written. Both names are the layout's (hf_dist.checkpoint.formats.layout).
 
 
 def mark_writing(checkpoint_dir: str | os.PathLike, step: int) -> None:
@@ -170,9 +175,8 @@ def unmarked_reasons(checkpoint_dir: str | os.PathLike, world_size: int) -> list
     if layout.family is CheckpointFamily.FULL:
         ranks = max(world_size, ranks)
     reasons += [f"{what} is missing" for what in layout.missing_rank_files(ranks)]
-    for sub in sorted({p.parent for p in folder.rglob("*.distcp")}):
-        if not (sub / ".metadata").is_file():
-            reasons.append(f"{sub.relative_to(folder)}/.metadata is missing (DCP writes it once every rank finished)")
+    for sub in dcp_folders_without_metadata(folder):
+        reasons.append(f"{sub.relative_to(folder)}/.metadata is missing (DCP writes it once every rank finished)")
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         rel = path.relative_to(folder).as_posix()
         if path.stat().st_size == 0:
@@ -183,7 +187,7 @@ def unmarked_reasons(checkpoint_dir: str | os.PathLike, world_size: int) -> list
 
 
 def _trainer_state_reasons(folder: Path) -> list[str]:
-    path = folder / "trainer_state.json"
+    path = folder / TRAINER_STATE
     if not path.is_file():
         return ["trainer_state.json is missing (the Trainer writes it after every other file of the save)"]
     try:

@@ -17,12 +17,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-
-class OpaqueObject:
-    """Stand-in for a class we never need to behave: keeps the pickled attributes, runs no code."""
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.__dict__!r})"
+from hf_dist.checkpoint.safety.dcp_metadata import DCP_MODULES, DCP_NAMES, OTHER_GLOBALS, byte_payloads
+from hf_dist.checkpoint.safety.errors import CorruptCheckpointError, OpaqueObject, UnsafePickleError
 
 
 class LossScalerStub(OpaqueObject):
@@ -44,14 +40,6 @@ DEEPSPEED_GLOBALS: list[tuple[Any, str]] = [
     (LossScalerStub, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
     (FragmentAddressStub, "deepspeed.utils.tensor_fragment.fragment_address"),
 ]
-
-
-class UnsafePickleError(RuntimeError):
-    """A checkpoint file holds a type outside the allowlist."""
-
-
-class CorruptCheckpointError(RuntimeError):
-    """A checkpoint file cannot be read (truncated, not a torch archive)."""
 
 
 def safe_load(path: str | os.PathLike, *, trust_pickles: bool = False, mmap: bool = True, meta: bool = False) -> Any:
@@ -236,8 +224,6 @@ def _refuse_format(path: Path, what: str) -> None:
 def _check_dcp_payloads(folder: Path) -> None:
     """The non-tensor values DCP stored in the ``.distcp`` files of ``folder`` (it unpickles them with
     ``weights_only=False``), each checked like a file of its own."""
-    from hf_dist.checkpoint.dcp_reader import byte_payloads
-
     for name, file, offset, length, transformed in byte_payloads(folder):
         if transformed:
             raise UnsafePickleError(
@@ -281,14 +267,12 @@ def _allowed_globals() -> frozenset[str]:
         import torch
         from torch import _weights_only_unpickler
 
-        from hf_dist.checkpoint.dcp_reader import _DCP_MODULES, _DCP_NAMES, _OTHER_GLOBALS
-
         names = set(_weights_only_unpickler._get_allowed_globals())
         names |= {f"{g.__module__}.{g.__qualname__}" for g in torch.serialization.get_safe_globals()
                   if isinstance(g, type) or callable(g)}  # fmt: skip
         names |= {dotted for _, dotted in DEEPSPEED_GLOBALS}
-        names |= {f"{module}.{name}" for module in _DCP_MODULES for name in _DCP_NAMES}
-        names |= {f"{module}.{name}" for module, name in _OTHER_GLOBALS}
+        names |= {f"{module}.{name}" for module in DCP_MODULES for name in DCP_NAMES}
+        names |= {f"{module}.{name}" for module, name in OTHER_GLOBALS}
         names |= TRAINER_GLOBALS
         _ALLOWED = frozenset(names)
     return _ALLOWED

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from hf_dist.atomic_io import atomic_write_json
-from hf_dist.checkpoint.layout import SHARDED_OPTIMIZER_DIR as OPTIMIZER_DIR
+from hf_dist.checkpoint.formats.layout import DCP_METADATA, rng_state_name
+from hf_dist.checkpoint.formats.layout import SHARDED_OPTIMIZER_DIR as OPTIMIZER_DIR
 from hf_dist.runtime import dist as _dist
 
 SCHEDULER_FILE = "hf_dist_scheduler.json"
@@ -45,7 +46,7 @@ def has_dtensor_params(model: torch.nn.Module) -> bool:
 
 
 def has_optimizer_state(checkpoint_dir: str | os.PathLike) -> bool:
-    return (Path(checkpoint_dir) / OPTIMIZER_DIR / ".metadata").is_file()
+    return (Path(checkpoint_dir) / OPTIMIZER_DIR / DCP_METADATA).is_file()
 
 
 def accept_full_state_dict(model: torch.nn.Module) -> None:
@@ -111,7 +112,7 @@ def save_rng_state(checkpoint_dir: str | os.PathLike, world_size: int) -> Path:
     }
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.random.get_rng_state_all() if world_size > 1 else torch.cuda.random.get_rng_state()
-    name = f"rng_state_{_dist.rank()}.pth" if world_size > 1 else "rng_state.pth"
+    name = rng_state_name(_dist.rank(), world_size)
     buffer = io.BytesIO()
     torch.save(states, buffer)
     return atomic_write_bytes(Path(checkpoint_dir) / name, buffer.getvalue())
@@ -139,13 +140,13 @@ def load_optimizer_state(
 ) -> None:
     """Load what :func:`save_optimizer_state` wrote into this run's optimizer, resharded by DCP to its layout.
 
-    The folder passes the loading gate first (:func:`~hf_dist.checkpoint.safe_pickle.check_pickles`: DCP unpickles
+    The folder passes the loading gate first (:func:`~hf_dist.checkpoint.safety.pickles.check_pickles`: DCP unpickles
     ``.metadata`` and the non-tensor values, e.g. ``param_groups``, without ``weights_only``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    from hf_dist.checkpoint.dcp_reader import safe_filesystem_reader
-    from hf_dist.checkpoint.safe_pickle import check_pickles
+    from hf_dist.checkpoint.safety.dcp_metadata import safe_filesystem_reader
+    from hf_dist.checkpoint.safety.pickles import check_pickles
 
     folder = Path(checkpoint_dir) / OPTIMIZER_DIR
     check_pickles(folder, trust_pickles=trust_pickles)

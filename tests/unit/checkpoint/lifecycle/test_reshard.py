@@ -1,4 +1,4 @@
-"""hf_dist.checkpoint.reshard on synthetic checkpoint folders (file layout only; real runs are in tests/distributed)."""
+"""hf_dist.checkpoint.lifecycle.reshard on synthetic checkpoint folders (file layout only; real runs are in tests/distributed)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_dist.checkpoint.reshard import inspect_checkpoint, prepare_resume, to_universal, untie_optimizer_steps
+from hf_dist.checkpoint.lifecycle.reshard import (
+    inspect_checkpoint,
+    prepare_resume,
+    to_universal,
+    untie_optimizer_steps,
+)
 from hf_dist.cli.main import main
 from hf_dist.planning.layout import CheckpointFamily
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hf_dist.checkpoint.dcp_reader import DCPReader, load_metadata
-from hf_dist.checkpoint.layout import read_layout
-from hf_dist.checkpoint.safe_pickle import CorruptCheckpointError
+from hf_dist.checkpoint.formats.dcp import DCPReader
+from hf_dist.checkpoint.formats.layout import read_layout
+from hf_dist.checkpoint.safety.dcp_metadata import load_metadata
+from hf_dist.checkpoint.safety.pickles import CorruptCheckpointError
 
 
 @pytest.fixture
@@ -57,8 +58,8 @@ def test_metadata_stand_ins_never_import_torch_distributed(saved):
     folder, _ = saved
     code = (
         "import sys, torch\n"
-        "from hf_dist.checkpoint.layout import read_layout\n"
-        "from hf_dist.checkpoint.dcp_reader import DCPReader\n"
+        "from hf_dist.checkpoint.formats.layout import read_layout\n"
+        "from hf_dist.checkpoint.formats.dcp import DCPReader\n"
         f"r = DCPReader(read_layout({str(folder)!r}))\n"
         "r.read(list(r.specs()))\n"
         "print('torch.distributed.checkpoint' in sys.modules)\n"

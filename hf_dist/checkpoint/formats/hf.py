@@ -7,9 +7,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.layout import CheckpointLayout
-from hf_dist.checkpoint.reader import Reader, TensorSpec
-from hf_dist.checkpoint.safe_pickle import CorruptCheckpointError, safe_load
+from hf_dist.checkpoint.formats.layout import CheckpointLayout
+from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
+from hf_dist.checkpoint.safety.pickles import CorruptCheckpointError, safe_load
 
 TOKENIZER_FILES = (
     "tokenizer.json",

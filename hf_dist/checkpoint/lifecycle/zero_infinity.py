@@ -17,8 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.layout import OPTIM_FILE_RE, read_layout
-from hf_dist.checkpoint.safe_pickle import safe_load
+from hf_dist.checkpoint.formats.layout import optim_file, read_layout
+from hf_dist.checkpoint.safety.pickles import safe_load
 
 __all__ = ["restore_resident_subgroups", "zero_infinity_optimizer"]
 
@@ -107,12 +107,11 @@ def _clone(value: Any) -> Any:
 
 
 def _optim_file(checkpoint_dir: Path, rank: int) -> Path:
-    """This rank's ``*_optim_states.pt`` in the tag :func:`~hf_dist.checkpoint.layout.read_layout` resolves."""
+    """This rank's ``*_optim_states.pt`` in the tag :func:`~hf_dist.checkpoint.formats.layout.read_layout` resolves."""
     tag_dir = read_layout(checkpoint_dir).path
-    for path in tag_dir.iterdir():
-        match = OPTIM_FILE_RE.match(path.name)
-        if match and int(match["rank"]) == rank and int(match["mp"]) == 0:
-            return path
+    path = optim_file(tag_dir, rank)
+    if path is not None:
+        return path
     raise FileNotFoundError(
         f"no optimizer file of rank {rank} in {tag_dir}: copy the complete checkpoint folder (every rank's files)"
     )

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hf_dist.callbacks.resume import ZeroInfinityResumeCallback
-from hf_dist.checkpoint.deepspeed_reader import zero3_sub_groups
-from hf_dist.checkpoint.zero_infinity import zero_infinity_optimizer
+from hf_dist.checkpoint.formats.deepspeed import zero3_sub_groups
+from hf_dist.checkpoint.lifecycle.zero_infinity import zero_infinity_optimizer
 
 
 def test_sub_groups_are_cut_where_deepspeed_cuts_them():
@@ -43,7 +43,7 @@ def test_resume_callback_leaves_other_runs_alone(tmp_path):
 
 
 def test_a_deepspeed_without_the_internals_is_refused_not_half_repaired(tmp_path):
-    from hf_dist.checkpoint.zero_infinity import restore_resident_subgroups
+    from hf_dist.checkpoint.lifecycle.zero_infinity import restore_resident_subgroups
 
     other_version = SimpleNamespace(swap_optimizer=True, fp32_partitioned_groups_flat=[])
     with pytest.raises(RuntimeError, match="cannot repair this ZeRO-Infinity resume: .*'optimizer_swapper'"):

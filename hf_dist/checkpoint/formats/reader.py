@@ -49,7 +49,7 @@ class Reader:
         """Where the stored bytes of ``name`` lie, in C order, as ``(file, offset, length)``; None when they don't.
 
         A converter writing ``name`` unchanged (same dtype, no merge) copies these ranges file to file
-        (:func:`hf_dist.checkpoint.writer.copy_ranges`) instead of reading the tensor into memory.
+        (:func:`hf_dist.checkpoint.write.hf_folder.copy_ranges`) instead of reading the tensor into memory.
         """
         return None
 

@@ -5,7 +5,7 @@ import types
 import pytest
 import torch
 
-from hf_dist.checkpoint.safe_pickle import (
+from hf_dist.checkpoint.safety.pickles import (
     CorruptCheckpointError,
     LossScalerStub,
     UnsafePickleError,

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from hf_dist.checkpoint.param_specs import llama_like_specs
+from hf_dist.checkpoint.formats.param_specs import llama_like_specs
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.reader import TensorSpec
-from hf_dist.checkpoint.writer import atomic_output_dir
+from hf_dist.checkpoint.formats.layout import DCP_METADATA, dcp_shard_name
+from hf_dist.checkpoint.formats.reader import TensorSpec
+from hf_dist.checkpoint.write.hf_folder import atomic_output_dir
 
 DEFAULT_PREFIX = "model."
 FILE_SIZE = 1024**3
@@ -52,7 +53,7 @@ def write_dcp(
             if handle is None or written >= file_size:
                 if handle is not None:
                     handle.close()
-                files.append(f"__{len(files)}_0.distcp")
+                files.append(dcp_shard_name(len(files)))
                 handle, written = open(tmp / files[-1], "wb"), 0  # noqa: SIM115 - closed below
             fqn = prefix + name
             zeros = torch.Size([0] * tensor.dim())
@@ -70,6 +71,6 @@ def write_dcp(
             handle.close()
         if len(state_md) != len(specs):
             raise RuntimeError(f"internal: wrote {len(state_md)} of {len(specs)} tensors")
-        with open(tmp / ".metadata", "wb") as meta:
+        with open(tmp / DCP_METADATA, "wb") as meta:
             pickle.dump(Metadata(state_dict_metadata=state_md, storage_data=storage), meta)
-    return [*files, ".metadata"]
+    return [*files, DCP_METADATA]

@@ -13,7 +13,7 @@
 Usage, before building the Trainer (all ranks call it; global rank 0 converts, the others wait)::
 
     args = TrainingArguments(..., deepspeed=ds_config)
-    ckpt = hf_dist.checkpoint.reshard.prepare_resume("out/checkpoint-500", training_args=args)
+    ckpt = hf_dist.checkpoint.lifecycle.reshard.prepare_resume("out/checkpoint-500", training_args=args)
     Trainer(model, args, ...).train(resume_from_checkpoint=ckpt)
 
 or offline: ``hf-dist reshard out/checkpoint-500`` (then set ``"checkpoint": {"load_universal": true}``).
@@ -30,7 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.atomic_io import atomic_dir, atomic_write_text
-from hf_dist.checkpoint.layout import LATEST_UNIVERSAL, UNIVERSAL_SUFFIX, ZERO_OPTIM, CheckpointLayout, read_layout
+from hf_dist.checkpoint.formats.layout import (
+    LATEST_UNIVERSAL,
+    UNIVERSAL_SUFFIX,
+    ZERO_OPTIM,
+    CheckpointLayout,
+    read_layout,
+)
+from hf_dist.checkpoint.lifecycle.resume_checks import check_autotp_matches, check_strategy_matches, gate_checkpoint
 
 
 def inspect_checkpoint(checkpoint_dir: str | Path) -> CheckpointLayout:
@@ -62,9 +69,9 @@ def to_universal(
     kept) and returns the universal folder. The folder appears atomically: it is built under a temporary name
     and renamed, and ``latest_universal`` is written last, so a crash leaves no half-converted checkpoint.
     DeepSpeed unpickles the tag folder with ``weights_only=False``: its files pass the loading gate
-    (:func:`hf_dist.checkpoint.safe_pickle.check_pickles`) first, unless ``trust_pickles``.
+    (:func:`hf_dist.checkpoint.safety.pickles.check_pickles`) first, unless ``trust_pickles``.
     """
-    from hf_dist.checkpoint.safe_pickle import check_pickles
+    from hf_dist.checkpoint.safety.pickles import check_pickles
 
     layout = inspect_checkpoint(checkpoint_dir)
     if layout.tp_size > 1:
@@ -102,12 +109,12 @@ def reshard(
 
     DeepSpeed ZeRO: adds the universal conversion (in place, or in a copy at ``dst`` when given, leaving
     ``src`` untouched). FSDP/DCP and unsharded checkpoints already reshard on load: returned (or copied) as is.
-    ``dst`` passes :func:`hf_dist.checkpoint.paths.check_output_path`: never ``src``, a folder around or
+    ``dst`` passes :func:`hf_dist.checkpoint.safety.output_paths.check_output_path`: never ``src``, a folder around or
     inside it; ``overwrite`` replaces only a folder that holds no training state. Every pickle of ``src``
-    passes the loading gate (:func:`hf_dist.checkpoint.safe_pickle.check_pickles`) first.
+    passes the loading gate (:func:`hf_dist.checkpoint.safety.pickles.check_pickles`) first.
     """
-    from hf_dist.checkpoint.paths import check_output_path, make_parent
-    from hf_dist.checkpoint.safe_pickle import check_pickles
+    from hf_dist.checkpoint.safety.output_paths import check_output_path, make_parent
+    from hf_dist.checkpoint.safety.pickles import check_pickles
 
     src_path = Path(src).expanduser()
     layout = inspect_checkpoint(src_path)
@@ -151,23 +158,6 @@ def _run_ds_to_universal(src: Path, dst: Path, workers: int) -> None:
         ) from exc
 
 
-def _check_autotp_matches(layout: CheckpointLayout, training_args: Any, world_size: int) -> None:
-    """DeepSpeed loads an AutoTP checkpoint only at the TP size and world size it was written with."""
-    if not layout.family.is_zero or training_args is None:
-        return
-    from hf_dist.runtime.dist import deepspeed_config, parallel_sizes
-
-    tp = parallel_sizes(None, deepspeed_config(training_args))["tp"]
-    if layout.tp_size == tp and (tp == 1 or layout.world_size == world_size):
-        return
-    raise ValueError(
-        f"{layout.describe()} was written with DeepSpeed AutoTP size {layout.tp_size} on {layout.world_size} ranks; "
-        f"this run has AutoTP size {tp} on {world_size} ranks. DeepSpeed loads an AutoTP checkpoint only on the "
-        f"layout that wrote it: resume with autotp_size {layout.tp_size} on {layout.world_size} ranks, or export the "
-        "weights with hf-dist convert and start a new run from them"
-    )
-
-
 def prepare_resume(
     checkpoint_dir: str | Path,
     world_size: int | None = None,
@@ -186,15 +176,13 @@ def prepare_resume(
     ``deepspeed_config`` dict, in place. Call it before constructing the ``Trainer``.
 
     A checkpoint of another strategy family than ``training_args`` asks for raises (as
-    :func:`hf_dist.checkpoint.auto_resume.check_resume_compatible`), and every pickle in it passes the loading gate
+    :func:`hf_dist.checkpoint.lifecycle.resume_checks.check_resume_compatible`), and every pickle in it passes the loading gate
     before DeepSpeed, accelerate or the Trainer sees it (``trust_pickles=True`` skips the gate).
     """
-    from hf_dist.checkpoint.auto_resume import gate_checkpoint
-
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     layout = inspect_checkpoint(checkpoint_dir)
-    _check_strategy_matches(layout, training_args)
-    _check_autotp_matches(layout, training_args, world_size)
+    check_strategy_matches(layout, training_args)
+    check_autotp_matches(layout, training_args, world_size)
     gate_checkpoint(layout.root, trust_pickles=trust_pickles)
     if not layout.family.is_zero or layout.world_size == world_size:
         return str(layout.root)
@@ -210,17 +198,6 @@ def prepare_resume(
     for config in _deepspeed_config_dicts(training_args, deepspeed_config):
         config.setdefault("checkpoint", {})["load_universal"] = True
     return str(layout.root)
-
-
-def _check_strategy_matches(layout: CheckpointLayout, training_args: Any) -> None:
-    """The family check of ``auto_resume(strategy=...)``, with the strategy ``training_args`` asks for."""
-    if training_args is None:
-        return
-    from hf_dist.checkpoint.auto_resume import check_resume_compatible, strategy_of_args
-
-    strategy = strategy_of_args(training_args)
-    if strategy is not None:
-        check_resume_compatible(layout.root, strategy)
 
 
 def _deepspeed_config_dicts(training_args: Any, deepspeed_config: dict | None) -> list[dict]:
@@ -278,7 +255,7 @@ def untie_optimizer_steps(optimizer: Any) -> int:
 def reshard_callback() -> Any:
     """A ``TrainerCallback`` that repairs what resharded loads leave behind; add it when resuming.
 
-    ``Trainer(..., callbacks=[hf_dist.checkpoint.reshard.reshard_callback()])``. It runs once at train start, after the
+    ``Trainer(..., callbacks=[hf_dist.checkpoint.lifecycle.reshard.reshard_callback()])``. It runs once at train start, after the
     checkpoint was loaded, and calls :func:`untie_optimizer_steps`.
     """
     from transformers import TrainerCallback

@@ -1,6 +1,6 @@
 import pytest
 
-from hf_dist.checkpoint.layout import read_layout
+from hf_dist.checkpoint.formats.layout import read_layout
 from hf_dist.planning.layout import CheckpointFamily
 
 

@@ -6,6 +6,11 @@ resuming (the :class:`~hf_dist.planning.layout.CheckpointFamily` a strategy must
 files are missing). No file is opened; the readers fill in what only the files tell (exact ZeRO stage,
 training dtype).
 
+It is also the one place that names a checkpoint's files: every file name, pattern and glob (per-rank files,
+DeepSpeed tags, DCP shards and metadata, the Trainer's state, hf_dist's markers, the ``checkpoint-N`` folders of
+an output_dir, what only a training run writes) is defined here, and the readers, writers, markers, resume,
+reshard and the output-path check ask this module instead of spelling names of their own.
+
 Accepted layouts (any of them given directly, or the Trainer ``checkpoint-N/`` folder around them):
 
 * DeepSpeed ZeRO-1/2/3: ``latest`` + ``global_stepN/`` holding ``*_model_states.pt`` and
@@ -20,7 +25,7 @@ Accepted layouts (any of them given directly, or the Trainer ``checkpoint-N/`` f
 
 A Trainer checkpoint also holds one ``rng_state_R.pth`` per rank; one of a model sharded at load time (tensor
 parallelism) holds ``model.safetensors`` and hf_dist's optimizer DCP ``hf_dist_optimizer/``
-(:mod:`hf_dist.checkpoint.sharded_state`).
+(:mod:`hf_dist.checkpoint.lifecycle.sharded_state`).
 """
 
 from __future__ import annotations
@@ -43,9 +48,22 @@ HF_WEIGHT_NAMES = (
     "adapter_model.safetensors",
     "adapter_model.bin",
 )
-SHARDED_OPTIMIZER_DIR = "hf_dist_optimizer"  # written by hf_dist.checkpoint.sharded_state
+SHARDED_OPTIMIZER_DIR = "hf_dist_optimizer"  # written by hf_dist.checkpoint.lifecycle.sharded_state
 UNIVERSAL_SUFFIX = "_universal"
+LATEST = "latest"  # DeepSpeed: names the tag folder of the newest save
 LATEST_UNIVERSAL = "latest_universal"
+TRAINER_STATE = "trainer_state.json"  # the Trainer writes it after every other file of a save
+DCP_METADATA = ".metadata"  # DCP writes it once every rank wrote its .distcp files
+MARKER_NAME = "hf_dist_complete.json"  # hf_dist.checkpoint.lifecycle.marker: every rank finished this save
+WRITING_NAME = "hf_dist_writing.json"  # ... and: a background thread is still writing it (async_save)
+PIPELINE_LAYER_GLOB = "layer_*"  # DeepSpeed pipeline parallelism's per-layer files (not read by hf_dist)
+# Files and folders that only a training run writes: a folder holding one of them is a checkpoint or a run.
+TRAINING_FILES = (TRAINER_STATE, MARKER_NAME, LATEST, LATEST_UNIVERSAL, "optimizer.pt", "scheduler.pt",
+                  "training_args.bin", *FSDP_FULL_NAMES, "zero_to_fp32.py")  # fmt: skip
+TRAINING_NAME_RE = re.compile(
+    r"^(checkpoint-\d+|global_step\d+.*|pytorch_model_fsdp_\d+|optimizer_\d+|rng_state.*\.pth)$"
+)
+CHECKPOINT_DIR_RE = re.compile(r"^checkpoint-(\d+)$")  # the Trainer's checkpoint-N folders in an output_dir
 
 # The file names, once: group 1 of the ZeRO optimizer file is the dtype prefix, 2 the data-parallel rank,
 # 3 (named "mp") the tensor-parallel rank of DeepSpeed AutoTP; every pattern names its rank group "rank".
@@ -186,6 +204,58 @@ def read_layout(path: str | Path, *, tag: str | None = None, strict: bool = True
     return layout
 
 
+def list_checkpoints(output_dir: str | Path) -> list[tuple[int, str]]:
+    """``(step, path)`` of every ``checkpoint-N`` folder in ``output_dir``, newest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [
+        (int(m.group(1)), str(p)) for p in root.iterdir() if p.is_dir() and (m := CHECKPOINT_DIR_RE.match(p.name))
+    ]
+    return sorted(found, reverse=True)
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """True for a Trainer ``checkpoint-N`` folder itself (by its name, marker or trainer state), not a run's output_dir."""
+    return (
+        bool(CHECKPOINT_DIR_RE.match(path.name)) or (path / MARKER_NAME).is_file() or (path / TRAINER_STATE).is_file()
+    )
+
+
+def is_training_state(name: str) -> bool:
+    """True when a file or folder called ``name`` is one only a training run writes (:data:`TRAINING_FILES`)."""
+    return name in TRAINING_FILES or bool(TRAINING_NAME_RE.match(name))
+
+
+def dcp_folders_without_metadata(folder: Path) -> list[Path]:
+    """Every folder under ``folder`` holding ``.distcp`` files but no ``.metadata`` (DCP did not finish it)."""
+    return [sub for sub in sorted({p.parent for p in folder.rglob("*.distcp")}) if not (sub / DCP_METADATA).is_file()]
+
+
+def dcp_shard_name(index: int) -> str:
+    """The name of the ``index``-th ``.distcp`` file of a DCP folder (what ``DCP_SHARD_FILE_RE`` reads back)."""
+    return f"__{index}_0.distcp"
+
+
+def rng_state_name(rank: int, world_size: int) -> str:
+    """The Trainer's RNG-state file of ``rank``: one per rank (``RNG_STATE_FILE_RE``), or one for a single process."""
+    return f"rng_state_{rank}.pth" if world_size > 1 else "rng_state.pth"
+
+
+def tp_model_file(tag_dir: Path, mp_rank: int) -> Path:
+    """The ZeRO-1/2 model-states file of tensor-parallel rank ``mp_rank`` (``TP_MODEL_FILE_RE``) in ``tag_dir``."""
+    return tag_dir / f"mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def optim_file(tag_dir: Path, rank: int, mp_rank: int = 0) -> Path | None:
+    """The ZeRO optimizer file of data-parallel ``rank`` and tensor-parallel ``mp_rank`` in ``tag_dir``, if any."""
+    for path in tag_dir.iterdir():
+        match = OPTIM_FILE_RE.match(path.name)
+        if match and int(match["rank"]) == rank and int(match["mp"]) == mp_rank:
+            return path
+    return None
+
+
 def _detect_file(path: Path) -> CheckpointLayout:
     if path.suffix == ".safetensors" or path.name.endswith(".index.json"):
         return CheckpointLayout("hf", path.parent, path.parent, files=[path])
@@ -195,7 +265,7 @@ def _detect_file(path: Path) -> CheckpointLayout:
 
 
 def _detect_dir(path: Path, tag: str | None) -> CheckpointLayout | None:
-    if (path / ".metadata").is_file():
+    if (path / DCP_METADATA).is_file():
         return CheckpointLayout("dcp", path, _outer(path), files=sorted(path.glob("*.distcp")))
     if any(path.glob("*_model_states.pt")) or any(path.glob("*_optim_states.pt")):
         if tag is not None and tag != path.name:
@@ -208,9 +278,9 @@ def _detect_dir(path: Path, tag: str | None) -> CheckpointLayout | None:
         and not d.name.endswith(UNIVERSAL_SUFFIX)
         and (any(d.glob("*_model_states.pt")) or any(d.glob("*_optim_states.pt")))
     )
-    if tag_dirs or (path / "latest").is_file():
+    if tag_dirs or (path / LATEST).is_file():
         return _deepspeed_layout(path / _choose_tag(path, tag, tag_dirs), path)
-    dcp_dirs = sorted(d for d in path.glob(DCP_DIR_PATTERN) if (d / ".metadata").is_file())
+    dcp_dirs = sorted(d for d in path.glob(DCP_DIR_PATTERN) if (d / DCP_METADATA).is_file())
     if dcp_dirs:
         return CheckpointLayout("dcp", dcp_dirs[0], path, files=sorted(dcp_dirs[0].glob("*.distcp")))
     for name in FSDP_FULL_NAMES:
@@ -223,8 +293,8 @@ def _detect_dir(path: Path, tag: str | None) -> CheckpointLayout | None:
 
 
 def _choose_tag(root: Path, tag: str | None, tag_dirs: list[str]) -> str:
-    if tag is None and (root / "latest").is_file():
-        tag = (root / "latest").read_text().strip()
+    if tag is None and (root / LATEST).is_file():
+        tag = (root / LATEST).read_text().strip()
         if tag not in tag_dirs and not (root / tag).is_dir():
             raise FileNotFoundError(
                 f"{root}/latest names tag {tag!r} but {root / tag} is missing or has no *_model_states.pt "
@@ -320,7 +390,7 @@ def _universal_tag(root: Path) -> str | None:
 def _outer(path: Path) -> Path:
     """The Trainer ``checkpoint-N`` folder around an inner checkpoint folder, when there is one."""
     parent = path.parent
-    if (parent / "trainer_state.json").is_file() or (parent / "config.json").is_file():
+    if (parent / TRAINER_STATE).is_file() or (parent / "config.json").is_file():
         return parent
     return path
 
@@ -338,7 +408,7 @@ def _find_config_dir(layout: CheckpointLayout) -> Path | None:
 
 
 def _find_step(layout: CheckpointLayout) -> int | None:
-    state = layout.root / "trainer_state.json"
+    state = layout.root / TRAINER_STATE
     if state.is_file():
         try:
             return int(json.loads(state.read_text())["global_step"])

@@ -1,0 +1,133 @@
+"""``auto_resume``: the newest complete checkpoint of a run, checked against the run about to resume it.
+
+``auto_resume(output_dir)`` returns the newest ``checkpoint-N`` whose completion marker exists and whose files
+still match it (:mod:`hf_dist.checkpoint.lifecycle.marker`), so ``trainer.train(resume_from_checkpoint=auto_resume(out))``
+is always safe. Given the run's strategy or ``TrainingArguments`` it also checks that the checkpoint's family
+(:class:`~hf_dist.planning.layout.CheckpointFamily`, read by :func:`hf_dist.checkpoint.formats.layout.read_layout`) is
+the one that strategy writes and reads, and that a ZeRO checkpoint matches the world size or was resharded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from hf_dist.checkpoint.formats.layout import MARKER_NAME, is_checkpoint_dir, list_checkpoints
+from hf_dist.checkpoint.lifecycle.marker import incomplete_reasons, unmarked_reasons
+from hf_dist.checkpoint.lifecycle.reshard import prepare_resume
+from hf_dist.checkpoint.lifecycle.resume_checks import check_resume_compatible, gate_checkpoint, strategy_and_world
+
+logger = logging.getLogger(__name__)
+
+
+def auto_resume(
+    output_dir: str | os.PathLike,
+    *,
+    strategy: Any = None,
+    world_size: int | None = None,
+    checksums: bool = False,
+    training_args: Any = None,
+    trust_pickles: bool = False,
+    fresh_start: bool = False,
+) -> str | None:
+    """The newest complete ``checkpoint-N`` in ``output_dir``; None only when there is none at all (or
+    ``fresh_start=True``). Partial checkpoints are skipped, and if checkpoints exist but none can be proven
+    complete it raises, naming each one's problem: it never silently starts over a run's own checkpoints.
+
+    Complete means hf_dist's marker (written by :func:`hf_dist.callbacks.default`'s callbacks) matches the files,
+    or, for a run without those callbacks, the Trainer's own files prove it
+    (:func:`~hf_dist.checkpoint.lifecycle.marker.unmarked_reasons`: ``trainer_state.json`` at step N, every rank's files of
+    the live world size, DCP metadata, untruncated safetensors).
+
+    ``training_args`` (the run's ``TrainingArguments``, before the Trainer is built) also prepares the
+    checkpoint for this run with :func:`hf_dist.checkpoint.lifecycle.reshard.prepare_resume`: a DeepSpeed ZeRO checkpoint saved
+    by another number of ranks is converted once to DeepSpeed's universal format and ``load_universal`` is
+    switched on in the run's DeepSpeed config; a checkpoint of another strategy raises, naming
+    ``hf-dist convert``. Call it on every rank (rank 0 converts, the others wait)::
+
+        args = TrainingArguments(...)
+        resume = hf_dist.auto_resume(args.output_dir, training_args=args)
+        Trainer(model, args, callbacks=hf_dist.callbacks.default(), ...).train(resume_from_checkpoint=resume)
+
+    ``strategy`` (a strategy name such as ``"fsdp_full_shard"``, or the ``Trainer`` about to run) only
+    checks, and raises a RuntimeError naming ``hf-dist convert`` / ``hf-dist reshard`` when the checkpoint
+    cannot be loaded by that strategy and world size::
+
+        trainer.train(resume_from_checkpoint=hf_dist.auto_resume(args.output_dir, strategy=trainer))
+
+    Either way the checkpoint's family must match the run (a ZeRO-3 checkpoint for a ZeRO-2 run, or DDP
+    weights for an FSDP run, raise), and every pickle in it passes the loading gate (:func:`gate_checkpoint`;
+    a foreign type raises :class:`~hf_dist.checkpoint.safety.pickles.UnsafePickleError` unless ``trust_pickles``).
+    Malformed markers make a checkpoint "not complete", with the reason in the log.
+    """
+    _check_output_dir(output_dir)
+    checkpoints = list_checkpoints(output_dir)
+    if not checkpoints:
+        logger.info("auto_resume: no checkpoint-N folder in %s; starting from scratch", output_dir)
+    live_world = _live_world_size(world_size, training_args, strategy)
+    skipped = []
+    for step, path in checkpoints:
+        reasons = _not_resumable(path, live_world, checksums)
+        if reasons:
+            logger.warning("auto_resume: skipping %s: %s", path, "; ".join(reasons))
+            skipped.append(f"  {Path(path).name}: {'; '.join(reasons)}")
+            continue
+        path = _prepare(path, strategy, world_size, training_args, trust_pickles)
+        logger.info("auto_resume: resuming from %s (step %d)", path, step)
+        return path
+    if skipped and not fresh_start:
+        _refuse_unproven(output_dir, skipped)
+    return None
+
+
+def _prepare(path: str, running: Any, world_size: int | None, training_args: Any, trust_pickles: bool) -> str:
+    """The complete checkpoint ``path`` checked (and with ``training_args`` prepared) for the run about to resume it."""
+    if training_args is not None:
+        return prepare_resume(path, world_size, training_args=training_args, trust_pickles=trust_pickles)
+    if running is not None:
+        name, live_world = strategy_and_world(running, world_size)
+        check_resume_compatible(path, name, world_size=live_world)
+    gate_checkpoint(path, trust_pickles=trust_pickles)
+    return path
+
+
+def _refuse_unproven(output_dir: str | os.PathLike, skipped: list[str]) -> None:
+    raise RuntimeError(
+        f"auto_resume: {output_dir} holds {len(skipped)} checkpoint(s) and none can be proven complete, so "
+        "resuming could load a half-written save and starting over would overwrite them:\n"
+        + "\n".join(skipped)
+        + "\nRe-copy a checkpoint's missing files if you have them; otherwise move or delete these folders, or "
+        "pass fresh_start=True to start from step 0 in this folder."
+    )
+
+
+def _not_resumable(path: str, live_world: int, checksums: bool) -> list[str]:
+    """Why ``path`` cannot be resumed: its marker's reasons, or without a marker the Trainer files' proof."""
+    if (Path(path) / MARKER_NAME).exists():
+        return incomplete_reasons(path, checksums=checksums)
+    reasons = unmarked_reasons(path, live_world)
+    if not reasons:
+        logger.info("auto_resume: %s has no %s (hf_dist's callbacks were not attached); proved complete from the "
+                    "Trainer's own files", path, MARKER_NAME)  # fmt: skip
+        return []
+    return [f"no {MARKER_NAME} and the Trainer's files do not prove it complete: " + "; ".join(reasons)]
+
+
+def _live_world_size(world_size: int | None, training_args: Any, running: Any) -> int:
+    """The ranks of the run about to resume: given, from its TrainingArguments or Trainer, else the launcher's."""
+    for source in (training_args, getattr(running, "args", None)):
+        if world_size is None and source is not None:
+            world_size = getattr(source, "world_size", None)
+    return int(world_size or os.environ.get("WORLD_SIZE", 1))
+
+
+def _check_output_dir(output_dir: str | os.PathLike) -> None:
+    root = Path(output_dir)
+    if is_checkpoint_dir(root):
+        raise ValueError(
+            f"auto_resume got {root}, which is a checkpoint folder itself.\n"
+            f"  Pass the run's output_dir that holds the checkpoint-N folders: {root.parent}\n"
+            f"  or pass {root} to trainer.train(resume_from_checkpoint=...) directly"
+        )

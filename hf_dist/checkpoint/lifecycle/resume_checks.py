@@ -1,0 +1,129 @@
+"""The checks a checkpoint passes before a run resumes it, shared by ``auto_resume`` and ``reshard.prepare_resume``.
+
+- :func:`gate_checkpoint`: every pickle of the checkpoint passes the loading gate;
+- :func:`check_resume_compatible`: the checkpoint's family (:class:`~hf_dist.planning.layout.CheckpointFamily`, read
+  by :func:`hf_dist.checkpoint.formats.layout.read_layout`) is the one the run's strategy reads, and a ZeRO
+  checkpoint matches the world size or was resharded; :func:`check_strategy_matches` asks it with the strategy of
+  the run's ``TrainingArguments`` (:func:`strategy_of_args`);
+- :func:`check_autotp_matches`: a DeepSpeed AutoTP checkpoint is resumed on the layout that wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from hf_dist.checkpoint.formats.layout import LATEST_UNIVERSAL, CheckpointLayout, read_layout
+from hf_dist.planning.layout import strategy, zero_stage_strategy
+
+
+def gate_checkpoint(path: str | os.PathLike, *, trust_pickles: bool = False) -> None:
+    """The loading gate for a checkpoint about to be resumed: every pickle in it is checked before the Trainer,
+    accelerate or DeepSpeed unpickles it (DeepSpeed with ``weights_only=False``, DCP's ``.metadata`` with
+    plain ``pickle.load``). The completion marker proves only that every rank finished writing, not who
+    wrote the files, so this runs whatever the marker says."""
+    from hf_dist.checkpoint.safety.pickles import check_pickles
+
+    check_pickles(path, trust_pickles=trust_pickles)
+
+
+def strategy_of_args(training_args: Any) -> str | None:
+    """The strategy ``TrainingArguments`` asks for ('ddp', 'zero1/2/3', 'fsdp_full_shard', ...), before any Trainer.
+
+    None when it cannot tell (a DeepSpeed config without a ZeRO stage hf_dist runs).
+    """
+    ds = getattr(getattr(training_args, "hf_deepspeed_config", None), "config", None)
+    if ds is None:
+        ds = getattr(training_args, "deepspeed", None)
+        if isinstance(ds, (str, os.PathLike)):
+            try:
+                ds = json.loads(Path(ds).read_text())
+            except (OSError, ValueError):
+                return None
+    if ds:
+        stage = ds.get("zero_optimization", {}).get("stage", 0) if isinstance(ds, dict) else 0
+        try:
+            return zero_stage_strategy(int(stage)).name
+        except (TypeError, ValueError):  # stage 0 or "auto": not one of hf_dist's strategies
+            return None
+    fsdp = getattr(training_args, "fsdp", None)  # "full_shard auto_wrap", [FSDPOption.SHARD_GRAD_OP, ...], True
+    if fsdp:
+        from hf_dist.runtime.dist import fsdp_strategy_named_in
+
+        options = fsdp if isinstance(fsdp, (list, tuple)) else [fsdp]
+        return fsdp_strategy_named_in(" ".join(str(getattr(o, "value", o)) for o in options)).name
+    return "ddp"
+
+
+def strategy_and_world(running: Any, world_size: int | None) -> tuple[str, int | None]:
+    if isinstance(running, str):
+        return running, world_size
+    # A Trainer: its accelerator already decided what really runs.
+    from hf_dist.runtime import dist as _dist
+
+    args = getattr(running, "args", None)
+    return _dist.live_strategy(args), world_size or getattr(args, "world_size", None)
+
+
+def check_resume_compatible(
+    checkpoint_dir: str | os.PathLike, strategy_name: str, *, world_size: int | None = None
+) -> None:
+    """Raise RuntimeError when ``strategy_name`` on ``world_size`` ranks cannot load ``checkpoint_dir``."""
+    wanted = strategy(strategy_name).checkpoint
+    layout = read_layout(checkpoint_dir, strict=False)
+    if layout.family is not wanted:
+        raise RuntimeError(
+            f"cannot resume a {strategy_name} run from {checkpoint_dir}:\n"
+            f"  it holds {layout.family.text}, this run needs {wanted.text}; the Trainer would fail or silently drop "
+            "the optimizer state.\n"
+            "  Keep the strategy the checkpoint was written with, or export the weights with\n"
+            f"    hf-dist convert {checkpoint_dir} OUT_DIR\n"
+            "  and start a new run from OUT_DIR (`hf-dist reshard` changes the number of ranks of a same-strategy "
+            "checkpoint)."
+        )
+    # FSDP's DCP files reshard on load and full checkpoints are replicated: only ZeRO is tied to its world size,
+    # until DeepSpeed's universal checkpoint (``latest_universal``, made by `hf-dist reshard`) exists.
+    universal = (Path(checkpoint_dir) / LATEST_UNIVERSAL).is_file()
+    if (
+        layout.family.is_zero
+        and not universal
+        and world_size
+        and layout.world_size
+        and layout.world_size != world_size
+    ):
+        raise RuntimeError(
+            f"cannot resume from {checkpoint_dir} on {world_size} ranks: its {layout.family.text} were "
+            f"written by {layout.world_size} ranks and DeepSpeed refuses another world size. Run "
+            f"`hf-dist reshard {checkpoint_dir}` (adds a universal checkpoint; then resume with "
+            f'"checkpoint": {{"load_universal": true}}), or call hf_dist.checkpoint.lifecycle.reshard.prepare_resume(...) before '
+            f"creating the Trainer, or launch {layout.world_size} ranks."
+        )
+
+
+def check_strategy_matches(layout: CheckpointLayout, training_args: Any) -> None:
+    """The family check of ``auto_resume(strategy=...)`` (:func:`check_resume_compatible`), with the strategy
+    ``training_args`` asks for."""
+    if training_args is None:
+        return
+    strategy = strategy_of_args(training_args)
+    if strategy is not None:
+        check_resume_compatible(layout.root, strategy)
+
+
+def check_autotp_matches(layout: CheckpointLayout, training_args: Any, world_size: int) -> None:
+    """DeepSpeed loads an AutoTP checkpoint only at the TP size and world size it was written with."""
+    if not layout.family.is_zero or training_args is None:
+        return
+    from hf_dist.runtime.dist import deepspeed_config, parallel_sizes
+
+    tp = parallel_sizes(None, deepspeed_config(training_args))["tp"]
+    if layout.tp_size == tp and (tp == 1 or layout.world_size == world_size):
+        return
+    raise ValueError(
+        f"{layout.describe()} was written with DeepSpeed AutoTP size {layout.tp_size} on {layout.world_size} ranks; "
+        f"this run has AutoTP size {tp} on {world_size} ranks. DeepSpeed loads an AutoTP checkpoint only on the "
+        f"layout that wrote it: resume with autotp_size {layout.tp_size} on {layout.world_size} ranks, or export the "
+        "weights with hf-dist convert and start a new run from them"
+    )

@@ -1,0 +1,1 @@
+"""Writing converted weights: a Hugging Face folder (``hf_folder``) or a DCP folder (``dcp``)."""
