@@ -26,6 +26,7 @@ from hf_dist.recipe_utils.args import (
     training_arguments,
 )
 from hf_dist.recipe_utils.data import chat_datasets, check_dataset, collator, text_datasets
+from hf_dist.recipe_utils.export import export_model
 from hf_dist.recipe_utils.model import (
     apply_lora,
     bnb_config,
@@ -45,7 +46,6 @@ from hf_dist.recipe_utils.run import (
     check_strategy,
     cpu_test_modes,
     describe_plan,
-    export_model,
     finish_run,
     format_results,
     load_recipe,

@@ -98,7 +98,7 @@ def build_model(
     if model_args.embedded and "tp_plan" in extra:
         raise ValueError("a tensor-parallel model is sharded as it loads: save the embedded model and load it by path")
     if model_args.embedded:
-        with _outside_zero3():  # whole, even if a ZeRO-3 config is registered (see above)
+        with outside_zero3():  # whole, even if a ZeRO-3 config is registered (see above)
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
     dtype = model_args.torch_dtype if model_args.torch_dtype == "auto" else getattr(torch, model_args.torch_dtype)
     return AutoModelForCausalLM.from_pretrained(
@@ -142,7 +142,7 @@ def check_lora_targets(lora_args: LoraArguments, config: Any, *, trust_remote_co
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    with _outside_zero3(), init_empty_weights():
+    with outside_zero3(), init_empty_weights():
         skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     return lora_config(lora_args, skeleton)
 
@@ -156,7 +156,7 @@ def save_base_model(model: Any, tokenizer: Any, base_dir: Path, args: Any) -> No
     if args.should_save:
         # the model is still whole; outside ZeRO-3 save_pretrained does not gather (a collective
         # only this rank would join)
-        with _outside_zero3():
+        with outside_zero3():
             model.save_pretrained(base_dir)
         tokenizer.save_pretrained(base_dir)
     model.name_or_path = str(base_dir)
@@ -223,7 +223,7 @@ def bnb_config(quant_args: QuantArguments) -> Any:
 
 
 @contextmanager
-def _outside_zero3():
+def outside_zero3():
     """Load a model as a plain single-process user would, even inside a ZeRO-3 run.
 
     transformers builds every model inside ``deepspeed.zero.Init`` while a ZeRO-3 config is

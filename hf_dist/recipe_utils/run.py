@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import math
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 from hf_dist.atomic_io import atomic_write_json
-from hf_dist.data import generation_prompt
 from hf_dist.recipe_utils.data import collator
-from hf_dist.recipe_utils.model import _outside_zero3
+from hf_dist.recipe_utils.export import export_model
 from hf_dist.runtime.dist import deepspeed_config, live_strategy, parallel_sizes
 
 # ---------------------------------------------------------------- the run
@@ -289,120 +286,10 @@ def finish_run(
         "exported_with": how,
     }
     if task is not None or check_export:
-        results.update(_check_export(export_dir, tokenizer, task=task, mode=mode, adapter=adapter))
+        results.update(check_export(export_dir, tokenizer, task=task, mode=mode, adapter=adapter))
     atomic_write_json(Path(trainer.args.output_dir) / "results.json", results)
     print(format_results(results))
     return results
-
-
-def export_model(trainer: Any, tokenizer: Any, export_dir: Path, *, adapter: bool) -> str:
-    """Write a consolidated HF folder (or PEFT adapter) to ``export_dir``; returns how it was made.
-
-    Sharded runs (FSDP, ZeRO) go through ``hf_dist.convert`` from the last checkpoint; without a
-    checkpoint (and for DDP) the full weights are gathered and saved in-process.
-    """
-    from hf_dist.planning.layout import strategy
-
-    running = strategy(live_strategy(trainer.args))
-    checkpoint = _final_checkpoint(trainer)
-    if not running.is_ddp and checkpoint is not None:
-        if trainer.args.should_save:
-            _convert_checkpoint(trainer, tokenizer, checkpoint, export_dir, adapter=adapter)
-        trainer.accelerator.wait_for_everyone()
-        return f"hf_dist.convert({checkpoint.name})"
-    if running.is_fsdp:
-        # FSDP with a sharded state dict makes save_model a no-op; gather a full state dict instead
-        state_dict = trainer.accelerator.get_state_dict(trainer.model_wrapped)
-        if trainer.args.should_save:
-            trainer.accelerator.unwrap_model(trainer.model).save_pretrained(export_dir, state_dict=state_dict)
-            tokenizer.save_pretrained(export_dir)
-        return "accelerator.get_state_dict"
-    trainer.save_model(str(export_dir))
-    return "trainer.save_model"
-
-
-def _convert_checkpoint(trainer: Any, tokenizer: Any, checkpoint: Path, export_dir: Path, *, adapter: bool) -> None:
-    """Run ``hf_dist.convert`` on the checkpoint in a fresh process, as ``hf-dist convert`` would.
-
-    A separate process keeps the converter away from this job's initialised process group (its
-    readers must not join collectives the other ranks are not in).
-    """
-    import subprocess
-
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    # sharded checkpoints hold tensors only; the config (and adapter config) make them loadable
-    base = model.get_base_model() if adapter else model
-    base.config.save_pretrained(checkpoint)
-    if adapter:
-        model.peft_config["default"].save_pretrained(checkpoint)
-    tokenizer.save_pretrained(checkpoint)
-    code = (
-        "import sys, hf_dist; "
-        "hf_dist.convert(sys.argv[1], sys.argv[2], adapter=sys.argv[3] == '1', overwrite=True, progress=False)"
-    )
-    dist_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
-    env = {k: v for k, v in os.environ.items() if k not in dist_vars}
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(checkpoint), str(export_dir), "1" if adapter else "0"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"hf_dist.convert({checkpoint} -> {export_dir}) failed:\n{proc.stderr[-4000:]}")
-
-
-def _final_checkpoint(trainer: Any) -> Path | None:
-    """The checkpoint this run saved at its last step (:func:`save_at_end_callback`), never an older run's."""
-    path = Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}"
-    return path if path.is_dir() else None
-
-
-def _check_export(export_dir: Path, tokenizer: Any, *, task: Any, mode: str, adapter: bool) -> dict:
-    """Reload the export the way a user would and run it: accuracy on the task and one sample."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hf_dist.embedded.task_eval import exact_match, generate, task_prompt
-
-    with _outside_zero3():
-        if adapter:
-            from peft import AutoPeftModelForCausalLM
-
-            model = AutoPeftModelForCausalLM.from_pretrained(export_dir)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(export_dir)
-    if adapter:
-        _check_adapter_loaded(model, export_dir)
-    model.to("cuda" if torch.cuda.is_available() else "cpu")
-    reloaded_tokenizer = AutoTokenizer.from_pretrained(export_dir)
-    out: dict[str, Any] = {"exported_params": sum(p.numel() for p in model.parameters())}
-    if task is not None:
-        out["accuracy_after"] = exact_match(model, reloaded_tokenizer, task, mode=mode)
-        prompt = task_prompt(reloaded_tokenizer, task[0], mode)
-        out["sample_expected"] = task[0].answer
-    else:
-        text = "Explain in one sentence what data parallel training is."
-        messages = [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
-        prompt = generation_prompt(reloaded_tokenizer, messages) if mode == "chat" else text
-    out["sample_prompt"] = prompt
-    out["sample_output"] = generate(model, reloaded_tokenizer, [prompt], max_new_tokens=32)[0]
-    return out
-
-
-def _check_adapter_loaded(model: Any, export_dir: Path) -> None:
-    """LoRA B matrices start at zero, so all-zero B after loading means PEFT matched none of the
-    exported keys (it only warns) and the "fine-tuned" model is the bare base."""
-    from safetensors import safe_open
-
-    lora_b = [p for name, p in model.named_parameters() if "lora_B" in name]
-    if lora_b and all(float(p.abs().max()) == 0.0 for p in lora_b):
-        with safe_open(str(export_dir / "adapter_model.safetensors"), "pt") as fh:
-            keys = sorted(fh.keys())[:3]
-        raise RuntimeError(
-            f"the adapter exported to {export_dir} did not load: every lora_B is zero after from_pretrained. "
-            f"Its keys start {keys}; PEFT expects 'base_model.model.<module>.lora_B.weight'"
-        )
 
 
 def format_results(results: dict) -> str:

@@ -145,14 +145,14 @@ def test_export_takes_this_runs_last_checkpoint_never_an_older_runs(tmp_path):
     """A re-run that stopped at step 3 exports checkpoint-3, not the earlier run's checkpoint-4 beside it."""
     from types import SimpleNamespace
 
-    from hf_dist.recipe_utils.run import _final_checkpoint
+    from hf_dist.recipe_utils.export import final_checkpoint
 
     for step in (3, 4):
         (tmp_path / f"checkpoint-{step}").mkdir()
     trainer = SimpleNamespace(args=SimpleNamespace(output_dir=str(tmp_path)), state=SimpleNamespace(global_step=3))
-    assert _final_checkpoint(trainer) == tmp_path / "checkpoint-3"
+    assert final_checkpoint(trainer) == tmp_path / "checkpoint-3"
     trainer.state.global_step = 5  # no save at the last step: gathered in-process instead of an older checkpoint
-    assert _final_checkpoint(trainer) is None
+    assert final_checkpoint(trainer) is None
 
 
 @pytest.mark.parametrize(
