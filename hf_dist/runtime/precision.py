@@ -1,4 +1,4 @@
-"""The dtype a model was loaded in, and keeping fp32 master weights unless pure bf16 is asked for.
+"""Fp32 master weights on a live model, unless pure bf16 is asked for (the dtype policy itself: :mod:`hf_dist.planning.precision`).
 
 Most users load with ``from_pretrained(..., dtype=torch.bfloat16)``. What each strategy then does
 with ``bf16=True`` (transformers 5.x, accelerate 1.x, DeepSpeed 0.19):
