@@ -75,7 +75,7 @@ def final_checkpoint(trainer: Any) -> Path | None:
     return path if path.is_dir() else None
 
 
-def check_export(export_dir: Path, tokenizer: Any, *, task: Any, mode: str, adapter: bool) -> dict:
+def reload_export(export_dir: Path, tokenizer: Any, *, task: Any, mode: str, adapter: bool) -> dict:
     """Reload the export the way a user would and run it: accuracy on the task and one sample."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

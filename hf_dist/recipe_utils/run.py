@@ -8,7 +8,7 @@ from typing import Any
 
 from hf_dist.atomic_io import atomic_write_json
 from hf_dist.recipe_utils.data import collator
-from hf_dist.recipe_utils.export import export_model
+from hf_dist.recipe_utils.export import export_model, reload_export
 from hf_dist.runtime.dist import deepspeed_config, live_strategy, parallel_sizes
 
 # ---------------------------------------------------------------- the run
@@ -90,8 +90,9 @@ def resume_checkpoint(args: Any) -> str | None:
 def _refuse_earlier_checkpoints(output_dir: str) -> None:
     """A fresh run into a folder holding another run's ``checkpoint-N`` would interleave its checkpoints with
     theirs (and an export, a later ``auto`` resume, could pick theirs): continuing or replacing must be chosen."""
-    found = sorted(Path(output_dir).glob("checkpoint-*")) if Path(output_dir).is_dir() else []
-    found = [p.name for p in found if p.is_dir()]
+    from hf_dist.checkpoint.formats.layout import list_checkpoints
+
+    found = [Path(path).name for _, path in reversed(list_checkpoints(output_dir))]
     if found:
         raise ValueError(
             f"--output_dir {output_dir} already holds checkpoints of an earlier run ({', '.join(found[:4])}"
@@ -286,7 +287,7 @@ def finish_run(
         "exported_with": how,
     }
     if task is not None or check_export:
-        results.update(check_export(export_dir, tokenizer, task=task, mode=mode, adapter=adapter))
+        results.update(reload_export(export_dir, tokenizer, task=task, mode=mode, adapter=adapter))
     atomic_write_json(Path(trainer.args.output_dir) / "results.json", results)
     print(format_results(results))
     return results
