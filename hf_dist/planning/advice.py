@@ -15,13 +15,13 @@ from hf_dist.planning.model_states import trainable_params
 from hf_dist.planning.plan_result import Candidate, Combo, format_bytes
 
 
-def near_miss(setup: Setup, candidates: list[Candidate], best: Candidate, safety_margin: float) -> str:
-    """The fastest layout faster than ``best`` that misses the usable memory by less than 1 % of the card, with the
+def near_miss(setup: Setup, candidates: list[Candidate], chosen: Candidate, safety_margin: float) -> str:
+    """The fastest layout faster than ``chosen`` that misses the usable memory by less than 1 % of the card, with the
     safety margin that would take it; "" when there is none."""
     card = setup.hw.gpu_memory_gib * GIB
     close = [
         c for c in candidates
-        if not c.fits and (c.tokens_per_s or 0) > (best.tokens_per_s or 0) and 0 < c.memory.total - setup.usable < 0.01 * card
+        if not c.fits and (c.tokens_per_s or 0) > (chosen.tokens_per_s or 0) and 0 < c.memory.total - setup.usable < 0.01 * card
     ]  # fmt: skip
     if not close:
         return ""
@@ -29,15 +29,15 @@ def near_miss(setup: Setup, candidates: list[Candidate], best: Candidate, safety
     needed = math.floor((1 - c.memory.total / card) * 1000) / 1000
     return (
         f"{c.label} misses the usable {setup.usable / GIB:.1f} GiB by {(c.memory.total - setup.usable) / GIB:.2f} GiB "
-        f"(under 1 % of the card) and would run at ~{c.tokens_per_s:,.0f} vs ~{best.tokens_per_s:,.0f} tokens/s: it "
+        f"(under 1 % of the card) and would run at ~{c.tokens_per_s:,.0f} vs ~{chosen.tokens_per_s:,.0f} tokens/s: it "
         f"fits with safety_margin={needed:g} (now {safety_margin:g}), if you trust the estimate that far"
     )
 
 
-def chosen_dimensions(best: Candidate) -> list[str]:
-    if best.model_parallel == 1 and best.offload_device != "nvme":
+def chosen_dimensions(chosen: Candidate) -> list[str]:
+    if chosen.model_parallel == 1 and chosen.offload_device != "nvme":
         return []
-    return [f"chosen {best.label}: {best.reason.split('; ', 1)[-1]}"]
+    return [f"chosen {chosen.label}: {chosen.reason.split('; ', 1)[-1]}"]
 
 
 def liger_gain(s: Setup, chosen: Candidate) -> str:
@@ -58,10 +58,10 @@ def liger_gain(s: Setup, chosen: Candidate) -> str:
     )
 
 
-def lora_without_offload(s: Setup, best: Candidate) -> str:
+def lora_without_offload(s: Setup, chosen: Candidate) -> str:
     """When a LoRA plan offloads: what QLoRA (a 4-bit base) or Liger's kernels would fit without offload, each
     with its speed; "" otherwise."""
-    if s.method != "lora" or best.offload == "none" or s.hw.device != "cuda":
+    if s.method != "lora" or chosen.offload == "none" or s.hw.device != "cuda":
         return ""
 
     qlora = replace(s, method="qlora", trainable=trainable_params(s.spec, "qlora", s.lora_rank))
@@ -70,16 +70,16 @@ def lora_without_offload(s: Setup, best: Candidate) -> str:
         ")" if s.hw.liger_kernel else "; pip install 'hf_dist[liger]')"
     )
     ways = [(qlora, False, q_how)]
-    if not best.use_liger_kernel:
+    if not chosen.use_liger_kernel:
         ways += [(s, True, l_how), (qlora, True, f"{q_how} with {l_how}")]
-    ways = [(setup, best.key._replace(offload="none", ckpt=ckpt, liger=liger or best.use_liger_kernel), how)
+    ways = [(setup, chosen.key._replace(offload="none", ckpt=ckpt, liger=liger or chosen.use_liger_kernel), how)
             for setup, liger, how in ways for ckpt in (False, True)]  # fmt: skip
     notes = {}
     for setup, combo, how in ways:
         c = candidate(setup, combo)
         if c.fits and (how not in notes or (c.tokens_per_s or 0) > (notes[how].tokens_per_s or 0)):
             notes[how] = c
-    offloaded = f" (offloaded: ~{best.tokens_per_s:,.0f} tokens/s)" if best.tokens_per_s else ""
+    offloaded = f" (offloaded: ~{chosen.tokens_per_s:,.0f} tokens/s)" if chosen.tokens_per_s else ""
     return "; ".join(
         f"{how} would fit without offload: micro_batch {c.micro_batch_size}"
         f"{' with checkpointing' if c.activation_checkpointing else ''} at {format_bytes(c.memory.total)}"
@@ -157,7 +157,7 @@ def _min_world(s: Setup, combos) -> tuple[int, int, tuple] | None:
     sizes = [(w, 1) for w in range(s.hw.world_size + 1, per_node + 1)]
     sizes += [(per_node * k, k) for k in range(2, 8192 // per_node + 1)]
     for level in OFFLOADS:  # the fewest GPUs without offload if possible, else with the least offload
-        best = None
+        smallest = None
         for combo in (c for c in combos if c[1] == level):
             # memory per rank only falls as the world grows, so bisect over the ordered sizes
             if not sizes or not _fits_at(s, combo, sizes[-1]):
@@ -169,10 +169,10 @@ def _min_world(s: Setup, combos) -> tuple[int, int, tuple] | None:
                     hi = mid
                 else:
                     lo = mid + 1
-            if best is None or lo < best[0]:
-                best = (lo, combo)
-        if best is not None:
-            return sizes[best[0]][0], sizes[best[0]][1], best[1]
+            if smallest is None or lo < smallest[0]:
+                smallest = (lo, combo)
+        if smallest is not None:
+            return sizes[smallest[0]][0], sizes[smallest[0]][1], smallest[1]
     return None
 
 

@@ -86,18 +86,18 @@ class Search:
         hw = self.s.hw
         return combos(strategies, offloads, self.ckpts, self.ligers, hw, self.pinned_strategy, self.features, sizes)
 
-    def _evaluate(self, combos: list[Combo]) -> list[Candidate]:
-        return [candidate(self.s, combo) for combo in combos]
+    def _evaluate(self, points: list[Combo]) -> list[Candidate]:
+        return [candidate(self.s, combo) for combo in points]
 
     def run(self, options, pinned: tuple[int, int, int] | None) -> tuple[list[Candidate], list[str]]:
         hw, dims = self.s.hw, [f"{n}: {why}" for n, why in options.unavailable.items()]
         if self.device == "nvme":
             return self._nvme([pinned or (1, 1, 1)]), dims + ["nvme: offload_device='nvme' was asked for"]
         if pinned is not None:
-            combos = self._combos(self.strategies, self.offloads, pinned)
-            if not combos:
+            points = self._combos(self.strategies, self.offloads, pinned)
+            if not points:
                 raise ValueError(self._no_layout_for(pinned))
-            return self._evaluate(combos), dims
+            return self._evaluate(points), dims
         if not self.dp_combos:
             raise ValueError(f"no strategy among {list(self.strategies)} can use offload {list(self.offloads)}")
         candidates = self._evaluate(self.dp_combos)
