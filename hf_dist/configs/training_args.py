@@ -268,7 +268,7 @@ def lr_args(request: Request, mbs: int, gas: int, plan: Any, features: LibraryFe
             f"lr_scaling={rule!r} needs reference_batch_size (the batch the LR was tuned at) and learning_rate "
             f"(that LR); got reference_batch_size={ref!r}, learning_rate={user.get('learning_rate')!r}."
         )
-    global_batch = mbs * gas * int(plan.world_size)
+    global_batch = mbs * gas * int(plan.layout.dp_size)  # tp/cp/sp ranks share their micro-batch
     out: dict[str, Any] = {"learning_rate": scaled_learning_rate(user.pop("learning_rate"), global_batch, ref, rule)}
     if not any(k in user for k in ("warmup_ratio", "warmup_steps")):
         # transformers 5.x dropped warmup_ratio; a float warmup_steps in [0, 1) is a ratio there.

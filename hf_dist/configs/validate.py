@@ -42,23 +42,25 @@ def contradictions(
         *merge_conflicts,
         *_batch(plan, request),
         *_precision(plan, request, final),
-        *_activation_checkpointing(plan, request.user, final, features),
-        *_engines(plan, request.user, final),
+        *_activation_checkpointing(plan, request.user, features),
+        *_engines(plan, final),
         *_launcher(final, launcher_ds_fields),
     ]
 
 
 def _batch(plan: Any, request: Request) -> list[str]:
-    """A user ``gradient_accumulation_steps`` must still give the global batch the user asked the plan for."""
+    """A user ``gradient_accumulation_steps`` must still give the global batch the user asked the plan for: micro-batch
+    x accumulation x the data-parallel ranks (tensor, context and sequence parallel ranks share their micro-batch)."""
     gas = request.user.get("gradient_accumulation_steps")
     if gas is None or "global_batch_size" not in request.plan_kwargs:
         return []
-    mbs, world = int(plan.micro_batch_size), int(plan.world_size)
-    if mbs * gas * world == plan.global_batch_size:
+    mbs, dp = int(plan.micro_batch_size), int(plan.layout.dp_size)
+    if mbs * gas * dp == plan.global_batch_size:
         return []
+    ranks = "world_size" if dp == plan.world_size else "data_parallel"
     return [
-        f"per_device_train_batch_size({mbs}) * gradient_accumulation_steps({gas}) * world_size({world}) "
-        f"= {mbs * gas * world} != global_batch_size({plan.global_batch_size}); "
+        f"per_device_train_batch_size({mbs}) * gradient_accumulation_steps({gas}) * {ranks}({dp}) "
+        f"= {mbs * gas * dp} != global_batch_size({plan.global_batch_size}); "
         "drop one of them or make the product match."
     ]
 
@@ -101,7 +103,7 @@ def _pure_bf16(plan: Any, request: Request, final: dict[str, Any]) -> list[str]:
     return out
 
 
-def _activation_checkpointing(plan: Any, user: dict[str, Any], final: dict[str, Any], features: LibraryFeatures):
+def _activation_checkpointing(plan: Any, user: dict[str, Any], features: LibraryFeatures) -> list[str]:
     """Checkpointing is planned (memory and speed): under FSDP it goes to ``fsdp_config``; elsewhere the flag must
     say what the plan says."""
     ac_flag = features.activation_checkpointing_field
@@ -122,7 +124,7 @@ def _activation_checkpointing(plan: Any, user: dict[str, Any], final: dict[str, 
     ]
 
 
-def _engines(plan: Any, user: dict[str, Any], final: dict[str, Any]) -> list[str]:
+def _engines(plan: Any, final: dict[str, Any]) -> list[str]:
     """One engine: FSDP and DeepSpeed cannot both be on."""
     if final.get("fsdp") and final.get("deepspeed"):
         return [

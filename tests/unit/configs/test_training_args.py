@@ -360,3 +360,17 @@ def test_every_contradiction_is_reported_at_once(monkeypatch):
     ):
         assert sum(bool(re.search(pattern, p)) for p in problems) == 1, (pattern, problems)
     assert str(caught.value).startswith("auto_args: 5 contradictions, fix them all:\n  1. ")
+
+
+def test_batch_math_counts_data_parallel_ranks_under_tensor_parallelism():
+    """With tp_size 2 on 8 ranks, 4 ranks take distinct micro-batches: the plan's own accumulation steps are accepted,
+    one that misses the global batch is refused in those terms, and lr_scaling scales to the real global batch."""
+    tp = dict(GPU, gpus=8, strategy="fsdp_full_shard", tp_size=2)
+    planned = auto_args(CFG, **tp)
+    mbs, gas = planned["per_device_train_batch_size"], planned["gradient_accumulation_steps"]
+    assert mbs * gas * 4 == 16
+    assert auto_args(CFG, **tp, gradient_accumulation_steps=gas)["gradient_accumulation_steps"] == gas
+    with pytest.raises(ValueError, match=rf"\* data_parallel\(4\) = {mbs * 2 * gas * 4} != global_batch_size\(16\)"):
+        auto_args(CFG, **tp, gradient_accumulation_steps=2 * gas)
+    scaled = auto_args(CFG, **tp, lr_scaling="linear", reference_batch_size=8, learning_rate=1e-4)
+    assert scaled["learning_rate"] == pytest.approx(1e-4 * 16 / 8)  # the global batch is 16, not 16 x tp
