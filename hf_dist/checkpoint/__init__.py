@@ -6,8 +6,10 @@
   the reader interface (``reader``), one reader per training format (``deepspeed``, ``autotp``, ``dcp``, ``hf``)
   and the parameter specs of known model families (``param_specs``).
 - ``write/``: converted weights written as a Hugging Face folder (``hf_folder``) or a DCP folder (``dcp``).
-- ``safety/``: the pickle loading gate (``pickles``, with DCP's metadata in ``dcp_metadata``, its errors in
-  ``errors``) and the destination checks of every output folder (``output_paths``).
+- ``safety/``: nothing from a checkpoint runs: every unpickle is torch's ``weights_only`` load with one allowlist,
+  hf_dist's own and the libraries' it drives (``loading``; the Trainer's loads in ``trainer_loads``; DCP's metadata
+  in ``dcp_metadata``), every path a checkpoint names stays inside it (``paths``), errors in ``errors``; and the
+  destination checks of every output folder (``output_paths``).
 - ``lifecycle/``: a run's checkpoints over time: completion markers (``marker``), the checks before a resume
   (``resume_checks``), the newest complete checkpoint a run may resume from (``auto_resume``,
   :func:`hf_dist.auto_resume`), resuming on another number of ranks (``reshard``, :func:`hf_dist.prepare_resume`,

@@ -20,6 +20,7 @@ from hf_dist.checkpoint.formats.hf import config_dir
 from hf_dist.checkpoint.formats.layout import CheckpointLayout, read_layout
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
 from hf_dist.checkpoint.safety.output_paths import check_output_path
+from hf_dist.checkpoint.safety.paths import check_tree_confined, confined
 
 TARGETS = ("hf", "dcp")
 # Bytes of source tensors read per batch: bounds resident memory independently of --max-shard-size.
@@ -55,6 +56,13 @@ class ConversionReport:
 
 
 def open_reader(info: CheckpointLayout, *, trust_pickles: bool = False) -> Reader:
+    """The reader of ``info``'s format, once no link in the checkpoint leads outside it (every file a reader opens
+    is then inside: the names come from listing the folder, DeepSpeed's ``latest`` and DCP's metadata are
+    confined where they are read)."""
+    if info.path.is_file():
+        confined(info.path, info.root)
+    else:  # the Trainer checkpoint around the folder holds it (swap files, DeepSpeed tags)
+        check_tree_confined(info.root)
     if info.format == "deepspeed" and info.tp_size > 1:
         from hf_dist.checkpoint.formats.autotp import AutoTPReader
 

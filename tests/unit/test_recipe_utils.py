@@ -1,9 +1,9 @@
 """hf_dist.recipe_utils: argument handling, input validation before training, QLoRA config, CPU error."""
 
 import json
-import pickle
 
 import pytest
+import torch
 
 from hf_dist import recipe_utils as ru
 from hf_dist.data import DEFAULT_CHAT_TEMPLATE, build_tokenizer
@@ -128,7 +128,7 @@ def test_resume_checkpoint_auto_path_and_none(tmp_path, capsys):
         folder = tmp_path / f"checkpoint-{step}"
         folder.mkdir()
         (folder / "model.safetensors").write_bytes(b"x")
-        (folder / "optimizer.pt").write_bytes(pickle.dumps({}))  # read by the loading gate
+        torch.save({}, folder / "optimizer.pt")  # loaded by auto_resume before it returns the checkpoint
         if step == 2:
             write_marker(folder, world_size=1, strategy="ddp", step=2)
     assert ru.resume_checkpoint(args) == str(tmp_path / "checkpoint-2")

@@ -17,13 +17,14 @@ import pytest
 
 from hf_dist.cli.main import main
 from tests.unit.checkpoint.fakes import make_autotp_checkpoint, make_zero_checkpoint, tiny_model_state
-from tests.unit.checkpoint.safety.test_loading_gate import _args_for, _build
+from tests.unit.checkpoint.safety.test_entry_points import _args_for, _build
 
 STATE = tiny_model_state()
 
 
 def payload(kind: str, fmt: str, entry: str):
-    """A payload planted in ``kind`` (zip or legacy tar), reached through ``entry``."""
+    """A payload planted in ``kind`` (zip, a zip with two central directories, or legacy tar), reached through
+    ``entry``."""
 
     def run(tmp: Path) -> str:
         from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
@@ -148,7 +149,8 @@ CASES = [
     ("zip dcp metadata via verify", payload("dcp .metadata", "zip", "verify"), "RuntimeError", "exit code 1"),
     ("zip dcp value via auto_resume", payload("dcp non-tensor value in .distcp", "zip", "auto_resume"), UNSAFE, "mkdir"),
     ("tar fsdp .bin via convert", payload("pytorch_model_fsdp.bin", "tar", "convert"), "RuntimeError", "exit code 1"),
-    ("tar training_args via auto_resume", payload("training_args.bin", "tar", "auto_resume"), UNSAFE, "legacy tar"),
+    ("two-directory zip zero2 optimizer via auto_resume", payload("zero2 optimizer states", "two directories",
+     "auto_resume"), UNSAFE, "mkdir"),
     ("zip rng state via prepare_resume", payload("rng_state_1.pth", "zip", "prepare_resume"), UNSAFE, "mkdir"),
     ("tar scheduler via auto_resume", payload("scheduler.pt", "tar", "auto_resume"), UNSAFE, "legacy tar"),
     # resume x layout x path form
@@ -219,7 +221,7 @@ def test_the_table_has_every_class_and_at_least_30_cases():
 
 @pytest.mark.parametrize(("name", "attempt", "error", "pattern"), CASES, ids=[c[0] for c in CASES])
 def test_red_team(name, attempt, error, pattern, tmp_path, capsys, monkeypatch):
-    if name.startswith(("tar", "zip")):
+    if name.startswith(("tar", "zip", "two-directory")):
         monkeypatch.setenv("WORLD_SIZE", "3")  # resuming on another world size: the reshard paths are taken
     with pytest.raises(BaseException) as caught:  # noqa: PT011  (the type is checked by name below)
         attempt(tmp_path)
@@ -231,5 +233,7 @@ def test_red_team(name, attempt, error, pattern, tmp_path, capsys, monkeypatch):
     if name in CONFIG_MESSAGES:
         assert CONFIG_MESSAGES[name] in err, err
         assert not (tmp_path / "out").exists()
-    if name.startswith(("zip", "tar")) and error == "RuntimeError":  # the CLI named the file and refused
+    if (
+        name.startswith(("zip", "tar", "two-directory")) and error == "RuntimeError"
+    ):  # the CLI named the file and refused
         assert "refusing to" in err and ("posix.mkdir" in err or "legacy tar" in err), err

@@ -1,7 +1,7 @@
 """Read a torch.distributed.checkpoint (DCP) folder: safe metadata, tensors loaded in bounded batches.
 
 ``.metadata`` is unpickled by :func:`hf_dist.checkpoint.safety.dcp_metadata.load_metadata` (only DCP's own
-metadata types allowed); the reader maps DCP's classes to inert stand-ins (``stand_ins=True``): no DCP code runs,
+metadata types allowed, every file it names inside the folder); the reader maps DCP's classes to inert stand-ins (``stand_ins=True``): no DCP code runs,
 and ``torch.distributed`` (about 1.8 s of imports) is never imported on the direct path.
 
 Tensors are read directly from the ``.distcp`` files, a batch at a time: each chunk is a small
@@ -22,7 +22,7 @@ from typing import Any
 
 from hf_dist.checkpoint.formats.layout import DCP_SHARD_FILE_RE, CheckpointLayout
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
-from hf_dist.checkpoint.safety.dcp_metadata import load_metadata, safe_filesystem_reader
+from hf_dist.checkpoint.safety.dcp_metadata import load_metadata
 from hf_dist.checkpoint.safety.errors import CorruptCheckpointError
 
 
@@ -192,10 +192,14 @@ class DCPReader(Reader):
         import torch
         import torch.distributed.checkpoint as dcp
 
+        from hf_dist.checkpoint.safety.loading import PathEscapeError, UnsafePickleError, guarded_loads
+
         state = {name: torch.empty(self._specs[name].shape, dtype=self._specs[name].dtype) for name in names}
-        reader = safe_filesystem_reader(self.folder, trust_pickles=self.trust_pickles)
         try:
-            dcp.load(state, storage_reader=reader, no_dist=True)
+            with guarded_loads(self.folder, trust_pickles=self.trust_pickles):
+                dcp.load(state, storage_reader=dcp.FileSystemReader(str(self.folder)), no_dist=True)
+        except (UnsafePickleError, PathEscapeError):
+            raise
         except (RuntimeError, EOFError, OSError, ValueError) as exc:
             raise CorruptCheckpointError(f"cannot read tensors from {self.folder}: {str(exc)[:300]}") from None
         return state

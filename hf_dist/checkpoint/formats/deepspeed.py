@@ -35,7 +35,7 @@ from hf_dist.checkpoint.formats.layout import (
     tp_model_file,
 )
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
-from hf_dist.checkpoint.safety.pickles import safe_load
+from hf_dist.checkpoint.safety.loading import safe_load
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 from hf_dist.checkpoint.formats.layout import CheckpointLayout
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
-from hf_dist.checkpoint.safety.pickles import CorruptCheckpointError, safe_load
+from hf_dist.checkpoint.safety.loading import CorruptCheckpointError, safe_load
 
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -35,6 +35,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hf_dist.checkpoint.safety.paths import PathEscapeError, checked_tag
 from hf_dist.planning.layout import CheckpointFamily
 
 FORMATS = ("deepspeed", "dcp", "fsdp_full", "hf")  # which reader opens the tensors
@@ -181,6 +182,8 @@ def read_layout(path: str | Path, *, tag: str | None = None, strict: bool = True
             layout = _detect_dir(path, tag)
             if layout is None:
                 raise ValueError(_unknown_layout_message(path))
+        except PathEscapeError:
+            raise  # never "no layout": a path leading out is refused whatever the caller tolerates
         except (ValueError, FileNotFoundError):
             if strict:
                 raise
@@ -294,7 +297,7 @@ def _detect_dir(path: Path, tag: str | None) -> CheckpointLayout | None:
 
 def _choose_tag(root: Path, tag: str | None, tag_dirs: list[str]) -> str:
     if tag is None and (root / LATEST).is_file():
-        tag = (root / LATEST).read_text().strip()
+        tag = latest_tag(root)
         if tag not in tag_dirs and not (root / tag).is_dir():
             raise FileNotFoundError(
                 f"{root}/latest names tag {tag!r} but {root / tag} is missing or has no *_model_states.pt "
@@ -383,8 +386,20 @@ def _universal_tag(root: Path) -> str | None:
     latest = root / LATEST_UNIVERSAL
     if not latest.is_file():
         return None
-    tag = latest.read_text().strip()
+    tag = checked_tag(root, latest.read_text(), LATEST_UNIVERSAL)
     return tag if (root / tag).is_dir() else None
+
+
+def check_tags_confined(root: Path) -> None:
+    """Refuse ``root`` when its DeepSpeed ``latest`` / ``latest_universal`` names anything but a folder inside it."""
+    for name in (LATEST, LATEST_UNIVERSAL):
+        if (root / name).is_file():
+            checked_tag(root, (root / name).read_text(), name)
+
+
+def latest_tag(root: Path) -> str:
+    """The tag DeepSpeed's ``latest`` file in ``root`` names, refused unless it is a folder name inside ``root``."""
+    return checked_tag(root, (root / LATEST).read_text(), LATEST)
 
 
 def _outer(path: Path) -> Path:

@@ -59,7 +59,7 @@ def auto_resume(
 
     Either way the checkpoint's family must match the run (a ZeRO-3 checkpoint for a ZeRO-2 run, or DDP
     weights for an FSDP run, raise), and every pickle in it passes the loading gate (:func:`gate_checkpoint`;
-    a foreign type raises :class:`~hf_dist.checkpoint.safety.pickles.UnsafePickleError` unless ``trust_pickles``).
+    a foreign type raises :class:`~hf_dist.checkpoint.safety.errors.UnsafePickleError` unless ``trust_pickles``).
     Malformed markers make a checkpoint "not complete", with the reason in the log.
     """
     _check_output_dir(output_dir)

@@ -38,6 +38,7 @@ from hf_dist.checkpoint.formats.layout import (
     read_layout,
 )
 from hf_dist.checkpoint.lifecycle.resume_checks import check_autotp_matches, check_strategy_matches, gate_checkpoint
+from hf_dist.checkpoint.safety.paths import PathEscapeError
 
 
 def inspect_checkpoint(checkpoint_dir: str | Path) -> CheckpointLayout:
@@ -50,6 +51,8 @@ def inspect_checkpoint(checkpoint_dir: str | Path) -> CheckpointLayout:
         raise FileNotFoundError(f"checkpoint folder {path} does not exist; pass a Trainer checkpoint-N folder")
     try:
         layout = read_layout(path)
+    except PathEscapeError:
+        raise
     except ValueError as exc:
         raise ValueError(f"{path} is not a Trainer checkpoint: {exc}") from None
     if layout.family.is_zero and not layout.rank_files[ZERO_OPTIM]:
@@ -68,10 +71,11 @@ def to_universal(
     Writes ``<tag>_universal/`` and ``latest_universal`` inside ``checkpoint_dir`` (the original files are
     kept) and returns the universal folder. The folder appears atomically: it is built under a temporary name
     and renamed, and ``latest_universal`` is written last, so a crash leaves no half-converted checkpoint.
-    DeepSpeed unpickles the tag folder with ``weights_only=False``: its files pass the loading gate
-    (:func:`hf_dist.checkpoint.safety.pickles.check_pickles`) first, unless ``trust_pickles``.
+    DeepSpeed unpickles the tag folder with ``weights_only=False``: it runs under
+    :func:`hf_dist.checkpoint.safety.loading.guarded_loads`, so each of those loads is torch's ``weights_only``
+    load with hf_dist's allowlist, confined to the checkpoint (``trust_pickles``: DeepSpeed's own loads, confined).
     """
-    from hf_dist.checkpoint.safety.pickles import check_pickles
+    from hf_dist.checkpoint.safety.loading import check_loadable
 
     layout = inspect_checkpoint(checkpoint_dir)
     if layout.tp_size > 1:
@@ -90,9 +94,9 @@ def to_universal(
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     final = layout.root / f"{layout.tag}{UNIVERSAL_SUFFIX}"
-    check_pickles(layout.root, trust_pickles=trust_pickles)  # the whole checkpoint, as every resume path does
+    check_loadable(layout.root, trust_pickles=trust_pickles)  # an early refusal; the loads below are guarded
     with atomic_dir(final, overwrite=True) as tmp:
-        _run_ds_to_universal(layout.path, tmp, workers)
+        _run_ds_to_universal(layout.path, tmp, workers, layout.root, trust_pickles)
     atomic_write_text(layout.root / LATEST_UNIVERSAL, final.name)
     return final
 
@@ -110,11 +114,12 @@ def reshard(
     DeepSpeed ZeRO: adds the universal conversion (in place, or in a copy at ``dst`` when given, leaving
     ``src`` untouched). FSDP/DCP and unsharded checkpoints already reshard on load: returned (or copied) as is.
     ``dst`` passes :func:`hf_dist.checkpoint.safety.output_paths.check_output_path`: never ``src``, a folder around or
-    inside it; ``overwrite`` replaces only a folder that holds no training state. Every pickle of ``src``
-    passes the loading gate (:func:`hf_dist.checkpoint.safety.pickles.check_pickles`) first.
+    inside it; ``overwrite`` replaces only a folder that holds no training state. ``src`` is loaded as its resume
+    will load it first (:func:`hf_dist.checkpoint.safety.loading.check_loadable`), and DeepSpeed's loads are
+    guarded (:func:`to_universal`).
     """
+    from hf_dist.checkpoint.safety.loading import check_loadable
     from hf_dist.checkpoint.safety.output_paths import check_output_path, make_parent
-    from hf_dist.checkpoint.safety.pickles import check_pickles
 
     src_path = Path(src).expanduser()
     layout = inspect_checkpoint(src_path)
@@ -123,19 +128,22 @@ def reshard(
             to_universal(src_path, workers=workers, overwrite=overwrite, trust_pickles=trust_pickles)
         return src_path
     dst_path = check_output_path(dst, sources=[src_path], overwrite=overwrite)
-    check_pickles(src_path, trust_pickles=trust_pickles)
+    check_loadable(src_path, trust_pickles=trust_pickles)
     make_parent(dst_path)
     with atomic_dir(dst_path, overwrite=overwrite) as tmp:
         shutil.copytree(src_path, tmp, ignore=shutil.ignore_patterns(".*.tmp-*"), symlinks=True, dirs_exist_ok=True)
         if layout.family.is_zero:
-            to_universal(tmp, workers=workers, overwrite=overwrite, trust_pickles=True)  # checked above
+            to_universal(tmp, workers=workers, overwrite=overwrite, trust_pickles=trust_pickles)
     return dst_path
 
 
-def _run_ds_to_universal(src: Path, dst: Path, workers: int) -> None:
+def _run_ds_to_universal(src: Path, dst: Path, workers: int, root: Path, trust_pickles: bool) -> None:
+    """DeepSpeed's converter over ``src``, every load it makes guarded (its worker processes too)."""
     from argparse import Namespace
 
     from deepspeed.checkpoint import ds_to_universal
+
+    from hf_dist.checkpoint.safety.loading import PathEscapeError, UnsafePickleError, guarded_loads, guarded_pool
 
     args = Namespace(
         input_folder=str(src),
@@ -148,14 +156,31 @@ def _run_ds_to_universal(src: Path, dst: Path, workers: int) -> None:
         inject_missing_state=True,
     )
     log = io.StringIO()
+    pool = guarded_pool(ds_to_universal.ProcessPoolExecutor, root, trust_pickles)
     try:
-        with contextlib.redirect_stdout(log):
+        with (
+            contextlib.redirect_stdout(log),
+            guarded_loads(root, trust_pickles=trust_pickles),
+            _patched(ds_to_universal, "ProcessPoolExecutor", pool),
+        ):
             ds_to_universal.main(args)
+    except (UnsafePickleError, PathEscapeError):
+        raise
     except Exception as exc:
         raise RuntimeError(
             f"DeepSpeed's universal conversion of {src} failed ({type(exc).__name__}: {exc}); its log:\n"
             f"{log.getvalue()[-2000:]}"
         ) from exc
+
+
+@contextlib.contextmanager
+def _patched(module: Any, name: str, value: Any):
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
 
 
 def prepare_resume(
@@ -176,8 +201,9 @@ def prepare_resume(
     ``deepspeed_config`` dict, in place. Call it before constructing the ``Trainer``.
 
     A checkpoint of another strategy family than ``training_args`` asks for raises (as
-    :func:`hf_dist.checkpoint.lifecycle.resume_checks.check_resume_compatible`), and every pickle in it passes the loading gate
-    before DeepSpeed, accelerate or the Trainer sees it (``trust_pickles=True`` skips the gate).
+    :func:`hf_dist.checkpoint.lifecycle.resume_checks.check_resume_compatible`), and it is loaded now as its resume
+    will load it (:func:`~hf_dist.checkpoint.lifecycle.resume_checks.gate_checkpoint`), so a refusal comes before
+    the Trainer is built; the Trainer's own loads are guarded by :func:`hf_dist.callbacks.attach`.
     """
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     layout = inspect_checkpoint(checkpoint_dir)
@@ -192,7 +218,7 @@ def prepare_resume(
             "so prepare_resume can switch on DeepSpeed's universal checkpoint loading"
         )
     if int(os.environ.get("RANK", "0")) == 0:
-        to_universal(layout.root, trust_pickles=True)  # gated above
+        to_universal(layout.root, trust_pickles=trust_pickles)
     else:
         _wait_for(layout.root / LATEST_UNIVERSAL, timeout_s)
     for config in _deepspeed_config_dicts(training_args, deepspeed_config):

@@ -1,6 +1,6 @@
 """The checks a checkpoint passes before a run resumes it, shared by ``auto_resume`` and ``reshard.prepare_resume``.
 
-- :func:`gate_checkpoint`: every pickle of the checkpoint passes the loading gate;
+- :func:`gate_checkpoint`: the checkpoint loads as its resume will load it (early refusal);
 - :func:`check_resume_compatible`: the checkpoint's family (:class:`~hf_dist.planning.layout.CheckpointFamily`, read
   by :func:`hf_dist.checkpoint.formats.layout.read_layout`) is the one the run's strategy reads, and a ZeRO
   checkpoint matches the world size or was resharded; :func:`check_strategy_matches` asks it with the strategy of
@@ -20,13 +20,14 @@ from hf_dist.planning.layout import strategy, zero_stage_strategy
 
 
 def gate_checkpoint(path: str | os.PathLike, *, trust_pickles: bool = False) -> None:
-    """The loading gate for a checkpoint about to be resumed: every pickle in it is checked before the Trainer,
-    accelerate or DeepSpeed unpickles it (DeepSpeed with ``weights_only=False``, DCP's ``.metadata`` with
-    plain ``pickle.load``). The completion marker proves only that every rank finished writing, not who
-    wrote the files, so this runs whatever the marker says."""
-    from hf_dist.checkpoint.safety.pickles import check_pickles
+    """A checkpoint about to be resumed, loaded now as the resume will load it
+    (:func:`~hf_dist.checkpoint.safety.loading.check_loadable`: torch's ``weights_only`` unpickler, links confined),
+    so a refusal comes before any Trainer is built. The loads themselves are guarded where they happen
+    (:func:`~hf_dist.checkpoint.safety.loading.guarded_loads`, installed on the Trainer by ``attach``); this is the
+    early message, not the safety."""
+    from hf_dist.checkpoint.safety.loading import check_loadable
 
-    check_pickles(path, trust_pickles=trust_pickles)
+    check_loadable(path, trust_pickles=trust_pickles)
 
 
 def strategy_of_args(training_args: Any) -> str | None:

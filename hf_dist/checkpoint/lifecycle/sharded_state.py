@@ -140,19 +140,19 @@ def load_optimizer_state(
 ) -> None:
     """Load what :func:`save_optimizer_state` wrote into this run's optimizer, resharded by DCP to its layout.
 
-    The folder passes the loading gate first (:func:`~hf_dist.checkpoint.safety.pickles.check_pickles`: DCP unpickles
-    ``.metadata`` and the non-tensor values, e.g. ``param_groups``, without ``weights_only``)."""
+    DCP unpickles ``.metadata`` and the non-tensor values (``param_groups``) without ``weights_only``: the load runs
+    under :func:`~hf_dist.checkpoint.safety.loading.guarded_loads`, which gives both the safe unpicklers and keeps
+    every file it opens inside the checkpoint."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    from hf_dist.checkpoint.safety.dcp_metadata import safe_filesystem_reader
-    from hf_dist.checkpoint.safety.pickles import check_pickles
+    from hf_dist.checkpoint.safety.loading import guarded_loads
 
     folder = Path(checkpoint_dir) / OPTIMIZER_DIR
-    check_pickles(folder, trust_pickles=trust_pickles)
     optim = _torch_optimizer(optimizer)
     state = {"optimizer": get_optimizer_state_dict(model, optim)}  # the target layout, state created if lazy
-    dcp.load(state, storage_reader=safe_filesystem_reader(folder, trust_pickles=trust_pickles))
+    with guarded_loads(checkpoint_dir, trust_pickles=trust_pickles):
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)))
     set_optimizer_state_dict(model, optim, state["optimizer"])
     scheduler_file = Path(checkpoint_dir) / SCHEDULER_FILE
     if lr_scheduler is not None and scheduler_file.is_file():

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.checkpoint.formats.layout import optim_file, read_layout
-from hf_dist.checkpoint.safety.pickles import safe_load
+from hf_dist.checkpoint.safety.loading import safe_load
 
 __all__ = ["restore_resident_subgroups", "zero_infinity_optimizer"]
 
@@ -58,7 +58,9 @@ def restore_resident_subgroups(
             "Install deepspeed 0.19, the version the repair is tested with"
         )
     rank = dist.get_rank(group=optimizer.dp_process_group)
-    saved = safe_load(_optim_file(Path(checkpoint_dir), rank), trust_pickles=trust_pickles)["optimizer_state_dict"]
+    saved = safe_load(_optim_file(Path(checkpoint_dir), rank), root=checkpoint_dir, trust_pickles=trust_pickles)[
+        "optimizer_state_dict"
+    ]
     groups, states = saved["fp32_flat_groups"], saved["optimizer_state_dict"]["state"]
     if len(groups) != len(optimizer.fp32_partitioned_groups_flat):
         raise ValueError(

@@ -1,2 +1,4 @@
-"""What keeps checkpoint handling safe: the pickle loading gate (``pickles``, with the DCP metadata it allows in
-``dcp_metadata``) and the destination checks of every output folder (``output_paths``)."""
+"""What keeps checkpoint handling safe: every unpickle is torch's ``weights_only`` load with one allowlist, hf_dist's
+own and the libraries' it drives (``loading``, ``trainer_loads``, DCP's metadata in ``dcp_metadata``); every path
+a checkpoint names stays inside it (``paths``); and every output folder's destination is checked
+(``output_paths``)."""

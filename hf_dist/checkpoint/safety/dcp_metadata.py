@@ -1,12 +1,14 @@
-"""DCP's ``.metadata`` unpickled safely, and the non-tensor payloads of its ``.distcp`` files listed for the gate.
+"""DCP's ``.metadata``: its one parse, a restricted unpickler, and the files it names confined to its folder.
 
 ``FileSystemReader.read_metadata`` unpickles ``.metadata`` with plain ``pickle.load``, which runs whatever the file
-names. :func:`load_metadata` unpickles it with only DCP's own metadata dataclasses (``DCP_MODULES`` x ``DCP_NAMES``),
-``torch.Size``, dtypes/layouts and ``pathlib`` paths (``OTHER_GLOBALS``) allowed; :func:`safe_filesystem_reader`
-uses it, so ``dcp.load`` never unpickles foreign code from ``.metadata``; the non-tensor payloads, which it loads
-with ``weights_only=False``, are listed by :func:`byte_payloads` for the loading gate
-(:mod:`hf_dist.checkpoint.safety.pickles`, which allows the same names). With ``stand_ins=True`` DCP's classes
-become inert records: no DCP code runs and ``torch.distributed`` is never imported.
+names; torch's ``weights_only`` unpickler cannot stand in (it parses pickle protocol 2, DCP writes protocol 4:
+"Unsupported operand 149", the FRAME opcode). So :func:`metadata_from_file` *is* the load, not a check before one:
+an unpickler that admits only DCP's own metadata dataclasses (``DCP_MODULES`` x ``DCP_NAMES``), ``torch.Size``,
+dtypes/layouts and ``pathlib`` paths (``OTHER_GLOBALS``) and refuses anything else while it parses. hf_dist's DCP
+reader calls it directly (``stand_ins=True``: DCP's classes become inert records and ``torch.distributed`` is never
+imported); every ``dcp.load`` hf_dist drives gets it in place of ``pickle.load`` through
+:func:`hf_dist.checkpoint.safety.loading.guarded_loads` (:func:`read_reader_metadata`). DCP's non-tensor payloads
+are ``torch.load`` calls, which that guard redirects to the ``weights_only`` load.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.checkpoint.safety.errors import CorruptCheckpointError, OpaqueObject, UnsafePickleError
+from hf_dist.checkpoint.safety.paths import confined
 
 DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 DCP_NAMES = {
@@ -68,16 +71,23 @@ class _MetadataUnpickler(pickle.Unpickler):
         ):
             return getattr(torch, name)
         raise UnsafePickleError(
-            f"refusing to unpickle {self.path}: it contains the type {module}.{name}, which is not part of DCP "
-            "metadata; pass --trust-pickles (trust_pickles=True) only if you trust this file"
+            f"refusing to load {self.path}: it names the global {module}.{name}, which is not part of DCP "
+            "metadata; nothing in it ran; pass --trust-pickles (trust_pickles=True) only if you trust this file"
         )
 
 
 def load_metadata(folder: Path, *, trust_pickles: bool = False, stand_ins: bool = False):
-    """The DCP ``Metadata`` of ``folder``; with ``stand_ins`` DCP's classes are inert records with the same fields."""
-    path = Path(folder) / ".metadata"
+    """The DCP ``Metadata`` of ``folder``; with ``stand_ins`` DCP's classes are inert records with the same fields.
+    Every file its storage entries name must resolve inside ``folder``."""
+    metadata = metadata_from_file(Path(folder) / ".metadata", trust_pickles=trust_pickles, stand_ins=stand_ins)
+    check_storage_confined(metadata, Path(folder))
+    return metadata
+
+
+def metadata_from_file(path: Path, *, trust_pickles: bool = False, stand_ins: bool = False):
+    """Unpickle one DCP metadata file with the restricted unpickler (the only parse it gets)."""
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: {folder} is not a complete DCP checkpoint")
+        raise FileNotFoundError(f"{path} is missing: {path.parent} is not a complete DCP checkpoint")
     with open(path, "rb") as handle:
         try:
             return pickle.load(handle) if trust_pickles else _MetadataUnpickler(handle, path, stand_ins).load()
@@ -87,33 +97,41 @@ def load_metadata(folder: Path, *, trust_pickles: bool = False, stand_ins: bool 
             raise CorruptCheckpointError(f"cannot read DCP metadata {path} ({type(exc).__name__}: {exc})") from None
 
 
-def byte_payloads(folder: Path) -> list[tuple[str, Path, int, int, bool]]:
-    """The non-tensor values of a DCP folder (an optimizer's ``param_groups``, ...): ``(name, .distcp file, offset,
-    length, transformed)`` each. DCP writes every one as a ``torch.save`` archive inside a ``.distcp`` file and
-    loads it with ``torch.load(weights_only=False)``; the loading gate checks them. Raises like
-    :func:`load_metadata` for an unsafe or unreadable ``.metadata``."""
+def check_storage_confined(metadata: Any, folder: Path) -> None:
+    """Refuse metadata whose storage entries name a file outside ``folder`` (``../x.distcp``, an absolute path, a
+    link leading out): DCP opens ``folder / relative_path`` as written."""
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        relative = getattr(info, "relative_path", None)
+        if relative is not None:
+            confined(folder / str(relative), folder)
+
+
+def byte_payloads(folder: Path) -> list[tuple[str, Path, int, int]]:
+    """The non-tensor values of a DCP folder (an optimizer's ``param_groups``, ...) stored plainly: ``(name, .distcp
+    file, offset, length)`` each, a ``torch.save`` archive that ``dcp.load`` unpickles. Values stored with a
+    transform (compression) are left out: only DCP can decode them, and it does so under the guard."""
     metadata = load_metadata(folder, stand_ins=True)
     kinds = getattr(metadata, "state_dict_metadata", None) or {}  # (not DCP metadata at all: nothing to list)
     payloads = []
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
-        if type(kinds.get(index.fqn)).__name__ == "BytesStorageMetadataStub":  # named by _stand_in
-            transformed = bool(getattr(info, "transform_descriptors", None))
-            payloads.append((index.fqn, Path(folder) / info.relative_path, info.offset, info.length, transformed))
+        plain = not getattr(info, "transform_descriptors", None)
+        if type(kinds.get(index.fqn)).__name__ == "BytesStorageMetadataStub" and plain:  # named by _stand_in
+            payloads.append((index.fqn, Path(folder) / info.relative_path, info.offset, info.length))
     return payloads
 
 
-def safe_filesystem_reader(folder: str | Path, *, trust_pickles: bool = False):
-    """A ``FileSystemReader`` for ``dcp.load`` whose ``.metadata`` is read by :func:`load_metadata`. The
-    ``.distcp`` payloads it unpickles must have passed :func:`hf_dist.checkpoint.safety.pickles.check_pickles`."""
-    from torch.distributed.checkpoint import FileSystemReader
+def read_reader_metadata(reader: Any, root: Path, *, trust_pickles: bool = False, rank: int | None = None):
+    """What ``FileSystemReader.read_metadata`` returns, read by :func:`metadata_from_file` with real DCP classes
+    and confined to the reader's folder (and the guard's ``root``); installed by
+    :func:`hf_dist.checkpoint.safety.loading.guarded_loads` for every DCP load hf_dist drives."""
     from torch.distributed.checkpoint.metadata import StorageMeta
 
-    class SafeFileSystemReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any):
-            metadata = load_metadata(Path(self.path), trust_pickles=trust_pickles)
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeFileSystemReader(str(folder))
+    folder = Path(reader.path)
+    path = Path(reader._get_metadata_path(rank)) if hasattr(reader, "_get_metadata_path") else folder / ".metadata"
+    confined(path, root)
+    metadata = metadata_from_file(confined(path, folder), trust_pickles=trust_pickles)
+    check_storage_confined(metadata, folder)
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    metadata.storage_meta.load_id = reader.load_id
+    return metadata

@@ -36,6 +36,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=256, help="embedded tiny Llama's vocabulary")
     parser.add_argument("--save-steps", type=int, help="default: --steps (one checkpoint, at the end)")
     parser.add_argument("--resume", action="store_true", help="resume from hf_dist.auto_resume(--output-dir)")
+    parser.add_argument(
+        "--resume-from",
+        help="resume from this checkpoint as given, under hf_dist.callbacks.attach and nothing else (no early check); "
+        "a refusal (UnsafePickleError, PathEscapeError) is reported instead of raised",
+    )
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--grad-accum", type=int, default=1)
@@ -247,6 +252,23 @@ def checkpoint_layout(output_dir: str) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
 
+def report_refusal(trainer, checkpoint: str, out: str) -> None:
+    """Resume ``checkpoint`` under ``attach``; rank 0 reports what was refused (every rank must refuse alike)."""
+    from hf_dist.callbacks import attach
+    from hf_dist.checkpoint.safety.errors import UnsafePickleError
+    from hf_dist.checkpoint.safety.paths import PathEscapeError
+
+    attach(trainer, callbacks=[])
+    try:
+        trainer.train(resume_from_checkpoint=checkpoint)
+        report = {"refused": None, "global_step": trainer.state.global_step}
+    except (UnsafePickleError, PathEscapeError) as exc:
+        report = {"refused": type(exc).__name__, "message": str(exc)}
+    if trainer.is_world_process_zero():
+        Path(out).write_text(json.dumps(report))
+    shutdown()
+
+
 def main() -> None:
     args = parse_args()
     enable_fsdp_on_cpu_from_env()
@@ -274,6 +296,9 @@ def main() -> None:
 
         callbacks.append(ZeroInfinityResumeCallback())
     trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=callbacks)
+    if args.resume_from:
+        report_refusal(trainer, args.resume_from, args.out)
+        return
     trainer.train(resume_from_checkpoint=resume)
     facts = {**engine_facts(trainer), **sharding_facts(trainer)}
     state = trainer.accelerator.state

@@ -8,6 +8,7 @@ import pickle
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_dist.callbacks.resume import CompleteCheckpointCallback
 from hf_dist.checkpoint.formats.layout import read_layout
@@ -20,15 +21,20 @@ from hf_dist.checkpoint.lifecycle.marker import (
     write_marker,
 )
 from hf_dist.checkpoint.lifecycle.resume_checks import check_resume_compatible
-from hf_dist.checkpoint.safety.pickles import is_pickle_file
+from hf_dist.checkpoint.safety.loading import PICKLE_SUFFIXES
 
 
 def fake_checkpoint(root: Path, step: int, files: dict[str, bytes]) -> Path:
-    """Files with the given bytes; pickle files hold those bytes pickled (auto_resume's loading gate reads them)."""
+    """Files with the given bytes; pickle files hold those bytes ``torch.save``d (auto_resume loads them)."""
     folder = root / f"checkpoint-{step}"
     for rel, data in files.items():
         (folder / rel).parent.mkdir(parents=True, exist_ok=True)
-        (folder / rel).write_bytes(pickle.dumps(data) if is_pickle_file(Path(rel)) else data)
+        if Path(rel).suffix in PICKLE_SUFFIXES:
+            torch.save(data, folder / rel)
+        elif Path(rel).name == ".metadata":  # DCP's metadata is a plain pickle
+            (folder / rel).write_bytes(pickle.dumps(data))
+        else:
+            (folder / rel).write_bytes(data)
     return folder
 
 
@@ -62,7 +68,7 @@ def test_marker_lists_files_and_sizes_and_detects_changes(tmp_path):
     assert marker["files"]["model.safetensors"]["size"] == 10 and "sha256" in marker["files"]["optimizer.pt"]
     assert json.loads((ckpt / MARKER_NAME).read_text())["layout"] == "full"
     assert is_complete(ckpt) and is_complete(ckpt, checksums=True)
-    (ckpt / "optimizer.pt").write_bytes(pickle.dumps(b"O" * 7))  # same size, other content
+    torch.save(b"O" * 7, ckpt / "optimizer.pt")  # same size, other content
     assert is_complete(ckpt) and not is_complete(ckpt, checksums=True)
     (ckpt / "model.safetensors").write_bytes(b"w" * 3)  # truncated
     assert incomplete_reasons(ckpt) == ["model.safetensors has 3 bytes, the marker says 10"]

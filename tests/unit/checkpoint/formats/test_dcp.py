@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from hf_dist.checkpoint.formats.dcp import DCPReader
 from hf_dist.checkpoint.formats.layout import read_layout
 from hf_dist.checkpoint.safety.dcp_metadata import load_metadata
-from hf_dist.checkpoint.safety.pickles import CorruptCheckpointError
+from hf_dist.checkpoint.safety.errors import CorruptCheckpointError
 
 
 @pytest.fixture

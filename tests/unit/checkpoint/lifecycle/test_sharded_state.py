@@ -4,6 +4,7 @@ tests/distributed/test_tensor_parallel.py)."""
 from __future__ import annotations
 
 import json
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -128,18 +129,26 @@ def test_a_path_from_another_runs_folder_resumes_the_optimizer(tmp_path):
     assert fresh_scheduler.state_dict()["last_epoch"] == scheduler.state_dict()["last_epoch"]
 
 
-def test_loading_passes_the_gate_first(tmp_path):
-    """DCP unpickles the optimizer's non-tensor values with weights_only=False; a planted one is refused unread."""
+def test_loading_is_guarded(tmp_path):
+    """DCP unpickles the optimizer's non-tensor values with weights_only=False; under the guard that load is torch's
+    weights_only load, which refuses a planted one while parsing it."""
     import torch.distributed.checkpoint as dcp
 
-    from hf_dist.checkpoint.safety.pickles import UnsafePickleError
-    from tests.unit.checkpoint.safety.test_loading_gate import Payload
+    from hf_dist.checkpoint.safety.errors import UnsafePickleError
+    from tests.unit.checkpoint.safety.payloads import Payload
 
     model, optimizer, scheduler = trained()
     sharded_state.save_optimizer_state(tmp_path, model, optimizer, scheduler)
     folder = tmp_path / "hf_dist_optimizer"
-    dcp.save({"optimizer": {"param_groups": Payload(tmp_path / "RAN")}}, checkpoint_id=str(folder), no_dist=True)
-    with pytest.raises(UnsafePickleError, match="__0_0.distcp:\n  it contains the type posix.mkdir"):
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optimizer)
+    state["param_groups"] = Payload(tmp_path / "RAN")  # the real moments, and a payload where param_groups go
+    shutil.rmtree(folder)
+    dcp.save({"optimizer": state}, checkpoint_id=str(folder), no_dist=True)
+    with pytest.raises(
+        UnsafePickleError, match=r"a value stored in .*__0_0\.distcp: it names the global posix\.mkdir"
+    ):
         sharded_state.load_optimizer_state(tmp_path, model, optimizer, scheduler)
     assert not (tmp_path / "RAN").exists()
 

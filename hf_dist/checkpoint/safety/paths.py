@@ -1,0 +1,69 @@
+"""Paths a checkpoint names stay inside that checkpoint: resolved by the OS (``realpath``), never by reading names.
+
+A checkpoint folder someone hands over can point elsewhere in three ways: a symbolic link (a tag folder, a shard,
+a swap file, at any depth) whose target is outside, a DeepSpeed ``latest``/``latest_universal`` file naming
+``../elsewhere/global_stepN`` or an absolute path, and a DCP ``.metadata`` whose storage entries name
+``../file.distcp``. Each is refused here, naming the path and where it leads:
+
+- :func:`confined`: one path, resolved, must lie inside the root (every load hf_dist performs or drives asks it,
+  :mod:`hf_dist.checkpoint.safety.loading`);
+- :func:`check_tree_confined`: every entry under a root, links followed by ``realpath`` (run before a library is
+  handed the folder, for what it opens without ``torch.load``: safetensors, swap files);
+- :func:`checked_tag`: the text of a ``latest`` file is one folder name inside the root.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class PathEscapeError(ValueError):
+    """A path a checkpoint names resolves outside that checkpoint's folder."""
+
+
+def _real(path: str | os.PathLike) -> str:
+    return os.path.realpath(os.fspath(path))
+
+
+def is_inside(path: str | os.PathLike, root: str | os.PathLike) -> bool:
+    """True when ``path``, every link resolved, is ``root`` or lies under it (``root`` resolved too)."""
+    real, base = _real(path), _real(root)
+    return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
+
+
+def confined(path: str | os.PathLike, root: str | os.PathLike) -> Path:
+    """``path`` itself when it resolves inside ``root``; else :class:`PathEscapeError` naming both."""
+    if not is_inside(path, root):
+        raise PathEscapeError(
+            f"refusing to read {path}: it resolves to {_real(path)}, outside the checkpoint {root}; a checkpoint may "
+            "only name files inside its own folder. Copy the files into the checkpoint or remove the link"
+        )
+    return Path(path)
+
+
+def check_tree_confined(root: str | os.PathLike) -> None:
+    """Refuse ``root`` when any link under it, at any depth, leads outside it (or nowhere)."""
+    base = Path(root)
+    for folder, dirs, files in os.walk(base, followlinks=False):
+        for name in (*dirs, *files):
+            entry = Path(folder) / name
+            if entry.is_symlink():
+                if not os.path.exists(entry):
+                    raise PathEscapeError(
+                        f"refusing to read {entry}: it is a broken link (to {os.readlink(entry)}); a checkpoint may "
+                        "only name files inside its own folder. Remove the link or copy its target in"
+                    )
+                confined(entry, base)
+
+
+def checked_tag(root: str | os.PathLike, text: str, source: str) -> str:
+    """The tag a DeepSpeed ``latest`` file (``source``) names: one folder name, resolving inside ``root``."""
+    tag = text.strip()
+    if not tag or tag in (".", "..") or "/" in tag or "\\" in tag or os.path.isabs(tag):
+        raise PathEscapeError(
+            f"refusing to read {Path(root) / source}: it names {tag!r}, which is not a folder name inside the "
+            f"checkpoint {root} (DeepSpeed tags look like global_step500). Fix the file or remove it"
+        )
+    confined(Path(root) / tag, root)
+    return tag

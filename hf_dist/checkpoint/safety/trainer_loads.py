@@ -1,0 +1,78 @@
+"""The Trainer's checkpoint loads, each run under :func:`~hf_dist.checkpoint.safety.loading.guarded_loads`.
+
+A resume makes the Trainer, accelerate and DeepSpeed load a checkpoint folder: the Trainer's weights, optimizer,
+scheduler, scaler and RNG files (``torch.load(weights_only=True)``, no path check), accelerate's FSDP model and
+optimizer (DCP: ``.metadata`` with ``pickle.load``, non-tensor values with ``torch.load(weights_only=False)``) and
+DeepSpeed's ``load_checkpoint`` (``torch.load(weights_only=False)`` of whatever ``latest`` names). Each of those
+entry points is wrapped so that, while it runs, every load is torch's ``weights_only`` load with hf_dist's
+allowlist and confined to the checkpoint it was given; :func:`hf_dist.callbacks.attach` calls
+:func:`guard_trainer`. The methods wrapped are the Trainer's own names (transformers 5.x); a Trainer without one
+of them is refused rather than left half-guarded.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from hf_dist.checkpoint.safety.loading import active_root, guarded_loads
+
+# Trainer methods that load from the checkpoint path they are given (the best model: from the state's best path)
+TRAINER_LOADS = ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state")
+BEST_MODEL_LOAD = "_load_best_model"
+
+
+def guard_trainer(trainer: Any) -> None:
+    """Wrap ``trainer``'s checkpoint loads (and, once per process, the Trainer's DeepSpeed load) in guarded loads."""
+    if getattr(trainer, "_hf_dist_loads_guarded", False):
+        return
+    for name in (*TRAINER_LOADS, BEST_MODEL_LOAD):
+        if not callable(getattr(trainer, name, None)):
+            raise RuntimeError(_missing(f"Trainer.{name}"))
+    for name in TRAINER_LOADS:
+        setattr(trainer, name, _guarded(getattr(trainer, name), lambda args, kwargs: _first(args, kwargs)))
+    best = getattr(trainer, BEST_MODEL_LOAD)
+    setattr(trainer, BEST_MODEL_LOAD, _guarded(best, lambda args, kwargs: trainer.state.best_model_checkpoint))
+    _guard_deepspeed_load()
+    trainer._hf_dist_loads_guarded = True
+
+
+def _first(args: tuple, kwargs: dict) -> Any:
+    return args[0] if args else next(iter(kwargs.values()), None)
+
+
+def _guarded(method: Any, checkpoint_of: Any) -> Any:
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        checkpoint = checkpoint_of(args, kwargs)
+        if not checkpoint or active_root() is not None:
+            return method(*args, **kwargs)
+        with guarded_loads(checkpoint):
+            return method(*args, **kwargs)
+
+    return run
+
+
+def _guard_deepspeed_load() -> None:
+    """``transformers.trainer.deepspeed_load_checkpoint(engine, path)`` (the Trainer's DeepSpeed resume, called
+    from its training loop) guarded for ``path``; installed once, it guards every Trainer of the process."""
+    import transformers.trainer as trainer_module
+
+    load = getattr(trainer_module, "deepspeed_load_checkpoint", None)
+    if load is None:
+        raise RuntimeError(_missing("transformers.trainer.deepspeed_load_checkpoint"))
+    if getattr(load, "_hf_dist_guarded", False):
+        return
+    guarded = _guarded(load, lambda args, kwargs: args[1] if len(args) > 1 else kwargs.get("checkpoint_path"))
+    guarded._hf_dist_guarded = True
+    trainer_module.deepspeed_load_checkpoint = guarded
+
+
+def _missing(what: str) -> str:
+    import transformers
+
+    return (
+        f"transformers {transformers.__version__} has no {what}, through which hf_dist guards the Trainer's "
+        "checkpoint loads (weights_only, paths confined); install a transformers version hf_dist tests "
+        "(`hf-dist env` lists them)"
+    )

@@ -1,0 +1,116 @@
+"""A real Trainer resumed under ``attach`` on 2 CPU ranks refuses a planted checkpoint, with no early check at all.
+
+Each strategy's checkpoint comes from its session launch (conftest ``strategy_runs``, shared with
+test_strategies.py); a copy gets an attack planted, and one launch per strategy resumes it with
+``trainer.train(resume_from_checkpoint=PATH)`` after ``attach(trainer)``, without ``auto_resume``: only the guarded
+loads stand between the files and the libraries (DeepSpeed's ``load_checkpoint`` unpickles with
+``weights_only=False``, accelerate's FSDP optimizer load is DCP, whose byte values are ``torch.load(weights_only=
+False)``, the Trainer follows links). Every rank must refuse, naming the file; the payload never runs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.conftest import CASES, TRAIN_STEPS, launch_env
+from tests.unit.checkpoint.safety.payloads import Payload, plant
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT_ARGS = ["--steps", TRAIN_STEPS + 1]
+
+
+def _copy(strategy_runs, name: str, tmp_path: Path) -> Path:
+    source = Path(strategy_runs.get(name)["workdir"]) / "run" / f"checkpoint-{TRAIN_STEPS}"
+    ckpt = tmp_path / "run" / source.name
+    shutil.copytree(source, ckpt)
+    return ckpt
+
+
+def _plant_ddp(ckpt: Path, marker: Path) -> str:
+    """optimizer.pt linked to a file outside (the Trainer's own weights_only load would follow the link)."""
+    outside = marker.parent / "elsewhere"
+    outside.mkdir()
+    shutil.move(ckpt / "optimizer.pt", outside / "optimizer.pt")
+    (ckpt / "optimizer.pt").symlink_to(outside / "optimizer.pt")
+    return rf"refusing to read {ckpt / 'optimizer.pt'}: it resolves to .*elsewhere"
+
+
+def _plant_fsdp(ckpt: Path, marker: Path) -> str:
+    """accelerate's optimizer_0/ rewritten with a payload where the param groups' learning rate goes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder = ckpt / "optimizer_0"
+    dcp_to_torch_save(folder, ckpt / "optim.pt")  # our own clean file, read in full
+    state = torch.load(ckpt / "optim.pt", weights_only=False)
+    (ckpt / "optim.pt").unlink()
+    state["optimizer"]["param_groups"][0]["lr"] = Payload(marker)
+    shutil.rmtree(folder)
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    return rf"refusing to load a value stored in {folder}/__0_0\.distcp: it names the global posix\.mkdir"
+
+
+def _plant_zero3(ckpt: Path, marker: Path) -> str:
+    """Every rank's optimizer file in the zip that torch and Python's zipfile read differently."""
+    for file in sorted(ckpt.glob("global_step*/*optim_states.pt")):
+        plant(file, marker, "two directories")
+    return r"refusing to load .*optim_states\.pt: it names the global posix\.mkdir"
+
+
+def _plant_zero2(ckpt: Path, marker: Path) -> str:
+    """``latest`` naming a tag folder outside the checkpoint, holding a planted copy."""
+    tag = (ckpt / "latest").read_text().strip()
+    outside = marker.parent / "elsewhere"
+    shutil.copytree(ckpt / tag, outside / tag)
+    for file in sorted((outside / tag).glob("*.pt")):
+        plant(file, marker)
+    (ckpt / "latest").write_text(f"../../elsewhere/{tag}")
+    return rf"refusing to read {ckpt / 'latest'}: it names '\.\./\.\./elsewhere/{tag}'"
+
+
+ATTACKS = {"ddp": _plant_ddp, "fsdp_full_shard": _plant_fsdp, "zero3": _plant_zero3, "zero2": _plant_zero2}
+
+
+@pytest.mark.parametrize("name", sorted(ATTACKS))
+def test_a_trainer_resume_under_attach_refuses_on_every_rank(name, strategy_runs, tmp_path):
+    from hf_dist.testing import torchrun
+    from tests.distributed.conftest import SCRIPTS
+
+    marker = tmp_path / "PAYLOAD_RAN"
+    ckpt = _copy(strategy_runs, name, tmp_path)
+    expected = ATTACKS[name](ckpt, marker)
+    out = tmp_path / "report.json"
+    case = CASES[name]
+    env = launch_env(case.strategy)
+    if case.strategy == "ddp":
+        env = {**env, "ACCELERATE_USE_CPU": "0"}
+    args = ["--strategy", case.strategy, *SCRIPT_ARGS, "--output-dir", tmp_path / "run2", "--out", out]
+    torchrun(SCRIPTS / "strategies_train.py", [*args, "--resume-from", ckpt], nproc=case.nproc, env=env,
+             timeout=300, outputs=[out])  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["refused"] in ("UnsafePickleError", "PathEscapeError"), report
+    import re
+
+    assert re.search(expected, report["message"]), report["message"]
+    assert not marker.exists()
+
+
+def test_a_clean_copy_resumes_under_attach(strategy_runs, tmp_path):
+    """The control: the same launch on an untouched copy resumes and trains on (DeepSpeed, the allowlist's real
+    classes: ZeRO stage, loss scaler)."""
+    from hf_dist.testing import torchrun
+    from tests.distributed.conftest import SCRIPTS
+
+    ckpt = _copy(strategy_runs, "zero3", tmp_path)
+    out = tmp_path / "report.json"
+    args = ["--strategy", "zero3", *SCRIPT_ARGS, "--output-dir", tmp_path / "run2", "--out", out]
+    torchrun(SCRIPTS / "strategies_train.py", [*args, "--resume-from", ckpt], nproc=2, env=launch_env("zero3"),
+             timeout=300, outputs=[out])  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report == {"refused": None, "global_step": TRAIN_STEPS + 1}
