@@ -25,6 +25,7 @@ _LAZY = {
     "Candidate": "hf_dist.planning.plan_result",
     "plan": "hf_dist.tracing.verify",
     "PlanError": "hf_dist.planning.plan_result",
+    "RemoteCodeError": "hf_dist.planning.remote_code",
     "fsdp_wrap_classes": "hf_dist.planning.wrap",
     "auto_args": "hf_dist.auto",
     "fsdp_config": "hf_dist.configs.fsdp",

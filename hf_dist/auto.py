@@ -52,6 +52,8 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
     (TRL's ``SFTConfig``): its fields are accepted, and its ``max_length`` is the plan's sequence length
     (:mod:`hf_dist.configs.config_class`). Everything else is a ``TrainingArguments`` (or ``config_class``) keyword;
     every key the plan depends on is emitted explicitly, so a subclass's own defaults cannot replace it.
+    ``trust_remote_code=True`` lets a model folder's ``auto_map`` classes be imported (planning, tracing, FSDP wrap
+    classes); without it they never are (:mod:`hf_dist.planning.remote_code`).
 
     Precision: bf16/fp16 mixed precision keeps fp32 master weights and fp32 Adam state under every
     strategy. A ``model`` module loaded in bf16/fp16 and trained with DDP / one process has its
@@ -85,7 +87,7 @@ def _plan(model: Any, request: Request) -> Any:
         return request.given_plan
     from hf_dist.tracing.verify import plan as make_plan
 
-    return make_plan(model, **request.plan_kwargs)
+    return make_plan(model, trust_remote_code=request.own.get("trust_remote_code", False), **request.plan_kwargs)
 
 
 def _generate(plan: Any, request: Request, model: Any, features: Any) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.planning.layout import REGISTRY, Layout
+from hf_dist.planning.remote_code import RemoteCodeError
 from hf_dist.runtime.launch import GLOO_ABORT
 
 # strategies a single node can run; hsdp needs >= 2 nodes, which one bench run does not launch
@@ -49,6 +50,7 @@ class BenchConfig:
     mixed_precision: str = "auto"  # auto: bf16 on GPU, no (fp32) on CPU
     gpu_memory_gib: float | None = None  # for the planner; detected on GPU, 80 assumed on CPU
     timeout_s: float = 600.0  # per launch
+    trust_remote_code: bool = False  # import the model config's auto_map code (hf_dist.planning.remote_code)
 
     def __post_init__(self) -> None:
         if self.nproc < 2:
@@ -182,12 +184,15 @@ def _planned_strategies(config: BenchConfig, device: str) -> tuple[str | None, s
     memory = config.gpu_memory_gib or (None if device == "cuda" else 80.0)
     try:
         result = plan(
-            _model_config(config.model),
+            _model_config(config),
             gpus=config.nproc,
             gpu_memory_gib=memory,
             seq_len=config.seq_len,
             micro_batch_size=config.micro_batch_size,
+            trust_remote_code=config.trust_remote_code,
         )
+    except RemoteCodeError:
+        raise
     except ValueError as exc:  # PlanError: nothing fits; the user's explicit list may still be measured
         if not config.strategies:
             raise ValueError(
@@ -201,14 +206,14 @@ def _planned_strategies(config: BenchConfig, device: str) -> tuple[str | None, s
     return result.strategy, f"planner picked {result.strategy}", [s for s in ordered if s in SINGLE_NODE_STRATEGIES]
 
 
-def _model_config(model: str | None) -> Any:
-    if model is None:
+def _model_config(config: BenchConfig) -> Any:
+    if config.model is None:
         from hf_dist.embedded.model import tiny_llama_config
 
         return tiny_llama_config()
     from hf_dist.planning.modelinfo import resolve_config
 
-    return resolve_config(model)
+    return resolve_config(config.model, trust_remote_code=config.trust_remote_code)
 
 
 def measure(config: BenchConfig, strategy: str, nproc: int, device: str) -> Measurement:
@@ -303,8 +308,9 @@ def _worker(argv: list[str]) -> None:
     args, config = _worker_args(argv)
 
     import torch
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
+    from hf_dist.planning.modelinfo import causal_lm_from_config
     from hf_dist.runtime.dist import shutdown
 
     device = _device()
@@ -312,7 +318,7 @@ def _worker(argv: list[str]) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     precision = _precision(config.mixed_precision, device)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_model_config(config.model))
+    model = causal_lm_from_config(_model_config(config), trust_remote_code=config.trust_remote_code)
     steps = config.warmup + config.steps
     data = torch.randint(0, model.config.vocab_size, (config.micro_batch_size * world * steps, config.seq_len))
     dataset = [{"input_ids": row, "labels": row} for row in data]

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ru.training_arguments(
         train_kwargs, explicit, config, method="full", seq_len=seq_len, strategy=model_args.strategy,
         deepspeed_on_cpu=run_args.deepspeed_on_cpu, sizes=model_args.sizes, offloading=model_args.offloading,
-        async_save=run_args.async_save,
+        async_save=run_args.async_save, trust_remote_code=model_args.trust_remote_code,
     )  # fmt: skip
     load = ru.parallel_load_kwargs(args)  # tp_plan="auto" under tensor parallelism: sharded as it loads
     with args.main_process_first(desc="packing"):
@@ -67,13 +67,15 @@ def main(argv: list[str] | None = None) -> dict:
         model = ru.embedded_base_on_disk(model, tokenizer, model_args, args, reload=True)
     if model is None:
         model = ru.build_model(model_args, config, seed=args.seed, **load)
-    ru.print_plan(config, method="full", seq_len=seq_len, args=args, strategy=model_args.strategy)
+    ru.print_plan(config, method="full", seq_len=seq_len, args=args, strategy=model_args.strategy,
+                  trust_remote_code=model_args.trust_remote_code)  # fmt: skip
     before = ru.baseline_accuracy(model, tokenizer, task, mode="text", args=args)
 
     trainer, resume = ru.make_trainer(model, args, tokenizer, train_ds, eval_ds, packed=True)
     ru.train(trainer, resume, async_save=run_args.async_save)
     return ru.finish_run(trainer, tokenizer, task=task, mode="text", adapter=False, before=before,
-                         check_export=run_args.check_export)  # fmt: skip
+                         check_export=run_args.check_export,
+                         trust_remote_code=model_args.trust_remote_code)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None, *, method: str = "full") -> dict:
         train_kwargs, explicit, config, method=method, seq_len=seq_len, strategy=model_args.strategy,
         lora_rank=lora_args.lora_r, deepspeed_on_cpu=run_args.deepspeed_on_cpu, sizes=model_args.sizes,
         offloading=model_args.offloading, async_save=run_args.async_save,
+        trust_remote_code=model_args.trust_remote_code,
     )  # fmt: skip
     load = ru.parallel_load_kwargs(args)  # tp_plan="auto" under tensor parallelism: sharded as it loads
     with args.main_process_first(desc="tokenizing"):
@@ -101,7 +102,8 @@ def main(argv: list[str] | None = None, *, method: str = "full") -> dict:
     if model is None:
         quantization = ru.bnb_config(quant_args) if method == "qlora" else None
         model = ru.build_model(model_args, config, seed=args.seed, quantization_config=quantization, **load)
-    ru.print_plan(config, method=method, seq_len=seq_len, args=args, strategy=model_args.strategy)
+    ru.print_plan(config, method=method, seq_len=seq_len, args=args, strategy=model_args.strategy,
+                  trust_remote_code=model_args.trust_remote_code)  # fmt: skip
     before = ru.baseline_accuracy(model, tokenizer, task, mode="chat", args=args)
     if method != "full":
         model = ru.apply_lora(model, lora_args, quantized=method == "qlora")
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None, *, method: str = "full") -> dict:
     ru.train(trainer, resume, async_save=run_args.async_save)
     return ru.finish_run(
         trainer, tokenizer, task=task, mode="chat", adapter=method != "full", before=before,
-        check_export=run_args.check_export,
+        check_export=run_args.check_export, trust_remote_code=model_args.trust_remote_code,
     )  # fmt: skip
 
 

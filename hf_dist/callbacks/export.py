@@ -33,15 +33,24 @@ class ExportCallback(TrainerCallback):
     DDP and ZeRO-1/2 hold full weights in every process: rank 0 calls ``save_pretrained`` (a PEFT
     model writes its adapter). FSDP gathers a full state dict first (collective). ZeRO-3 converts
     the step's checkpoint with ``hf_dist.convert``. The folder is written under a temporary name
-    and renamed, so a crash never leaves a half-written export in place.
+    and renamed, so a crash never leaves a half-written export in place. ``trust_remote_code=True``: that
+    conversion may import the model config's ``auto_map`` code (:mod:`hf_dist.planning.remote_code`).
     """
 
-    def __init__(self, *, name: str = "hf_model", on_save: bool = False, safe_serialization: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        name: str = "hf_model",
+        on_save: bool = False,
+        safe_serialization: bool = True,
+        trust_remote_code: bool = False,
+    ) -> None:
         if not name or os.sep in name or name.startswith("checkpoint-"):
             raise ValueError(f"name must be a plain folder name not starting with 'checkpoint-', got {name!r}")
         self.name = name
         self.on_save_enabled = on_save
         self.safe_serialization = safe_serialization
+        self.trust_remote_code = trust_remote_code
         self.exported: list[str] = []
 
     def on_save(self, args, state, control, model=None, processing_class=None, **kwargs):
@@ -63,7 +72,7 @@ class ExportCallback(TrainerCallback):
             where = checkpoint.parent if dst.parent == checkpoint else dst.parent
             with atomic_dir(dst, overwrite=True, temp_parent=where) as tmp:
                 if running.is_deepspeed and running.shards.params:  # ZeRO-3: no rank holds the whole model
-                    self._convert_checkpoint(checkpoint, tmp)
+                    self._convert_checkpoint(checkpoint, tmp, self.trust_remote_code)
                 else:
                     model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=self.safe_serialization)
                 if processing_class is not None and hasattr(processing_class, "save_pretrained"):
@@ -73,7 +82,7 @@ class ExportCallback(TrainerCallback):
         _dist.barrier()
 
     @staticmethod
-    def _convert_checkpoint(checkpoint: Path, tmp: Path) -> None:
+    def _convert_checkpoint(checkpoint: Path, tmp: Path, trust_remote_code: bool) -> None:
         if not checkpoint.is_dir():
             raise RuntimeError(
                 f"ZeRO-3 export needs the checkpoint of this step ({checkpoint}), which does not exist; "
@@ -82,4 +91,4 @@ class ExportCallback(TrainerCallback):
         from hf_dist.checkpoint.convert import convert
 
         shutil.rmtree(tmp)  # convert writes its own folder and refuses an existing one
-        convert(str(checkpoint), str(tmp), progress=False)
+        convert(str(checkpoint), str(tmp), progress=False, trust_remote_code=trust_remote_code)

@@ -96,8 +96,13 @@ def convert(
     to: str = "hf",
     trust_pickles: bool = False,
     progress: bool = True,
+    trust_remote_code: bool = False,
 ) -> ConversionReport:
-    """Convert the checkpoint at ``src`` into ``dst`` (see ``hf-dist convert --help``)."""
+    """Convert the checkpoint at ``src`` into ``dst`` (see ``hf-dist convert --help``).
+
+    ``trust_remote_code=True`` lets the model config's ``auto_map`` classes be imported to learn the expected
+    tensor names; without it they never are (:func:`~hf_dist.checkpoint.plan.expected_specs`).
+    """
     start = time.perf_counter()
     _check_arguments(dtype, to, adapter, merge_adapter)
     dst = check_output_path(dst, sources=[src], overwrite=overwrite)
@@ -110,7 +115,9 @@ def convert(
     try:
         specs = reader.specs()
         info.num_params = sum(s.numel for s in specs.values())
-        conversion = _plan(info, specs, adapter=adapter, merge_adapter=merge_adapter)
+        conversion = _plan(
+            info, specs, adapter=adapter, merge_adapter=merge_adapter, trust_remote_code=trust_remote_code
+        )
         out_specs = {
             name: TensorSpec(t.shape, transform.output_dtype(dtype, reader.train_dtype, t.stored_dtype)
                              if _is_float(t.stored_dtype) else t.stored_dtype)
@@ -156,7 +163,8 @@ def _is_float(dtype: Any) -> bool:
     return dtype.is_floating_point
 
 
-def _plan(info: CheckpointLayout, specs: dict[str, TensorSpec], *, adapter: bool, merge_adapter: bool):
+def _plan(info: CheckpointLayout, specs: dict[str, TensorSpec], *, adapter: bool, merge_adapter: bool,
+          trust_remote_code: bool):  # fmt: skip
     peft = planning.is_peft(specs)
     if (adapter or merge_adapter) and not peft:
         raise ValueError(f"--adapter/--merge-adapter given but {info.path} holds no PEFT/LoRA tensors")
@@ -172,7 +180,7 @@ def _plan(info: CheckpointLayout, specs: dict[str, TensorSpec], *, adapter: bool
             f"no config.json found in or next to {info.path}; pass --model-config DIR (a folder with the "
             "trained model's config.json)"
         )
-    expected, tied = planning.expected_specs(info.config_dir)
+    expected, tied = planning.expected_specs(info.config_dir, trust_remote_code=trust_remote_code)
     if merge_adapter:
         return planning.merged_plan(specs, expected, tied, _adapter_config(info))
     return planning.model_plan(specs, expected, tied)

@@ -31,17 +31,28 @@ class ConversionPlan:
     kind: str = "model"  # "model" | "adapter"
 
 
-def expected_specs(config_dir: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
-    """Names -> shapes of the model the config describes, and its tied ``target -> source`` keys."""
+def expected_specs(
+    config_dir: Path, *, trust_remote_code: bool = False
+) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """Names -> shapes of the model the config describes, and its tied ``target -> source`` keys.
+
+    The config's ``auto_map`` classes are imported only with ``trust_remote_code=True``; without it a registered
+    model type is read with transformers' own class and any other config naming code raises
+    :class:`~hf_dist.planning.remote_code.RemoteCodeError` (:mod:`hf_dist.planning.remote_code`).
+    """
     from hf_dist.checkpoint.formats.hf import load_config_dict
     from hf_dist.checkpoint.formats.param_specs import llama_like_specs
+    from hf_dist.planning.remote_code import auto_map_entry, check_trust_flag
 
-    known = llama_like_specs(load_config_dict(Path(config_dir)))
+    data = load_config_dict(Path(config_dir))
+    folder_class = check_trust_flag(trust_remote_code) and auto_map_entry(data, "AutoModelForCausalLM")
+    known = None if folder_class else llama_like_specs(data)  # a trusted folder class may name its tensors itself
     if known is not None:
         return known
     from hf_dist.planning.modelinfo import load_config, meta_model
 
-    model = meta_model(load_config(str(config_dir)))
+    model = meta_model(load_config(str(config_dir), trust_remote_code=trust_remote_code),
+                       trust_remote_code=trust_remote_code)  # fmt: skip
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
     return shapes, tied

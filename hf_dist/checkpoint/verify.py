@@ -78,11 +78,11 @@ class _Side:
         self.reader: Reader = open_reader(self.info, trust_pickles=trust_pickles)
         self.names: dict[str, str] = {}
 
-    def map_names(self, config_dir: Path | None, other: set[str] | None = None) -> None:
+    def map_names(self, config_dir: Path | None, other: set[str] | None = None, *, trust_remote_code: bool) -> None:
         """HF name -> source name: as the converter maps them with a config, else matched to ``other``'s names."""
         specs = self.reader.specs()
         if config_dir is not None and not planning.is_peft(specs):
-            expected, tied = planning.expected_specs(config_dir)
+            expected, tied = planning.expected_specs(config_dir, trust_remote_code=trust_remote_code)
             outer = transform.choose_outer_prefix(specs, set(expected))
             self.names = {transform.rename(n, outer): n for n in specs}
             for target, source in tied.items():  # a tied copy is written once, as the converter does
@@ -109,12 +109,14 @@ def verify(
     atol: float = 0.0,
     model_config: str | Path | None = None,
     trust_pickles: bool = False,
+    trust_remote_code: bool = False,
 ) -> VerifyReport:
     """Compare checkpoints ``a`` and ``b``; ``report.ok`` is False on any missing key, shape, NaN/Inf or diff > atol.
 
     Names are mapped with one model config for both sides: ``model_config``, else the config found next to A
     or B. Without any config, sharded checkpoints whose names share nothing with the other side raise,
-    asking for ``--model-config``.
+    asking for ``--model-config``. ``trust_remote_code=True`` lets the config's ``auto_map`` classes be imported
+    (name mapping, ``logits``); without it they never are (:mod:`hf_dist.planning.remote_code`).
     """
     if not isinstance(atol, (int, float)) or isinstance(atol, bool) or not math.isfinite(atol) or atol < 0:
         raise ValueError(f"--atol must be a finite number >= 0, got {atol!r}")
@@ -123,10 +125,11 @@ def verify(
     config = config or side_a.info.config_dir or side_b.info.config_dir
     for side in (side_a, side_b):
         side.info.config_dir = config
-    side_b.map_names(config)
-    side_a.map_names(config, set(side_b.names))
+    trust = {"trust_remote_code": trust_remote_code}
+    side_b.map_names(config, **trust)
+    side_a.map_names(config, set(side_b.names), **trust)
     if config is None:
-        side_b.map_names(None, set(side_a.names))
+        side_b.map_names(None, set(side_a.names), **trust)
         if side_a.names and side_b.names and not set(side_a.names) & set(side_b.names):
             raise ValueError(
                 f"{a} and {b} share no tensor name (e.g. {next(iter(side_a.reader.specs()))!r} vs "
@@ -150,7 +153,7 @@ def verify(
                 report.nonfinite[name] = counts
             report.diffs[name] = _max_abs_diff(x, y)
     if logits:
-        report.logits_max_diff = _logits_diff(side_a, side_b)
+        report.logits_max_diff = _logits_diff(side_a, side_b, trust_remote_code=trust_remote_code)
     side_a.reader.close()
     side_b.reader.close()
     return report
@@ -187,7 +190,7 @@ def _max_abs_diff(x: Any, y: Any) -> float:
     return float(diff.max()) if diff.numel() else 0.0
 
 
-def _logits_diff(side_a: _Side, side_b: _Side) -> float:
+def _logits_diff(side_a: _Side, side_b: _Side, *, trust_remote_code: bool) -> float:
     import torch
 
     config_dir = side_a.info.config_dir or side_b.info.config_dir
@@ -195,7 +198,7 @@ def _logits_diff(side_a: _Side, side_b: _Side) -> float:
         raise ValueError("--logits needs a config.json in A or B; pass --model-config DIR")
     out = []
     for side in (side_a, side_b):
-        model = _build_model(config_dir, side)
+        model = _build_model(config_dir, side, trust_remote_code)
         vocab = model.config.get_text_config().vocab_size
         ids = torch.Generator().manual_seed(0)
         input_ids = torch.randint(0, vocab, (2, 16), generator=ids)
@@ -205,12 +208,13 @@ def _logits_diff(side_a: _Side, side_b: _Side) -> float:
     return float((out[0] - out[1]).abs().max())
 
 
-def _build_model(config_dir: Path, side: _Side):
+def _build_model(config_dir: Path, side: _Side, trust_remote_code: bool):
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(config_dir)
-    model = AutoModelForCausalLM.from_config(config).float().eval()
+    from hf_dist.planning.modelinfo import causal_lm_from_config, load_config
+
+    config = load_config(str(config_dir), trust_remote_code=trust_remote_code)
+    model = causal_lm_from_config(config, trust_remote_code=trust_remote_code).float().eval()
     expected = model.state_dict()
     loaded: set[str] = set()
     unexpected: list[str] = []

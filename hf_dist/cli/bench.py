@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from hf_dist.cli.common import add_trust_remote_code
+
 EPILOG = """examples:
   hf-dist bench --nproc 8 --model meta-llama/Llama-3.1-8B --seq-len 2048 --micro-batch-size 1
   hf-dist bench --nproc 8 --model ./my-model --strategies fsdp_full_shard,zero3 --autotune best.yaml
@@ -41,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--autotune", metavar="YAML", help="write the fastest strategy's accelerate config here")
     parser.add_argument("--force", action="store_true", help="overwrite the --autotune file")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    add_trust_remote_code(parser)
 
 
 def run(args: argparse.Namespace) -> int:

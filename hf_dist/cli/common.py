@@ -17,6 +17,18 @@ def add_checkpoint_paths(parser: argparse.ArgumentParser, src_help: str, dst_hel
     add_positional(parser, "dst", dst_help, **({} if dst_required else {"nargs": "?"}))
 
 
+def add_trust_remote_code(parser: argparse.ArgumentParser) -> None:
+    """``--trust-remote-code``: the one permission to import the Python files a model config's ``auto_map`` names."""
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        dest="trust_remote_code",
+        help="import the modelling code the model config's auto_map names (files in its folder); only for a folder "
+        "you trust. Without it that code never runs: a registered model_type (llama, ...) is read with "
+        "transformers' own class, anything else is refused",
+    )
+
+
 def arg_kwargs(args: argparse.Namespace, *names: str, **renamed: str) -> dict[str, Any]:
     """The parsed flags ``names`` as keyword arguments of the same names, and ``keyword=flag`` for ``renamed``:
     ``arg_kwargs(args, "tag", global_batch_size="global_batch")`` is

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hf_dist.cli.common import add_checkpoint_paths, arg_kwargs
+from hf_dist.cli.common import add_checkpoint_paths, add_trust_remote_code, arg_kwargs
 
 EPILOG = """examples:
   hf-dist convert out/checkpoint-500 out/hf-model                     # ZeRO-1/2/3 or FSDP, detected
@@ -14,6 +14,7 @@ EPILOG = """examples:
   hf-dist convert out/checkpoint-500 out/lora-adapter --adapter       # PEFT run -> adapter folder
   hf-dist convert out/checkpoint-500 out/merged --merge-adapter       # PEFT run -> merged full model
   hf-dist convert out/hf-model out/init-dcp --to dcp                  # HF -> sharded DCP for FSDP
+  hf-dist convert out/checkpoint-500 out/hf-model --trust-remote-code # the config's auto_map code (trusted)
 """
 
 
@@ -50,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists (atomically)")
     trust_help = "allow arbitrary types in .pt files; only for files you trust"
     parser.add_argument("--trust-pickles", action="store_true", help=trust_help)
+    add_trust_remote_code(parser)
     parser.add_argument("--no-progress", action="store_false", dest="progress")
 
 
@@ -57,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from hf_dist.checkpoint.convert import convert
 
     options = ("dtype", "max_shard_size", "model_config", "tokenizer", "tag", "adapter", "merge_adapter", "overwrite")
-    report = convert(args.src, args.dst, **arg_kwargs(args, *options, "to", "trust_pickles", "progress"))
+    flags = ("to", "trust_pickles", "progress", "trust_remote_code")
+    report = convert(args.src, args.dst, **arg_kwargs(args, *options, *flags))
     print(report.summary())
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from hf_dist.cli.common import add_positional, arg_kwargs
+from hf_dist.cli.common import add_positional, add_trust_remote_code, arg_kwargs
 
 EPILOG = """examples:
   hf-dist plan meta-llama/Llama-3.1-8B --gpus 8 --gpu-memory 80
@@ -23,6 +23,7 @@ EPILOG = """examples:
   hf-dist plan ./llama-3-70b --gpus 8 --gpu-memory 80 --offload-device nvme   # ZeRO-Infinity: swap files per node
   hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --tp-size 2   # pin a size (the others become 1)
   hf-dist plan ./my-model --gpus 64 --nodes 8 --gpu-memory 80 --verify   # check the pick by tracing the real model
+  hf-dist plan ./custom-model --gpus 8 --gpu-memory 80 --trust-remote-code   # import its auto_map code (trusted)
 """
 
 
@@ -129,7 +130,7 @@ def _add_estimate_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_verification_and_output(parser: argparse.ArgumentParser) -> None:
     """Loading and tracing the real model, and the output format."""
-    parser.add_argument("--trust-remote-code", action="store_true", dest="trust_remote_code")
+    add_trust_remote_code(parser)
     parser.add_argument(
         "--verify",
         action="store_true",
@@ -174,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         spec,
         hardware=hardware,
         use_liger_kernel={"auto": None, "on": True, "off": False}[args.liger],
+        trust_remote_code=args.trust_remote_code,
         **arg_kwargs(args, *_PLAN_OPTIONS, **_PLAN_RENAMED),
     )
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.explain())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hf_dist.cli.common import add_positional
+from hf_dist.cli.common import add_positional, add_trust_remote_code
 
 EPILOG = """examples:
   hf-dist verify out/checkpoint-500 out/hf-model                 # exact comparison, any two formats
@@ -27,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--logits", action="store_true", help="also run both models on a fixed input")
     parser.add_argument("--model-config", dest="model_config", help="config folder when A or B has none")
     parser.add_argument("--trust-pickles", action="store_true", dest="trust_pickles")
+    add_trust_remote_code(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     report = verify(
         args.a, args.b, logits=args.logits, atol=args.atol, model_config=args.model_config,
-        trust_pickles=args.trust_pickles,
+        trust_pickles=args.trust_pickles, trust_remote_code=args.trust_remote_code,
     )  # fmt: skip
     print(report.summary())
     return 0 if report.ok else 1

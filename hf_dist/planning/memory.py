@@ -164,7 +164,7 @@ def estimate_memory(
     use_liger_kernel: bool = False, attention: str | None = None, device: str = "cuda", base_bytes: int | None = None,
     tp_size: int = 1, cp_size: int = 1, sp_size: int = 1, offload_device: str = "cpu",
     lora_dropout: float = LORA_DROPOUT, checkpoint_children: bool = False, fsdp2_embedding_unit: bool = True,
-    fused_lm_head: bool = False,
+    fused_lm_head: bool = False, trust_remote_code: bool = False,
 ) -> MemoryEstimate:  # fmt: skip
     """Per-rank memory of training ``model_or_num_params`` with ``strategy`` on ``world_size`` ranks.
 
@@ -190,7 +190,8 @@ def estimate_memory(
     ``fsdp2_embedding_unit``: FSDP2 shards an untied input embedding as a unit of its own, resharded after forward
     (accelerate >= 1.15, ``LibraryFeatures``); otherwise it stays gathered in the root unit with ``lm_head``.
     ``fused_lm_head``: the loss runs through TRL's fused LM head (``SFTTrainer``), which never holds the logits
-    (:func:`~hf_dist.planning.activations.trl_head_bytes`).
+    (:func:`~hf_dist.planning.activations.trl_head_bytes`). ``trust_remote_code=True`` lets a folder's ``auto_map``
+    classes be imported; without it they never are (:mod:`hf_dist.planning.remote_code`).
     """
     from hf_dist.planning.modelinfo import model_spec
 
@@ -203,7 +204,7 @@ def estimate_memory(
                         ("gradient_accumulation_steps", gradient_accumulation_steps)):  # fmt: skip
         check_positive_int(name, value)
     check_choice("device", device, DEVICES)
-    spec = model_spec(model_or_num_params)
+    spec = model_spec(model_or_num_params, trust_remote_code=trust_remote_code)
     attention = spec.attention if attention is None else attention
     check_choice("attention", attention, ATTENTIONS)
     run.check_model(spec, seq_len)

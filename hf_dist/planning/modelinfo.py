@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from hf_dist.planning.precision import is_module
+from hf_dist.planning.remote_code import check_config_class, check_trust_flag, uses_folder_class
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,13 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def model_spec(model: Any, *, trust_remote_code: bool = False) -> ModelSpec:
-    """Describe ``model``: int (or integral float, 7.5e9) | PretrainedConfig | dict | nn.Module (incl. PEFT) | str (dir, config.json, hub name)."""
+    """Describe ``model``: int (or integral float, 7.5e9) | PretrainedConfig | dict | nn.Module (incl. PEFT) | str (dir, config.json, hub name).
+
+    ``trust_remote_code=True`` lets a config's ``auto_map`` classes be imported from its folder; without it they
+    never are (:mod:`hf_dist.planning.remote_code`: a registered causal LM is planned from transformers' own
+    class, anything else raises :class:`~hf_dist.planning.remote_code.RemoteCodeError`).
+    """
+    trust = check_trust_flag(trust_remote_code)
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, bool):
@@ -117,11 +124,12 @@ def model_spec(model: Any, *, trust_remote_code: bool = False) -> ModelSpec:
         count = _count_in_text(os.fspath(model))
         if count is not None:  # "7.5e9" on the command line: a bare count, never a hub name
             return ModelSpec(num_params=count)
-        return spec_from_config(load_config(os.fspath(model), trust_remote_code=trust_remote_code), name=str(model))
+        config = load_config(os.fspath(model), trust_remote_code=trust)
+        return spec_from_config(config, name=str(model), trust_remote_code=trust)
     if isinstance(model, dict):
-        return spec_from_config(config_from_dict(model))
+        return spec_from_config(config_from_dict(model), trust_remote_code=trust)
     if _is_config(model):
-        return spec_from_config(model)
+        return spec_from_config(model, trust_remote_code=trust)
     if is_module(model):
         return spec_from_module(model)
     raise ValueError(
@@ -178,34 +186,72 @@ def config_from_dict(data: dict) -> Any:
 
 
 def load_config(path_or_name: str, *, trust_remote_code: bool = False) -> Any:
-    """A config from a local folder, a config.json file or a hub name (clear error when offline)."""
-    from transformers import AutoConfig
+    """A config from a local folder, a config.json file or a hub name (clear error when offline).
 
+    A config class named only in the folder's ``auto_map`` is imported with ``trust_remote_code=True`` alone
+    (:func:`~hf_dist.planning.remote_code.check_config_class`); a config.json given as a file is then read as its
+    folder, where that code lives.
+    """
+    trust = check_trust_flag(trust_remote_code)
     if os.path.isfile(path_or_name):
-        with open(path_or_name, encoding="utf-8") as fh:
-            try:
-                data = json.load(fh)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path_or_name} is not valid JSON ({exc}); pass a transformers config.json") from exc
-        return config_from_dict(data)
+        return _config_from_file(path_or_name, trust)
     if os.path.isdir(path_or_name):
         config_file = os.path.join(path_or_name, "config.json")
         if not os.path.isfile(config_file):
             raise FileNotFoundError(f"folder {path_or_name} has no config.json; pass a model folder or a config.json")
-        try:
-            return AutoConfig.from_pretrained(path_or_name, trust_remote_code=trust_remote_code)
-        except (OSError, ValueError) as exc:
-            raise ValueError(
-                f"cannot read {config_file} ({type(exc).__name__}: {str(exc)[:200]}); fix or replace it"
-            ) from None
+        check_config_class(_read_json(config_file), path_or_name, trust_remote_code=trust)
+        return _auto_config(path_or_name, trust, f"cannot read {config_file}", "fix or replace it")
     _check_hub_reachable(path_or_name)
+    return _hub_config(path_or_name, trust)
+
+
+def _read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as fh:
+        try:
+            data = json.load(fh)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON ({exc}); pass a transformers config.json") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object; pass a transformers config.json")
+    return data
+
+
+def _config_from_file(path: str, trust: bool) -> Any:
+    """A config.json file: read as a dict (no code), or, trusted and with an ``auto_map``, as its folder."""
+    data = _read_json(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if trust and data.get("auto_map") and os.path.basename(path) == "config.json":
+        return load_config(folder, trust_remote_code=True)
+    check_config_class(data, folder, trust_remote_code=trust)
+    config = config_from_dict(data)
+    if getattr(config, "auto_map", None):
+        config._name_or_path = folder  # where its auto_map's files are: named by a refusal
+    return config
+
+
+def _auto_config(path_or_name: str, trust: bool, failure: str, fix: str) -> Any:
+    from transformers import AutoConfig
+
     try:
-        return AutoConfig.from_pretrained(path_or_name, trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(path_or_name, trust_remote_code=trust)
     except (OSError, ValueError) as exc:
-        raise ValueError(
-            f"could not resolve model {path_or_name!r}: it is not a local folder or file, and the hub name could not "
-            f"be resolved (offline or no access: {type(exc).__name__}). Pass a local folder or a config.json path"
-        ) from exc
+        raise ValueError(f"{failure} ({type(exc).__name__}: {str(exc)[:200]}); {fix}") from None
+
+
+def _hub_config(name: str, trust: bool) -> Any:
+    """A hub repo's config; its config.json is fetched first so a remote-code config class is refused unread."""
+    from transformers import PretrainedConfig
+
+    unresolved = (
+        f"could not resolve model {name!r}: it is not a local folder or file, and the hub name could not be "
+        "resolved (offline or no access: {}). Pass a local folder or a config.json path"
+    )
+    try:
+        data, _ = PretrainedConfig.get_config_dict(name)
+    except (OSError, ValueError) as exc:
+        raise ValueError(unresolved.format(type(exc).__name__)) from exc
+    check_config_class(data, name, trust_remote_code=trust)
+    return _auto_config(name, trust, f"cannot read the config of {name!r}", "pass a local folder or config.json")
 
 
 def _check_hub_reachable(name: str, timeout_s: float = 1.5) -> None:
@@ -230,12 +276,18 @@ def _check_hub_reachable(name: str, timeout_s: float = 1.5) -> None:
         ) from None
 
 
-def _check_causal_lm(config: Any) -> None:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+def check_causal_lm(config: Any, *, trust_remote_code: bool = False) -> bool:
+    """Refuse a config that is no causal LM; True when its causal LM is the folder's own (trusted) ``auto_map`` class,
+    False when it is transformers' registered one. An ``auto_map`` causal LM of a config transformers cannot build
+    as one raises :class:`~hf_dist.planning.remote_code.RemoteCodeError` unless ``trust_remote_code``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    auto_map = getattr(config, "auto_map", None) or {}
-    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or "AutoModelForCausalLM" in auto_map:
-        return
+    trust = check_trust_flag(trust_remote_code)
+    registered = type(config) in MODEL_FOR_CAUSAL_LM_MAPPING
+    if uses_folder_class(config, "AutoModelForCausalLM", registered=registered, trust_remote_code=trust):
+        return True
+    if registered:
+        return False
     raise ValueError(
         f"model_type {config.model_type!r} is not a causal language model (no AutoModelForCausalLM mapping); "
         "hf_dist plans fine-tuning of causal LMs such as llama, mistral, qwen2, gpt2"
@@ -268,13 +320,14 @@ def check_dimensions(config: Any, *, name: str | None = None) -> None:
         )
 
 
-def spec_from_config(config: Any, *, name: str | None = None) -> ModelSpec:
-    """Count params by building the model on the meta device (no storage is allocated)."""
-    _check_causal_lm(config)
+def spec_from_config(config: Any, *, name: str | None = None, trust_remote_code: bool = False) -> ModelSpec:
+    """Count params by building the model on the meta device (no storage is allocated); the folder's own
+    ``auto_map`` class only with ``trust_remote_code`` (:func:`check_causal_lm`)."""
+    remote = check_causal_lm(config, trust_remote_code=trust_remote_code)
     check_dimensions(config, name=name)
-    key = (type(config).__name__, config.to_json_string(use_diff=False))
+    key = (type(config).__name__, config.to_json_string(use_diff=False), remote)
     if key not in _COUNT_CACHE:
-        _COUNT_CACHE[key] = _module_counts(meta_model(config))
+        _COUNT_CACHE[key] = _module_counts(meta_model(config, trust_remote_code=trust_remote_code))
     return _spec(config, _COUNT_CACHE[key], name=name or getattr(config, "_name_or_path", None) or None)
 
 
@@ -288,7 +341,7 @@ class _Counts(NamedTuple):
 
 
 # keyed on the config JSON so repeated plans of the same config (CLI, tests) count once
-_COUNT_CACHE: dict[tuple[str, str], _Counts] = {}
+_COUNT_CACHE: dict[tuple[str, str, bool], _Counts] = {}
 
 
 def resolve_config(model: Any, *, trust_remote_code: bool = False) -> Any:
@@ -305,41 +358,69 @@ def resolve_config(model: Any, *, trust_remote_code: bool = False) -> Any:
     )
 
 
-def meta_model(config: Any, *, trust_remote_code: bool | None = None) -> Any:
+def meta_model(config: Any, *, trust_remote_code: bool = False) -> Any:
     """``config`` built on the meta device (module tree only, no weight memory); a causal LM when it is one.
 
     Registered causal-LM configs use the model class itself, not ``from_config``: under an active ZeRO-3
     config ``from_config`` wraps the build in ``deepspeed.zero.Init``, a collective that hangs when only one
-    rank plans. Remote code (``auto_map``) goes through the auto classes with zero.Init marked active.
+    rank plans. The folder's own classes (``auto_map``) are built only with ``trust_remote_code=True``, through
+    the auto classes with zero.Init marked active (:func:`_build`).
     """
     import contextlib
 
     import torch
-    from transformers import AutoModel, AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
         from transformers.modeling_utils import set_zero3_state
     except ImportError:  # pragma: no cover - older/newer transformers
         set_zero3_state = contextlib.nullcontext
-    remote = bool(getattr(config, "auto_map", None)) if trust_remote_code is None else trust_remote_code
-    errors = []
     with torch.device("meta"), set_zero3_state():
-        if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
-            model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
-        else:
-            model = None
-            for auto in (AutoModelForCausalLM, AutoModel):
-                try:
-                    model = auto.from_config(config, trust_remote_code=remote)
-                    break
-                except (ValueError, KeyError) as exc:  # config class not registered for this auto class
-                    errors.append(f"{auto.__name__}: {exc}")
-            if model is None:
-                raise ValueError(f"cannot build a model for config type {type(config).__name__}: {'; '.join(errors)}")
-        if hasattr(model, "tie_weights"):  # transformers 5.0's bare constructor leaves tied weights untied
-            model.tie_weights()
+        return _build(config, trust_remote_code=trust_remote_code)
+
+
+def causal_lm_from_config(config: Any, *, trust_remote_code: bool = False, **kwargs: Any) -> Any:
+    """``AutoModelForCausalLM.from_config(config, **kwargs)`` (real weights, the config's dtype), asked with an
+    explicit ``trust_remote_code``: the folder's ``auto_map`` class only when True (:func:`check_causal_lm` refuses
+    a config only that code can build before transformers is asked)."""
+    from transformers import AutoModelForCausalLM
+
+    check_causal_lm(config, trust_remote_code=trust_remote_code)
+    return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
+
+
+def _build(config: Any, *, trust_remote_code: bool = False) -> Any:
+    """``config``'s model on the current device: its causal LM when it has one (else its base model), tied.
+
+    The folder's ``auto_map`` class is imported only with ``trust_remote_code=True``; without it a class
+    transformers registers is built instead, and a config only the folder's code can build raises
+    :class:`~hf_dist.planning.remote_code.RemoteCodeError` (:func:`~hf_dist.planning.remote_code.uses_folder_class`).
+    """
+    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    trust = check_trust_flag(trust_remote_code)
+    registered = type(config) in MODEL_FOR_CAUSAL_LM_MAPPING
+    if registered and not uses_folder_class(config, "AutoModelForCausalLM", registered=True, trust_remote_code=trust):
+        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
+    else:
+        model = _auto_model(config, (AutoModelForCausalLM, AutoModel), trust)
+    if hasattr(model, "tie_weights"):  # transformers 5.0's bare constructor leaves tied weights untied
+        model.tie_weights()
     return model
+
+
+def _auto_model(config: Any, autos: tuple, trust: bool) -> Any:
+    """The first of ``autos`` that builds ``config``, asked with an explicit ``trust_remote_code`` (never None)."""
+    errors = []
+    for auto in autos:
+        registered = type(config) in auto._model_mapping
+        if uses_folder_class(config, auto.__name__, registered=registered, trust_remote_code=trust):
+            return auto.from_config(config, trust_remote_code=True)  # trusted: the folder's class, its own errors
+        try:
+            return auto.from_config(config, trust_remote_code=False)
+        except (ValueError, KeyError) as exc:  # config class not registered for this auto class
+            errors.append(f"{auto.__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else exc}")
+    raise ValueError(f"cannot build a model for config type {type(config).__name__}: {'; '.join(errors)}")
 
 
 # LoRA adapter / PEFT bookkeeping parameters are not part of the base model

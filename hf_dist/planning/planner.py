@@ -54,7 +54,7 @@ def plan(
     tp_size: int | None = None, cp_size: int | None = None, sp_size: int | None = None,
     host_memory_gib: float | None = None, nvme_gbps: float | None = None, offload_device: str | None = None,
     features: Any = None, fused_lm_head: bool = False, async_save: bool = False,
-    train_tokens: int | float | None = None,
+    train_tokens: int | float | None = None, trust_remote_code: bool = False,
 ) -> Plan:  # fmt: skip
     """Plan distributed training of ``model`` (count, config, module, folder, config.json or hub name).
 
@@ -79,7 +79,8 @@ def plan(
     host RAM (``Plan.staging_bytes``). ``train_tokens``: the tokens the run will train on; the
     plan then states the estimated wall time and GPU-hours of its choice and of the alternatives
     (:meth:`Plan.time_to_finish`). Tracing the choice (``hf_dist.plan(..., verify=True)``) is
-    :func:`hf_dist.tracing.verify.plan`'s, a floor above.
+    :func:`hf_dist.tracing.verify.plan`'s, a floor above. ``trust_remote_code=True`` lets a folder's ``auto_map``
+    classes be imported; without it they never are (:mod:`hf_dist.planning.remote_code`).
     Raises PlanError (a ValueError) naming the minimum hardware when nothing fits.
     """
     sizes = (tp_size, cp_size, sp_size)
@@ -88,7 +89,7 @@ def plan(
                                      host_memory_gib=host_memory_gib, nvme_gbps=nvme_gbps)  # fmt: skip
     space = search_space(hw, method, strategy, offload, offload_device, activation_checkpointing, use_liger_kernel)
     check_pure_bf16_hardware(pure_bf16, hw)
-    model_dtype, spec = loaded_dtype(model), model_spec(model)
+    model_dtype, spec = loaded_dtype(model), model_spec(model, trust_remote_code=trust_remote_code)
     features = installed_features() if features is None else features
     setup = _setup(spec, hw, model_dtype, features, pure_bf16, safety_margin, method, optimizer, seq_len, lora_rank,
                    global_batch_size, micro_batch_size, fused_lm_head, async_save)  # fmt: skip

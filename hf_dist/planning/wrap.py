@@ -23,7 +23,8 @@ def fsdp_wrap_classes(
     ``model`` is an ``nn.Module`` (PEFT-wrapped too), a ``PretrainedConfig``, a config dict with
     ``model_type``, or a local folder / ``config.json`` / hub name (a config is built on the meta
     device, so no weights are allocated). ``requested`` overrides detection; each name must be a
-    class present in the model, otherwise a ``ValueError`` lists the candidates found.
+    class present in the model, otherwise a ``ValueError`` lists the candidates found. A config's ``auto_map``
+    classes are imported only with ``trust_remote_code=True`` (:mod:`hf_dist.planning.remote_code`).
 
     >>> fsdp_wrap_classes(LlamaConfig(num_hidden_layers=2, hidden_size=64, ...))
     ['LlamaDecoderLayer']

@@ -94,7 +94,14 @@ class ModelArguments:
     tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "Defaults to the model's."})
     torch_dtype: str = field(default="auto", metadata={"help": "auto | bfloat16 | float16 | float32"})
     attn_implementation: str | None = field(default=None, metadata={"help": "e.g. sdpa, flash_attention_2"})
-    trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom modelling code from the hub."})
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": "Import the modelling code the model config's auto_map names (files in its folder or hub repo); "
+            "only for a model you trust. Without it that code never runs: a registered model_type is built with "
+            "transformers' own class, any other is refused."
+        },
+    )
     tiny_hidden_size: int = field(default=128, metadata={"help": "Embedded model only: hidden size."})
     tiny_num_layers: int = field(default=2, metadata={"help": "Embedded model only: decoder layers."})
     strategy: str | None = field(
@@ -307,6 +314,7 @@ def training_arguments(
     sizes: dict[str, int | None] | None = None,
     async_save: bool = False,
     offloading: dict[str, str | None] | None = None,
+    trust_remote_code: bool = False,
 ):
     """``TrainingArguments`` = recipe defaults < ``hf_dist.auto_args`` (the plan) < explicit user flags.
 
@@ -318,6 +326,7 @@ def training_arguments(
     ``deepspeed_on_cpu`` (the recipes' ``--deepspeed_on_cpu``, tests and CPU development only) lets a
     DeepSpeed run count every CPU rank (:func:`hf_dist.runtime.cpu_fsdp.cpu_deepspeed_training_kwargs`);
     without it DeepSpeed on several CPU ranks is refused here, before DeepSpeed's own batch-size error.
+    ``trust_remote_code`` (``--trust_remote_code``): the plan may import the model config's ``auto_map`` code.
     """
     from transformers import TrainingArguments
 
@@ -329,7 +338,7 @@ def training_arguments(
         import hf_dist
 
         plan_kwargs = _plan_kwargs(kwargs, method, seq_len, strategy, lora_rank, sizes, async_save, offloading)
-        planned = hf_dist.auto_args(model, **plan_kwargs)
+        planned = hf_dist.auto_args(model, trust_remote_code=trust_remote_code, **plan_kwargs)
         kwargs.update({k: v for k, v in planned.items() if k not in explicit})
     if kwargs.get("deepspeed") and not _has_accelerator() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         kwargs.update(_deepspeed_on_cpu_kwargs(deepspeed_on_cpu))

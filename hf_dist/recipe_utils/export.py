@@ -13,7 +13,9 @@ from hf_dist.recipe_utils.model import outside_zero3
 from hf_dist.runtime.dist import live_strategy
 
 
-def export_model(trainer: Any, tokenizer: Any, export_dir: Path, *, adapter: bool) -> str:
+def export_model(
+    trainer: Any, tokenizer: Any, export_dir: Path, *, adapter: bool, trust_remote_code: bool = False
+) -> str:
     """Write a consolidated HF folder (or PEFT adapter) to ``export_dir``; returns how it was made.
 
     Sharded runs (FSDP, ZeRO) go through ``hf_dist.convert`` from the last checkpoint; without a
@@ -25,7 +27,8 @@ def export_model(trainer: Any, tokenizer: Any, export_dir: Path, *, adapter: boo
     checkpoint = final_checkpoint(trainer)
     if not running.is_ddp and checkpoint is not None:
         if trainer.args.should_save:
-            _convert_checkpoint(trainer, tokenizer, checkpoint, export_dir, adapter=adapter)
+            _convert_checkpoint(trainer, tokenizer, checkpoint, export_dir, adapter=adapter,
+                                trust_remote_code=trust_remote_code)  # fmt: skip
         trainer.accelerator.wait_for_everyone()
         return f"hf_dist.convert({checkpoint.name})"
     if running.is_fsdp:
@@ -39,7 +42,9 @@ def export_model(trainer: Any, tokenizer: Any, export_dir: Path, *, adapter: boo
     return "trainer.save_model"
 
 
-def _convert_checkpoint(trainer: Any, tokenizer: Any, checkpoint: Path, export_dir: Path, *, adapter: bool) -> None:
+def _convert_checkpoint(
+    trainer: Any, tokenizer: Any, checkpoint: Path, export_dir: Path, *, adapter: bool, trust_remote_code: bool
+) -> None:
     """Run ``hf_dist.convert`` on the checkpoint in a fresh process, as ``hf-dist convert`` would.
 
     A separate process keeps the converter away from this job's initialised process group (its
@@ -55,12 +60,14 @@ def _convert_checkpoint(trainer: Any, tokenizer: Any, checkpoint: Path, export_d
     tokenizer.save_pretrained(checkpoint)
     code = (
         "import sys, hf_dist; "
-        "hf_dist.convert(sys.argv[1], sys.argv[2], adapter=sys.argv[3] == '1', overwrite=True, progress=False)"
+        "hf_dist.convert(sys.argv[1], sys.argv[2], adapter=sys.argv[3] == '1', overwrite=True, progress=False, "
+        "trust_remote_code=sys.argv[4] == '1')"
     )
+    flags = (adapter, trust_remote_code)
     dist_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
     env = {k: v for k, v in os.environ.items() if k not in dist_vars}
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(checkpoint), str(export_dir), "1" if adapter else "0"],
+        [sys.executable, "-c", code, str(checkpoint), str(export_dir), *("1" if f else "0" for f in flags)],
         env=env,
         capture_output=True,
         text=True,
@@ -75,8 +82,11 @@ def final_checkpoint(trainer: Any) -> Path | None:
     return path if path.is_dir() else None
 
 
-def reload_export(export_dir: Path, tokenizer: Any, *, task: Any, mode: str, adapter: bool) -> dict:
-    """Reload the export the way a user would and run it: accuracy on the task and one sample."""
+def reload_export(
+    export_dir: Path, tokenizer: Any, *, task: Any, mode: str, adapter: bool, trust_remote_code: bool = False
+) -> dict:
+    """Reload the export the way a user would and run it: accuracy on the task and one sample (the config's
+    ``auto_map`` code imported only with ``trust_remote_code``, the recipes' ``--trust_remote_code``)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -86,13 +96,13 @@ def reload_export(export_dir: Path, tokenizer: Any, *, task: Any, mode: str, ada
         if adapter:
             from peft import AutoPeftModelForCausalLM
 
-            model = AutoPeftModelForCausalLM.from_pretrained(export_dir)
+            model = AutoPeftModelForCausalLM.from_pretrained(export_dir, trust_remote_code=trust_remote_code)
         else:
-            model = AutoModelForCausalLM.from_pretrained(export_dir)
+            model = AutoModelForCausalLM.from_pretrained(export_dir, trust_remote_code=trust_remote_code)
     if adapter:
         _check_adapter_loaded(model, export_dir)
     model.to("cuda" if torch.cuda.is_available() else "cpu")
-    reloaded_tokenizer = AutoTokenizer.from_pretrained(export_dir)
+    reloaded_tokenizer = AutoTokenizer.from_pretrained(export_dir, trust_remote_code=trust_remote_code)
     out: dict[str, Any] = {"exported_params": sum(p.numel() for p in model.parameters())}
     if task is not None:
         out["accuracy_after"] = exact_match(model, reloaded_tokenizer, task, mode=mode)

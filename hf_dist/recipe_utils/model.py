@@ -34,7 +34,9 @@ def load_tokenizer(model_args: ModelArguments, *, chat: bool, max_length: int = 
 
 
 def model_config(model_args: ModelArguments, tokenizer: Any) -> Any:
-    """The model config: a tiny Llama sized to the tokenizer, or the checkpoint's own config."""
+    """The model config: a tiny Llama sized to the tokenizer, or the checkpoint's own config, refused before
+    anything is built when it is no causal LM or names code to import (``auto_map``) without
+    ``--trust_remote_code`` (:mod:`hf_dist.planning.remote_code`)."""
     if model_args.embedded:
         from hf_dist.embedded.model import tiny_llama_config
 
@@ -48,9 +50,12 @@ def model_config(model_args: ModelArguments, tokenizer: Any) -> Any:
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
         )
-    from transformers import AutoConfig
+    from hf_dist.planning.modelinfo import check_causal_lm, load_config
 
-    return AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code)
+    trust = model_args.trust_remote_code
+    config = load_config(model_args.model_name_or_path, trust_remote_code=trust)
+    check_causal_lm(config, trust_remote_code=trust)
+    return config
 
 
 def resolve_seq_len(requested: int | None, config: Any, *, embedded: bool) -> int:
@@ -99,7 +104,7 @@ def build_model(
         raise ValueError("a tensor-parallel model is sharded as it loads: save the embedded model and load it by path")
     if model_args.embedded:
         with outside_zero3():  # whole, even if a ZeRO-3 config is registered (see above)
-            return AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False, **extra)
     dtype = model_args.torch_dtype if model_args.torch_dtype == "auto" else getattr(torch, model_args.torch_dtype)
     return AutoModelForCausalLM.from_pretrained(
         model_args.model_name_or_path,
@@ -140,10 +145,11 @@ def lora_config(lora_args: LoraArguments, model: Any) -> Any:
 def check_lora_targets(lora_args: LoraArguments, config: Any, *, trust_remote_code: bool = False) -> Any:
     """Validate ``--lora_target_modules`` on a weightless (meta) copy of the model: no memory, no download."""
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
+
+    from hf_dist.planning.modelinfo import causal_lm_from_config
 
     with outside_zero3(), init_empty_weights():
-        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        skeleton = causal_lm_from_config(config, trust_remote_code=trust_remote_code)
     return lora_config(lora_args, skeleton)
 
 

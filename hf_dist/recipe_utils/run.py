@@ -193,15 +193,20 @@ def _live_sizes(trainer: Any) -> dict[str, int]:
     return sizes
 
 
-def print_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy: str | None = None) -> None:
+def print_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy: str | None = None,
+               trust_remote_code: bool = False) -> None:  # fmt: skip
     """Print :func:`describe_plan` on the main process."""
     if args.process_index == 0:
-        print(describe_plan(config, method=method, seq_len=seq_len, args=args, strategy=strategy), flush=True)
+        text = describe_plan(config, method=method, seq_len=seq_len, args=args, strategy=strategy,
+                             trust_remote_code=trust_remote_code)  # fmt: skip
+        print(text, flush=True)
 
 
-def describe_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy: str | None = None) -> str:
+def describe_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy: str | None = None,
+                  trust_remote_code: bool = False) -> str:  # fmt: skip
     """The planner's explanation for this model/method on the detected hardware, plus the batch math (over the
-    data-parallel ranks: the ranks of one tensor / context / sequence parallel group share each sequence)."""
+    data-parallel ranks: the ranks of one tensor / context / sequence parallel group share each sequence).
+    ``trust_remote_code``: the planner may import the config's ``auto_map`` code (``--trust_remote_code``)."""
     world = args.world_size
     asked = parallel_sizes(getattr(args, "parallelism_config", None), deepspeed_config(args))
     sizes = {f"{n}_size": size for n, size in asked.items()}
@@ -220,8 +225,9 @@ def describe_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy
     pinned = sizes if shared else {}
     try:
         explained = plan(
-            config, gpus=world, method=method, seq_len=seq_len, global_batch_size=batch, strategy=strategy, **pinned
-        ).explain()
+            config, gpus=world, method=method, seq_len=seq_len, global_batch_size=batch, strategy=strategy,
+            trust_remote_code=trust_remote_code, **pinned,
+        ).explain()  # fmt: skip
         # model / hardware / chosen / why; `hf-dist plan` prints the full per-strategy table
         lines += ["[hf_dist] plan: " + line for line in explained.splitlines()[:4]]
     except ValueError as exc:  # PlanError: e.g. no strategy fits the detected hardware
@@ -249,10 +255,13 @@ def baseline_accuracy(model: Any, tokenizer: Any, task: Any, *, mode: str, args:
 
 
 def finish_run(
-    trainer: Any, tokenizer: Any, *, task: Any, mode: str, adapter: bool, before: float | None, check_export: bool
-) -> dict:
+    trainer: Any, tokenizer: Any, *, task: Any, mode: str, adapter: bool, before: float | None, check_export: bool,
+    trust_remote_code: bool = False,
+) -> dict:  # fmt: skip
     """Evaluate and export an HF folder (or adapter); then, for the embedded ``task`` or when ``check_export``
     (``--check_export``) asks, reload the export with from_pretrained and sample it (and score the task).
+    ``trust_remote_code`` (``--trust_remote_code``): the export and its reload may import the config's
+    ``auto_map`` code.
 
     Returns (and writes to ``<output_dir>/results.json`` on the main process) the run summary.
     """
@@ -267,7 +276,7 @@ def finish_run(
     if trainer.args.process_index == 0:
         print(f"[hf_dist] eval loss {eval_loss:.4f}; exporting", flush=True)
     export_dir = Path(trainer.args.output_dir) / ("adapter" if adapter else "final")
-    how = export_model(trainer, tokenizer, export_dir, adapter=adapter)
+    how = export_model(trainer, tokenizer, export_dir, adapter=adapter, trust_remote_code=trust_remote_code)
     trainer.accelerator.wait_for_everyone()
     if not trainer.args.should_save:
         return {}
@@ -287,7 +296,8 @@ def finish_run(
         "exported_with": how,
     }
     if task is not None or check_export:
-        results.update(reload_export(export_dir, tokenizer, task=task, mode=mode, adapter=adapter))
+        results.update(reload_export(export_dir, tokenizer, task=task, mode=mode, adapter=adapter,
+                                     trust_remote_code=trust_remote_code))  # fmt: skip
     atomic_write_json(Path(trainer.args.output_dir) / "results.json", results)
     print(format_results(results))
     return results

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from hf_dist.planning.remote_code import RemoteCodeError
 from hf_dist.tracing.setup import TraceSetup, TraceUnsupported
 from hf_dist.tracing.trace import TraceError, TraceResult, TraceTimeout, trace_here
 
@@ -27,7 +28,8 @@ _LAUNCH_VARIABLES = (
     "MASTER_PORT",
 )
 _LAUNCH_PREFIXES = ("ACCELERATE_", "FSDP_", "TORCHELASTIC_")
-_ERRORS = {"TraceUnsupported": TraceUnsupported, "TraceError": TraceError, "ValueError": ValueError}
+_ERRORS = {"TraceUnsupported": TraceUnsupported, "TraceError": TraceError, "ValueError": ValueError,
+           "RemoteCodeError": RemoteCodeError}  # fmt: skip
 
 
 def trace_memory(
@@ -51,7 +53,8 @@ def trace_memory(
     Raises :class:`TraceUnsupported` (a layout that cannot be traced; the message says which part and why),
     :class:`TraceTimeout` (past the limit; ``.partial`` is the peak of what ran, when the worker got that far),
     :class:`TraceError` (the model failed under the layout), ``ValueError`` (bad input: an unbuildable config, a
-    world size the mesh cannot take).
+    world size the mesh cannot take; :class:`~hf_dist.planning.remote_code.RemoteCodeError` for a config whose
+    causal LM is only the folder's ``auto_map`` code, unless ``trust_remote_code=True``).
     """
     config = _config_of(model, trust_remote_code)
     spec = TraceSetup.from_plan(plan, candidate, **setup) if plan is not None else TraceSetup(**setup)
@@ -61,13 +64,14 @@ def trace_memory(
     if time_limit_s <= 0:
         raise ValueError(f"time_limit_s must be positive, got {time_limit_s!r}")
     if not isolate:
-        return trace_here(config, spec, time_limit_s=time_limit_s)
-    source = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
-    return _run_worker(config, source, trust_remote_code, spec, time_limit_s)
+        return trace_here(config, spec, time_limit_s=time_limit_s, trust_remote_code=trust_remote_code)
+    return _run_worker(config, _code_folder(model, config, trust_remote_code), trust_remote_code, spec, time_limit_s)
 
 
 def _config_of(model: Any, trust_remote_code: bool) -> Any:
-    from hf_dist.planning.modelinfo import check_dimensions, resolve_config
+    """The config to trace, refused before any process starts when it is no causal LM, or when its causal LM is the
+    folder's ``auto_map`` code and ``trust_remote_code`` is False."""
+    from hf_dist.planning.modelinfo import check_causal_lm, check_dimensions, resolve_config
 
     if hasattr(model, "config") and not isinstance(model, (str, dict)) and hasattr(model, "parameters"):
         config = model.config
@@ -75,8 +79,19 @@ def _config_of(model: Any, trust_remote_code: bool) -> Any:
         config = base().config if callable(base) else config
     else:
         config = resolve_config(model, trust_remote_code=trust_remote_code)
+    check_causal_lm(config, trust_remote_code=trust_remote_code)
     check_dimensions(config)
     return config
+
+
+def _code_folder(model: Any, config: Any, trust_remote_code: bool) -> str | None:
+    """Where the worker reads the config again: only for trusted ``auto_map`` code, which it must import itself;
+    every other config travels as data (nothing of the folder is read)."""
+    if not trust_remote_code or not getattr(config, "auto_map", None):
+        return None
+    if isinstance(model, (str, os.PathLike)):
+        return os.fspath(model)
+    return getattr(config, "_name_or_path", None) or None
 
 
 def _run_worker(config: Any, source: str | None, trust_remote_code: bool, setup: TraceSetup, limit: float):
@@ -84,7 +99,7 @@ def _run_worker(config: Any, source: str | None, trust_remote_code: bool, setup:
     with tempfile.TemporaryDirectory(prefix="hf_dist_trace_") as tmp:
         request, result = Path(tmp) / "request.json", Path(tmp) / "result.json"
         request.write_text(json.dumps({
-            "config": config.to_dict(), "source": source if getattr(config, "auto_map", None) else None,
+            "config": config.to_dict(), "source": source,
             "trust_remote_code": trust_remote_code, "setup": setup.to_dict(), "time_limit_s": limit,
         }))  # fmt: skip
         command = [sys.executable, "-m", "hf_dist.tracing", str(request), str(result)]
@@ -123,7 +138,8 @@ def worker_main(argv: list[str] | None = None) -> int:
         else:
             config = config_from_dict(request["config"])
         answer = {"result": trace_here(config, TraceSetup.from_dict(request["setup"]),
-                                       time_limit_s=request["time_limit_s"]).to_dict()}  # fmt: skip
+                                       time_limit_s=request["time_limit_s"],
+                                       trust_remote_code=request["trust_remote_code"]).to_dict()}  # fmt: skip
     except TraceTimeout as exc:
         answer = {"error": {"type": "TraceTimeout", "message": str(exc),
                             "partial": exc.partial.to_dict() if exc.partial else None}}  # fmt: skip

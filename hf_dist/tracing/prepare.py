@@ -44,17 +44,20 @@ def native_amp(setup: TraceSetup) -> bool:
     return setup.mixed_precision != "no" and not (setup.pure_bf16 and setup.layout.strategy.is_fsdp)
 
 
-def build_model(config: Any, setup: TraceSetup) -> Any:
-    """The causal LM of ``config`` on the meta device, in the dtypes the run keeps, with LoRA when planned."""
+def build_model(config: Any, setup: TraceSetup, *, trust_remote_code: bool = False) -> Any:
+    """The causal LM of ``config`` on the meta device, in the dtypes the run keeps, with LoRA when planned (the
+    config's ``auto_map`` class only with ``trust_remote_code``: :mod:`hf_dist.planning.remote_code`)."""
     import copy
 
     from hf_dist.planning.modelinfo import meta_model, model_spec
 
     config = copy.deepcopy(config)
-    config._attn_implementation = setup.attention or model_spec(config).attention  # eager where sdpa is refused
+    config._attn_implementation = (  # eager where sdpa is refused
+        setup.attention or model_spec(config, trust_remote_code=trust_remote_code).attention
+    )
     if setup.activation_checkpointing:  # what auto_args sets (hf_dist.auto.disable_kv_cache_under_checkpointing)
         config.use_cache = False
-    model = meta_model(config)
+    model = meta_model(config, trust_remote_code=trust_remote_code)
     if setup.method == "full":
         return model.to(trainable_dtype(setup))
     model = model.to(_dtype(setup.base_dtype))

@@ -275,8 +275,11 @@ _DDP_NOTE = (
 )
 
 
-def trace_here(config: Any, setup: TraceSetup, *, time_limit_s: float = 300.0) -> TraceResult:
-    """Trace ``setup`` for ``config`` in this process (no process group may be initialised here).
+def trace_here(
+    config: Any, setup: TraceSetup, *, time_limit_s: float = 300.0, trust_remote_code: bool = False
+) -> TraceResult:
+    """Trace ``setup`` for ``config`` in this process (no process group may be initialised here); the config's
+    ``auto_map`` classes are imported only with ``trust_remote_code=True``.
 
     Raises :class:`TraceUnsupported` for a layout that cannot be traced (naming why), :class:`TraceTimeout`
     (with ``partial``) past ``time_limit_s``, :class:`TraceError` when the model fails under the layout.
@@ -292,7 +295,7 @@ def trace_here(config: Any, setup: TraceSetup, *, time_limit_s: float = 300.0) -
     run = None
     try:
         with fake_world(setup) as mesh:
-            run = _Run(config, setup, mesh, optimizer, deadline)
+            run = _Run(config, setup, mesh, optimizer, deadline, trust_remote_code)
             run.steps()
     except TraceError:
         raise
@@ -317,7 +320,8 @@ def trace_here(config: Any, setup: TraceSetup, *, time_limit_s: float = 300.0) -
 class _Run:
     """One traced run: the model prepared and materialised, its optimizer, the tracker, the peak's phase."""
 
-    def __init__(self, config: Any, setup: TraceSetup, mesh: Any, optimizer: tuple, deadline: float) -> None:
+    def __init__(self, config: Any, setup: TraceSetup, mesh: Any, optimizer: tuple, deadline: float,
+                 trust_remote_code: bool = False) -> None:  # fmt: skip
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         from hf_dist.tracing import prepare
@@ -326,7 +330,7 @@ class _Run:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.vocab_size = text.vocab_size
         self.tracker = None
-        model = prepare.build_model(config, setup)
+        model = prepare.build_model(config, setup, trust_remote_code=trust_remote_code)
         model = prepare.enable_checkpointing(model, setup)
         model = prepare.shard(model, setup, mesh)
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)

@@ -24,15 +24,24 @@ from hf_dist.tracing.trace import TraceError, TraceTimeout
 MAX_TRACED = 3
 
 
-def plan(model: Any, *, verify: bool = False, verify_time_limit_s: float = 120.0, **planner_keywords: Any) -> Plan:
+def plan(
+    model: Any,
+    *,
+    verify: bool = False,
+    verify_time_limit_s: float = 120.0,
+    trust_remote_code: bool = False,
+    **planner_keywords: Any,
+) -> Plan:
     """:func:`hf_dist.planning.planner.plan` (``planner_keywords``: its keywords), then, with ``verify=True``, the
     chosen layout traced on the real model with fake tensors (:mod:`hf_dist.tracing`, seconds to a minute; at most
     ``verify_time_limit_s`` per trace), moving to the next candidate when the trace does not fit (``Plan.trace``,
-    ``Plan.verification``; docs/planner.md, "Tracing")."""
-    result = search_plan(model, **planner_keywords)
+    ``Plan.verification``; docs/planner.md, "Tracing"). ``trust_remote_code=True`` lets a folder's ``auto_map``
+    classes be imported, by the planner and the trace alike; without it they never are
+    (:mod:`hf_dist.planning.remote_code`)."""
+    result = search_plan(model, trust_remote_code=trust_remote_code, **planner_keywords)
     if not verify:
         return result
-    return verify_plan(result, time_limit_s=verify_time_limit_s)
+    return verify_plan(result, time_limit_s=verify_time_limit_s, trust_remote_code=trust_remote_code)
 
 
 def verify_plan(plan: Plan, *, time_limit_s: float, trust_remote_code: bool = False) -> Plan:
