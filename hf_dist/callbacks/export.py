@@ -27,8 +27,19 @@ def _full_state_dict(model: Any, running: Strategy) -> dict | None:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def ended_with(args: Any, state: Any) -> Path:
+    """The checkpoint whose weights the Trainer holds at the end: the best one under ``load_best_model_at_end`` (the
+    Trainer loads it back before ``on_train_end``), else the last step's."""
+    best = getattr(state, "best_model_checkpoint", None)
+    if getattr(args, "load_best_model_at_end", False) and best:
+        return Path(best)
+    return Path(args.output_dir) / f"checkpoint-{state.global_step}"
+
+
 class ExportCallback(TrainerCallback):
-    """Exports loadable weights: ``OUTPUT_DIR/<name>`` at train end, ``checkpoint-N/<name>`` on each save if ``on_save``.
+    """Exports loadable weights: ``OUTPUT_DIR/<name>`` at train end (the weights the Trainer ends with: the best
+    checkpoint's under ``load_best_model_at_end``), ``checkpoint-N/<name>`` on each save if ``on_save`` (added to
+    that checkpoint's manifest).
 
     DDP and ZeRO-1/2 hold full weights in every process: rank 0 calls ``save_pretrained`` (a PEFT
     model writes its adapter). FSDP gathers a full state dict first (collective). ZeRO-3 converts
@@ -59,7 +70,7 @@ class ExportCallback(TrainerCallback):
             self.export(checkpoint / self.name, state, model, processing_class, checkpoint=checkpoint)
 
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
-        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        checkpoint = ended_with(args, state)  # ZeRO-3 converts it: the best one when the Trainer loaded it back
         self.export(Path(args.output_dir) / self.name, state, model, processing_class, checkpoint=checkpoint)
 
     def export(self, dst: Path, state: Any, model: Any, processing_class: Any = None, *, checkpoint: Path) -> None:
@@ -78,6 +89,10 @@ class ExportCallback(TrainerCallback):
                 if processing_class is not None and hasattr(processing_class, "save_pretrained"):
                     processing_class.save_pretrained(tmp)
             self.exported.append(str(dst))
+            if dst.parent == checkpoint:  # written into a complete checkpoint: its manifest lists the export too
+                from hf_dist.checkpoint.lifecycle.manifest import checkpoint_files, extend_manifest
+
+                extend_manifest(checkpoint, [f for f in checkpoint_files(checkpoint) if f.startswith(f"{dst.name}/")])
             logger.info("hf_dist: exported %s weights to %s", running.name, dst)
         _dist.barrier()
 

@@ -18,9 +18,19 @@ def export_model(
 ) -> str:
     """Write a consolidated HF folder (or PEFT adapter) to ``export_dir``; returns how it was made.
 
-    Sharded runs (FSDP, ZeRO) go through ``hf_dist.convert`` from the last checkpoint; without a
-    checkpoint (and for DDP) the full weights are gathered and saved in-process.
+    Sharded runs (FSDP, ZeRO) go through ``hf_dist.convert`` from the checkpoint of the weights the Trainer ends
+    with (:func:`final_checkpoint`); without a checkpoint (and for DDP) the full weights are gathered and saved
+    in-process. The folder is marked as an output (``hf_dist_output.json``).
     """
+    from hf_dist.checkpoint.safety.output_paths import mark_output
+
+    how = _export(trainer, tokenizer, export_dir, adapter=adapter, trust_remote_code=trust_remote_code)
+    if trainer.args.should_save:
+        mark_output(export_dir, "recipe export")  # a rerun's export may replace it, and nothing else
+    return how
+
+
+def _export(trainer: Any, tokenizer: Any, export_dir: Path, *, adapter: bool, trust_remote_code: bool) -> str:
     from hf_dist.planning.layout import strategy
 
     running = strategy(live_strategy(trainer.args))
@@ -77,8 +87,12 @@ def _convert_checkpoint(
 
 
 def final_checkpoint(trainer: Any) -> Path | None:
-    """The checkpoint this run saved at its last step (:func:`save_at_end_callback`), never an older run's."""
-    path = Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}"
+    """The checkpoint holding the weights the Trainer ends with: the best one under ``load_best_model_at_end`` (the
+    Trainer loaded it back), else the one this run saved at its last step (:func:`save_at_end_callback`), never an
+    older run's."""
+    from hf_dist.callbacks.export import ended_with
+
+    path = ended_with(trainer.args, trainer.state)
     return path if path.is_dir() else None
 
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hf_dist.checkpoint.formats.layout import MARKER_NAME
 from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
-from hf_dist.checkpoint.lifecycle.marker import MARKER_NAME, is_complete
+from hf_dist.checkpoint.lifecycle.manifest import is_complete
 from hf_dist.testing import REPO_ROOT, torchrun
 
 pytestmark = pytest.mark.distributed

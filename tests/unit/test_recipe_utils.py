@@ -116,7 +116,7 @@ def test_sft_bad_inputs_fail_before_the_model_is_built(tmp_path, monkeypatch):
 def test_resume_checkpoint_auto_path_and_none(tmp_path, capsys):
     from types import SimpleNamespace
 
-    from hf_dist.checkpoint.lifecycle.marker import write_marker
+    from tests.unit.checkpoint.fakes import seal
 
     args = SimpleNamespace(resume_from_checkpoint=None, output_dir=str(tmp_path), process_index=0,
                            deepspeed=None, fsdp=[])  # fmt: skip
@@ -130,7 +130,7 @@ def test_resume_checkpoint_auto_path_and_none(tmp_path, capsys):
         (folder / "model.safetensors").write_bytes(b"x")
         torch.save({}, folder / "optimizer.pt")  # loaded by auto_resume before it returns the checkpoint
         if step == 2:
-            write_marker(folder, world_size=1, strategy="ddp", step=2)
+            seal(folder, world_size=1, step=2)
     assert ru.resume_checkpoint(args) == str(tmp_path / "checkpoint-2")
     assert f"resuming from {tmp_path / 'checkpoint-2'}" in capsys.readouterr().out
     args.resume_from_checkpoint = str(tmp_path / "checkpoint-4")  # an explicit path is taken as given

@@ -129,3 +129,10 @@ def _zero3_flats(state, groups, world_size):
         for rank in range(world_size):
             per_rank[rank].append(torch.cat(slices[rank]).clone())
     return per_rank
+
+
+def seal(folder: Path, world_size: int = 1, step: int | None = None, run: str | None = None) -> dict:
+    """The manifest hf_dist's callbacks write once every rank saved (every file hashed here)."""
+    from hf_dist.checkpoint.lifecycle.manifest import write_manifest
+
+    return write_manifest(Path(folder), hashed={}, world_size=world_size, step=step, run=run)
