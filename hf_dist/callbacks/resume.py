@@ -19,6 +19,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from hf_dist.callbacks.phases import Phase, phase
 from hf_dist.checkpoint.lifecycle import sharded_state, zero_infinity
 from hf_dist.checkpoint.lifecycle.marker import clear_writing, mark_writing, write_marker
 from hf_dist.runtime import dist as _dist
@@ -54,6 +55,10 @@ class CompleteCheckpointCallback(TrainerCallback):
 
     def mark(self, args, state, step: int) -> None:
         """Collective: once every rank got here, rank 0 marks ``checkpoint-<step>`` complete."""
+        with phase(Phase.SAVE):  # the barrier waits for the slowest rank's save
+            self._mark(args, state, step)
+
+    def _mark(self, args, state, step: int) -> None:
         checkpoint = Path(args.output_dir) / f"checkpoint-{step}"
         # on_save runs after _save_checkpoint returned on this rank; the barrier makes it "on every rank".
         _dist.barrier()
@@ -129,13 +134,14 @@ class AsyncCheckpointCallback(CompleteCheckpointCallback):
         def save_in_background(model, trial):
             if self.writer is None:  # DeepSpeed, or outside train(): the Trainer's own save
                 return save(model, trial)
-            self.finish(trainer.args, trainer.state, block=True)  # the staging buffers are reused
-            start = time.perf_counter()
-            if trainer.args.should_save:  # before any file: the folder proves nothing until marked
-                step = trainer.state.global_step
-                mark_writing(Path(trainer.args.output_dir) / f"checkpoint-{step}", step)
-            with self.writer.intercept():
-                save(model, trial)
+            with phase(Phase.SAVE):  # the wait for the previous save's writes, then the staging
+                self.finish(trainer.args, trainer.state, block=True)  # the staging buffers are reused
+                start = time.perf_counter()
+                if trainer.args.should_save:  # before any file: the folder proves nothing until marked
+                    step = trainer.state.global_step
+                    mark_writing(Path(trainer.args.output_dir) / f"checkpoint-{step}", step)
+                with self.writer.intercept():
+                    save(model, trial)
             self.stalls.append(time.perf_counter() - start)
             self.staged_bytes = max(self.staged_bytes, self.writer.staged_bytes)
             self.pending_step, self._save_start = trainer.state.global_step, start
@@ -153,7 +159,8 @@ class AsyncCheckpointCallback(CompleteCheckpointCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.writer is not None:
-            self.finish(args, state, block=True)
+            with phase(Phase.SAVE):  # the last save's background writes
+                self.finish(args, state, block=True)
             self.writer.close()
             self.writer = None
 
@@ -228,9 +235,10 @@ class ShardedResumeCallback(TrainerCallback):
     def on_save(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         if self.sharded_at_load:
             checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            sharded_state.save_optimizer_state(checkpoint, model, optimizer, lr_scheduler)
-            if args.save_only_model:  # the Trainer left its RNG files out; it reads them back on resume itself
-                sharded_state.save_rng_state(checkpoint, args.world_size)
+            with phase(Phase.SAVE):
+                sharded_state.save_optimizer_state(checkpoint, model, optimizer, lr_scheduler)
+                if args.save_only_model:  # the Trainer left its RNG files out; it reads them back on resume itself
+                    sharded_state.save_rng_state(checkpoint, args.world_size)
 
 
 class ZeroInfinityResumeCallback(TrainerCallback):

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hf_dist.callbacks.phases import Phase, phase
 from hf_dist.data import generation_prompt
 from hf_dist.recipe_utils.model import outside_zero3
 from hf_dist.runtime.dist import live_strategy
@@ -17,8 +18,14 @@ def export_model(trainer: Any, tokenizer: Any, export_dir: Path, *, adapter: boo
     """Write a consolidated HF folder (or PEFT adapter) to ``export_dir``; returns how it was made.
 
     Sharded runs (FSDP, ZeRO) go through ``hf_dist.convert`` from the last checkpoint; without a
-    checkpoint (and for DDP) the full weights are gathered and saved in-process.
+    checkpoint (and for DDP) the full weights are gathered and saved in-process. Collective: every rank calls it, as
+    the export phase (the hang watchdog's allowance for exports, :func:`hf_dist.callbacks.watchdog.watching`).
     """
+    with phase(Phase.EXPORT):
+        return _export(trainer, tokenizer, export_dir, adapter=adapter)
+
+
+def _export(trainer: Any, tokenizer: Any, export_dir: Path, *, adapter: bool) -> str:
     from hf_dist.planning.layout import strategy
 
     running = strategy(live_strategy(trainer.args))
