@@ -45,6 +45,7 @@ logger = logging.getLogger("hf_dist")
 
 HANG_EXIT_CODE = 75  # EX_TEMPFAIL: the job may be restarted (resumes from its last complete checkpoint)
 TIMEOUT_SHARE = 0.8  # allowances stay under this share of the process group's timeout
+_WATCHING: list[HangWatchdogCallback | None] = [None]  # the watchdog of this process's training (its clock is one)
 
 
 _DEFAULTS = {"factor": 10.0, "min_limit_s": 300.0, "first_limit_s": 1800.0}
@@ -141,6 +142,7 @@ class HangWatchdogCallback(TrainerCallback):
         self._out = Path(args.output_dir) / "hang"
         self._step = step
         self._owner = threading.get_ident()
+        _WATCHING[0] = self  # a thread of an earlier Trainer's watchdog stops
         if self.board is None:
             self.board = ProgressBoard.for_this_process()
 
@@ -166,7 +168,10 @@ class HangWatchdogCallback(TrainerCallback):
                 self.board.leave()
 
     def _active(self) -> bool:
-        """Whether the thread that trains is inside ``train()`` or a :func:`watching` block."""
+        """Whether this is the process's watchdog, and the thread that trains is inside ``train()`` or a
+        :func:`watching` block."""
+        if _WATCHING[0] is not self:
+            return False
         if self._window:
             return True
         frame = sys._current_frames().get(self._owner)

@@ -251,3 +251,15 @@ def test_innermost_frame_and_rank_line_read_a_stack_file(tmp_path):
     assert innermost_frame(text).startswith("blocked_here at test_watchdog.py:")
     assert rank_line(text).startswith("save, silent 12.3 s (allowance 10.0 s); main thread in blocked_here at ")
     assert innermost_frame("Thread 0x1 (most recent call first):\n  <no Python frame>\n") == "?"
+
+
+def test_the_thread_of_an_earlier_trainers_watchdog_stops_when_another_trains(tmp_path):
+    """One process, two Trainers trained one after the other: the first one's thread does not judge the second."""
+    args = SimpleNamespace(output_dir=str(tmp_path))
+    first, second = HangWatchdogCallback(), HangWatchdogCallback()
+    first._arm(args, 0)
+    assert first._active() is False  # not inside a training loop
+    first._window = True
+    assert first._active() is True
+    second._arm(args, 0)
+    assert first._active() is False and second._active() is False
