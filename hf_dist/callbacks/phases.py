@@ -1,16 +1,17 @@
 """The phases of a run and the clock that times them: what the hang watchdog and the straggler detector ask.
 
 A run goes through phases that take very different times: the first step after every start or resume (compilation,
-warm-up, cold caches), the steps after it, evaluations, checkpoint saves (synchronous, or an async save's staging and
-its waits for the background writes) and exports. :class:`~hf_dist.callbacks.watchdog.HangWatchdogCallback` gives
-each phase its own allowance, learned from that phase's own durations, and the straggler detector
-(:mod:`hf_dist.callbacks.stragglers`) does not count a rank's time in a save, an evaluation or an export as
-lateness.
+warm-up, cold caches), the steps after it, evaluations, checkpoint saves (synchronous, or an async save's staging
+and its waits for the background writes), exports, and the load of the best checkpoint at the end.
+:class:`~hf_dist.callbacks.watchdog.HangWatchdogCallback` gives each phase its own allowance, learned from that
+phase's own durations, and the straggler detector (:mod:`hf_dist.callbacks.stragglers`) does not count a rank's time
+in a save, an evaluation or an export as lateness.
 
 The code that runs a phase says so, ``with phase(Phase.SAVE): ...`` (the checkpoint callbacks, the exports), and
-:func:`instrument` wraps a Trainer's ``evaluate`` and ``_save_checkpoint`` once. Progress inside a phase (a step's
-begin and end, an evaluation batch, a log) is a :meth:`PhaseClock.beat`. :data:`CLOCK`, one per process, knows the
-phase under way, the silence since the last beat, and for each phase the longest silence of its finished instances.
+:func:`instrument` wraps a Trainer's ``evaluate``, ``_save_checkpoint`` and ``_load_best_model`` once. Progress
+inside a phase (a step's begin and end, an evaluation batch, a log) is a :meth:`PhaseClock.beat`. :data:`CLOCK`, one
+per process, knows the phase under way, the silence since the last beat, and for each phase the longest silence of
+its finished instances.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ class Phase(enum.Enum):
     EVALUATE = "evaluation"  # Trainer.evaluate, in training or after it
     SAVE = "save"  # a checkpoint: the Trainer's save, an async save's staging and waits, the completion marker
     EXPORT = "export"  # a consolidated HF folder: ExportCallback, the recipes' export
+    LOAD = "checkpoint load"  # the best checkpoint, loaded at the end (load_best_model_at_end)
 
     @property
     def between_steps(self) -> bool:
         """Work done between two training steps: a rank's time in it is not lateness at the next step."""
-        return self in (Phase.EVALUATE, Phase.SAVE, Phase.EXPORT)
+        return self not in (Phase.FIRST_STEP, Phase.STEP)
 
 
 class PhaseClock:
@@ -151,12 +153,12 @@ def phase(which: Phase, clock: PhaseClock | None = None) -> Iterator[None]:
         clock.leave(which, finished=finished)
 
 
-_TRAINER_PHASES = {"evaluate": Phase.EVALUATE, "_save_checkpoint": Phase.SAVE}
+_TRAINER_PHASES = {"evaluate": Phase.EVALUATE, "_save_checkpoint": Phase.SAVE, "_load_best_model": Phase.LOAD}
 
 
 def instrument(trainer: Any) -> None:
-    """Once per Trainer: its evaluations and checkpoint saves run as phases, wherever they are called from (the
-    training loop, ``eval_on_start``, a recipe's final evaluation)."""
+    """Once per Trainer: its evaluations, checkpoint saves and its load of the best checkpoint run as phases,
+    wherever they are called from (the training loop, ``eval_on_start``, a recipe's final evaluation)."""
     if trainer is None or getattr(trainer, "_hf_dist_phases", False):
         return
     for name, which in _TRAINER_PHASES.items():

@@ -7,10 +7,10 @@ for it in the collectives. :class:`Arrivals` records, per micro-step, the wall-c
 outermost training module (before DDP's, FSDP's or DeepSpeed's own forward collectives); :func:`stragglers` names
 the ranks that arrive far after the median rank.
 
-A rank's time in a save, an evaluation or an export (:mod:`hf_dist.callbacks.phases`) is not lateness: rank 0 writes
-the export, stages an async save's weights and optimizer alone, and arrives late at the next step for that reason
-only when nothing syncs the ranks in between (``average_tokens_across_devices=False``). So the steps that follow
-such a phase are not counted, on any rank: the phases run on every rank, so every rank leaves out the same steps.
+A rank's time in a save, an evaluation or an export (:mod:`hf_dist.callbacks.phases`) is not lateness. Rank 0 alone
+writes an export or stages an async save's weights and optimizer; where nothing syncs the ranks before the next step
+(``average_tokens_across_devices=False``), it arrives late there for that reason only. So the step that follows such
+a phase is not counted; the phases run on every rank, so every rank leaves out the same steps.
 """
 
 from __future__ import annotations

@@ -3,15 +3,16 @@
 A thread on every rank times the silence since the rank last made progress (a step's begin or end, an evaluation
 batch, a log, a phase's begin or end: :mod:`hf_dist.callbacks.phases`) against the allowance of the phase under way:
 the first step after every start or resume, a later step, an evaluation, a save (synchronous, or an async save's
-staging and its waits), an export. Each phase's allowance is learned from that phase's own finished instances:
-``factor`` times the longest silence seen in it, at least ``min_limit_s``; ``first_limit_s`` until one instance has
-finished (the first step after a start or resume, the first save, the first evaluation). ``limit_s``, when given,
-is the allowance of every phase. Allowances stay under the process group's timeout (``ddp_timeout``): a collective
-would time out first, with no stacks; a ``limit_s`` at or above it is refused.
+staging and its waits), an export, the load of the best checkpoint at the end. Each phase's allowance is learned
+from that phase's own finished instances: ``factor`` times the longest silence seen in it, at least ``min_limit_s``;
+``first_limit_s`` until one instance has finished (the first step after a start or resume, the first save, the first
+evaluation). ``limit_s``, when given, is the allowance of every phase. Allowances stay under the process group's
+timeout (``ddp_timeout``): a collective would time out first, with no stacks; a ``limit_s`` at or above it is
+refused.
 
 A rank over its allowance does not end the run alone: the run is hung only when no rank makes progress within its
-phase's allowance (:mod:`hf_dist.callbacks.progress_board`), so a rank waiting in a step's collective for a rank that
-stages a long save is not a hang. Then every rank writes the Python stacks of all its threads to
+phase's allowance (:mod:`hf_dist.callbacks.progress_board`), so a rank waiting in a step's collective for a rank
+that stages a long save is not a hang. Then every rank writes the Python stacks of all its threads to
 ``<output_dir>/hang/<step>/rank<R>.txt`` (its phase, silence and allowance first), rank 0 waits a moment for the
 others' files and prints, for each rank, its phase and the innermost frame its main thread is in, and every rank
 exits with :data:`HANG_EXIT_CODE`. The run resumes from its last complete checkpoint (``hf_dist.auto_resume``).
