@@ -11,6 +11,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from hf_dist.atomic_io import atomic_dir
+from hf_dist.callbacks.phases import Phase, phase
 from hf_dist.planning.layout import Strategy, strategy
 from hf_dist.runtime import dist as _dist
 
@@ -74,7 +75,11 @@ class ExportCallback(TrainerCallback):
         self.export(Path(args.output_dir) / self.name, state, model, processing_class, checkpoint=checkpoint)
 
     def export(self, dst: Path, state: Any, model: Any, processing_class: Any = None, *, checkpoint: Path) -> None:
-        """Collective: every rank calls it; rank 0 writes ``dst``."""
+        """Collective: every rank calls it; rank 0 writes ``dst`` (the other ranks wait in a barrier)."""
+        with phase(Phase.EXPORT):
+            self._export(dst, state, model, processing_class, checkpoint=checkpoint)
+
+    def _export(self, dst: Path, state: Any, model: Any, processing_class: Any, *, checkpoint: Path) -> None:
         running = strategy(_dist.live_strategy())
         _dist.barrier()  # every rank finished writing the checkpoint
         state_dict = _full_state_dict(model, running)

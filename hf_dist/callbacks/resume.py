@@ -28,6 +28,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from hf_dist.callbacks.phases import Phase, phase
 from hf_dist.checkpoint.lifecycle import manifest, runs, sharded_state, zero_infinity
 from hf_dist.runtime import dist as _dist
 
@@ -127,6 +128,10 @@ class CompleteCheckpointCallback(TrainerCallback):
 
     def mark(self, args, state, step: int, hashed: dict) -> None:
         """Collective: every rank's hashes gathered; rank 0 writes ``checkpoint-<step>``'s manifest."""
+        with phase(Phase.SAVE):  # the gather waits for the slowest rank's save
+            self._mark(args, state, step, hashed)
+
+    def _mark(self, args, state, step: int, hashed: dict) -> None:
         checkpoint = Path(args.output_dir) / f"checkpoint-{step}"
         gathered: dict = {}
         for part in _dist.gather_objects(hashed):
@@ -222,11 +227,12 @@ class AsyncCheckpointCallback(CompleteCheckpointCallback):
         if self.writer is None:  # DeepSpeed, or outside train(): the Trainer's own save
             return save(model, trial)
         trainer = self.trainer
-        self.finish(trainer.args, trainer.state, block=True)  # the staging buffers are reused
-        start = time.perf_counter()
-        folder = Path(trainer._get_output_dir(trial)) / f"checkpoint-{trainer.state.global_step}"
-        with self.writer.intercept(), self._rotation_held():
-            save(model, trial)
+        with phase(Phase.SAVE):  # the wait for the previous save's writes, then the staging
+            self.finish(trainer.args, trainer.state, block=True)  # the staging buffers are reused
+            start = time.perf_counter()
+            folder = Path(trainer._get_output_dir(trial)) / f"checkpoint-{trainer.state.global_step}"
+            with self.writer.intercept(), self._rotation_held():
+                save(model, trial)
         self._hashes = self.writer.after_writes(
             lambda: manifest.entries(folder, manifest.own_files(folder, _dist.rank(), _world(trainer.args)))
         )
@@ -245,11 +251,13 @@ class AsyncCheckpointCallback(CompleteCheckpointCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and any(key in logs for key in _END_OF_TRAINING_KEYS) and self.pending_step is not None:
-            self.finish(args, state, block=True)  # before the Trainer loads the best model or deletes checkpoints
+            with phase(Phase.SAVE):  # before the Trainer loads the best model or deletes checkpoints
+                self.finish(args, state, block=True)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.writer is not None:
-            self.finish(args, state, block=True)
+            with phase(Phase.SAVE):  # the last save's background writes
+                self.finish(args, state, block=True)
             self.writer.close()
             self.writer = None
 
@@ -329,9 +337,10 @@ class ShardedResumeCallback(TrainerCallback):
     def on_save(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         if self.sharded_at_load:
             checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            sharded_state.save_optimizer_state(checkpoint, model, optimizer, lr_scheduler)
-            if args.save_only_model:  # the Trainer left its RNG files out; it reads them back on resume itself
-                sharded_state.save_rng_state(checkpoint, args.world_size)
+            with phase(Phase.SAVE):
+                sharded_state.save_optimizer_state(checkpoint, model, optimizer, lr_scheduler)
+                if args.save_only_model:  # the Trainer left its RNG files out; it reads them back on resume itself
+                    sharded_state.save_rng_state(checkpoint, args.world_size)
 
 
 class ZeroInfinityResumeCallback(TrainerCallback):

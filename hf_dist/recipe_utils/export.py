@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hf_dist.callbacks.phases import Phase, phase
 from hf_dist.data import generation_prompt
 from hf_dist.recipe_utils.model import outside_zero3
 from hf_dist.runtime.dist import live_strategy
@@ -20,11 +21,13 @@ def export_model(
 
     Sharded runs (FSDP, ZeRO) go through ``hf_dist.convert`` from the checkpoint of the weights the Trainer ends
     with (:func:`final_checkpoint`); without a checkpoint (and for DDP) the full weights are gathered and saved
-    in-process. The folder is marked as an output (``hf_dist_output.json``).
+    in-process. The folder is marked as an output (``hf_dist_output.json``). Collective: every rank calls it, as the
+    export phase (the hang watchdog's allowance for exports, :func:`hf_dist.callbacks.watchdog.watching`).
     """
     from hf_dist.checkpoint.safety.output_paths import mark_output
 
-    how = _export(trainer, tokenizer, export_dir, adapter=adapter, trust_remote_code=trust_remote_code)
+    with phase(Phase.EXPORT):
+        how = _export(trainer, tokenizer, export_dir, adapter=adapter, trust_remote_code=trust_remote_code)
     if trainer.args.should_save:
         mark_output(export_dir, "recipe export")  # a rerun's export may replace it, and nothing else
     return how

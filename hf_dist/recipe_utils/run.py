@@ -267,16 +267,19 @@ def finish_run(
     """
     from transformers.trainer_callback import ProgressCallback
 
+    from hf_dist.callbacks.watchdog import watching
+
     # training is over: one bar per run, and the result below says what the evaluation found
     trainer.pop_callback(ProgressCallback)
     if trainer.args.process_index == 0:
         print(f"[hf_dist] evaluating on {len(trainer.eval_dataset)} held-out sequences", flush=True)
-    metrics = trainer.evaluate()
-    eval_loss = float(metrics["eval_loss"])
-    if trainer.args.process_index == 0:
-        print(f"[hf_dist] eval loss {eval_loss:.4f}; exporting", flush=True)
     export_dir = Path(trainer.args.output_dir) / ("adapter" if adapter else "final")
-    how = export_model(trainer, tokenizer, export_dir, adapter=adapter, trust_remote_code=trust_remote_code)
+    with watching(trainer):  # the hang watchdog's allowances for an evaluation and an export
+        metrics = trainer.evaluate()
+        eval_loss = float(metrics["eval_loss"])
+        if trainer.args.process_index == 0:
+            print(f"[hf_dist] eval loss {eval_loss:.4f}; exporting", flush=True)
+        how = export_model(trainer, tokenizer, export_dir, adapter=adapter, trust_remote_code=trust_remote_code)
     trainer.accelerator.wait_for_everyone()
     if not trainer.args.should_save:
         return {}
