@@ -303,6 +303,16 @@ def finish_run(
     return results
 
 
+def _sample_verdict(results: dict) -> str:
+    """The verdict on the task's sample, the first right answer when there is one
+    (:func:`hf_dist.embedded.task_eval.showcase`): a miss is shown only when none is right."""
+    output, expected = results["sample_output"].strip(), results["sample_expected"]
+    if (output.splitlines()[0].strip() if output else "") == expected:
+        return " (right)"
+    none_right = "; no held-out prompt was answered right" if results.get("accuracy_after") == 0 else ""
+    return f" (a miss: expected {expected!r}{none_right})"
+
+
 def format_results(results: dict) -> str:
     """The end-of-run summary printed by every recipe."""
     losses = results["train_losses"]
@@ -327,8 +337,6 @@ def format_results(results: dict) -> str:
     if "sample_output" in results:
         line = f"[hf_dist] sample: {results['sample_prompt']!r} -> {results['sample_output']!r}"
         if "sample_expected" in results:  # the task knows the answer: say whether this one is it
-            got = results["sample_output"].strip().splitlines()[0].strip() if results["sample_output"].strip() else ""
-            right = got == results["sample_expected"]
-            line += " (right)" if right else f" (wrong: expected {results['sample_expected']!r})"
+            line += _sample_verdict(results)
         lines.append(line)
     return "\n".join(lines)

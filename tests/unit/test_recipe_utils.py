@@ -229,7 +229,7 @@ def test_results_of_an_unchecked_export_claim_no_reload_or_sample():
     assert "reloaded with from_pretrained" in checked and "[hf_dist] sample: 'p' -> 'o'" in checked
     task = {**results, "sample_prompt": "p", "sample_expected": "cba"}
     assert ru.format_results({**task, "sample_output": " cba\nmore"}).endswith("-> ' cba\\nmore' (right)")
-    assert ru.format_results({**task, "sample_output": "abc"}).endswith("-> 'abc' (wrong: expected 'cba')")
+    assert ru.format_results({**task, "sample_output": "abc"}).endswith("-> 'abc' (a miss: expected 'cba')")
 
 
 def test_deepspeed_on_cpu_ranks_needs_the_explicit_flag(tmp_path, monkeypatch):
