@@ -94,9 +94,9 @@ def reload_export(
 
     with outside_zero3():
         if adapter:
-            from peft import AutoPeftModelForCausalLM
+            from hf_dist.runtime.peft_calls import load_peft_model
 
-            model = AutoPeftModelForCausalLM.from_pretrained(export_dir, trust_remote_code=trust_remote_code)
+            model = load_peft_model(export_dir, trust_remote_code=trust_remote_code)
         else:
             model = AutoModelForCausalLM.from_pretrained(export_dir, trust_remote_code=trust_remote_code)
     if adapter:

@@ -184,7 +184,9 @@ def embedded_base_on_disk(model: Any, tokenizer: Any, model_args: ModelArguments
 
 def apply_lora(model: Any, lora_args: LoraArguments, *, quantized: bool = False) -> Any:
     """Wrap ``model`` with LoRA adapters (base frozen); print the trainable share on the main process."""
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    from peft import prepare_model_for_kbit_training
+
+    from hf_dist.runtime.peft_calls import get_peft_model
 
     if quantized:
         # fp32 norms/head and input grads so gradients flow through the frozen 4-bit layers
