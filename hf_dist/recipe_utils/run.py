@@ -177,7 +177,7 @@ def _live_sizes(trainer: Any) -> dict[str, int]:
         if tp not in meshes:
             raise RuntimeError(
                 f"tp_size {tp} was requested but no weight is sharded over a 'tp' mesh of that size: load "
-                "the model with from_pretrained(..., tp_plan='auto') (hf_dist.from_pretrained_kwargs(plan.layout))"
+                "the model with from_pretrained(..., **hf_dist.from_pretrained_kwargs(plan.layout))"
             )
     engine = getattr(trainer, "deepspeed", None)  # set once the Trainer started DeepSpeed
     # DeepSpeed's TP layers (module_inject.layers.TensorParallel_Layer) carry the TP group's size
