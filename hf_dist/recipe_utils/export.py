@@ -107,13 +107,13 @@ def reload_export(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_dist.embedded.task_eval import exact_match, generate, task_prompt
+    from hf_dist.embedded.task_eval import generate
 
     with outside_zero3():
         if adapter:
-            from peft import AutoPeftModelForCausalLM
+            from hf_dist.runtime.peft_calls import load_peft_model
 
-            model = AutoPeftModelForCausalLM.from_pretrained(export_dir, trust_remote_code=trust_remote_code)
+            model = load_peft_model(export_dir, trust_remote_code=trust_remote_code)
         else:
             model = AutoModelForCausalLM.from_pretrained(export_dir, trust_remote_code=trust_remote_code)
     if adapter:
@@ -122,16 +122,28 @@ def reload_export(
     reloaded_tokenizer = AutoTokenizer.from_pretrained(export_dir, trust_remote_code=trust_remote_code)
     out: dict[str, Any] = {"exported_params": sum(p.numel() for p in model.parameters())}
     if task is not None:
-        out["accuracy_after"] = exact_match(model, reloaded_tokenizer, task, mode=mode)
-        prompt = task_prompt(reloaded_tokenizer, task[0], mode)
-        out["sample_expected"] = task[0].answer
-    else:
-        text = "Explain in one sentence what data parallel training is."
-        messages = [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
-        prompt = generation_prompt(reloaded_tokenizer, messages) if mode == "chat" else text
-    out["sample_prompt"] = prompt
-    out["sample_output"] = generate(model, reloaded_tokenizer, [prompt], max_new_tokens=32)[0]
+        out.update(task_results(model, reloaded_tokenizer, task, mode=mode))
+        return out
+    text = "Explain in one sentence what data parallel training is."
+    messages = [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+    out["sample_prompt"] = generation_prompt(reloaded_tokenizer, messages) if mode == "chat" else text
+    out["sample_output"] = generate(model, reloaded_tokenizer, [out["sample_prompt"]], max_new_tokens=32)[0]
     return out
+
+
+def task_results(model: Any, tokenizer: Any, task: list, *, mode: str) -> dict:
+    """Accuracy on the embedded task and the sample to show: one of the answers scored, right where any is."""
+    from hf_dist.embedded.task_eval import accuracy, answer_all, is_right, showcase, task_prompt
+
+    answers = answer_all(model, tokenizer, task, mode=mode)
+    shown = showcase(answers, task)
+    return {
+        "accuracy_after": accuracy(answers, task),
+        "sample_prompt": task_prompt(tokenizer, task[shown], mode),
+        "sample_output": answers[shown],
+        "sample_expected": task[shown].answer,
+        "sample_right": is_right(answers[shown], task[shown]),
+    }
 
 
 def _check_adapter_loaded(model: Any, export_dir: Path) -> None:

@@ -4,7 +4,7 @@ Four launches of tests/distributed/scripts/tensor_parallel_train.py, each once p
 same saved tiny Llama, on the same 4 samples per optimizer step in dataset order, fp32:
 
 * ``ddp``: 2 ranks x micro-batch 2 (the reference);
-* ``tp``: 2 ranks, ``from_pretrained(tp_plan="auto")`` + ``ParallelismConfig(tp_size=2)``, micro-batch 4
+* ``tp``: 2 ranks, ``from_pretrained(distributed_config={"tp_plan": "auto"})`` + ``ParallelismConfig(tp_size=2)``, micro-batch 4
   shared by the TP group; also saves a Trainer checkpoint and a DCP checkpoint;
 * ``fsdp_tp``: 4 ranks, ``DistributedConfig(tp_size=2, fsdp_size=2)`` + ``ParallelismConfig(dp_shard_size=2,
   tp_size=2)``, 2 data-parallel ranks x micro-batch 2;

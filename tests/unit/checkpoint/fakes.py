@@ -15,14 +15,15 @@ from pathlib import Path
 import torch
 
 
-def tiny_model_state(tied: bool = False, seed: int = 0):
+def tiny_model_state(tied: bool = False, seed: int = 0, hidden_size: int = 32):
     from transformers import AutoModelForCausalLM
 
     from hf_dist.testing import tiny_llama_config
 
     torch.manual_seed(seed)
-    config = tiny_llama_config(tie_word_embeddings=tied, num_hidden_layers=1, hidden_size=32, intermediate_size=48,
-                               vocab_size=67, num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    config = tiny_llama_config(tie_word_embeddings=tied, num_hidden_layers=1, hidden_size=hidden_size,
+                               intermediate_size=48, vocab_size=67, num_attention_heads=2,
+                               num_key_value_heads=1)  # fmt: skip
     model = AutoModelForCausalLM.from_config(config)
     state = OrderedDict((k, v.detach().clone()) for k, v in model.state_dict().items())
     if tied:
