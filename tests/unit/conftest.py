@@ -1,4 +1,4 @@
-"""A tiny single-process Trainer factory for callback tests (real Trainer, real optimizer, CPU)."""
+"""A tiny single-process Trainer factory for tests of callbacks and checkpoints (real Trainer, real optimizer, CPU)."""
 
 from __future__ import annotations
 
