@@ -23,7 +23,8 @@ UV_LINKS := $(if $(PIP_LINKS),--find-links $(PIP_LINKS))
 mkvenv = $(if $(UV),$(UV) venv -q --seed --allow-existing --python $(PYTHON) $(1),$(PYTHON) -m venv $(1) && $(1)/bin/python -m pip install -q --upgrade pip)
 pip_install = $(if $(UV),$(UV) pip install -q $(UV_LINKS) --python $(1)/bin/python,$(1)/bin/python -m pip install -q)
 
-# one 2-rank Trainer launch per strategy family (DDP, FSDP2, DeepSpeed ZeRO) against the 1-process baseline
+# one 2-rank Trainer launch per strategy family (DDP, FSDP2, DeepSpeed ZeRO) against the 1-process baseline, and the
+# same families resumed under attach: the loading allowlist (numpy's RNG state, DeepSpeed's types) on these versions
 MIN_LAUNCHES := -k "baseline or ddp or fsdp_full_shard or (zero3 and not offload)"
 
 # ZeRO-Infinity (NVMe offload) needs DeepSpeed's async_io op, which builds against libaio: installed here with apt
@@ -76,7 +77,7 @@ test: install libaio aio-op
 test-min: install-min
 	$(MIN_PY) -m pytest -q tests/unit
 	TORCH_EXTENSIONS_DIR=$(abspath $(MIN_VENV))/torch_extensions \
-		$(MIN_PY) -m pytest -q tests/distributed/test_strategies.py $(MIN_LAUNCHES)
+		$(MIN_PY) -m pytest -q tests/distributed/test_strategies.py tests/distributed/test_planted_resume.py $(MIN_LAUNCHES)
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

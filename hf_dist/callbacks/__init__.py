@@ -99,7 +99,9 @@ def attach(
     flow callback.
 
     Refuses at once a launch of several ranks that the Trainer trains as separate one-process copies
-    (:func:`hf_dist.callbacks.plan.check_launch`). Guards the Trainer's checkpoint loads
+    (:func:`hf_dist.callbacks.plan.check_launch`), and a second job writing the same output folder
+    (:func:`hf_dist.checkpoint.lifecycle.output_lock.claim_output_dir`: every rank raises ``OutputBusyError`` naming
+    the job that holds it; a rank whose launcher dies stops). Guards the Trainer's checkpoint loads
     (:func:`hf_dist.checkpoint.safety.trainer_loads.guard_trainer`): while a resume or the best model loads, every
     unpickle the Trainer, accelerate or DeepSpeed makes is torch's ``weights_only`` load with hf_dist's allowlist,
     and every file must lie inside the checkpoint. with ``plan``, the run is checked against it at train start
@@ -113,9 +115,11 @@ def attach(
     from transformers.trainer_callback import DefaultFlowCallback
 
     from hf_dist.callbacks.plan import check_launch
+    from hf_dist.checkpoint.lifecycle.output_lock import claim_output_dir
     from hf_dist.checkpoint.safety.trainer_loads import guard_trainer
 
     check_launch(trainer.args)  # several ranks launched, each training alone: refused before anything else
+    claim_output_dir(trainer.args.output_dir)  # one live job per output folder; ranks stop with their launcher
     guard_trainer(trainer)  # every checkpoint load of a resume: weights_only with the allowlist, paths confined
     if callbacks is None:
         callbacks = default(plan, resume_from=resume_from, async_save=async_save)

@@ -349,6 +349,9 @@ def training_arguments(
     # FSDP2 + bf16/fp16: reduce gradients in fp32 (a no-op for every other setup)
     args = apply_fp32_reduce(TrainingArguments(**kwargs))
     _check_sizes_honoured(args, sizes or {}, explicit)
+    from hf_dist.checkpoint.lifecycle.output_lock import claim_output_dir
+
+    claim_output_dir(args.output_dir)  # one live job per output folder, refused before any model is built
     if not args.deepspeed and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() not in ("1", "true"):
         _no_deepspeed_in_unwrap()
     return args

@@ -65,10 +65,14 @@ def test_a_normal_run_with_rank_0_exports_on_save_names_no_straggler(run_dir):
 
 
 def dcp_contents(folder: Path) -> dict:
-    """Every value of a DCP folder (our own test run's, so torch.load may unpickle), by flattened key."""
+    """Every value of a DCP folder (our own test run's, so torch.load may unpickle), by flattened key; read through a
+    file outside the checkpoint, whose manifest lists exactly what the save wrote."""
+    import tempfile
+
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    dcp_to_torch_save(folder, folder.parent / f"{folder.name}.pt")
+    copy = Path(tempfile.mkdtemp()) / f"{folder.name}.pt"
+    dcp_to_torch_save(folder, copy)
     flat: dict = {}
 
     def walk(value, key):
@@ -79,7 +83,7 @@ def dcp_contents(folder: Path) -> dict:
         else:
             flat[key] = value
 
-    walk(torch.load(folder.parent / f"{folder.name}.pt", weights_only=False), "")
+    walk(torch.load(copy, weights_only=False), "")
     return flat
 
 

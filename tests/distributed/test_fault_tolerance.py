@@ -120,3 +120,43 @@ def test_async_save_killed_during_its_background_write_resumes_from_the_checkpoi
     assert all(torch.equal(v, reference["state"][p][k]) for p, s in optimizer["state"].items() for k, v in s.items())
     stalls = json.loads((out / "facts.json").read_text())["save_stalls_s"]
     assert len(stalls) == 3 and max(stalls) < 1.0, stalls  # the attempt after the kill saved 4, 6, 8
+
+
+def test_one_live_job_per_output_folder_and_orphans_stop(tmp_path):
+    """Job A trains (slowly) into a folder; job B into the same folder is refused on every rank, naming A's host and
+    rank-0 pid; kill -9 of A's launcher stops A's ranks within seconds instead of leaving them training; job C then
+    takes A's stale lock over and resumes A's newest complete checkpoint."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+
+    from hf_dist.checkpoint.formats.layout import OUTPUT_LOCK
+    from hf_dist.testing import cpu_env, torchrun_command
+
+    out = tmp_path / "run"
+    slow = ["--output-dir", str(out), "--max-steps", "400", "--save-steps", "2", "--straggler", "1"]
+    job_a = subprocess.Popen(torchrun_command(SCRIPT, slow), env=cpu_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not (is_complete(out / "checkpoint-2") and (out / OUTPUT_LOCK).exists()):
+            assert job_a.poll() is None, "job A ended early"
+            time.sleep(0.5)
+        holder = json.loads((out / OUTPUT_LOCK).read_text())
+        ranks = psutil.Process(job_a.pid).children()
+        assert len(ranks) == 2 and holder["pid"] in {r.pid for r in ranks}
+        with pytest.raises(RuntimeError, match=rf"is being written by another job: host \S+, pid {holder['pid']}, "):
+            run(tmp_path / "run", "--max-steps", "4")
+        os.kill(job_a.pid, signal.SIGKILL)  # the launcher only: its ranks are orphaned
+        gone, alive = psutil.wait_procs(ranks, timeout=30)
+        assert not alive, f"ranks {[p.pid for p in alive]} kept training after their launcher died"
+    finally:
+        if job_a.poll() is None:
+            os.killpg(job_a.pid, signal.SIGKILL)
+    done = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if is_complete(p))
+    attempts = run(out, "--max-steps", str(done + 2))
+    assert attempts[-1]["resume"] == str(out / f"checkpoint-{done}")
+    assert not (out / OUTPUT_LOCK).exists()  # C took A's stale lock over and released it at its end

@@ -56,11 +56,15 @@ LATEST_UNIVERSAL = "latest_universal"
 TRAINER_STATE = "trainer_state.json"  # the Trainer writes it after every other file of a save
 DCP_METADATA = ".metadata"  # DCP writes it once every rank wrote its .distcp files
 MARKER_NAME = "hf_dist_complete.json"  # the manifest (hf_dist.checkpoint.lifecycle.manifest): every file of one save
+OUTPUT_LOCK = "hf_dist_lock.json"  # in an output_dir: the live job writing it (lifecycle.output_lock)
+OUTPUT_MARKER = "hf_dist_output.json"  # in a folder hf_dist wrote as an output (convert, reshard, a recipe's export)
+RUN_JOURNAL = "hf_dist_run.json"  # in an output_dir: the run writing it now (hf_dist.checkpoint.lifecycle.runs)
 WRITING_NAME = "hf_dist_writing.json"  # ... and: a background thread is still writing it (async_save)
 PIPELINE_LAYER_GLOB = "layer_*"  # DeepSpeed pipeline parallelism's per-layer files (not read by hf_dist)
 # Files and folders that only a training run writes: a folder holding one of them is a checkpoint or a run.
 TRAINING_FILES = (TRAINER_STATE, MARKER_NAME, LATEST, LATEST_UNIVERSAL, "optimizer.pt", "scheduler.pt",
-                  "training_args.bin", *FSDP_FULL_NAMES, "zero_to_fp32.py")  # fmt: skip
+                  "training_args.bin", *FSDP_FULL_NAMES, "zero_to_fp32.py", OUTPUT_LOCK,
+                  RUN_JOURNAL)  # fmt: skip
 TRAINING_NAME_RE = re.compile(
     r"^(checkpoint-\d+|global_step\d+.*|pytorch_model_fsdp_\d+|optimizer_\d+|rng_state.*\.pth)$"
 )
@@ -208,8 +212,6 @@ def read_layout(path: str | Path, *, tag: str | None = None, strict: bool = True
 
 
 SWAP_RANK_DIR_RE = re.compile(r"^rank(?P<rank>\d+)$")  # ZeRO-Infinity: offloaded_tensors/rankNN/*.tensor.swp
-OUTPUT_MARKER = "hf_dist_output.json"  # in a folder hf_dist wrote as an output (convert, reshard, a recipe's export)
-RUN_JOURNAL = "hf_dist_run.json"  # in an output_dir: the run writing it now (hf_dist.checkpoint.lifecycle.runs)
 SCHEDULER_FILES = ("scheduler.pt",)  # the Trainer's LR scheduler
 OPTIMIZER_FILES = ("optimizer.pt", "optimizer.bin")  # the Trainer's optimizer of unsharded runs
 SHARDED_SCHEDULER = "hf_dist_scheduler.json"  # hf_dist's scheduler of a model sharded at load (sharded_state)

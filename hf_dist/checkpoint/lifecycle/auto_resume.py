@@ -18,6 +18,7 @@ from typing import Any
 
 from hf_dist.checkpoint.formats.layout import MARKER_NAME, is_checkpoint_dir, list_checkpoints
 from hf_dist.checkpoint.lifecycle import manifest, proof, runs
+from hf_dist.checkpoint.lifecycle.output_lock import check_output_dir_free
 from hf_dist.checkpoint.lifecycle.reshard import prepare_resume
 from hf_dist.checkpoint.lifecycle.resume_checks import check_resume_compatible, gate_checkpoint, strategy_and_world
 
@@ -66,6 +67,7 @@ def auto_resume(
     A malformed manifest makes a checkpoint "not complete", with the reason in the log.
     """
     _check_output_dir(output_dir)
+    check_output_dir_free(output_dir)  # never resume from a folder another live job is writing
     checkpoints = list_checkpoints(output_dir)
     if not checkpoints:
         logger.info("auto_resume: no checkpoint-N folder in %s; starting from scratch", output_dir)

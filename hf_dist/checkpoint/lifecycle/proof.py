@@ -103,13 +103,12 @@ def _swap_file_reasons(folder: Path) -> list[str]:
         return []
     from hf_dist.checkpoint.formats.deepspeed import DeepSpeedReader
 
-    reader = DeepSpeedReader(layout)
     try:
+        reader = DeepSpeedReader(layout)  # reading the partitions' index checks each swap file's length
         reader.check_swap_files()
+        reader.release()
     except (FileNotFoundError, ValueError) as exc:
         return [str(exc)]
-    finally:
-        reader.release()
     return []
 
 

@@ -37,7 +37,7 @@ from hf_dist.checkpoint.formats.layout import (
     CheckpointLayout,
     read_layout,
 )
-from hf_dist.checkpoint.lifecycle.manifest import require_match
+from hf_dist.checkpoint.lifecycle.manifest import extend_manifest, require_match
 from hf_dist.checkpoint.lifecycle.resume_checks import check_autotp_matches, check_strategy_matches, gate_checkpoint
 from hf_dist.checkpoint.safety.paths import PathEscapeError
 
@@ -72,7 +72,8 @@ def to_universal(
 
     Writes ``<tag>_universal/`` and ``latest_universal`` inside ``checkpoint_dir`` (the original files are
     kept) and returns the universal folder. The folder appears atomically: it is built under a temporary name
-    and renamed, and ``latest_universal`` is written last, so a crash leaves no half-converted checkpoint.
+    and renamed, and ``latest_universal`` is written last, so a crash leaves no half-converted checkpoint; a checkpoint
+    with a manifest gets the copy added to it (:func:`hf_dist.checkpoint.lifecycle.manifest.extend_manifest`).
     DeepSpeed unpickles the tag folder with ``weights_only=False``: it runs under
     :func:`hf_dist.checkpoint.safety.loading.guarded_loads`, so each of those loads is torch's ``weights_only``
     load with hf_dist's allowlist, confined to the checkpoint (``trust_pickles``: DeepSpeed's own loads, confined).
@@ -100,6 +101,8 @@ def to_universal(
     with atomic_dir(final, overwrite=True) as tmp:
         _run_ds_to_universal(layout.path, tmp, workers, layout.root, trust_pickles)
     atomic_write_text(layout.root / LATEST_UNIVERSAL, final.name)
+    added = [p.relative_to(layout.root).as_posix() for p in final.rglob("*") if p.is_file()]
+    extend_manifest(layout.root, [*added, LATEST_UNIVERSAL])  # the checkpoint's manifest lists its universal copy
     return final
 
 

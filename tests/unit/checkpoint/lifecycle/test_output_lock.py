@@ -1,0 +1,131 @@
+"""One live job per output folder (issue 32 item 7): the lock names the job holding it, a dead job's lock is taken
+over, and a rank whose launcher died stops instead of training on."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hf_dist.checkpoint.formats.layout import OUTPUT_LOCK
+from hf_dist.checkpoint.lifecycle import output_lock
+from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
+from hf_dist.checkpoint.lifecycle.output_lock import OutputBusyError, claim_output_dir, release_output_dir
+
+
+@pytest.fixture
+def other_job(tmp_path):
+    """A live process of another job, and a lock in its name."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    import psutil
+
+    lock = {"host": socket.gethostname(), "pid": proc.pid, "process_start": psutil.Process(proc.pid).create_time(),
+            "job": "elsewhere:29500:", "started": time.time() - 60, "heartbeat": time.time()}  # fmt: skip
+    yield proc, lock
+    proc.kill()
+    proc.wait()
+
+
+def _write(folder, lock) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / OUTPUT_LOCK).write_text(json.dumps(lock))
+
+
+def test_a_job_holds_its_folder_and_claiming_again_is_a_no_op(tmp_path):
+    claim_output_dir(tmp_path / "out")
+    lock = json.loads((tmp_path / "out" / OUTPUT_LOCK).read_text())
+    assert (lock["host"], lock["pid"]) == (socket.gethostname(), os.getpid())
+    claim_output_dir(tmp_path / "out")
+    auto_resume(tmp_path / "out")  # its own lock does not stop it
+    release_output_dir(tmp_path / "out")
+    assert not (tmp_path / "out" / OUTPUT_LOCK).exists()
+
+
+def test_a_second_job_is_refused_naming_the_first(tmp_path, other_job):
+    proc, lock = other_job
+    _write(tmp_path / "out", lock)
+    expected = rf"is being written by another job: host {socket.gethostname()}, pid {proc.pid}, started "
+    with pytest.raises(OutputBusyError, match=expected):
+        claim_output_dir(tmp_path / "out")
+    with pytest.raises(OutputBusyError, match=expected + r".*not resuming from a folder another job is writing"):
+        auto_resume(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / OUTPUT_LOCK).read_text())["pid"] == proc.pid  # untouched
+
+
+def test_a_dead_jobs_lock_is_taken_over(tmp_path, other_job, caplog):
+    proc, lock = other_job
+    _write(tmp_path / "out", lock)
+    proc.kill()
+    proc.wait()
+    with caplog.at_level("WARNING"):
+        claim_output_dir(tmp_path / "out")
+    assert f"from a job that is gone (host {socket.gethostname()}, pid {proc.pid}" in caplog.text
+    assert json.loads((tmp_path / "out" / OUTPUT_LOCK).read_text())["pid"] == os.getpid()
+    release_output_dir(tmp_path / "out")
+
+
+def test_another_hosts_lock_counts_by_its_heartbeat(tmp_path, caplog):
+    lock = {"host": "node-that-is-not-this-one", "pid": 1, "job": "n2:29500:", "started": time.time() - 600,
+            "heartbeat": time.time() - 5}  # fmt: skip
+    _write(tmp_path / "out", lock)
+    with pytest.raises(OutputBusyError, match="host node-that-is-not-this-one, pid 1, .*last heartbeat 5 s ago"):
+        claim_output_dir(tmp_path / "out")
+    lock["heartbeat"] = time.time() - output_lock.STALE_S - 1
+    _write(tmp_path / "out", lock)
+    with caplog.at_level("WARNING"):
+        claim_output_dir(tmp_path / "out")
+    assert "taking over" in caplog.text
+    release_output_dir(tmp_path / "out")
+
+
+def test_attach_refuses_a_folder_another_job_writes(make_trainer, tmp_path, other_job):
+    from hf_dist.callbacks import attach
+
+    _, lock = other_job
+    trainer = make_trainer(output_dir=str(tmp_path / "out"))
+    _write(tmp_path / "out", lock)
+    with pytest.raises(OutputBusyError, match="is being written by another job"):
+        attach(trainer)
+
+
+ORPHAN = """
+import os, sys, time
+from hf_dist.checkpoint.lifecycle import output_lock
+output_lock.ORPHAN_POLL_S = 0.2
+output_lock.exit_with_launcher()
+print(os.getpid(), flush=True)
+time.sleep(60)
+"""
+LAUNCHER = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], env={**__import__("os").environ, "LOCAL_RANK": "0"})
+time.sleep(60)
+"""
+
+
+def test_a_rank_whose_launcher_is_killed_stops(tmp_path, capfd):
+    """kill -9 of the launcher: its rank notices its parent is gone, says so and exits (its exit code goes to init,
+    which adopted it: the message is what shows it was hf_dist's exit)."""
+    import psutil
+
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, ORPHAN], env={**os.environ, "PYTHONPATH": os.getcwd()}
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not psutil.Process(launcher.pid).children():
+        time.sleep(0.1)
+    (rank,) = psutil.Process(launcher.pid).children()
+    time.sleep(1.0)  # the rank is up and watching
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    gone, alive = psutil.wait_procs([rank], timeout=30)
+    assert gone and not alive, "the orphaned rank trained on"
+    assert (
+        f"its launcher (pid {launcher.pid}) is gone; stopping instead of training on alone" in capfd.readouterr().err
+    )
