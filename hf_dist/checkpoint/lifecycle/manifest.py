@@ -30,7 +30,9 @@ from typing import Any
 
 from hf_dist.atomic_io import atomic_write_json
 from hf_dist.checkpoint.formats.layout import (
+    LATEST_UNIVERSAL,
     MARKER_NAME,
+    UNIVERSAL_SUFFIX,
     WRITING_NAME,
     owner_rank,
     read_layout,
@@ -70,18 +72,25 @@ def _is_temporary(name: str) -> bool:
     return name.startswith(".") and (".tmp" in name or ".old-" in name)
 
 
+def _is_derived(rel: Path) -> bool:
+    """A universal copy ``hf-dist reshard`` made beside the save (``<tag>_universal/``, ``latest_universal``): not
+    what the run saved; the copy has a manifest of its own."""
+    return rel.parts[0].endswith(UNIVERSAL_SUFFIX) or rel.as_posix() == LATEST_UNIVERSAL
+
+
 def checkpoint_files(folder: Path) -> list[str]:
-    """Every file of ``folder`` a manifest lists: all but the manifest, the pending-write note and temporaries."""
+    """Every file of ``folder`` a manifest lists: all but the manifest, the pending-write note, temporaries and
+    derived universal copies."""
     out = []
     for path in Path(folder).rglob("*"):
         rel = path.relative_to(folder)
-        if (
-            path.is_file()
-            and path.name not in (MARKER_NAME, WRITING_NAME)
-            and not any(_is_temporary(part) for part in rel.parts)
-        ):
+        if path.is_file() and path.name not in (MARKER_NAME, WRITING_NAME) and not _skipped(rel):
             out.append(rel.as_posix())
     return sorted(out)
+
+
+def _skipped(rel: Path) -> bool:
+    return any(_is_temporary(part) for part in rel.parts) or _is_derived(rel)
 
 
 def own_files(folder: Path, rank: int, world_size: int) -> list[str]:
@@ -209,6 +218,17 @@ def incomplete_reasons(folder: str | os.PathLike, *, files: Iterable[str] | None
                        "(written after it: another save or another run)")  # fmt: skip
     reasons += [f"{what} is missing" for what in read_layout(folder, strict=False).missing_rank_files(
         manifest.get("world_size") or 1)]  # fmt: skip
+    return reasons + _derived_reasons(folder)
+
+
+def _derived_reasons(folder: Path) -> list[str]:
+    """A universal copy beside the save is checked against its own manifest (one without: an unchecked copy)."""
+    reasons = []
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir() and p.name.endswith(UNIVERSAL_SUFFIX)):
+        if not (sub / MARKER_NAME).is_file():
+            reasons.append(f"{sub.name}/ has no {MARKER_NAME} (a universal copy hf_dist did not make)")
+            continue
+        reasons += [f"{sub.name}/{reason}" for reason in incomplete_reasons(sub)]
     return reasons
 
 

@@ -37,7 +37,7 @@ from hf_dist.checkpoint.formats.layout import (
     CheckpointLayout,
     read_layout,
 )
-from hf_dist.checkpoint.lifecycle.manifest import extend_manifest, require_match
+from hf_dist.checkpoint.lifecycle.manifest import require_match, write_manifest
 from hf_dist.checkpoint.lifecycle.resume_checks import check_autotp_matches, check_strategy_matches, gate_checkpoint
 from hf_dist.checkpoint.safety.paths import PathEscapeError
 
@@ -72,8 +72,9 @@ def to_universal(
 
     Writes ``<tag>_universal/`` and ``latest_universal`` inside ``checkpoint_dir`` (the original files are
     kept) and returns the universal folder. The folder appears atomically: it is built under a temporary name
-    and renamed, and ``latest_universal`` is written last, so a crash leaves no half-converted checkpoint; a checkpoint
-    with a manifest gets the copy added to it (:func:`hf_dist.checkpoint.lifecycle.manifest.extend_manifest`).
+    and renamed, and ``latest_universal`` is written last, so a crash leaves no half-converted checkpoint. The copy
+    carries a manifest of its own (a derived copy: the checkpoint's manifest, of what the run saved, leaves it out;
+    :func:`hf_dist.checkpoint.lifecycle.manifest.incomplete_reasons` checks it against its own).
     DeepSpeed unpickles the tag folder with ``weights_only=False``: it runs under
     :func:`hf_dist.checkpoint.safety.loading.guarded_loads`, so each of those loads is torch's ``weights_only``
     load with hf_dist's allowlist, confined to the checkpoint (``trust_pickles``: DeepSpeed's own loads, confined).
@@ -100,9 +101,8 @@ def to_universal(
     check_loadable(layout.root, trust_pickles=trust_pickles)  # an early refusal; the loads below are guarded
     with atomic_dir(final, overwrite=True) as tmp:
         _run_ds_to_universal(layout.path, tmp, workers, layout.root, trust_pickles)
+        write_manifest(tmp, hashed={}, world_size=1, step=layout.step)  # the copy's own: read only as written
     atomic_write_text(layout.root / LATEST_UNIVERSAL, final.name)
-    added = [p.relative_to(layout.root).as_posix() for p in final.rglob("*") if p.is_file()]
-    extend_manifest(layout.root, [*added, LATEST_UNIVERSAL])  # the checkpoint's manifest lists its universal copy
     return final
 
 
