@@ -62,8 +62,10 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
     copy, Adam state at half its size; less accurate updates). See :mod:`hf_dist.runtime.precision`.
     """
     from hf_dist.planning.features import installed_features
+    from hf_dist.runtime import planned
     from hf_dist.runtime.launch import check_one_process_launch
 
+    planned.forget()  # a refused call leaves no plan for attach(trainer) to check against
     check_one_process_launch()  # `accelerate launch --num_processes 2` that started one process
     features = installed_features()
     request = read_request(overrides)  # 1. the keywords sorted: planner, auto_args', TrainingArguments'
@@ -79,15 +81,45 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
         launcher_ds_fields=os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", ""),
     )
     _prepare(model, plan, final)  # 6. the model and the live objects
+    planned.remember(plan)  # 7. where attach(trainer) finds it
     return final
 
 
 def _plan(model: Any, request: Request) -> Any:
+    """The plan of ``request`` (or the one it passes). A user ``gradient_accumulation_steps`` without a global batch
+    is planned too: gradients that persist across micro-batches cost memory (FSDP2, ZeRO-1), and the live run is
+    checked against the plan's accumulation."""
     if request.given_plan is not None:
         return request.given_plan
+    plan = _make_plan(model, request, request.plan_kwargs)
+    gas = request.user.get("gradient_accumulation_steps")
+    if gas is None or "global_batch_size" in request.plan_kwargs or gas == plan.gradient_accumulation_steps:
+        return plan
+    return _make_plan(model, request, _with_accumulation(plan, request.plan_kwargs, gas))
+
+
+def _make_plan(model: Any, request: Request, plan_kwargs: dict[str, Any]) -> Any:
     from hf_dist.tracing.verify import plan as make_plan
 
-    return make_plan(model, trust_remote_code=request.own.get("trust_remote_code", False), **request.plan_kwargs)
+    return make_plan(model, trust_remote_code=request.own.get("trust_remote_code", False), **plan_kwargs)
+
+
+def _with_accumulation(plan: Any, plan_kwargs: dict[str, Any], gas: int) -> dict[str, Any]:
+    """``plan``'s layout and micro-batch pinned, its global batch made of ``gas`` accumulation steps."""
+    pinned = {
+        "strategy": plan.strategy,
+        "offload": plan.offload,
+        "activation_checkpointing": plan.activation_checkpointing,
+        "use_liger_kernel": plan.use_liger_kernel,
+        "tp_size": plan.tp_size,
+        "cp_size": plan.cp_size,
+        "sp_size": plan.sp_size,
+        "micro_batch_size": plan.micro_batch_size,
+        "global_batch_size": plan.micro_batch_size * gas * plan.layout.dp_size,
+    }
+    if plan.offload != "none":
+        pinned["offload_device"] = plan.offload_device
+    return {**plan_kwargs, **pinned}
 
 
 def _generate(plan: Any, request: Request, model: Any, features: Any) -> dict[str, Any]:

@@ -50,11 +50,21 @@ def contradictions(
 
 def _batch(plan: Any, request: Request) -> list[str]:
     """A user ``gradient_accumulation_steps`` must still give the global batch the user asked the plan for: micro-batch
-    x accumulation x the data-parallel ranks (tensor, context and sequence parallel ranks share their micro-batch)."""
+    x accumulation x the data-parallel ranks (tensor, context and sequence parallel ranks share their micro-batch);
+    without a global batch asked for it must be the plan's (``auto_args`` plans it; a ``plan=`` is as given)."""
     gas = request.user.get("gradient_accumulation_steps")
-    if gas is None or "global_batch_size" not in request.plan_kwargs:
+    if gas is None:
         return []
     mbs, dp = int(plan.micro_batch_size), int(plan.layout.dp_size)
+    if "global_batch_size" not in request.plan_kwargs:
+        if gas == plan.gradient_accumulation_steps:
+            return []
+        return [
+            f"gradient_accumulation_steps={gas} contradicts the plan, which accumulates "
+            f"{plan.gradient_accumulation_steps} step(s) of micro-batch {mbs} (global batch "
+            f"{plan.global_batch_size}); drop it, or plan with global_batch_size={mbs * gas * dp} (gradients kept "
+            "across micro-batches cost memory)."
+        ]
     if mbs * gas * dp == plan.global_batch_size:
         return []
     ranks = "world_size" if dp == plan.world_size else "data_parallel"
