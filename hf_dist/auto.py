@@ -27,7 +27,7 @@ from typing import Any
 
 from hf_dist.configs.overrides import apply_strategy_overrides
 from hf_dist.configs.request import Request, read_request
-from hf_dist.configs.training_args import sync_deepspeed_precision, training_kwargs
+from hf_dist.configs.training_args import training_kwargs
 from hf_dist.configs.validate import validate
 
 __all__ = ["auto_args"]
@@ -152,13 +152,11 @@ def _nvme(plan: Any, request: Request) -> dict[str, Any]:
 
 def _merge(plan: Any, ours: dict[str, Any], request: Request) -> tuple[dict[str, Any], list[str]]:
     """The user's fields over ours: engine configs merged key by key (contradicting keys kept as the plan's and
-    returned as conflicts), every other field as given; our DeepSpeed JSON follows the final precision flags."""
+    returned as conflicts), every other field as given (a precision flag or ``optim`` that contradicts the plan is
+    then refused by the validation step, so our DeepSpeed JSON's precision stays the final flags')."""
     user = dict(request.user)
     conflicts = apply_strategy_overrides(plan, ours, user)  # fsdp / fsdp_config / deepspeed / parallelism_config
-    final = {**ours, **user}
-    if ours.get("deepspeed") is not None and final.get("deepspeed") is ours["deepspeed"]:
-        sync_deepspeed_precision(final, pure_bf16=bool(getattr(plan, "pure_bf16", False)))
-    return final, conflicts
+    return {**ours, **user}, conflicts
 
 
 def _prepare(model: Any, plan: Any, final: dict[str, Any]) -> None:

@@ -105,9 +105,9 @@ def attach(
     and every file must lie inside the checkpoint.
 
     ``plan``: the run is checked against it at train start (:class:`~hf_dist.callbacks.plan.PlanCallback`: world
-    size, strategy, precision, checkpointing, batch split, tp/cp/sp, FSDP wrap classes), and a difference stops it
-    before its first step; the memory and throughput callbacks report against its predictions. ``None`` (the
-    default): the plan the last :func:`hf_dist.auto_args` call of this process made
+    size, strategy, precision, checkpointing, batch split, tp/cp/sp, FSDP wrap classes, the optimizer that steps),
+    and a difference stops it before its first step; the memory and throughput callbacks report against its
+    predictions. ``None`` (the default): the plan the last :func:`hf_dist.auto_args` call of this process made
     (:mod:`hf_dist.runtime.planned`), if any; ``False``: no plan.
 
     There they run before the ``report_to`` integrations and the console printer, so the keys they

@@ -3,7 +3,8 @@ and the model really built and compared with the plan; any difference stops the 
 
 Checked: world size (and that a multi-rank launch is not training separate one-process copies), strategy (from
 accelerate's state: a silently dropped FSDP on CPU reads ``ddp``), mixed precision, activation checkpointing (on the
-model or inside FSDP's units), micro-batch and accumulation, tp / cp / sp, and FSDP wrap classes.
+model or inside FSDP's units), micro-batch and accumulation, tp / cp / sp, FSDP wrap classes, and the optimizer that
+really steps (unwrapped from accelerate's and DeepSpeed's wrappers).
 :func:`check_launch` (also run by :func:`hf_dist.callbacks.attach` without a plan) refuses the separate copies.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from hf_dist.configs.optimizer import optimizer_of_optim
 from hf_dist.planning.layout import REGISTRY
 from hf_dist.planning.wrap import fsdp_wrap_classes
 from hf_dist.runtime import dist as _dist
@@ -61,8 +63,8 @@ def checkpointing_on(model: Any) -> bool:
     return any(type(m).__name__ == "CheckpointWrapper" for m in model.modules())
 
 
-def live_setup(args: Any, model: Any = None) -> dict[str, Any]:
-    """What the Trainer really runs, read from accelerate's state, the arguments and the model."""
+def live_setup(args: Any, model: Any = None, optimizer: Any = None) -> dict[str, Any]:
+    """What the Trainer really runs, read from accelerate's state, the arguments, the model and the optimizer."""
     precision = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "no"
     sizes = _dist.parallel_sizes(getattr(args, "parallelism_config", None), _dist.deepspeed_config(args))
     return {
@@ -73,8 +75,30 @@ def live_setup(args: Any, model: Any = None) -> dict[str, Any]:
         "micro_batch_size": getattr(args, "per_device_train_batch_size", None),
         "gradient_accumulation_steps": getattr(args, "gradient_accumulation_steps", None),
         "activation_checkpointing": checkpointing_on(model) if model is not None else None,
+        "optimizer": running_optimizer(optimizer, args),
         **{f"{name}_size": size for name, size in sizes.items()},
     }
+
+
+def running_optimizer(optimizer: Any, args: Any = None) -> str | None:
+    """The planned optimizer name (``adamw``, ``adamw_8bit``, ``sgd``) of what steps, else its class name.
+
+    Read from the optimizer object the Trainer built (accelerate's and DeepSpeed's wrappers unwrapped: DeepSpeed with
+    offload may have swapped in ``DeepSpeedCPUAdam``); before one exists, from ``args.optim``; None without either."""
+    if optimizer is None:
+        optim = getattr(args, "optim", None)
+        return None if optim is None else optimizer_of_optim(optim) or str(getattr(optim, "value", optim))
+    while getattr(optimizer, "optimizer", None) is not None and optimizer.optimizer is not optimizer:
+        optimizer = optimizer.optimizer  # AcceleratedOptimizer, DeepSpeed's ZeRO / BF16 optimizers
+    name = type(optimizer).__name__
+    if type(optimizer).__module__.startswith("bitsandbytes"):
+        bits = getattr(optimizer, "optim_bits", None) or getattr(getattr(optimizer, "args", None), "optim_bits", 32)
+        return "adamw_8bit" if "Adam" in name and bits == 8 else name
+    return _OPTIMIZER_CLASSES.get(name, name)
+
+
+# optimizer classes (torch, DeepSpeed) and the planned optimizer each one is: their state is what the plan counts
+_OPTIMIZER_CLASSES = {"AdamW": "adamw", "DeepSpeedCPUAdam": "adamw", "FusedAdam": "adamw", "SGD": "sgd"}
 
 
 def planned_wrap_classes(model: Any) -> list[str] | None:
@@ -100,6 +124,8 @@ _FIXES = {
     "gradient accumulation": "pass auto_args' gradient_accumulation_steps, or plan with global_batch_size=",
     "tp / cp / sp": "pass auto_args' parallelism_config / deepspeed unchanged, or plan with tp_size= / cp_size= / sp_size=",
     "FSDP wrap classes": "pass auto_args' fsdp_config, or wrap_classes= to auto_args",
+    "optimizer": "pass auto_args' optim (the planned optimizer) and no optimizers= to the Trainer, or plan with "
+    "optimizer='adamw' / 'adamw_8bit' / 'sgd'",
 }
 
 
@@ -117,6 +143,7 @@ def plan_mismatches(plan: Any, live: dict[str, Any], planned_wrap: list[str] | N
         ("micro-batch", plan.micro_batch_size, live.get("micro_batch_size")),
         ("gradient accumulation", plan.gradient_accumulation_steps, live.get("gradient_accumulation_steps")),
         ("tp / cp / sp", planned_sizes, _sizes(live)),
+        ("optimizer", plan.optimizer, live.get("optimizer")),
     ]
     if planned_wrap is not None and live.get("wrap_classes") is not None:
         pairs.append(("FSDP wrap classes", planned_wrap, live["wrap_classes"]))
@@ -152,10 +179,10 @@ class PlanCallback(TrainerCallback):
         self.strict = strict
         self.mismatches: list[str] = []
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self.strict:
             check_launch(args)
-        live = live_setup(args, model)
+        live = live_setup(args, model, optimizer)
         planned_wrap = planned_wrap_classes(model) if live["wrap_classes"] is not None else None
         self.mismatches = plan_mismatches(self.plan, live, planned_wrap)
         if self.mismatches and self.strict:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from hf_dist.configs.optimizer import optim_conflicts
 from hf_dist.configs.request import Request
+from hf_dist.configs.training_args import precision_args
 from hf_dist.planning.features import LibraryFeatures
 from hf_dist.planning.layout import strategy
 from hf_dist.validation import raise_contradictions
@@ -42,6 +44,7 @@ def contradictions(
         *merge_conflicts,
         *_batch(plan, request),
         *_precision(plan, request, final),
+        *optim_conflicts(plan, final, cpu_adam=request.cpu_adam),
         *_activation_checkpointing(plan, request.user, features),
         *_engines(plan, final),
         *_launcher(final, launcher_ds_fields),
@@ -75,17 +78,39 @@ def _batch(plan: Any, request: Request) -> list[str]:
     ]
 
 
+_PRECISION_TEXT = {"bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision", "no": "fp32"}
+
+
 def _precision(plan: Any, request: Request, final: dict[str, Any]) -> list[str]:
-    """bf16 where the hardware has it; one precision flag; pure bf16's flags and optimizer as the plan states."""
-    out = []
-    if request.user.get("bf16") and plan.mixed_precision == "fp16":
-        out.append(
-            f"bf16=True but the hardware ({plan.hardware.gpu_name or plan.hardware.device}) has no bf16 support; "
-            "use fp16=True (the plan's choice) or drop bf16."
-        )
-    if final.get("bf16") and final.get("fp16"):
-        out.append("bf16=True and fp16=True are both set; pass only one.")
+    """``bf16`` / ``fp16`` as the plan states them (activations, logits and engine buffers were sized for its
+    precision); pure bf16's flags and optimizer as it needs them."""
+    planned, user = precision_args(plan), request.user
+    if user.get("bf16") and user.get("fp16"):
+        flags = f"bf16={planned['bf16']}, fp16={planned['fp16']}"
+        return [f"bf16=True and fp16=True are both set; pass only one (the plan's: {flags})."]
+    checked = ("fp16",) if plan.pure_bf16 else ("bf16", "fp16")  # pure bf16's bf16 flag: _pure_bf16 says why
+    out = [
+        _precision_message(plan, flag, user[flag], planned)
+        for flag in checked
+        if flag in user and bool(user[flag]) != planned[flag]
+    ]
     return out + _pure_bf16(plan, request, final)
+
+
+def _precision_message(plan: Any, flag: str, value: Any, planned: dict[str, bool]) -> str:
+    """One precision flag the user set against the plan: both values and the fix."""
+    hardware = plan.hardware.gpu_name or plan.hardware.device
+    if flag == "bf16" and value and plan.mixed_precision == "fp16":
+        return (
+            f"bf16=True but the hardware ({hardware}) has no bf16 support; use fp16=True (the plan's choice) or "
+            "drop bf16."
+        )
+    chosen = "pure bf16" if plan.pure_bf16 else _PRECISION_TEXT[plan.mixed_precision]
+    return (
+        f"{flag}={value!r} contradicts the plan, which trains in {chosen} on this hardware ({hardware}: "
+        f"bf16={planned['bf16']}, fp16={planned['fp16']}); activations, logits and the engine's buffers were sized "
+        f"for it. Drop {flag}= (auto_args sets both flags from the hardware)."
+    )
 
 
 def _pure_bf16(plan: Any, request: Request, final: dict[str, Any]) -> list[str]:

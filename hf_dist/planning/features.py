@@ -29,6 +29,8 @@ class LibraryFeatures:
     wrap policy on the parent), so each child's input is saved, not only the layer's. ``fsdp2_embedding_unit``:
     accelerate's ``fsdp2_prepare_model`` shards an untied input embedding as its own unit, resharded after its
     forward (accelerate >= 1.15), so only the tail (final norm, ``lm_head``) stays gathered until backward.
+    ``default_adamw``: the ``TrainingArguments.optim`` default, the AdamW a plan's ``adamw`` runs as
+    (``adamw_torch_fused`` where transformers sees torch >= 2.8, else ``adamw_torch``).
     """
 
     fsdp_version: int = 2
@@ -40,6 +42,7 @@ class LibraryFeatures:
     deepspeed_autotp: bool = True
     fsdp2_checkpoints_children: bool = False
     fsdp2_embedding_unit: bool = True
+    default_adamw: str = "adamw_torch_fused"
 
     def __post_init__(self) -> None:
         if self.fsdp_version not in (1, 2):
@@ -101,6 +104,7 @@ def installed_features() -> LibraryFeatures:
         deepspeed_autotp=_deepspeed_has("runtime/tensor_parallel/config.py"),
         fsdp2_checkpoints_children=_fsdp2_ac_wraps_children(),
         fsdp2_embedding_unit=_fsdp2_shards_embedding_alone(),
+        default_adamw=str(getattr(TrainingArguments.optim, "value", TrainingArguments.optim)),
     )
 
 

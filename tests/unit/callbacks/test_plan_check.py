@@ -1,6 +1,6 @@
 """``attach(trainer)`` alone checks the live run against the plan ``auto_args`` made (``hf_dist.runtime.planned``):
 a real single-process Trainer on a tiny Llama, its arguments built from ``auto_args``' kwargs as a user script builds
-them."""
+them. What it checks beyond the batch and the engine: the optimizer that really steps and the precision flags."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
 import hf_dist
 from hf_dist.callbacks import PlanCallback, attach
-from hf_dist.callbacks.plan import PlanMismatchError
+from hf_dist.callbacks.plan import PlanMismatchError, running_optimizer
 from hf_dist.runtime.planned import forget, last_plan
 from hf_dist.testing import TokenDataset, tiny_llama_config
 
@@ -33,8 +33,39 @@ def plan_check(callbacks: list) -> PlanCallback | None:
     return next((cb for cb in callbacks if isinstance(cb, PlanCallback)), None)
 
 
+def test_attach_alone_checks_the_plan_auto_args_made_and_the_planned_optimizer_runs(tmp_path):
+    """auto_args(optimizer="sgd") used to plan SGD while the Trainer ran fused AdamW, and attach(trainer) checked
+    nothing without plan=: now optim= is the planned optimizer and attach finds the plan by itself."""
+    m = model()
+    kwargs = hf_dist.auto_args(m, optimizer="sgd", **PLAN)
+    assert kwargs["optim"] == "sgd"
+    trainer = trainer_of(kwargs, tmp_path, model=m)
+    check = plan_check(attach(trainer))
+    assert check is not None and check.plan is last_plan() and check.plan.optimizer == "sgd"
+    trainer.train()
+    assert check.mismatches == [] and trainer.state.global_step == 1
+    assert running_optimizer(trainer.optimizer) == "sgd" and type(trainer.optimizer.optimizer) is torch.optim.SGD
+
+
+def test_attach_alone_refuses_an_optimizer_the_plan_did_not_size(tmp_path):
+    """optim= changed behind auto_args' back, or an optimizer handed to the Trainer: what steps is checked."""
+    m = model()
+    kwargs = hf_dist.auto_args(m, **PLAN)  # AdamW, the Trainer's default optim
+    assert kwargs["optim"] == TrainingArguments.optim
+    trainer = trainer_of({**kwargs, "optim": "sgd"}, tmp_path, model=m)
+    attach(trainer)
+    with pytest.raises(
+        PlanMismatchError, match=r"optimizer: planned adamw, running sgd\n    fix: pass auto_args' optim"
+    ):
+        trainer.train()
+    assert trainer.state.global_step == 0  # refused before the first step
+    own = trainer_of(kwargs, tmp_path, model=m, optimizers=(torch.optim.SGD(m.parameters(), lr=0.1), None))
+    attach(own)
+    with pytest.raises(PlanMismatchError, match=r"optimizer: planned adamw, running sgd"):
+        own.train()
+
+
 def test_attach_alone_refuses_precision_flags_the_plan_did_not_size(tmp_path):
-    """attach(trainer) used to check nothing without plan=: it now finds the plan auto_args made."""
     m = model()
     kwargs = hf_dist.auto_args(m, **PLAN)  # fp32 on this CPU machine
     trainer = trainer_of({**kwargs, "bf16": True, "use_cpu": True}, tmp_path, model=m)
@@ -51,6 +82,24 @@ def test_no_plan_without_auto_args_and_none_with_plan_false(tmp_path):
     assert plan_check(attach(trainer_of(kwargs, tmp_path, model=m), plan=False)) is None
     mine = hf_dist.plan(m, **PLAN)
     assert plan_check(attach(trainer_of(kwargs, tmp_path, model=m), plan=mine)).plan is mine
-    with pytest.raises(ValueError, match="bf16=True and fp16=True are both set"):
-        hf_dist.auto_args(m, bf16=True, fp16=True, **PLAN)
+    with pytest.raises(ValueError, match="contradicts the plan"):
+        hf_dist.auto_args(m, fp16=True, **PLAN)
     assert last_plan() is None  # a refused call leaves no plan to check against
+
+
+def test_the_running_optimizer_is_read_through_its_wrappers():
+    """accelerate's and DeepSpeed's wrappers hold the optimizer that steps in .optimizer; DeepSpeed's CPU Adam and
+    bitsandbytes' 8-bit AdamW are named as the plan names them."""
+    from types import SimpleNamespace
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    wrapped = SimpleNamespace(optimizer=SimpleNamespace(optimizer=torch.optim.AdamW([param])))
+    assert running_optimizer(wrapped) == "adamw"
+    assert running_optimizer(type("DeepSpeedCPUAdam", (), {})()) == "adamw"
+    bnb = type("AdamW", (), {"__module__": "bitsandbytes.optim.adamw"})
+    eight_bit = bnb()
+    eight_bit.args = SimpleNamespace(optim_bits=8)
+    assert running_optimizer(eight_bit) == "adamw_8bit"
+    assert running_optimizer(torch.optim.Adagrad([param])) == "Adagrad"
+    assert running_optimizer(None, SimpleNamespace(optim="adamw_bnb_8bit")) == "adamw_8bit"
+    assert running_optimizer(None, SimpleNamespace(optim="adafactor")) == "adafactor"

@@ -137,10 +137,17 @@ def test_accumulation_without_a_global_batch_is_planned():
         auto_args(CFG, plan=one, gradient_accumulation_steps=3)
 
 
-def test_precision_override_keeps_deepspeed_consistent(tmp_path):
-    kw = auto_args(CFG, strategy="zero2", bf16=False, **GPU)
-    assert kw["bf16"] is False and kw["deepspeed"]["bf16"]["enabled"] is False
-    build(tmp_path, **kw)  # the Trainer's DeepSpeed config check sees matching values
+def test_precision_flags_that_contradict_the_plan_are_refused_with_both_values():
+    """bf16=False on bf16 GPUs used to pass (the run then trained fp32 activations the plan never sized); a flag equal
+    to the plan's is fine."""
+    assert auto_args(CFG, strategy="zero2", bf16=True, fp16=False, **GPU)["deepspeed"]["bf16"]["enabled"] is True
+    with pytest.raises(ValueError, match=r"bf16=False contradicts the plan, which trains in bf16 mixed precision .*"
+                       r"bf16=True, fp16=False.*Drop bf16="):  # fmt: skip
+        auto_args(CFG, strategy="zero2", bf16=False, **GPU)
+    with pytest.raises(
+        ValueError, match=r"fp16=True contradicts the plan, which trains in fp32 .*bf16=False, fp16=False"
+    ):
+        auto_args(CFG, strategy="ddp", seq_len=64, global_batch_size=4, fp16=True)  # this CPU machine: fp32
 
 
 @pytest.mark.parametrize(
@@ -354,7 +361,7 @@ def test_deepspeeds_deprecated_gather_warning_is_shown_once():
 
 
 def test_every_contradiction_is_reported_at_once(monkeypatch):
-    """auto_args validates once: five contradictions of five kinds come back in one error, each with its fix, and
+    """auto_args validates once: six contradictions of six kinds come back in one error, each with its fix, and
     nothing was applied to the model before it (the check runs before the model is touched)."""
     monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "zero_stage")
     with pytest.raises(ValueError) as caught:
@@ -365,20 +372,22 @@ def test_every_contradiction_is_reported_at_once(monkeypatch):
             micro_batch_size=2,  # 1. the same thing twice, two values
             gradient_accumulation_steps=3,  # 2. 1 x 3 x 4 ranks != 16
             deepspeed={"zero_optimization": {"stage": 2}},  # 3. another stage than the plan's
-            fp16=True,  # 4. with the plan's bf16
+            fp16=True,  # 4. against the plan's bf16
+            optim="sgd",  # 5. against the plan's AdamW
             **GPU,
-        )  # 5. the launcher's DeepSpeed fields clash with the JSON
+        )  # 6. the launcher's DeepSpeed fields clash with the JSON
     problems = caught.value.problems
-    assert len(problems) == 5, problems
+    assert len(problems) == 6, problems
     for pattern in (
         r"micro_batch_size \(2\) != per_device_train_batch_size \(1\)",
         r"gradient_accumulation_steps\(3\) \* world_size\(4\) = 12 != global_batch_size\(16\)",
         r"\['zero_optimization'\]\['stage'\]=2 contradicts the plan \(zero3\)",
-        r"bf16=True and fp16=True are both set",
+        r"fp16=True contradicts the plan, which trains in bf16 mixed precision .*bf16=True, fp16=False",
+        r"optim='sgd' contradicts the plan's optimizer 'adamw' \(optim='adamw_torch_fused'\)",
         r"launched with an accelerate DeepSpeed config that sets \['zero_stage'\]",
     ):
         assert sum(bool(re.search(pattern, p)) for p in problems) == 1, (pattern, problems)
-    assert str(caught.value).startswith("auto_args: 5 contradictions, fix them all:\n  1. ")
+    assert str(caught.value).startswith("auto_args: 6 contradictions, fix them all:\n  1. ")
 
 
 def test_batch_math_counts_data_parallel_ranks_under_tensor_parallelism():
