@@ -104,11 +104,11 @@ def attach(
     unpickle the Trainer, accelerate or DeepSpeed makes is torch's ``weights_only`` load with hf_dist's allowlist,
     and every file must lie inside the checkpoint.
 
-    ``plan``: the run is checked against it at train start (:class:`~hf_dist.callbacks.plan.PlanCallback`: world
-    size, strategy, precision, checkpointing, batch split, tp/cp/sp, FSDP wrap classes, the optimizer that steps),
-    and a difference stops it before its first step; the memory and throughput callbacks report against its
-    predictions. ``None`` (the default): the plan the last :func:`hf_dist.auto_args` call of this process made
-    (:mod:`hf_dist.runtime.planned`), if any; ``False``: no plan.
+    ``plan``: the run is checked against it at train start (:class:`~hf_dist.callbacks.plan.PlanCallback`: world size,
+    strategy, precision, checkpointing, batch split, tp/cp/sp, FSDP wrap classes, the optimizer that steps, TRL's
+    ``max_length``), and a difference stops it before its first step; the memory and throughput callbacks report
+    against its predictions. ``None`` (the default): the plan the last :func:`hf_dist.auto_args` call of this process
+    made (:mod:`hf_dist.runtime.planned`), if any; ``False``: no plan.
 
     There they run before the ``report_to`` integrations and the console printer, so the keys they
     add to the logs reach TensorBoard, W&B, etc. They get the ``on_init_end`` event they missed (the

@@ -3,8 +3,9 @@ and the model really built and compared with the plan; any difference stops the 
 
 Checked: world size (and that a multi-rank launch is not training separate one-process copies), strategy (from
 accelerate's state: a silently dropped FSDP on CPU reads ``ddp``), mixed precision, activation checkpointing (on the
-model or inside FSDP's units), micro-batch and accumulation, tp / cp / sp, FSDP wrap classes, and the optimizer that
-really steps (unwrapped from accelerate's and DeepSpeed's wrappers).
+model or inside FSDP's units), micro-batch and accumulation, tp / cp / sp, FSDP wrap classes, the optimizer that
+really steps (unwrapped from accelerate's and DeepSpeed's wrappers), and the sequence length of arguments that
+truncate to one (TRL's ``max_length``).
 :func:`check_launch` (also run by :func:`hf_dist.callbacks.attach` without a plan) refuses the separate copies.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from hf_dist.configs.config_class import SEQ_FIELD
 from hf_dist.configs.optimizer import optimizer_of_optim
 from hf_dist.planning.layout import REGISTRY
 from hf_dist.planning.wrap import fsdp_wrap_classes
@@ -76,6 +78,7 @@ def live_setup(args: Any, model: Any = None, optimizer: Any = None) -> dict[str,
         "gradient_accumulation_steps": getattr(args, "gradient_accumulation_steps", None),
         "activation_checkpointing": checkpointing_on(model) if model is not None else None,
         "optimizer": running_optimizer(optimizer, args),
+        "max_length": _max_length(args),
         **{f"{name}_size": size for name, size in sizes.items()},
     }
 
@@ -99,6 +102,14 @@ def running_optimizer(optimizer: Any, args: Any = None) -> str | None:
 
 # optimizer classes (torch, DeepSpeed) and the planned optimizer each one is: their state is what the plan counts
 _OPTIMIZER_CLASSES = {"AdamW": "adamw", "DeepSpeedCPUAdam": "adamw", "FusedAdam": "adamw", "SGD": "sgd"}
+
+
+def _max_length(args: Any) -> int | str | None:
+    """The sequence length arguments that truncate to one hold (TRL's ``max_length``); None when the class has none."""
+    if not hasattr(args, SEQ_FIELD):
+        return None
+    value = getattr(args, SEQ_FIELD)
+    return "None (no truncation)" if value is None else value
 
 
 def planned_wrap_classes(model: Any) -> list[str] | None:
@@ -126,6 +137,8 @@ _FIXES = {
     "FSDP wrap classes": "pass auto_args' fsdp_config, or wrap_classes= to auto_args",
     "optimizer": "pass auto_args' optim (the planned optimizer) and no optimizers= to the Trainer, or plan with "
     "optimizer='adamw' / 'adamw_8bit' / 'sgd'",
+    "sequence length": "pass config_class=<the arguments class, e.g. trl.SFTConfig> to auto_args (it sets max_length "
+    "to the plan's seq_len), or plan with seq_len= the max_length you train with",
 }
 
 
@@ -144,6 +157,7 @@ def plan_mismatches(plan: Any, live: dict[str, Any], planned_wrap: list[str] | N
         ("gradient accumulation", plan.gradient_accumulation_steps, live.get("gradient_accumulation_steps")),
         ("tp / cp / sp", planned_sizes, _sizes(live)),
         ("optimizer", plan.optimizer, live.get("optimizer")),
+        ("sequence length", plan.seq_len, live.get("max_length")),
     ]
     if planned_wrap is not None and live.get("wrap_classes") is not None:
         pairs.append(("FSDP wrap classes", planned_wrap, live["wrap_classes"]))

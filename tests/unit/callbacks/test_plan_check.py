@@ -1,6 +1,7 @@
 """``attach(trainer)`` alone checks the live run against the plan ``auto_args`` made (``hf_dist.runtime.planned``):
 a real single-process Trainer on a tiny Llama, its arguments built from ``auto_args``' kwargs as a user script builds
-them. What it checks beyond the batch and the engine: the optimizer that really steps and the precision flags."""
+them. What it checks beyond the batch and the engine: the optimizer that really steps, the precision flags and the
+sequence length of arguments that truncate (TRL's ``max_length``)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,25 @@ def test_no_plan_without_auto_args_and_none_with_plan_false(tmp_path):
     with pytest.raises(ValueError, match="contradicts the plan"):
         hf_dist.auto_args(m, fp16=True, **PLAN)
     assert last_plan() is None  # a refused call leaves no plan to check against
+
+
+def test_trl_max_length_is_checked_against_the_planned_seq_len(tmp_path):
+    """SFTConfig(**auto_args(..., seq_len=16)) without config_class= keeps TRL's max_length=1024: refused at train
+    start. With config_class=SFTConfig auto_args emits max_length=16 and the run trains."""
+    trl = pytest.importorskip("trl", reason="the trl extra (hf_dist[trl]) is not installed in this environment")
+    m = model()
+    plain = trainer_of(hf_dist.auto_args(m, **PLAN), tmp_path, model=m, args_class=trl.SFTConfig)
+    assert plain.args.max_length == 1024
+    attach(plain)
+    with pytest.raises(
+        PlanMismatchError, match=r"sequence length: planned 16, running 1024\n    fix: pass config_class="
+    ):
+        plain.train()
+    kwargs = hf_dist.auto_args(m, config_class=trl.SFTConfig, **PLAN)
+    planned = trainer_of(kwargs, tmp_path, model=m, args_class=trl.SFTConfig)
+    check = plan_check(attach(planned))
+    planned.train()
+    assert planned.args.max_length == 16 and check.mismatches == [] and planned.state.global_step == 1
 
 
 def test_the_running_optimizer_is_read_through_its_wrappers():
