@@ -63,6 +63,7 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
     """
     from hf_dist.planning.features import installed_features
     from hf_dist.runtime import planned
+    from hf_dist.runtime.cpu_fsdp import cpu_ranks
     from hf_dist.runtime.launch import check_one_process_launch
 
     planned.forget()  # a refused call leaves no plan for attach(trainer) to check against
@@ -79,8 +80,10 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
         merge_conflicts=merge_conflicts,
         features=features,
         launcher_ds_fields=os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", ""),
+        cpu_ranks=cpu_ranks(),
+        engine_on_cpu=_engine_on_cpu(plan, request),
     )
-    _prepare(model, plan, final)  # 6. the model and the live objects
+    _prepare(model, plan, final, request)  # 6. the model and the live objects
     planned.remember(plan)  # 7. where attach(trainer) finds it
     return final
 
@@ -122,6 +125,18 @@ def _with_accumulation(plan: Any, plan_kwargs: dict[str, Any], gas: int) -> dict
     return {**plan_kwargs, **pinned}
 
 
+def _engine_on_cpu(plan: Any, request: Request) -> bool:
+    """Whether the planned engine was opted in for CPU ranks: ``engine_on_cpu=True``, or FSDP on CPU already turned on
+    in this process (:func:`hf_dist.runtime.cpu_fsdp.enable_fsdp_on_cpu`: the recipes' ``--fsdp_on_cpu``)."""
+    if request.own.get("engine_on_cpu"):
+        return True
+    if not plan.layout.strategy.is_fsdp:
+        return False
+    from hf_dist.runtime.cpu_fsdp import fsdp_on_cpu_enabled
+
+    return fsdp_on_cpu_enabled()
+
+
 def _generate(plan: Any, request: Request, model: Any, features: Any) -> dict[str, Any]:
     """What hf_dist sets from the plan: :func:`~hf_dist.configs.training_args.training_kwargs`, with the FSDP wrap
     classes found in the model, ZeRO-Infinity's checked swap folder, and what CPU ranks need."""
@@ -159,17 +174,30 @@ def _merge(plan: Any, ours: dict[str, Any], request: Request) -> tuple[dict[str,
     return {**ours, **user}, conflicts
 
 
-def _prepare(model: Any, plan: Any, final: dict[str, Any]) -> None:
+def _prepare(model: Any, plan: Any, final: dict[str, Any], request: Request) -> None:
     """What a validated request changes outside the kwargs: the model's precision and KV cache, DeepSpeed's
-    warnings, and accelerate's ``ParallelismConfig`` object."""
+    warnings, accelerate's ``ParallelismConfig`` object, and the planned engine on CPU ranks (``engine_on_cpu``)."""
     from hf_dist.runtime.precision import prepare_model
 
-    if plan.layout.strategy.is_deepspeed:
+    strategy = plan.layout.strategy
+    if strategy.is_deepspeed:
         _quiet_deepspeed_collectives()
     prepare_model(model, plan, "bf16" if final.get("bf16") else "fp16" if final.get("fp16") else "no")
     disable_kv_cache_under_checkpointing(model, plan)
     if isinstance(final.get("parallelism_config"), dict):
         final["parallelism_config"] = build_parallelism_config(final["parallelism_config"])
+    if request.own.get("engine_on_cpu"):
+        from hf_dist.runtime.cpu_fsdp import engine_on_cpu_ranks
+
+        _merge_accelerator_config(final, engine_on_cpu_ranks(fsdp=strategy.is_fsdp, deepspeed=strategy.is_deepspeed))
+
+
+def _merge_accelerator_config(final: dict[str, Any], extra: dict[str, Any]) -> None:
+    """``extra``'s kwargs into ``final``; an ``accelerator_config`` dict of the user's keeps its other keys."""
+    given = final.get("accelerator_config")
+    if isinstance(given, dict) and isinstance(extra.get("accelerator_config"), dict):
+        extra = {**extra, "accelerator_config": {**given, **extra["accelerator_config"]}}
+    final.update(extra)
 
 
 def disable_kv_cache_under_checkpointing(model: Any, plan: Any) -> None:

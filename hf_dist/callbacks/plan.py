@@ -43,11 +43,14 @@ def check_launch(args: Any) -> None:
         raise PlanMismatchError(
             f"{launched} processes were launched (WORLD_SIZE={launched}) but the Trainer trains each as a single "
             f"process: they would train {launched} separate copies into {getattr(args, 'output_dir', 'output_dir')}.\n"
-            "Without CUDA, accelerate joins the ranks only on CPU ranks: pass use_cpu=True to TrainingArguments "
-            "(hf_dist.auto_args does this for a CPU launch), or launch with ACCELERATE_USE_CPU=1 for DDP/FSDP, e.g.\n"
+            "Without CUDA, accelerate joins the ranks only on CPU ranks: for DDP pass use_cpu=True to "
+            "TrainingArguments (hf_dist.auto_args adds it to a DDP or FSDP plan launched on CPU ranks), or launch "
+            "with ACCELERATE_USE_CPU=1, e.g.\n"
             "  ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 train.py\n"
-            "DeepSpeed on CPU ranks needs the opposite: ACCELERATE_USE_CPU unset and the TrainingArguments kwargs of "
-            "hf_dist.runtime.cpu_fsdp.cpu_deepspeed_training_kwargs() (the recipes' --deepspeed_on_cpu)."
+            "FSDP2 and DeepSpeed on CPU ranks (tests and CPU development only) need "
+            "hf_dist.auto_args(model, ..., engine_on_cpu=True): FSDP2 is turned on for CPU ranks, and DeepSpeed gets "
+            "the kwargs of hf_dist.runtime.cpu_fsdp.cpu_deepspeed_training_kwargs() (the recipes' --fsdp_on_cpu / "
+            "--deepspeed_on_cpu)."
         )
 
 
@@ -126,7 +129,7 @@ def planned_wrap_classes(model: Any) -> list[str] | None:
 # what the plan calls each checked value, and how to get the planned one
 _FIXES = {
     "strategy": "pass the TrainingArguments auto_args returned (fsdp / deepspeed), launch without an accelerate "
-    "config that sets another engine, and on CPU ranks enable FSDP (hf_dist.runtime.cpu_fsdp)",
+    "config that sets another engine, and on CPU ranks (tests only) call auto_args(model, ..., engine_on_cpu=True)",
     "world size": "launch as many ranks as planned, or plan for this launch (auto_args(model, gpus=..., nodes=...))",
     "mixed precision": "pass auto_args' bf16 / fp16 values (a TrainingArguments subclass may default to others)",
     "activation checkpointing": "pass auto_args' checkpointing flags unchanged, or plan with "
@@ -215,5 +218,5 @@ class PlanCallback(TrainerCallback):
         if any(m.startswith("strategy") for m in self.mismatches) and running is not None and running.is_ddp:
             logger.warning(
                 "hf_dist: running plain DDP; note that accelerate silently drops FSDP on CPU "
-                "(use hf_dist's CPU FSDP path or a GPU machine)"
+                "(tests and CPU development: auto_args(model, ..., engine_on_cpu=True); else a GPU machine)"
             )

@@ -37,8 +37,14 @@ def contradictions(
     merge_conflicts: list[str],
     features: LibraryFeatures,
     launcher_ds_fields: str = "",
+    cpu_ranks: int = 0,
+    engine_on_cpu: bool = False,
 ) -> list[str]:
-    """Every contradiction between ``request``, ``plan`` and the ``final`` kwargs, one message (with its fix) each."""
+    """Every contradiction between ``request``, ``plan`` and the ``final`` kwargs, one message (with its fix) each.
+
+    The launch comes in as plain values: ``launcher_ds_fields`` (an accelerate launcher config's DeepSpeed fields),
+    ``cpu_ranks`` (the ranks of a launch without CUDA, 0 otherwise) and ``engine_on_cpu`` (FSDP2 / DeepSpeed opted in
+    for CPU ranks: ``auto_args(engine_on_cpu=True)``, or FSDP on CPU already enabled)."""
     return [
         *request.conflicts,
         *merge_conflicts,
@@ -48,6 +54,7 @@ def contradictions(
         *_activation_checkpointing(plan, request.user, features),
         *_engines(plan, final),
         *_launcher(final, launcher_ds_fields),
+        *_cpu_engine(plan, cpu_ranks, engine_on_cpu),
     ]
 
 
@@ -178,4 +185,26 @@ def _launcher(final: dict[str, Any], launcher_ds_fields: str) -> list[str]:
         "auto_args chose DeepSpeed, but this process was launched with an accelerate DeepSpeed config that sets "
         f"{clashing}; accelerate refuses both. Launch with accelerate_configs/ddp.yaml or torchrun (auto_args "
         "supplies the DeepSpeed JSON)."
+    ]
+
+
+def _cpu_engine(plan: Any, cpu_ranks: int, engine_on_cpu: bool) -> list[str]:
+    """FSDP2 or ZeRO on CPU ranks runs only when opted in: accelerate drops FSDP on CPU (plain DDP trains instead) and
+    sets DeepSpeed up for a single rank there (``hf_dist.runtime.cpu_fsdp``)."""
+    s = strategy(plan.strategy)
+    if cpu_ranks < 2 or engine_on_cpu or not (s.is_fsdp or s.is_deepspeed):
+        return []
+    if s.is_fsdp:
+        why = "accelerate silently drops FSDP on CPU and would train plain DDP (full weights and optimizer per rank)"
+        how = "turns FSDP2 on for CPU ranks (hf_dist.runtime.cpu_fsdp.enable_fsdp_on_cpu; recipes: pass --fsdp_on_cpu)"
+    else:
+        why = "accelerate sets DeepSpeed up for a single rank without CUDA (DeepSpeed's batch check then fails)"
+        how = (
+            "adds the kwargs of hf_dist.runtime.cpu_fsdp.cpu_deepspeed_training_kwargs() and starts DeepSpeed's "
+            "process group over gloo (recipes: pass --deepspeed_on_cpu)"
+        )
+    return [
+        f"strategy {plan.strategy!r} on {cpu_ranks} CPU ranks: {why}. For tests and CPU development call "
+        f"hf_dist.auto_args(model, ..., engine_on_cpu=True), which {how}; otherwise plan DDP with strategy='ddp', "
+        "or train on GPUs."
     ]

@@ -75,7 +75,7 @@ def test_attach_alone_refuses_precision_flags_the_plan_did_not_size(tmp_path):
         trainer.train()
 
 
-def test_no_plan_without_auto_args_and_none_with_plan_false(tmp_path):
+def test_no_plan_without_auto_args_and_none_with_plan_false(tmp_path, monkeypatch):
     m = model()
     forget()
     assert plan_check(attach(trainer_of({}, tmp_path, model=m))) is None  # a Trainer built without auto_args
@@ -83,8 +83,9 @@ def test_no_plan_without_auto_args_and_none_with_plan_false(tmp_path):
     assert plan_check(attach(trainer_of(kwargs, tmp_path, model=m), plan=False)) is None
     mine = hf_dist.plan(m, **PLAN)
     assert plan_check(attach(trainer_of(kwargs, tmp_path, model=m), plan=mine)).plan is mine
-    with pytest.raises(ValueError, match="contradicts the plan"):
-        hf_dist.auto_args(m, fp16=True, **PLAN)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="strategy 'fsdp_full_shard' on 2 CPU ranks"):
+        hf_dist.auto_args(m, strategy="fsdp_full_shard", **PLAN)
     assert last_plan() is None  # a refused call leaves no plan to check against
 
 
@@ -123,3 +124,27 @@ def test_the_running_optimizer_is_read_through_its_wrappers():
     assert running_optimizer(torch.optim.Adagrad([param])) == "Adagrad"
     assert running_optimizer(None, SimpleNamespace(optim="adamw_bnb_8bit")) == "adamw_8bit"
     assert running_optimizer(None, SimpleNamespace(optim="adafactor")) == "adafactor"
+
+
+def test_every_call_a_plan_check_hint_names_exists(monkeypatch):
+    """The fixes the plan check prints name auto_args keywords, TrainingArguments fields and hf_dist functions: each
+    must exist (a hint once named a call auto_args had not made)."""
+    import dataclasses
+    import importlib
+    import re
+    from types import SimpleNamespace
+
+    from hf_dist.callbacks.plan import _FIXES, check_launch
+    from hf_dist.configs.request import CONFIG_KEYS, PLAN_KEYS
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(PlanMismatchError) as launch:
+        check_launch(SimpleNamespace(world_size=1, output_dir="out"))
+    text = " ".join([*_FIXES.values(), str(launch.value)])
+    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    keywords = set(re.findall(r"(?<![\w.-])([a-z][a-z_]*)=", text)) - {"optimizers"}  # the Trainer's own keyword
+    assert keywords and keywords <= set(PLAN_KEYS) | set(CONFIG_KEYS) | fields, keywords - set(PLAN_KEYS) - fields
+    assert "engine_on_cpu" in keywords
+    for dotted in set(re.findall(r"hf_dist\.[\w.]+[\w]", text)):
+        module, _, name = dotted.rpartition(".")
+        assert hasattr(importlib.import_module(module), name), dotted

@@ -336,16 +336,39 @@ def test_checkpointing_turns_the_kv_cache_off(strategy):
 
 def test_a_cpu_launch_of_several_ranks_trains_as_one_job(monkeypatch):
     """torchrun / accelerate launch without CUDA: transformers trains each rank alone unless use_cpu=True (what
-    ACCELERATE_USE_CPU=1 sets); auto_args says so for DDP/FSDP, leaves DeepSpeed to its own CPU setup, and never
-    pins memory without CUDA."""
+    ACCELERATE_USE_CPU=1 sets); auto_args says so for DDP (and an opted-in FSDP), and never pins memory without
+    CUDA."""
     assert "use_cpu" not in auto_args(CFG, strategy="ddp", **GPU)  # one process
     monkeypatch.setenv("WORLD_SIZE", "2")
-    for name in ("ddp", "fsdp_full_shard"):
-        kw = auto_args(CFG, strategy=name, **GPU)
-        assert kw["use_cpu"] is True and kw["dataloader_pin_memory"] is True  # planned for GPUs: pinned
-    assert "use_cpu" not in auto_args(CFG, strategy="zero2", **GPU)
+    kw = auto_args(CFG, strategy="ddp", **GPU)
+    assert kw["use_cpu"] is True and kw["dataloader_pin_memory"] is True  # planned for GPUs: pinned
     assert auto_args(CFG, strategy="ddp", gpus=2)["dataloader_pin_memory"] is False  # CPU ranks
     assert auto_args(CFG, strategy="ddp", use_cpu=False, **GPU)["use_cpu"] is False  # the user's value wins
+
+
+def test_fsdp_or_zero_on_cpu_ranks_is_refused_naming_the_call_that_runs_it(monkeypatch):
+    """accelerate drops FSDP on CPU ranks (plain DDP trains) and sets DeepSpeed up for one rank there: auto_args
+    refuses both, naming auto_args(..., engine_on_cpu=True), which turns the engine on (the CPU setup itself is
+    hf_dist.runtime.cpu_fsdp's, recorded here: it would patch accelerate and start a process group)."""
+    from hf_dist.runtime import cpu_fsdp
+
+    calls = []
+    monkeypatch.setattr(cpu_fsdp, "enable_fsdp_on_cpu", lambda: calls.append("fsdp"))
+    ds_kwargs = {"use_cpu": False, "accelerator_config": {"use_configured_state": True}}
+    monkeypatch.setattr(cpu_fsdp, "cpu_deepspeed_training_kwargs", lambda: calls.append("zero") or dict(ds_kwargs))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name, recipe_flag in (("fsdp_full_shard", "--fsdp_on_cpu"), ("zero2", "--deepspeed_on_cpu")):
+        call = r"hf_dist\.auto_args\(model, \.\.\., engine_on_cpu=True\)"
+        with pytest.raises(ValueError, match=rf"strategy '{name}' on 2 CPU ranks: .*call {call}.*pass {recipe_flag}"):
+            auto_args(CFG, strategy=name, **GPU)
+    assert calls == []  # refused before anything was switched on
+    assert auto_args(CFG, strategy="fsdp_full_shard", engine_on_cpu=True, **GPU)["use_cpu"] is True
+    kw = auto_args(CFG, strategy="zero2", engine_on_cpu=True, accelerator_config={"even_batches": False}, **GPU)
+    assert calls == ["fsdp", "zero"] and kw["use_cpu"] is False
+    assert kw["accelerator_config"] == {"even_batches": False, "use_configured_state": True}
+    assert auto_args(CFG, strategy="ddp", engine_on_cpu=True, **GPU)["use_cpu"] is True and len(calls) == 2
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: nothing to turn on, nothing refused
+    assert "use_cpu" not in auto_args(CFG, strategy="zero2", engine_on_cpu=True, **GPU) and len(calls) == 2
 
 
 def test_deepspeeds_deprecated_gather_warning_is_shown_once():
