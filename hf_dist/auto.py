@@ -9,9 +9,11 @@ The thin layer above :mod:`hf_dist.planning.planner` and the pure factories of :
 one place that looks at the installed library versions (``installed_features``), the environment (an
 accelerate launcher's DeepSpeed fields) and the model (FSDP wrap classes, precision). The strategy, offload,
 activation checkpointing and batch split come from :func:`hf_dist.plan`; the result holds ``fsdp``/``fsdp_config``
-or ``deepspeed``, ``bf16``/``fp16`` by hardware, ``per_device_train_batch_size``, ``gradient_accumulation_steps``,
-activation checkpointing in the form the strategy needs, and a generous ``ddp_timeout``. Every other keyword is
-passed to ``TrainingArguments`` as given; user values win.
+or ``deepspeed``, ``bf16``/``fp16`` by hardware, the planned optimizer as ``optim``, ``per_device_train_batch_size``,
+``gradient_accumulation_steps``, activation checkpointing in the form the strategy needs, and a generous
+``ddp_timeout``. Every other keyword is passed to ``TrainingArguments`` as given; user values win where they do not
+contradict the plan. The plan is left where ``hf_dist.callbacks.attach(trainer)`` finds it
+(:mod:`hf_dist.runtime.planned`), which checks the live run against it.
 
 One way, one check: the keywords are sorted (:mod:`~hf_dist.configs.request`), planned, rendered
 (:mod:`~hf_dist.configs.training_args`), merged with the user's fields (:mod:`~hf_dist.configs.overrides`), and
@@ -53,7 +55,10 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
     (:mod:`hf_dist.configs.config_class`). Everything else is a ``TrainingArguments`` (or ``config_class``) keyword;
     every key the plan depends on is emitted explicitly, so a subclass's own defaults cannot replace it.
     ``trust_remote_code=True`` lets a model folder's ``auto_map`` classes be imported (planning, tracing, FSDP wrap
-    classes); without it they never are (:mod:`hf_dist.planning.remote_code`).
+    classes); without it they never are (:mod:`hf_dist.planning.remote_code`). ``engine_on_cpu=True`` (tests and CPU
+    development): an FSDP2 or ZeRO plan launched on CPU ranks runs there
+    (:func:`hf_dist.runtime.cpu_fsdp.engine_on_cpu_ranks`); without it such a plan is refused, since accelerate would
+    train plain DDP instead of FSDP and set DeepSpeed up for one rank.
 
     Precision: bf16/fp16 mixed precision keeps fp32 master weights and fp32 Adam state under every
     strategy. A ``model`` module loaded in bf16/fp16 and trained with DDP / one process has its
