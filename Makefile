@@ -2,10 +2,13 @@
 # torch is installed first and pinned so a CPU machine gets the CPU build; on a GPU machine
 # override it, e.g. `make test TORCH_SPEC="torch>=2.13"`.
 # `make test-min` tests the lowest supported versions (constraints/min.txt) in ./.venv-min; CI runs both.
+# `make install` pins the newest tested set (constraints/newest.txt, the versions README's table states);
+# `make install NEWEST=` installs the latest releases instead, to test them before raising those pins.
 PYTHON ?= python3
 VENV ?= .venv
 MIN_VENV ?= .venv-min
 TORCH_SPEC ?= torch==2.13.0
+NEWEST ?= constraints/newest.txt
 PY := $(VENV)/bin/python
 MIN_PY := $(MIN_VENV)/bin/python
 STAMP := $(VENV)/.hf_dist-installed
@@ -29,10 +32,10 @@ AIO_BUILD := from deepspeed.ops.op_builder import AsyncIOBuilder as B; b = B(); 
 
 .PHONY: install install-min libaio aio-op demo test test-min lint bench
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(NEWEST)
 	$(call mkvenv,$(VENV))
 	$(call pip_install,$(VENV)) "$(TORCH_SPEC)"
-	$(call pip_install,$(VENV)) -e ".[dev,trl]"
+	$(call pip_install,$(VENV)) $(if $(NEWEST),-c $(NEWEST)) -e ".[dev,trl]"
 	touch $(STAMP)
 
 $(MIN_STAMP): pyproject.toml constraints/min.txt

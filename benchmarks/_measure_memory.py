@@ -3,7 +3,7 @@
 Usage: torchrun --nproc_per_node=2 benchmarks/_measure_memory.py STRATEGY OUT.json NAME:HIDDEN:INTER:LAYERS:HEADS:KV:VOCAB ...
 
 STRATEGY is a registry name, or ``ddp+tp2``: tensor parallelism over both ranks (transformers'
-``from_pretrained(tp_plan="auto")``, the model's own Llama plan; no data parallelism, so no DDP wrapper), or
+``from_pretrained(distributed_config={"tp_plan": "auto"})``, the model's own Llama plan; no data parallelism, so no DDP wrapper), or
 ``fsdp_full_shard+tp2`` on 4 ranks: FSDP2 x TP, both applied by transformers at load
 (``DistributedConfig(tp_size=2, fsdp_size=world // 2)``), the ``(fsdp, tp)`` mesh of the Trainer's runs, or
 ``zero2+tp2`` (ZeRO-1/2): DeepSpeed AutoTP over both ranks (``"tensor_parallel": {"autotp_size": 2}``; the plain
@@ -115,7 +115,7 @@ def build(spec: str, tp_size: int = 1, fsdp_size: int = 1):
 
         sharding = {"distributed_config": DistributedConfig(tp_size=tp_size, fsdp_size=fsdp_size)}
     else:
-        sharding = {"tp_plan": "auto"}
+        sharding = {"distributed_config": {"tp_plan": "auto"}}
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **sharding)
     compact_cpu_shards(model)
     return name, config, model

@@ -31,7 +31,7 @@ _LAZY = {
     "fsdp_config": "hf_dist.configs.fsdp",
     "deepspeed_config": "hf_dist.configs.deepspeed",
     "accelerate_config": "hf_dist.configs.accelerate",
-    "from_pretrained_kwargs": "hf_dist.configs.training_args",
+    "from_pretrained_kwargs": "hf_dist.auto",
     "convert": "hf_dist.checkpoint.convert",
     "verify": "hf_dist.checkpoint.verify",
     "auto_resume": "hf_dist.checkpoint.lifecycle.auto_resume",

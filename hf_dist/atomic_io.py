@@ -34,11 +34,13 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, *, create_parent: bool = True) -> Iterator[Path]:
     """A temporary sibling of ``path`` to write (``atomic_write_bytes``, or a writer that takes a file name:
-    ``torch.save``, safetensors); fsynced and renamed over ``path`` when the block succeeds, removed when it fails."""
+    ``torch.save``, safetensors); fsynced and renamed over ``path`` when the block succeeds, removed when it fails.
+    ``create_parent=False``: a missing folder is an error, not created."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if create_parent:
+        path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:

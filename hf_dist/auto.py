@@ -257,3 +257,12 @@ def _quiet_deepspeed_collectives() -> None:
     import warnings
 
     warnings.filterwarnings("once", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated")
+
+
+def from_pretrained_kwargs(layout: Any) -> dict[str, Any]:
+    """What ``AutoModelForCausalLM.from_pretrained`` needs for ``layout`` (``plan.layout``) with the installed
+    transformers: :func:`hf_dist.configs.training_args.from_pretrained_kwargs` for the probed features."""
+    from hf_dist.configs.training_args import from_pretrained_kwargs as for_features
+    from hf_dist.planning.features import installed_features
+
+    return for_features(layout, installed_features())

@@ -59,11 +59,11 @@ def main(argv: list[str] | None = None) -> dict:
         deepspeed_on_cpu=run_args.deepspeed_on_cpu, sizes=model_args.sizes, offloading=model_args.offloading,
         async_save=run_args.async_save, trust_remote_code=model_args.trust_remote_code,
     )  # fmt: skip
-    load = ru.parallel_load_kwargs(args)  # tp_plan="auto" under tensor parallelism: sharded as it loads
+    load = ru.parallel_load_kwargs(args)  # the TP plan under tensor parallelism: sharded as it loads
     with args.main_process_first(desc="packing"):
         train_ds, eval_ds, task = ru.text_datasets(data_args, tokenizer, seq_len=seq_len, seed=args.seed)
 
-    if model is not None and "tp_plan" in load:  # a TP model is sharded as it loads: from disk
+    if model is not None and ru.shards_at_load(load):  # a TP model is sharded as it loads: from disk
         model = ru.embedded_base_on_disk(model, tokenizer, model_args, args, reload=True)
     if model is None:
         model = ru.build_model(model_args, config, seed=args.seed, **load)

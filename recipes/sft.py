@@ -91,13 +91,13 @@ def main(argv: list[str] | None = None, *, method: str = "full") -> dict:
         offloading=model_args.offloading, async_save=run_args.async_save,
         trust_remote_code=model_args.trust_remote_code,
     )  # fmt: skip
-    load = ru.parallel_load_kwargs(args)  # tp_plan="auto" under tensor parallelism: sharded as it loads
+    load = ru.parallel_load_kwargs(args)  # the TP plan under tensor parallelism: sharded as it loads
     with args.main_process_first(desc="tokenizing"):
         train_ds, eval_ds, task = ru.chat_datasets(data_args, tokenizer, seq_len=seq_len, seed=args.seed)
 
     # the random base must be on disk for the adapter to load later, and to be reloaded sharded (TP) or quantized
-    if (method != "full" or "tp_plan" in load) and model is not None:
-        reload = method == "qlora" or "tp_plan" in load
+    if (method != "full" or ru.shards_at_load(load)) and model is not None:
+        reload = method == "qlora" or ru.shards_at_load(load)
         model = ru.embedded_base_on_disk(model, tokenizer, model_args, args, reload=reload)
     if model is None:
         quantization = ru.bnb_config(quant_args) if method == "qlora" else None

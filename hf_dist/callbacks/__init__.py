@@ -31,7 +31,7 @@ _NAMES = {
     "ShardedResumeCallback": "hf_dist.callbacks.resume",
     "ZeroInfinityResumeCallback": "hf_dist.callbacks.resume",
     "auto_resume": "hf_dist.checkpoint.lifecycle.auto_resume",
-    "is_complete": "hf_dist.checkpoint.lifecycle.marker",
+    "is_complete": "hf_dist.checkpoint.lifecycle.manifest",
 }
 
 __all__ = sorted(_NAMES) + ["attach", "default"]

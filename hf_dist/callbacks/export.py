@@ -11,6 +11,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from hf_dist.atomic_io import atomic_dir
+from hf_dist.callbacks.phases import Phase, phase
 from hf_dist.planning.layout import Strategy, strategy
 from hf_dist.runtime import dist as _dist
 
@@ -27,8 +28,19 @@ def _full_state_dict(model: Any, running: Strategy) -> dict | None:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def ended_with(args: Any, state: Any) -> Path:
+    """The checkpoint whose weights the Trainer holds at the end: the best one under ``load_best_model_at_end`` (the
+    Trainer loads it back before ``on_train_end``), else the last step's."""
+    best = getattr(state, "best_model_checkpoint", None)
+    if getattr(args, "load_best_model_at_end", False) and best:
+        return Path(best)
+    return Path(args.output_dir) / f"checkpoint-{state.global_step}"
+
+
 class ExportCallback(TrainerCallback):
-    """Exports loadable weights: ``OUTPUT_DIR/<name>`` at train end, ``checkpoint-N/<name>`` on each save if ``on_save``.
+    """Exports loadable weights: ``OUTPUT_DIR/<name>`` at train end (the weights the Trainer ends with: the best
+    checkpoint's under ``load_best_model_at_end``), ``checkpoint-N/<name>`` on each save if ``on_save`` (added to
+    that checkpoint's manifest).
 
     DDP and ZeRO-1/2 hold full weights in every process: rank 0 calls ``save_pretrained`` (a PEFT
     model writes its adapter). FSDP gathers a full state dict first (collective). ZeRO-3 converts
@@ -59,11 +71,15 @@ class ExportCallback(TrainerCallback):
             self.export(checkpoint / self.name, state, model, processing_class, checkpoint=checkpoint)
 
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
-        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        checkpoint = ended_with(args, state)  # ZeRO-3 converts it: the best one when the Trainer loaded it back
         self.export(Path(args.output_dir) / self.name, state, model, processing_class, checkpoint=checkpoint)
 
     def export(self, dst: Path, state: Any, model: Any, processing_class: Any = None, *, checkpoint: Path) -> None:
-        """Collective: every rank calls it; rank 0 writes ``dst``."""
+        """Collective: every rank calls it; rank 0 writes ``dst`` (the other ranks wait in a barrier)."""
+        with phase(Phase.EXPORT):
+            self._export(dst, state, model, processing_class, checkpoint=checkpoint)
+
+    def _export(self, dst: Path, state: Any, model: Any, processing_class: Any, *, checkpoint: Path) -> None:
         running = strategy(_dist.live_strategy())
         _dist.barrier()  # every rank finished writing the checkpoint
         state_dict = _full_state_dict(model, running)
@@ -78,6 +94,10 @@ class ExportCallback(TrainerCallback):
                 if processing_class is not None and hasattr(processing_class, "save_pretrained"):
                     processing_class.save_pretrained(tmp)
             self.exported.append(str(dst))
+            if dst.parent == checkpoint:  # written into a complete checkpoint: its manifest lists the export too
+                from hf_dist.checkpoint.lifecycle.manifest import checkpoint_files, extend_manifest
+
+                extend_manifest(checkpoint, [f for f in checkpoint_files(checkpoint) if f.startswith(f"{dst.name}/")])
             logger.info("hf_dist: exported %s weights to %s", running.name, dst)
         _dist.barrier()
 

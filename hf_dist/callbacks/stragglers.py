@@ -5,8 +5,12 @@ step time cannot name the rank that is slow. What differs is when each rank arri
 slowed by its host (data, callbacks, a busy CPU) or by a slower device arrives after the others, which then wait
 for it in the collectives. :class:`Arrivals` records, per micro-step, the wall-clock time a rank calls the
 outermost training module (before DDP's, FSDP's or DeepSpeed's own forward collectives); :func:`stragglers` names
-the ranks that arrive far after the median rank. Saves, logging and evaluation fall between steps, before the next
-step's arrival on every rank alike, so a slow save on rank 0 raises no alarm.
+the ranks that arrive far after the median rank.
+
+A rank's time in a save, an evaluation or an export (:mod:`hf_dist.callbacks.phases`) is not lateness. Rank 0 alone
+writes an export or stages an async save's weights and optimizer; where nothing syncs the ranks before the next step
+(``average_tokens_across_devices=False``), it arrives late there for that reason only. So the step that follows such
+a phase is not counted; the phases run on every rank, so every rank leaves out the same steps.
 """
 
 from __future__ import annotations
@@ -24,10 +28,13 @@ MIN_LATE_S = 0.05  # ... if that is at least this many seconds per step (clock s
 
 
 class Arrivals:
-    """The sum of the wall-clock times this rank arrived at each micro-step's forward since the last take()."""
+    """The sum of the wall-clock times this rank arrived at each micro-step's forward, over the optimizer steps
+    counted since the last :meth:`take`; a step is counted at its end unless it is ``excused``."""
 
     def __init__(self) -> None:
         self.total = 0.0
+        self.steps = 0
+        self._step_total = 0.0
         self._armed = False
 
     def step_began(self) -> None:
@@ -35,18 +42,27 @@ class Arrivals:
 
     def forward_called(self) -> None:
         if self._armed:  # the micro-step's first call of the outermost module
-            self.total += time.time()
+            self._step_total += time.time()
             self._armed = False
 
-    def take(self) -> float:
-        total, self.total = self.total, 0.0
-        return total
+    def step_ended(self, *, excused: bool = False) -> None:
+        """The optimizer step ended; ``excused``: a save, evaluation or export came before it (not counted)."""
+        if not excused:
+            self.total += self._step_total
+            self.steps += 1
+        self._step_total = 0.0
+
+    def take(self) -> tuple[float, int]:
+        """(sum of arrival times, steps counted) since the last take."""
+        out = (self.total, self.steps)
+        self.total, self.steps = 0.0, 0
+        return out
 
 
 def stragglers(arrival_sums: list[float], steps: int, step_time: float) -> dict[int, float]:
     """``{rank: seconds per step it arrived after the median rank}`` for the ranks late by more than
-    ``LATE_FRACTION`` of ``step_time`` and ``MIN_LATE_S``. ``arrival_sums``: each rank's :meth:`Arrivals.take` over
-    the same ``steps`` optimizer steps."""
+    ``LATE_FRACTION`` of ``step_time`` and ``MIN_LATE_S``. ``arrival_sums``: each rank's sum from :meth:`Arrivals.take`
+    over the same ``steps`` counted optimizer steps."""
     if len(arrival_sums) < 2 or steps < 1:
         return {}
     median = statistics.median(arrival_sums)

@@ -7,6 +7,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from hf_dist.callbacks import phases
 from hf_dist.callbacks.memory import _add_to_logs
 from hf_dist.callbacks.stragglers import Arrivals, hostnames, report, stragglers
 from hf_dist.planning.flops import mfu, scaling_efficiency, training_flops_per_token
@@ -73,6 +74,7 @@ class ThroughputCallback(TrainerCallback):
       over 20 % of a step (:mod:`hf_dist.callbacks.stragglers`), in seconds per step, with one warning line naming
       rank and host. It rides on the same gather as the tokens/s: no extra collective per log. ``trainer``
       (:func:`hf_dist.callbacks.attach` passes it) times the outermost module, before the engine's own collectives.
+      The step after a save, an evaluation or an export is left out (:mod:`hf_dist.callbacks.phases`).
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class ThroughputCallback(TrainerCallback):
         self._trained_steps = 0
         self.trainer = trainer
         self._arrivals = Arrivals()
+        self._phases_seen = 0  # phases entered by the last step's end (phases.CLOCK.entered)
         self._hosts: list[str] = []
         self._arrival_handle = None
 
@@ -120,12 +123,20 @@ class ThroughputCallback(TrainerCallback):
             outer = getattr(self.trainer, "model_wrapped", None) or model  # DDP / DeepSpeed engine, or the model
             if outer is not None:  # first among its hooks: before FSDP2's own pre-forward all-gather
                 self._arrival_handle = outer.register_forward_pre_hook(self._arrival_hook, prepend=True)
+        phases.instrument(self.trainer or phases.running_trainer())  # its evaluations and saves are phases
         self._hosts = hostnames()
+        self._phases_seen = phases.CLOCK.entered
         self._last_time = time.perf_counter()
         self._last_step = state.global_step
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._arrivals.step_began()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # a save, evaluation or export since the last step's end: this step's arrivals say nothing of the ranks
+        entered = phases.CLOCK.entered
+        self._arrivals.step_ended(excused=entered != self._phases_seen)
+        self._phases_seen = entered
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._handle is not None:
@@ -141,7 +152,8 @@ class ThroughputCallback(TrainerCallback):
         now = time.perf_counter()
         steps = max(state.global_step - self._last_step, 1)
         elapsed = max(now - self._last_time, 1e-9)
-        ranks = _dist.gather_floats([self._tokens / elapsed, self._arrivals.take()])  # one collective
+        arrival_sum, counted = self._arrivals.take()
+        ranks = _dist.gather_floats([self._tokens / elapsed, arrival_sum, counted])  # one collective
         per_rank = [r[0] for r in ranks]
         total = sum(per_rank)
         metrics = {
@@ -160,7 +172,7 @@ class ThroughputCallback(TrainerCallback):
                 scaling_efficiency(total, len(per_rank), self.baseline_tokens_per_s), 4
             )
         metrics.update(self._eta(state, elapsed, steps, total))
-        late = stragglers([r[1] for r in ranks], steps, elapsed / steps)
+        late = stragglers([r[1] for r in ranks], _same_count([r[2] for r in ranks]), elapsed / steps)
         metrics.update(report(late, self._hosts, elapsed / steps, state.global_step))
         _add_to_logs(state, logs, metrics)
         self._tokens = 0
@@ -179,3 +191,8 @@ class ThroughputCallback(TrainerCallback):
         if planned:
             out["perf/tokens_per_s_vs_plan"] = round(tokens_per_s / planned, 4)
         return out
+
+
+def _same_count(counts: list[float]) -> int:
+    """The steps every rank counted, or 0 when the ranks left out different steps (their sums do not compare)."""
+    return int(counts[0]) if len(set(counts)) == 1 else 0

@@ -19,6 +19,7 @@ from hf_dist.checkpoint import transform
 from hf_dist.checkpoint.formats.hf import config_dir
 from hf_dist.checkpoint.formats.layout import CheckpointLayout, read_layout
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
+from hf_dist.checkpoint.lifecycle.manifest import require_match
 from hf_dist.checkpoint.safety.output_paths import check_output_path
 from hf_dist.checkpoint.safety.paths import check_tree_confined, confined
 
@@ -63,6 +64,7 @@ def open_reader(info: CheckpointLayout, *, trust_pickles: bool = False) -> Reade
         confined(info.path, info.root)
     else:  # the Trainer checkpoint around the folder holds it (swap files, DeepSpeed tags)
         check_tree_confined(info.root)
+        require_match(info.root)  # a checkpoint with a manifest is read only as it was written
     if info.format == "deepspeed" and info.tp_size > 1:
         from hf_dist.checkpoint.formats.autotp import AutoTPReader
 

@@ -33,6 +33,7 @@ class VerifyReport:
     # name -> {"A": (nan count, inf count), "B": (...)} for tensors with a NaN/Inf on either side
     nonfinite: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     logits_max_diff: float | None = None
+    logits_skipped: str | None = None  # why logits=True compared no logits
 
     @property
     def max_abs_diff(self) -> float:
@@ -57,16 +58,20 @@ class VerifyReport:
         if self.only_in_b:
             lines.append(f"  only in B, missing from A ({len(self.only_in_b)}): {self.only_in_b[:10]}")
         lines += [f"  shape: {m}" for m in self.shape_mismatches[:10]]
+        if len(self.shape_mismatches) > 10:
+            lines.append(f"  shape: ... and {len(self.shape_mismatches) - 10} more")
         if self.nonfinite:
             lines.append(f"  non-finite values in {len(self.nonfinite)} tensor(s) (never equal):")
             for name, sides in list(self.nonfinite.items())[:10]:
                 lines.append("    " + name + ": " + "; ".join(
                     f"{side} {nan} NaN, {inf} Inf" for side, (nan, inf) in sides.items()))  # fmt: skip
         worst = sorted(self.diffs.items(), key=lambda kv: -kv[1])[:5]
-        lines.append(f"  max abs diff {self.max_abs_diff:.3g} (atol {self.atol:g}); worst: "
-                     + ", ".join(f"{k}={v:.3g}" for k, v in worst))  # fmt: skip
+        lines.append(f"  max abs diff {self.max_abs_diff:.3g} (atol {self.atol:g})"
+                     + ("; worst: " + ", ".join(f"{k}={v:.3g}" for k, v in worst) if worst else ""))  # fmt: skip
         if self.logits_max_diff is not None:
             lines.append(f"  logits max abs diff {self.logits_max_diff:.3g}")
+        if self.logits_skipped:
+            lines.append(f"  logits not compared: {self.logits_skipped}")
         return "\n".join(lines)
 
 
@@ -152,7 +157,11 @@ def verify(
             if any(sum(c) for c in counts.values()):
                 report.nonfinite[name] = counts
             report.diffs[name] = _max_abs_diff(x, y)
-    if logits:
+    if logits and report.shape_mismatches:  # one config cannot build both models
+        report.logits_skipped = (
+            f"{len(report.shape_mismatches)} tensor(s) differ in shape (above), so A and B are different models"
+        )
+    elif logits:
         report.logits_max_diff = _logits_diff(side_a, side_b, trust_remote_code=trust_remote_code)
     side_a.reader.close()
     side_b.reader.close()
@@ -208,6 +217,16 @@ def _logits_diff(side_a: _Side, side_b: _Side, *, trust_remote_code: bool) -> fl
     return float((out[0] - out[1]).abs().max())
 
 
+def _check_fits(name: str, tensor: Any, target: Any, side: _Side, config_dir: Path) -> None:
+    """Refuse a tensor whose shape is not the one the config's model has, naming it (not torch's bare error)."""
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ValueError(
+            f"{side.info.path}: tensor {name!r} has shape {tuple(tensor.shape)}, but the config in {config_dir} builds "
+            f"it as {tuple(target.shape)}; --logits builds both models from one config: pass --model-config DIR "
+            "with the config this checkpoint was trained with, or compare without --logits"
+        )
+
+
 def _build_model(config_dir: Path, side: _Side, trust_remote_code: bool):
     import torch
 
@@ -224,6 +243,7 @@ def _build_model(config_dir: Path, side: _Side, trust_remote_code: bool):
         with torch.no_grad():
             for name in batch:
                 if name in expected:
+                    _check_fits(name, state[name], expected[name], side, config_dir)
                     expected[name].copy_(state.pop(name))
                     loaded.add(name)
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})

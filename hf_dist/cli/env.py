@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     hw = info["hardware"]
     print(f"device:        {hw['device']} x {hw['gpus_per_node']} per node, {hw['nodes']} node(s)")
     print(f"memory:        {hw['gpu_memory_gib']:.1f} GiB per {'GPU' if hw['device'] == 'cuda' else 'process'}")
-    print(f"gpu name:      {hw['gpu_name'] or '-'} (peak bf16 {hw['peak_tflops'] or '?'} TFLOPs)")
+    print(f"gpu name:      {hw['gpu_name'] or '-'} ({_peak(hw)})")
     print(f"bf16 / fp16:   {hw['bf16']} / {hw['fp16']}")
     print(
         f"nodes (env):   {info['nodes_from_env'] or 'not set (NNODES / WORLD_SIZE+LOCAL_WORLD_SIZE / SLURM_NNODES)'}"
@@ -95,3 +95,10 @@ def run(args: argparse.Namespace) -> int:
     if net["nvidia_smi_topo"]:
         print("nvidia-smi topo -m:\n" + net["nvidia_smi_topo"])
     return 0
+
+
+def _peak(hw: dict) -> str:
+    """The device's dense peak: a GPU's bf16 datasheet figure, or a CPU rank's measured fp32 matmul rate."""
+    if hw["device"] == "cpu":
+        return f"peak fp32 {hw['peak_tflops'] * 1e3:.0f} GFLOP/s per process, measured"
+    return f"peak bf16 {hw['peak_tflops'] or '?'} TFLOPs"

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from hf_dist.cli.common import add_positional, add_trust_remote_code, arg_kwargs
+from hf_dist.planning.layout import OFFLOADS, STRATEGIES
 
 EPILOG = """examples:
   hf-dist plan meta-llama/Llama-3.1-8B --gpus 8 --gpu-memory 80
@@ -22,6 +23,8 @@ EPILOG = """examples:
   hf-dist plan ./llama-3-70b --gpus 8 --gpu-memory 80 --host-memory 256 --nvme-gbps 12   # may offload to NVMe
   hf-dist plan ./llama-3-70b --gpus 8 --gpu-memory 80 --offload-device nvme   # ZeRO-Infinity: swap files per node
   hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --tp-size 2   # pin a size (the others become 1)
+  hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --strategy zero3   # pin the strategy, as auto_args(strategy=)
+  hf-dist plan ./my-model --gpus 8 --gpu-memory 24 --strategy zero3 --offload optimizer --activation-checkpointing on
   hf-dist plan ./my-model --gpus 64 --nodes 8 --gpu-memory 80 --verify   # check the pick by tracing the real model
   hf-dist plan ./custom-model --gpus 8 --gpu-memory 80 --trust-remote-code   # import its auto_map code (trusted)
 """
@@ -60,7 +63,26 @@ def _add_model_and_hardware(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_layout_pins(parser: argparse.ArgumentParser) -> None:
-    """Parts of the layout the user fixes instead of the search."""
+    """Parts of the layout the user fixes instead of the search (auto_args' and the recipes' pins)."""
+    parser.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        help="pin the strategy (auto_args(strategy=...), the recipes' --strategy); default: searched",
+    )
+    parser.add_argument(
+        "--offload",
+        choices=OFFLOADS,
+        help="pin what is offloaded to host RAM (auto_args(offload=...)); default: searched, offload only when "
+        "nothing fits without it",
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        choices=("auto", "on", "off"),
+        default="auto",
+        dest="activation_checkpointing",
+        help="pin activation checkpointing (auto_args(activation_checkpointing=...)); auto = chosen by the estimated "
+        "tokens/s",
+    )
     parser.add_argument(
         "--offload-device",
         choices=("cpu", "nvme"),
@@ -150,13 +172,19 @@ def _add_verification_and_output(parser: argparse.ArgumentParser) -> None:
 # the flags plan() takes under their own names, and plan()'s keyword -> the flag
 _PLAN_OPTIONS = (
     "method", "seq_len", "optimizer", "lora_rank", "safety_margin", "fused_lm_head", "async_save",
-    "train_tokens", "pure_bf16", "tp_size", "cp_size", "sp_size", "offload_device", "verify",
+    "train_tokens", "pure_bf16", "tp_size", "cp_size", "sp_size", "offload_device", "verify", "strategy", "offload",
 )  # fmt: skip
 _PLAN_RENAMED = {
     "global_batch_size": "global_batch",
     "micro_batch_size": "micro_batch",
     "verify_time_limit_s": "verify_time_limit",
 }
+# the hardware flags: detect_hardware()'s keyword -> the flag
+_HARDWARE_OPTIONS = ("gpus", "nodes", "nvme_gbps")
+_HARDWARE_RENAMED = {"gpu_memory_gib": "gpu_memory", "host_memory_gib": "host_memory"}
+# on / off / auto flags: plan()'s keyword -> the flag (auto = None: searched)
+_SWITCHES = {"use_liger_kernel": "liger", "activation_checkpointing": "activation_checkpointing"}
+_SWITCH_VALUES = {"auto": None, "on": True, "off": False}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -168,14 +196,15 @@ def run(args: argparse.Namespace) -> int:
     described = args.gpu_memory is not None and args.liger == "on"
     hardware = detect_hardware(
         liger_kernel=True if described else None,
-        **arg_kwargs(args, "gpus", "nodes", "nvme_gbps", gpu_memory_gib="gpu_memory", host_memory_gib="host_memory"),
+        **arg_kwargs(args, *_HARDWARE_OPTIONS, **_HARDWARE_RENAMED),
     )
     spec = model_spec(args.model, trust_remote_code=args.trust_remote_code)
+    switches = {keyword: _SWITCH_VALUES[getattr(args, flag)] for keyword, flag in _SWITCHES.items()}
     result = plan(
         spec,
         hardware=hardware,
-        use_liger_kernel={"auto": None, "on": True, "off": False}[args.liger],
         trust_remote_code=args.trust_remote_code,
+        **switches,
         **arg_kwargs(args, *_PLAN_OPTIONS, **_PLAN_RENAMED),
     )
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.explain())

@@ -292,7 +292,7 @@ COMMENTS: dict[str, str] = {
     "parallelism_config": "accelerate ParallelismConfig: the device mesh (data parallel x tp x cp x sp)",
     "parallelism_config_dp_replicate_size": "replica groups (HSDP: number of nodes; gradients all-reduced between them)",
     "parallelism_config_dp_shard_size": "ranks that shard parameters/grads/optimizer (HSDP: GPUs per node)",
-    "parallelism_config_tp_size": "tensor parallel group inside a node; load the model with from_pretrained(tp_plan='auto')",
+    "parallelism_config_tp_size": "tensor parallel group inside a node; load the model with from_pretrained(**hf_dist.from_pretrained_kwargs(layout))",
     "parallelism_config_cp_size": "context parallel group (torch ring attention, FSDP2, GPU only): splits the sequence",
     "parallelism_config_sp_size": "Ulysses sequence parallel group (DeepSpeed): splits the sequence, all-to-all per layer",
     "parallelism_config_sp_backend": "deepspeed = DeepSpeed Ulysses / ALST (accelerate >= 1.12)",

@@ -190,7 +190,7 @@ def _sharded_at_load(layout: Layout) -> dict[str, Any]:
     """A model that transformers shards at load (``tp_plan``) can only checkpoint its weights through the Trainer:
     it refuses to save its optimizer state and to resume it ("Resuming is not supported for models sharded at
     load time"), unless ``save_only_model=True``. hf_dist's ``ShardedResumeCallback`` saves the optimizer."""
-    return {"save_only_model": True} if "tp_plan" in from_pretrained_kwargs(layout) else {}
+    return {"save_only_model": True} if shards_at_load(from_pretrained_kwargs(layout)) else {}
 
 
 SP_ATTN_IMPLEMENTATION = "sdpa"  # DeepSpeedSequenceParallelConfig(sp_attn_implementation=...): must match the model's
@@ -219,23 +219,36 @@ def parallelism_kwargs(layout: Layout) -> dict[str, Any]:
     return out
 
 
-def from_pretrained_kwargs(layout: Layout) -> dict[str, Any]:
-    """What ``AutoModelForCausalLM.from_pretrained`` needs for the layout: ``tp_plan="auto"`` when torch TP
-    shards the model at load (``tp_size > 1`` with DDP or FSDP2: the model's own ``base_model_tp_plan``);
-    ``attn_implementation`` that DeepSpeed's Ulysses wraps under sequence parallelism. DeepSpeed AutoTP shards
-    the plain model itself, so it needs nothing at load.
+def from_pretrained_kwargs(layout: Layout, features: LibraryFeatures = NEWEST_TESTED_FEATURES) -> dict[str, Any]:
+    """What ``AutoModelForCausalLM.from_pretrained`` needs for the layout: the tensor-parallel plan ``"auto"`` when
+    torch TP shards the model at load (``tp_size > 1`` with DDP or FSDP2: the model's own ``base_model_tp_plan``),
+    as ``distributed_config={"tp_plan": "auto"}`` where ``features`` say transformers takes it there (else the older
+    ``tp_plan="auto"``, which newer versions deprecate with a warning per rank); ``attn_implementation`` that
+    DeepSpeed's Ulysses wraps under sequence parallelism. DeepSpeed AutoTP shards the plain model itself, so it needs
+    nothing at load. ``hf_dist.from_pretrained_kwargs`` is this for the installed versions.
     """
-    return load_kwargs(layout.tp_size, layout.sp_size, deepspeed=layout.strategy.is_deepspeed)
+    return load_kwargs(layout.tp_size, layout.sp_size, deepspeed=layout.strategy.is_deepspeed, features=features)
 
 
-def load_kwargs(tp_size: int, sp_size: int, *, deepspeed: bool) -> dict[str, Any]:
+def load_kwargs(
+    tp_size: int, sp_size: int, *, deepspeed: bool, features: LibraryFeatures = NEWEST_TESTED_FEATURES
+) -> dict[str, Any]:
     """:func:`from_pretrained_kwargs` from the sizes alone (what a ``TrainingArguments.parallelism_config`` holds)."""
     out: dict[str, Any] = {}
     if tp_size > 1 and not deepspeed:
-        out["tp_plan"] = "auto"
+        # a plain dict: transformers builds its DistributedConfig at load, in the rank, as it did from tp_plan=
+        out.update(
+            {"distributed_config": {"tp_plan": "auto"}} if features.tp_distributed_config else {"tp_plan": "auto"}
+        )
     if sp_size > 1:
         out["attn_implementation"] = SP_ATTN_IMPLEMENTATION
     return out
+
+
+def shards_at_load(load: dict[str, Any]) -> bool:
+    """Whether ``from_pretrained`` keywords (:func:`from_pretrained_kwargs`) make transformers shard the model as it
+    loads (tensor parallelism): such a model must be loaded from a folder, and its optimizer is hf_dist's to save."""
+    return "tp_plan" in load or "tp_plan" in (load.get("distributed_config") or {})
 
 
 def scaled_learning_rate(base_lr: float, global_batch_size: int, reference_batch_size: int, rule: str) -> float:

@@ -61,15 +61,35 @@ def generate(
     return outputs
 
 
-def exact_match(model: Any, tokenizer: Any, examples: list[TaskExample], *, mode: str) -> float:
-    """Share of ``examples`` whose greedy answer (first line, stripped) equals the expected answer."""
+def answer_all(model: Any, tokenizer: Any, examples: list[TaskExample], *, mode: str) -> list[str]:
+    """The greedy continuation of each example's prompt (long enough for the longest answer, and a few more)."""
     if not examples:
-        raise ValueError("exact_match needs at least one example")
+        raise ValueError("the embedded task needs at least one example to answer; got an empty list")
     prompts = [task_prompt(tokenizer, ex, mode) for ex in examples]
     longest = max(len(ex.answer) for ex in examples)
-    answers = generate(model, tokenizer, prompts, max_new_tokens=longest + 4)
-    hits = sum(_first_line(got) == ex.answer for got, ex in zip(answers, examples, strict=True))
-    return hits / len(examples)
+    return generate(model, tokenizer, prompts, max_new_tokens=longest + 4)
+
+
+def is_right(output: str, example: TaskExample) -> bool:
+    """Whether a continuation answers ``example``: its first line, stripped, is the expected answer."""
+    return _first_line(output) == example.answer
+
+
+def exact_match(model: Any, tokenizer: Any, examples: list[TaskExample], *, mode: str) -> float:
+    """Share of ``examples`` whose greedy answer (first line, stripped) equals the expected answer."""
+    answers = answer_all(model, tokenizer, examples, mode=mode)
+    return accuracy(answers, examples)
+
+
+def accuracy(answers: list[str], examples: list[TaskExample]) -> float:
+    """Share of ``answers`` that answer their example right."""
+    return sum(is_right(got, ex) for got, ex in zip(answers, examples, strict=True)) / len(examples)
+
+
+def showcase(answers: list[str], examples: list[TaskExample]) -> int:
+    """Index of the example to show as the run's sample: the first one answered right, so a sample printed after
+    "99 %" is one of the 99 %; the first example (a miss, said as such) when none is right."""
+    return next((i for i, (got, ex) in enumerate(zip(answers, examples, strict=True)) if is_right(got, ex)), 0)
 
 
 def _first_line(text: str) -> str:

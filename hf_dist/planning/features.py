@@ -29,6 +29,8 @@ class LibraryFeatures:
     wrap policy on the parent), so each child's input is saved, not only the layer's. ``fsdp2_embedding_unit``:
     accelerate's ``fsdp2_prepare_model`` shards an untied input embedding as its own unit, resharded after its
     forward (accelerate >= 1.15), so only the tail (final norm, ``lm_head``) stays gathered until backward.
+    ``tp_distributed_config``: ``from_pretrained(distributed_config={"tp_plan": "auto"})`` shards a model at load
+    (transformers' ``DistributedConfig`` has ``tp_plan``); the ``tp_plan=`` keyword it replaces warns once per rank.
     ``default_adamw``: the ``TrainingArguments.optim`` default, the AdamW a plan's ``adamw`` runs as
     (``adamw_torch_fused`` where transformers sees torch >= 2.8, else ``adamw_torch``).
     """
@@ -42,6 +44,7 @@ class LibraryFeatures:
     deepspeed_autotp: bool = True
     fsdp2_checkpoints_children: bool = False
     fsdp2_embedding_unit: bool = True
+    tp_distributed_config: bool = True
     default_adamw: str = "adamw_torch_fused"
 
     def __post_init__(self) -> None:
@@ -104,8 +107,22 @@ def installed_features() -> LibraryFeatures:
         deepspeed_autotp=_deepspeed_has("runtime/tensor_parallel/config.py"),
         fsdp2_checkpoints_children=_fsdp2_ac_wraps_children(),
         fsdp2_embedding_unit=_fsdp2_shards_embedding_alone(),
+        tp_distributed_config=_distributed_config_has_tp_plan(),
         default_adamw=str(getattr(TrainingArguments.optim, "value", TrainingArguments.optim)),
     )
+
+
+def _distributed_config_has_tp_plan() -> bool:
+    """Whether the installed transformers' ``DistributedConfig`` takes ``tp_plan`` (its replacement of
+    ``from_pretrained(tp_plan=...)``); older ones had a ``DistributedConfig`` without it."""
+    import inspect
+
+    try:
+        from transformers.distributed import DistributedConfig
+
+        return "tp_plan" in inspect.signature(DistributedConfig).parameters
+    except (ImportError, TypeError, ValueError):
+        return False
 
 
 def _fsdp2_ac_wraps_children() -> bool:

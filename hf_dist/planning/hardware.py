@@ -6,6 +6,7 @@ gpu_memory_gib=80)`` describes two 8-GPU nodes whatever the local machine has.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -53,6 +54,13 @@ PEAK_HBM_GBPS = (
     ("MI300X", 5300.0),
     ("MI250X", 3200.0),
 )
+# A CPU core's dense fp32 peak is measured, not looked up: cores differ by vector width (AVX2, AVX-512, NEON), FMA
+# pipes and clock several-fold. One thread multiplies two 512 x 512 fp32 matrices (2 * 512**3 FLOPs: large enough for
+# the BLAS to reach its steady rate, a few ms); the fastest of a few runs is the core's peak, what a datasheet's peak is
+# to a GPU. On the 2-core AMD EPYC (Zen 4) of CI it measured 80-88 GFLOP/s, the core's documented 32 fp32 FLOPs per
+# cycle (two 256-bit FMA pipes) at 2.6 GHz: 83 GFLOP/s (docs/planner.md, "Throughput on CPU ranks").
+CPU_PROBE_SIZE = 512
+CPU_PROBE_RUNS = 5
 
 
 @dataclass(frozen=True)
@@ -68,7 +76,7 @@ class Hardware:
     fp16: bool = False
     intra_node_gbps: float | None = None  # GB/s per device inside a node, None = unknown
     inter_node_gbps: float | None = None  # GB/s per device across nodes, None = unknown
-    peak_tflops: float | None = None  # dense bf16 per device, when known
+    peak_tflops: float | None = None  # dense per device, when known: bf16 on a GPU, fp32 (measured) per CPU rank
     host_memory_gib: float | None = None  # RAM per node for CPU offload; None = unknown
     memory_gbps: float | None = None  # device memory bandwidth, when known
     liger_kernel: bool = False  # liger-kernel importable where the run happens (it needs CUDA + Triton)
@@ -124,6 +132,43 @@ def _lookup(table: tuple[tuple[str, float], ...], name: str | None) -> float | N
         if key.lower() in name.lower():
             return value
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_core_gflops() -> float:
+    """One CPU core's dense fp32 matmul rate in GFLOP/s, measured once per process (:data:`CPU_PROBE_SIZE`)."""
+    import time
+
+    import torch
+
+    n, threads = CPU_PROBE_SIZE, torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b  # warm-up: the BLAS picks its kernel and touches its buffers
+        fastest = float("inf")
+        for _ in range(CPU_PROBE_RUNS):
+            start = time.perf_counter()
+            a @ b
+            fastest = min(fastest, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * n**3 / fastest / 1e9
+
+
+def cpu_threads_per_rank(ranks_per_node: int, env: dict[str, str] | None = None) -> int:
+    """Cores one CPU rank computes on: its share of the cores this process may use, at most ``OMP_NUM_THREADS``
+    (torchrun sets 1 for several ranks per node unless the user set it)."""
+    env = os.environ if env is None else env
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    share = max(1, cores // ranks_per_node)
+    omp = env.get("OMP_NUM_THREADS", "")
+    return min(share, int(omp)) if omp.isdigit() and int(omp) > 0 else share
+
+
+def cpu_rank_peak_tflops(ranks_per_node: int) -> float:
+    """Dense fp32 TFLOP/s of one CPU rank: the measured per-core rate times the cores it computes on."""
+    return cpu_core_gflops() * cpu_threads_per_rank(ranks_per_node) / 1e3
 
 
 def liger_kernel_installed() -> bool:
@@ -228,12 +273,19 @@ def detect_hardware(
         nodes=nodes,
         intra_node_gbps=intra_node_gbps,
         inter_node_gbps=inter_node_gbps,
-        peak_tflops=peak_tflops_for(detected.get("gpu_name")),
+        peak_tflops=_peak_tflops(detected),
         memory_gbps=memory_gbps_for(detected.get("gpu_name")),
         liger_kernel=bool(liger_kernel),
         nvme_gbps=nvme_gbps,
         **detected,
     )
+
+
+def _peak_tflops(detected: dict) -> float | None:
+    """A GPU's datasheet peak (by name); for CPU ranks, the measured rate of the cores each rank gets."""
+    if detected["device"] == "cpu":
+        return cpu_rank_peak_tflops(detected["gpus_per_node"])
+    return peak_tflops_for(detected.get("gpu_name"))
 
 
 def _detected(gpu_memory_gib: float | None, gpu_name: str | None) -> tuple[dict, bool]:

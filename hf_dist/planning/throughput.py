@@ -62,9 +62,12 @@ PCIE_GBPS = 25.0
 # One PCIe 4.0 NVMe drive sustains ~3 GB/s of mixed reads and writes (7 GB/s sequential reads); pass the node's
 # aggregate (``--nvme-gbps``) for a RAID of several.
 DEFAULT_NVME_GBPS = 3.0
-# Unknown devices: a mid-range GPU, or a CPU socket share (only the ranking matters there).
+# Unknown devices: a mid-range GPU. A CPU rank's peak is measured (hardware.cpu_rank_peak_tflops, detect_hardware
+# sets it); for a CPU Hardware described without it, one core at the documented 32 fp32 FLOPs per cycle (two 256-bit
+# FMA pipes: AVX2 / AVX-512 on Zen 4) and 2.5 GHz. Either way the GPUs' GEMM_EFFICIENCY applies: eager training
+# reaches about half of a core's dense peak too (docs/planner.md, "Throughput on CPU ranks").
 DEFAULT_GPU_TFLOPS, DEFAULT_GPU_HBM_GBPS = 300.0, 2000.0
-CPU_TFLOPS, CPU_MEMORY_GBPS = 1.0, 50.0
+CPU_CORE_TFLOPS, CPU_MEMORY_GBPS = 0.08, 50.0
 # DeepSpeedCPUAdam steps ~1e9 params/s per node (AVX-512, all cores); torch's AdamW on CPU ~4x slower.
 CPU_ADAM_PARAMS_PER_S = 1e9
 # ZeRO-Infinity per optimizer step, per node: the fp32 master weights and both moments are read and written back
@@ -95,7 +98,7 @@ class StepTime:
 def device_rates(hw: Hardware) -> tuple[float, float]:
     """(dense FLOP/s, memory bytes/s) of one device."""
     if hw.device == "cpu":
-        return CPU_TFLOPS * 1e12, CPU_MEMORY_GBPS * 1e9
+        return (hw.peak_tflops or CPU_CORE_TFLOPS) * 1e12, CPU_MEMORY_GBPS * 1e9
     tflops = hw.peak_tflops or peak_tflops_for(hw.gpu_name) or DEFAULT_GPU_TFLOPS
     gbps = hw.memory_gbps or memory_gbps_for(hw.gpu_name) or DEFAULT_GPU_HBM_GBPS
     return tflops * 1e12, gbps * 1e9

@@ -11,6 +11,7 @@ time is spent on a bad command.
 - :mod:`~hf_dist.recipe_utils.run`: resume, callbacks, strategy check, training, export, results.
 """
 
+from hf_dist.configs.training_args import shards_at_load
 from hf_dist.recipe_utils.args import (
     EMBEDDED_TRAINING_DEFAULTS,
     LLAMA_LORA_TARGETS,
@@ -65,5 +66,5 @@ __all__ = [
     "export_model", "finish_run",
     "format_results", "load_recipe", "load_tokenizer", "lora_config", "make_trainer", "model_config",
     "parallel_load_kwargs", "parse_recipe_args", "print_plan", "require_cuda", "resolve_seq_len", "resume_checkpoint",
-    "save_at_end_callback", "save_base_model", "shutdown", "text_datasets", "train", "training_arguments",
+    "save_at_end_callback", "save_base_model", "shards_at_load", "shutdown", "text_datasets", "train", "training_arguments",
 ]  # fmt: skip

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hf_dist.callbacks.phases import Phase, phase
 from hf_dist.data import generation_prompt
 from hf_dist.recipe_utils.model import outside_zero3
 from hf_dist.runtime.dist import live_strategy
@@ -18,9 +19,21 @@ def export_model(
 ) -> str:
     """Write a consolidated HF folder (or PEFT adapter) to ``export_dir``; returns how it was made.
 
-    Sharded runs (FSDP, ZeRO) go through ``hf_dist.convert`` from the last checkpoint; without a
-    checkpoint (and for DDP) the full weights are gathered and saved in-process.
+    Sharded runs (FSDP, ZeRO) go through ``hf_dist.convert`` from the checkpoint of the weights the Trainer ends
+    with (:func:`final_checkpoint`); without a checkpoint (and for DDP) the full weights are gathered and saved
+    in-process. The folder is marked as an output (``hf_dist_output.json``). Collective: every rank calls it, as the
+    export phase (the hang watchdog's allowance for exports, :func:`hf_dist.callbacks.watchdog.watching`).
     """
+    from hf_dist.checkpoint.safety.output_paths import mark_output
+
+    with phase(Phase.EXPORT):
+        how = _export(trainer, tokenizer, export_dir, adapter=adapter, trust_remote_code=trust_remote_code)
+    if trainer.args.should_save:
+        mark_output(export_dir, "recipe export")  # a rerun's export may replace it, and nothing else
+    return how
+
+
+def _export(trainer: Any, tokenizer: Any, export_dir: Path, *, adapter: bool, trust_remote_code: bool) -> str:
     from hf_dist.planning.layout import strategy
 
     running = strategy(live_strategy(trainer.args))
@@ -77,8 +90,12 @@ def _convert_checkpoint(
 
 
 def final_checkpoint(trainer: Any) -> Path | None:
-    """The checkpoint this run saved at its last step (:func:`save_at_end_callback`), never an older run's."""
-    path = Path(trainer.args.output_dir) / f"checkpoint-{trainer.state.global_step}"
+    """The checkpoint holding the weights the Trainer ends with: the best one under ``load_best_model_at_end`` (the
+    Trainer loaded it back), else the one this run saved at its last step (:func:`save_at_end_callback`), never an
+    older run's."""
+    from hf_dist.callbacks.export import ended_with
+
+    path = ended_with(trainer.args, trainer.state)
     return path if path.is_dir() else None
 
 
@@ -90,13 +107,13 @@ def reload_export(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_dist.embedded.task_eval import exact_match, generate, task_prompt
+    from hf_dist.embedded.task_eval import generate
 
     with outside_zero3():
         if adapter:
-            from peft import AutoPeftModelForCausalLM
+            from hf_dist.runtime.peft_calls import load_peft_model
 
-            model = AutoPeftModelForCausalLM.from_pretrained(export_dir, trust_remote_code=trust_remote_code)
+            model = load_peft_model(export_dir, trust_remote_code=trust_remote_code)
         else:
             model = AutoModelForCausalLM.from_pretrained(export_dir, trust_remote_code=trust_remote_code)
     if adapter:
@@ -105,16 +122,28 @@ def reload_export(
     reloaded_tokenizer = AutoTokenizer.from_pretrained(export_dir, trust_remote_code=trust_remote_code)
     out: dict[str, Any] = {"exported_params": sum(p.numel() for p in model.parameters())}
     if task is not None:
-        out["accuracy_after"] = exact_match(model, reloaded_tokenizer, task, mode=mode)
-        prompt = task_prompt(reloaded_tokenizer, task[0], mode)
-        out["sample_expected"] = task[0].answer
-    else:
-        text = "Explain in one sentence what data parallel training is."
-        messages = [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
-        prompt = generation_prompt(reloaded_tokenizer, messages) if mode == "chat" else text
-    out["sample_prompt"] = prompt
-    out["sample_output"] = generate(model, reloaded_tokenizer, [prompt], max_new_tokens=32)[0]
+        out.update(task_results(model, reloaded_tokenizer, task, mode=mode))
+        return out
+    text = "Explain in one sentence what data parallel training is."
+    messages = [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+    out["sample_prompt"] = generation_prompt(reloaded_tokenizer, messages) if mode == "chat" else text
+    out["sample_output"] = generate(model, reloaded_tokenizer, [out["sample_prompt"]], max_new_tokens=32)[0]
     return out
+
+
+def task_results(model: Any, tokenizer: Any, task: list, *, mode: str) -> dict:
+    """Accuracy on the embedded task and the sample to show: one of the answers scored, right where any is."""
+    from hf_dist.embedded.task_eval import accuracy, answer_all, is_right, showcase, task_prompt
+
+    answers = answer_all(model, tokenizer, task, mode=mode)
+    shown = showcase(answers, task)
+    return {
+        "accuracy_after": accuracy(answers, task),
+        "sample_prompt": task_prompt(tokenizer, task[shown], mode),
+        "sample_output": answers[shown],
+        "sample_expected": task[shown].answer,
+        "sample_right": is_right(answers[shown], task[shown]),
+    }
 
 
 def _check_adapter_loaded(model: Any, export_dir: Path) -> None:

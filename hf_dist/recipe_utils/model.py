@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from hf_dist.configs.training_args import shards_at_load
 from hf_dist.data import (
     build_tokenizer,
     ensure_chat_template,
@@ -73,14 +74,15 @@ def resolve_seq_len(requested: int | None, config: Any, *, embedded: bool) -> in
 
 
 def parallel_load_kwargs(args: Any) -> dict[str, Any]:
-    """What ``from_pretrained`` needs for the layout in ``args`` (``TrainingArguments``): ``tp_plan="auto"`` when
-    torch TP shards the model at load, the attention Ulysses wraps under sequence parallelism
-    (:func:`hf_dist.configs.training_args.load_kwargs`)."""
+    """What ``from_pretrained`` needs for the layout in ``args`` (``TrainingArguments``) with the installed
+    transformers: the tensor-parallel plan when torch TP shards the model at load (:func:`shards_at_load`), the
+    attention Ulysses wraps under sequence parallelism (:func:`hf_dist.configs.training_args.load_kwargs`)."""
     from hf_dist.configs.training_args import load_kwargs
+    from hf_dist.planning.features import installed_features
     from hf_dist.runtime.dist import deepspeed_config, parallel_sizes
 
     sizes = parallel_sizes(getattr(args, "parallelism_config", None), deepspeed_config(args))
-    return load_kwargs(sizes["tp"], sizes["sp"], deepspeed=bool(args.deepspeed))
+    return load_kwargs(sizes["tp"], sizes["sp"], deepspeed=bool(args.deepspeed), features=installed_features())
 
 
 def build_model(
@@ -100,7 +102,7 @@ def build_model(
     set_seed(seed)
     extra = {"attn_implementation": model_args.attn_implementation} if model_args.attn_implementation else {}
     extra.update(load)
-    if model_args.embedded and "tp_plan" in extra:
+    if model_args.embedded and shards_at_load(extra):
         raise ValueError("a tensor-parallel model is sharded as it loads: save the embedded model and load it by path")
     if model_args.embedded:
         with outside_zero3():  # whole, even if a ZeRO-3 config is registered (see above)
@@ -184,7 +186,9 @@ def embedded_base_on_disk(model: Any, tokenizer: Any, model_args: ModelArguments
 
 def apply_lora(model: Any, lora_args: LoraArguments, *, quantized: bool = False) -> Any:
     """Wrap ``model`` with LoRA adapters (base frozen); print the trainable share on the main process."""
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    from peft import prepare_model_for_kbit_training
+
+    from hf_dist.runtime.peft_calls import get_peft_model
 
     if quantized:
         # fp32 norms/head and input grads so gradients flow through the frozen 4-bit layers

@@ -177,7 +177,7 @@ def _live_sizes(trainer: Any) -> dict[str, int]:
         if tp not in meshes:
             raise RuntimeError(
                 f"tp_size {tp} was requested but no weight is sharded over a 'tp' mesh of that size: load "
-                "the model with from_pretrained(..., tp_plan='auto') (hf_dist.from_pretrained_kwargs(plan.layout))"
+                "the model with from_pretrained(..., **hf_dist.from_pretrained_kwargs(plan.layout))"
             )
     engine = getattr(trainer, "deepspeed", None)  # set once the Trainer started DeepSpeed
     # DeepSpeed's TP layers (module_inject.layers.TensorParallel_Layer) carry the TP group's size
@@ -267,16 +267,19 @@ def finish_run(
     """
     from transformers.trainer_callback import ProgressCallback
 
+    from hf_dist.callbacks.watchdog import watching
+
     # training is over: one bar per run, and the result below says what the evaluation found
     trainer.pop_callback(ProgressCallback)
     if trainer.args.process_index == 0:
         print(f"[hf_dist] evaluating on {len(trainer.eval_dataset)} held-out sequences", flush=True)
-    metrics = trainer.evaluate()
-    eval_loss = float(metrics["eval_loss"])
-    if trainer.args.process_index == 0:
-        print(f"[hf_dist] eval loss {eval_loss:.4f}; exporting", flush=True)
     export_dir = Path(trainer.args.output_dir) / ("adapter" if adapter else "final")
-    how = export_model(trainer, tokenizer, export_dir, adapter=adapter, trust_remote_code=trust_remote_code)
+    with watching(trainer):  # the hang watchdog's allowances for an evaluation and an export
+        metrics = trainer.evaluate()
+        eval_loss = float(metrics["eval_loss"])
+        if trainer.args.process_index == 0:
+            print(f"[hf_dist] eval loss {eval_loss:.4f}; exporting", flush=True)
+        how = export_model(trainer, tokenizer, export_dir, adapter=adapter, trust_remote_code=trust_remote_code)
     trainer.accelerator.wait_for_everyone()
     if not trainer.args.should_save:
         return {}
@@ -303,6 +306,16 @@ def finish_run(
     return results
 
 
+def _sample_verdict(results: dict) -> str:
+    """The verdict on the task's sample, the first right answer when there is one
+    (:func:`hf_dist.embedded.task_eval.showcase`): a miss is shown only when none is right."""
+    output, expected = results["sample_output"].strip(), results["sample_expected"]
+    if (output.splitlines()[0].strip() if output else "") == expected:
+        return " (right)"
+    none_right = "; no held-out prompt was answered right" if results.get("accuracy_after") == 0 else ""
+    return f" (a miss: expected {expected!r}{none_right})"
+
+
 def format_results(results: dict) -> str:
     """The end-of-run summary printed by every recipe."""
     losses = results["train_losses"]
@@ -327,8 +340,6 @@ def format_results(results: dict) -> str:
     if "sample_output" in results:
         line = f"[hf_dist] sample: {results['sample_prompt']!r} -> {results['sample_output']!r}"
         if "sample_expected" in results:  # the task knows the answer: say whether this one is it
-            got = results["sample_output"].strip().splitlines()[0].strip() if results["sample_output"].strip() else ""
-            right = got == results["sample_expected"]
-            line += " (right)" if right else f" (wrong: expected {results['sample_expected']!r})"
+            line += _sample_verdict(results)
         lines.append(line)
     return "\n".join(lines)

@@ -1,9 +1,10 @@
 """The tested support matrix: which versions of the libraries hf_dist plugs into CI has run it with.
 
 The lowest supported version of each is pyproject.toml's lower bound; ``constraints/min.txt`` pins all of
-them at once and ``make test-min`` tests that set. The newest is whatever ``make test`` installs; the set a CI
-run last passed with is recorded in :data:`NEWEST_TESTED` (update it with the run). ``hf-dist env`` reports
-an installed version outside ``[lowest, newest tested]``. docs/testing.md lists the matrix.
+them at once and ``make test-min`` tests that set. The newest tested is :data:`NEWEST_TESTED`: the versions
+``constraints/newest.txt`` pins, with which ``make install`` installs ``make demo``'s and ``make test``'s venv (torch:
+the Makefile's ``TORCH_SPEC``). ``hf-dist env`` reports an installed version outside ``[lowest, newest tested]``.
+README.md and docs/testing.md list the matrix; tests/unit/runtime/test_support.py checks that all of them agree.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ MATRIX_PACKAGES = (
     "trl",
 )
 
-# newest versions the full suite passed with (`make test`, torch 2.13.0+cpu, 2026-11-24)
+# newest versions the full suite passed with (`make test`, torch 2.13.0+cpu): constraints/newest.txt pins them
 NEWEST_TESTED = {
     "torch": "2.13.0",
     "transformers": "5.24.0",

@@ -67,7 +67,9 @@ def build_model(config: Any, setup: TraceSetup, *, trust_remote_code: bool = Fal
 
 def _add_lora(model: Any, setup: TraceSetup) -> Any:
     import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
+
+    from hf_dist.runtime.peft_calls import get_peft_model
 
     linears = {name.rsplit(".", 1)[-1] for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
     targets = [t for t in LORA_TARGETS if t in linears]

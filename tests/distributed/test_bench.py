@@ -37,3 +37,22 @@ def test_bench_cli_measures_and_autotunes(tmp_path, capsys):
     written = yaml.safe_load(best.read_text())
     assert written["distributed_type"] == ("MULTI_GPU" if fastest == "ddp" else "FSDP")
     assert written["num_processes"] == 2
+
+
+def test_cpu_throughput_benchmark_runs_as_documented():
+    """docs/planner.md's `python benchmarks/cpu_throughput.py`, with fewer steps: the probe's rate and, for 1 and 2
+    ranks, the estimate, the measurement and their ratio (the figures are the docs'; timings are not asserted)."""
+    import re
+    import subprocess
+    import sys
+
+    from hf_dist.testing import REPO_ROOT
+
+    assert "`python benchmarks/cpu_throughput.py`" in (REPO_ROOT / "docs" / "planner.md").read_text()
+    cmd = [sys.executable, "benchmarks/cpu_throughput.py", "--steps", "2", "--warmup", "1", "--repeats", "1"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"per-core fp32 matmul rate \(planner's probe\): [0-9.]+ GFLOP/s", proc.stdout)
+    rows = re.findall(r"^\s+([12])\s+([0-9,]+)\s+([0-9,]+)\s+([0-9.]+)$", proc.stdout, re.M)
+    assert [r[0] for r in rows] == ["1", "2"], proc.stdout
+    assert all(float(r[3]) > 0 for r in rows)

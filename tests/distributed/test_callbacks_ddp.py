@@ -48,13 +48,20 @@ def test_logs_carry_per_rank_memory_and_throughput(run_dir):
 
 
 def test_a_rank_that_sleeps_is_named_as_the_straggler(run_dir):
-    """Rank 1 sleeps 0.3 s at every step's start; rank 0 exports a checkpoint on every save (slow, rank 0 only) and
-    is never named: saves fall outside the time a rank spends on its own."""
-    steps = [h for h in json.loads((run_dir / "log_history.json").read_text()) if "loss" in h]
-    # 0.3 s after rank 0 at every step: 0.15 s after the median of two ranks (their mean)
-    assert all(0.1 < h["perf/straggler_rank_1_late_s"] < 0.2 for h in steps), steps
-    assert not any("perf/straggler_rank_0_late_s" in h for h in steps)
-    assert "straggler at step 1: rank 1 on " in (run_dir / "launch.log").read_text()
+    """Rank 1 sleeps 2 s at every step's start: it arrives 1 s after the median of two ranks (their mean), over the
+    detector's 20 % of a step for any step under 5 s, which this tiny model's steps are, even on a busy machine.
+    Rank 0 exports a checkpoint on every save (slow, rank 0 only) and is never named: the step after a save is not
+    counted."""
+    steps = {h["step"]: h for h in json.loads((run_dir / "log_history.json").read_text()) if "loss" in h}
+    late = {step: h.get("perf/straggler_rank_1_late_s") for step, h in steps.items()}
+    assert late[3] is None, late  # after checkpoint-2's save and export
+    named = [step for step in (1, 2, 4) if late[step] is not None]
+    assert all(0.5 < late[step] < 2.0 for step in named), late
+    # named wherever the step took under 4.5 s (the first one holds the warm-up), and on 2 or more steps
+    assert all(step in named for step in (1, 2, 4) if steps[step]["perf/step_time_s"] < 4.5), steps
+    assert len(named) >= 2, steps
+    assert not any("perf/straggler_rank_0_late_s" in h for h in steps.values())
+    assert f"straggler at step {named[0]}: rank 1 on " in (run_dir / "launch.log").read_text()
 
 
 def test_model_states_match_adamw_accounting(run_dir):

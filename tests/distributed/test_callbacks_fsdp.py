@@ -12,8 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import hf_dist
-from hf_dist.checkpoint.formats.layout import read_layout
-from hf_dist.checkpoint.lifecycle.marker import MARKER_NAME
+from hf_dist.checkpoint.formats.layout import MARKER_NAME, read_layout
 from hf_dist.testing import REPO_ROOT, torchrun
 
 pytestmark = pytest.mark.distributed

@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hf_dist.checkpoint.formats.layout import MARKER_NAME, RUN_JOURNAL
 from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
-from hf_dist.checkpoint.lifecycle.marker import MARKER_NAME, is_complete
+from hf_dist.checkpoint.lifecycle.manifest import is_complete
 from hf_dist.testing import REPO_ROOT, torchrun
 
 pytestmark = pytest.mark.distributed
@@ -79,8 +80,12 @@ def test_checkpoint_missing_a_ranks_file_is_never_resumed(tmp_path, baseline):
     (out / "checkpoint-8" / "rng_state_1.pth").unlink()
     assert not is_complete(out / "checkpoint-8")
     assert auto_resume(out) == str(out / "checkpoint-6")
-    # Without its marker (a run without hf_dist's callbacks) a checkpoint is proven from the Trainer's own files
+    # Without its manifest, in the folder of a run that wrote manifests (its journal says it started at step 0), a
+    # checkpoint after that step is no save that run finished: skipped
     (out / "checkpoint-6" / MARKER_NAME).unlink()
+    assert auto_resume(out) == str(out / "checkpoint-4")
+    # A run without hf_dist's callbacks keeps no journal: then the checkpoint is proven from the files it holds
+    (out / RUN_JOURNAL).unlink()
     assert auto_resume(out) == str(out / "checkpoint-6")
     # ... and skipped when they fail the proof: a rank's RNG state missing, as a kill after rank 0's save leaves it.
     # Full weights do not record how many ranks wrote them: the restart's own world size (2) says how many RNG files.

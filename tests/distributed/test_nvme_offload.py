@@ -167,3 +167,38 @@ def test_auto_resume_continues_from_the_swapped_state(runs):
     assert len(resumed["losses"]) == STEPS - SAVE_STEPS
     for a, b in zip(resumed["losses"], nvme["losses"][SAVE_STEPS:], strict=True):
         assert abs(a - b) <= LOSS_RTOL * abs(b), (resumed["losses"], nvme["losses"])
+
+
+def _swap_file(checkpoint: Path) -> Path:
+    return sorted((checkpoint / f"global_step{STEPS}" / "offloaded_tensors" / "rank01").iterdir())[0]
+
+
+def test_a_truncated_or_altered_swap_file_never_reaches_deepspeed(runs, tmp_path):
+    """Swap files are trusted by content, not length: with the manifest hf_dist's callbacks write, an altered file is
+    refused by auto_resume and convert, naming it; without one, a truncated file is refused by the layout's proof
+    (the length its partition needs), never handed to DeepSpeed."""
+    from hf_dist.checkpoint.convert import convert
+    from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
+    from hf_dist.checkpoint.safety.errors import CorruptCheckpointError
+    from tests.unit.checkpoint.fakes import seal
+
+    source = Path(runs("nvme")["output_dir"]) / f"checkpoint-{STEPS}"
+    truncated = tmp_path / "truncated" / source.name
+    shutil.copytree(source, truncated)
+    swap = _swap_file(truncated)
+    swap.write_bytes(swap.read_bytes()[:-4096])
+    with pytest.raises(RuntimeError, match=rf"(?s)none can be proven complete.*{swap.name} holds .* bytes, less than"):
+        auto_resume(truncated.parent, world_size=2)
+    altered = tmp_path / "altered" / source.name
+    shutil.copytree(source, altered)
+    seal(altered, world_size=2, step=STEPS)  # what CompleteCheckpointCallback writes once every rank saved
+    swap = _swap_file(altered)
+    data = bytearray(swap.read_bytes())
+    data[100:104] = b"\x7f\x7f\x7f\x7f" if data[100:104] != b"\x7f\x7f\x7f\x7f" else b"\x00\x00\x00\x00"
+    swap.write_bytes(bytes(data))
+    rel = swap.relative_to(altered).as_posix()
+    with pytest.raises(RuntimeError, match=rf"(?s)none can be proven complete.*{rel} differs from the manifest"):
+        auto_resume(altered.parent, world_size=2)
+    with pytest.raises(CorruptCheckpointError, match=rf"does not match its hf_dist_complete.json: {rel} differs"):
+        convert(altered, tmp_path / "hf", progress=False)
+    assert not (tmp_path / "hf").exists()

@@ -101,16 +101,21 @@ def test_a_trainer_resume_under_attach_refuses_on_every_rank(name, strategy_runs
     assert not marker.exists()
 
 
-def test_a_clean_copy_resumes_under_attach(strategy_runs, tmp_path):
-    """The control: the same launch on an untouched copy resumes and trains on (DeepSpeed, the allowlist's real
-    classes: ZeRO stage, loss scaler)."""
+@pytest.mark.parametrize("name", ["ddp", "fsdp_full_shard", "zero3"])
+def test_a_clean_copy_resumes_under_attach(name, strategy_runs, tmp_path):
+    """The control, and the allowlist against real files: the same launch on an untouched copy resumes and trains
+    on (numpy's RNG state; accelerate's DCP optimizer; DeepSpeed's real ZeRO stage and loss scaler classes).
+    ``make test-min`` runs it on the lowest supported versions too."""
     from hf_dist.testing import torchrun
     from tests.distributed.conftest import SCRIPTS
 
-    ckpt = _copy(strategy_runs, "zero3", tmp_path)
+    ckpt = _copy(strategy_runs, name, tmp_path)
     out = tmp_path / "report.json"
-    args = ["--strategy", "zero3", *SCRIPT_ARGS, "--output-dir", tmp_path / "run2", "--out", out]
-    torchrun(SCRIPTS / "strategies_train.py", [*args, "--resume-from", ckpt], nproc=2, env=launch_env("zero3"),
+    case = CASES[name]
+    env = launch_env(case.strategy)
+    if case.strategy == "ddp":
+        env = {**env, "ACCELERATE_USE_CPU": "0"}
+    args = ["--strategy", case.strategy, *SCRIPT_ARGS, "--output-dir", tmp_path / "run2", "--out", out]
+    torchrun(SCRIPTS / "strategies_train.py", [*args, "--resume-from", ckpt], nproc=case.nproc, env=env,
              timeout=300, outputs=[out])  # fmt: skip
-    report = json.loads(out.read_text())
-    assert report == {"refused": None, "global_step": TRAIN_STEPS + 1}
+    assert json.loads(out.read_text()) == {"refused": None, "global_step": TRAIN_STEPS + 1}

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_dist.checkpoint.lifecycle.marker import MARKER_NAME, is_complete
+from hf_dist.checkpoint.formats.layout import MARKER_NAME
+from hf_dist.checkpoint.lifecycle.manifest import is_complete
 from hf_dist.testing import GLOO_ABORT, cpu_env, free_port, retry_gloo_abort
 
 pytestmark = pytest.mark.distributed
@@ -213,11 +214,13 @@ def check_tp_launch(recipe_runs, launch: str, strategy: str, engine: str, wrappe
 
 
 def test_tp_recipe_runs_tensor_parallel(recipe_runs):
-    """--tp_size 2: the plan pins TP, the recipe loads the model with tp_plan="auto", the run line and the
+    """--tp_size 2: the plan pins TP, the recipe loads the model sharded (the TP plan "auto"), the run line and the
     results say tp=2, the checkpoints (weights + hf_dist's optimizer DCP) and the export work (the DTensor placements themselves are
     checked in test_tensor_parallel.py)."""
     # sharded at load by transformers, not wrapped in DDP
     res, checkpoints = check_tp_launch(recipe_runs, TP_LAUNCH, "ddp", "ddp", "LlamaForCausalLM")
+    log = (recipe_runs(TP_LAUNCH) / "launch.log").read_text()
+    assert "Passing `tp_plan` directly" not in log  # transformers' deprecation of the keyword, once per rank before
     assert all((c / "model.safetensors").is_file() for c in checkpoints)
     assert not any((c / "optimizer.pt").exists() for c in checkpoints)  # save_only_model: transformers' limit
     # ... lifted by hf_dist.callbacks.ShardedResumeCallback: the optimizer as DCP, listed by the complete marker

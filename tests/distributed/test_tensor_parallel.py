@@ -4,7 +4,7 @@ Four launches of tests/distributed/scripts/tensor_parallel_train.py, each once p
 same saved tiny Llama, on the same 4 samples per optimizer step in dataset order, fp32:
 
 * ``ddp``: 2 ranks x micro-batch 2 (the reference);
-* ``tp``: 2 ranks, ``from_pretrained(tp_plan="auto")`` + ``ParallelismConfig(tp_size=2)``, micro-batch 4
+* ``tp``: 2 ranks, ``from_pretrained(distributed_config={"tp_plan": "auto"})`` + ``ParallelismConfig(tp_size=2)``, micro-batch 4
   shared by the TP group; also saves a Trainer checkpoint and a DCP checkpoint;
 * ``fsdp_tp``: 4 ranks, ``DistributedConfig(tp_size=2, fsdp_size=2)`` + ``ParallelismConfig(dp_shard_size=2,
   tp_size=2)``, 2 data-parallel ranks x micro-batch 2;
@@ -329,8 +329,12 @@ def test_tp_checkpoint_holds_the_optimizer_of_every_rank(tp_runs):
 
 
 def without_optimizer_state(tp_runs, tmp_path: Path) -> Path:
+    """The checkpoint without hf_dist's optimizer folder, and without its manifest (which would refuse the copy for
+    what it lacks before the resume callback is reached): a TP checkpoint of a run without hf_dist's callbacks."""
     copy = tmp_path / f"checkpoint-{RESUME_STEP}"
-    shutil.copytree(tp_runs.checkpoint(), copy, ignore=shutil.ignore_patterns("hf_dist_optimizer"))
+    shutil.copytree(
+        tp_runs.checkpoint(), copy, ignore=shutil.ignore_patterns("hf_dist_optimizer", "hf_dist_complete.json")
+    )
     return copy
 
 
@@ -341,6 +345,28 @@ def test_losing_the_optimizer_state_changes_the_losses(tp_runs, tmp_path):
     fresh = tp_runs.launch("ddp", 2, tmp_path, ["--resume", checkpoint])
     diff = max_rel_diff(fresh["losses"], tp_runs.get("tp")["losses"][RESUME_STEP:])
     assert diff > 100 * LOSS_RTOL, f"a fresh optimizer moved the losses by only {diff:.2e}"
+
+
+def test_tp_resume_with_a_planted_optimizer_value_is_refused(tp_runs, tmp_path):
+    """hf_dist's own optimizer folder of a TP run, loaded by ShardedResumeCallback through DCP (whose non-tensor
+    values are torch.load(weights_only=False)): a payload where the param groups go is refused on every rank."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from tests.unit.checkpoint.safety.payloads import Payload
+
+    checkpoint = tmp_path / f"checkpoint-{RESUME_STEP}"
+    shutil.copytree(tp_runs.checkpoint(), checkpoint)
+    folder = checkpoint / "hf_dist_optimizer"
+    dcp_to_torch_save(folder, tmp_path / "optim.pt")  # our own clean file, read in full
+    state = torch.load(tmp_path / "optim.pt", weights_only=False)
+    state["optimizer"]["param_groups"][0]["lr"] = Payload(tmp_path / "PAYLOAD_RAN")
+    shutil.rmtree(folder)
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    with pytest.raises(RuntimeError, match=r"refusing to load a value stored in .*hf_dist_optimizer/__0_0\.distcp"):
+        tp_runs.launch("tp", 2, tmp_path, ["--resume", checkpoint])
+    assert not (tmp_path / "PAYLOAD_RAN").exists()
 
 
 def test_tp_resume_without_optimizer_state_is_refused(tp_runs, tmp_path):

@@ -160,3 +160,96 @@ def test_plan_pinned_to_nvme_states_the_swap_files(tmp_path, capsys, monkeypatch
     with pytest.raises(SystemExit):  # argparse names the choices
         main(["plan", "./llama-3-70b", "--gpus", "8", "--gpu-memory", "80", "--offload-device", "disk"])
     assert "invalid choice: 'disk' (choose from 'cpu', 'nvme')" in capsys.readouterr().err
+
+
+# PLAN_KEYS that cannot be a flag, and why
+NOT_A_FLAG = {
+    "hardware": "a Hardware object; the CLI builds it from --gpus, --gpu-memory, --nodes, --host-memory, --nvme-gbps",
+}
+# a value for each flag that differs from its default, and the value the planner keyword then receives
+FLAG_VALUES = {
+    "gpus": (["--gpus", "4"], 4),
+    "gpu_memory_gib": (["--gpu-memory", "40"], 40.0),
+    "nodes": (["--nodes", "2"], 2),
+    "method": (["--method", "lora"], "lora"),
+    "seq_len": (["--seq-len", "512"], 512),
+    "global_batch_size": (["--global-batch", "32"], 32),
+    "micro_batch_size": (["--micro-batch", "2"], 2),
+    "optimizer": (["--optimizer", "sgd"], "sgd"),
+    "lora_rank": (["--lora-rank", "8"], 8),
+    "strategy": (["--strategy", "zero3"], "zero3"),
+    "offload": (["--offload", "optimizer"], "optimizer"),
+    "activation_checkpointing": (["--activation-checkpointing", "on"], True),
+    "use_liger_kernel": (["--liger", "off"], False),
+    "safety_margin": (["--safety-margin", "0.2"], 0.2),
+    "pure_bf16": (["--pure-bf16"], True),
+    "tp_size": (["--tp-size", "2"], 2),
+    "cp_size": (["--cp-size", "1"], 1),
+    "sp_size": (["--sp-size", "1"], 1),
+    "host_memory_gib": (["--host-memory", "256"], 256.0),
+    "nvme_gbps": (["--nvme-gbps", "6"], 6.0),
+    "offload_device": (["--offload-device", "cpu"], "cpu"),
+    "fused_lm_head": (["--fused-lm-head"], True),
+    "async_save": (["--async-save"], True),
+    "train_tokens": (["--train-tokens", "2e9"], 2e9),
+    "verify": (["--verify"], True),
+    "verify_time_limit_s": (["--verify-time-limit", "30"], 30.0),
+}
+
+
+def test_plan_has_a_flag_for_every_pin_auto_args_accepts(tmp_path, monkeypatch):
+    """Every planner keyword of auto_args (PLAN_KEYS) is a flag of `hf-dist plan` that reaches the planner (or the
+    hardware it plans for) with the value given; a new PLAN_KEY without a flag fails here."""
+    import hf_dist.planning.hardware as hardware
+    import hf_dist.tracing.verify as tracing_verify
+    from hf_dist.configs.request import PLAN_KEYS
+
+    assert set(PLAN_KEYS) == set(FLAG_VALUES) | set(NOT_A_FLAG), "a PLAN_KEY without a flag (or a stale entry)"
+    received = {}
+
+    class Done(Exception):
+        pass
+
+    def fake_detect(**kwargs):
+        received.update(kwargs)
+        return "hw"
+
+    def fake_plan(spec, **kwargs):
+        received.update(kwargs)
+        raise Done
+
+    monkeypatch.setattr(hardware, "detect_hardware", fake_detect)
+    monkeypatch.setattr(tracing_verify, "plan", fake_plan)
+    tiny_llama_config().save_pretrained(tmp_path)
+    argv = [flag for flags, _ in FLAG_VALUES.values() for flag in flags]
+    with pytest.raises(Done):
+        main(["plan", str(tmp_path), *argv])
+    assert received["hardware"] == "hw"
+    assert {key: received[key] for key in FLAG_VALUES} == {key: value for key, (_, value) in FLAG_VALUES.items()}
+
+
+def test_plan_strategy_pin_is_planned_and_a_bad_one_lists_the_names(tmp_path, capsys):
+    tiny_llama_config().save_pretrained(tmp_path)
+    args = ["plan", str(tmp_path), "--gpus", "8", "--gpu-memory", "80", "--global-batch", "64", "--json"]
+    assert main([*args, "--strategy", "zero3", "--activation-checkpointing", "off"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["strategy"] == "zero3" and {c["strategy"] for c in data["candidates"]} == {"zero3"}
+    assert not any(c["activation_checkpointing"] for c in data["candidates"])
+    with pytest.raises(SystemExit):
+        main([*args, "--strategy", "zero4"])
+    err = capsys.readouterr().err
+    assert "--strategy: invalid choice: 'zero4'" in err and "fsdp_full_shard" in err
+
+
+def test_plan_help_examples_of_the_pins_run(tmp_path, capsys):
+    """The --help examples of --strategy / --offload / --activation-checkpointing, on a small model folder."""
+    from hf_dist.cli.plan import EPILOG
+
+    tiny_llama_config().save_pretrained(tmp_path)
+    examples = [line.split("#")[0].split()[2:] for line in EPILOG.splitlines() if "--strategy" in line]
+    assert len(examples) == 2
+    for argv in examples:
+        assert main(["plan", str(tmp_path), *argv[1:], "--json"]) == 0, argv
+        data = json.loads(capsys.readouterr().out)
+        assert data["strategy"] == "zero3", argv
+    assert data["offload"] == "optimizer" and data["activation_checkpointing"] is True

@@ -41,3 +41,27 @@ print("RESULT", other.is_deepspeed_available())
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     results = [line.split()[1:] for line in out.splitlines() if line.startswith("RESULT ")]
     assert results == [["False", "False"], ["True"]]
+
+
+def test_the_sample_shown_after_the_accuracy_is_one_it_got_right(monkeypatch):
+    """The demo's one sample is the first held-out prompt answered right (it was always task[0], a miss at 99 %);
+    only when none is right is a miss shown, and it says so."""
+    import hf_dist.embedded.task_eval as task_eval
+    from hf_dist import recipe_utils as ru
+    from hf_dist.embedded.task import make_examples
+    from hf_dist.recipe_utils.export import task_results
+
+    task = make_examples(4, seed=0)
+    answers = ["zz", task[1].answer + "\nmore", task[2].answer, "zz"]  # task[0] missed, as in the demo
+    monkeypatch.setattr(task_eval, "answer_all", lambda model, tokenizer, examples, mode: answers)
+    results = task_results(None, None, task, mode="text")
+    assert results["accuracy_after"] == 0.5 and results["sample_right"]
+    assert results["sample_prompt"] == task[1].text_prompt() and results["sample_expected"] == task[1].answer
+    base = {"strategy": "ddp", "wrapped_model": "DDP", "steps": 1, "world_size": 2, "train_losses": [1.0],
+            "eval_loss": 1.0, "perplexity": 2.7, "export_dir": "out", "exported_with": "save_model", "accuracy_before": 0.0}  # fmt: skip
+    assert ru.format_results({**base, **results}).endswith(" (right)")
+    answers[1:3] = ["zz", "zz"]
+    missed = task_results(None, None, task, mode="text")
+    assert not missed["sample_right"] and missed["sample_prompt"] == task[0].text_prompt()
+    text = ru.format_results({**base, **missed})
+    assert text.endswith(f"(a miss: expected {task[0].answer!r}; no held-out prompt was answered right)")

@@ -90,8 +90,10 @@ CATALOG: dict[str, str] = {
     "torchrun --nproc_per_node 2 tests/distributed/scripts/load_rss.py MODEL_DIR OUT": (
         "tests/distributed/test_load_memory.py::test_an_fp32_load_of_a_16_bit_checkpoint_peaks_at_the_planned_figure"
     ),
-    "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 recipes/sft.py --tp_size 2 "
-    "--model_parallel_on_cpu": "tests/distributed/test_recipes.py::test_tp_recipe_runs_tensor_parallel",
+    "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no "
+    "--dynamo_backend no recipes/sft.py --tp_size 2 --model_parallel_on_cpu": (
+        "tests/distributed/test_recipes.py::test_tp_recipe_runs_tensor_parallel"
+    ),
     "accelerate launch --num_processes 2": (
         "tests/distributed/test_launch_lines.py::test_accelerate_launch_without_multi_gpu_stops_with_the_command"
     ),
@@ -148,3 +150,27 @@ def test_every_catalogued_test_exists_and_every_entry_is_still_in_the_docs():
             path, name = node
             source = (REPO_ROOT / path).read_text()
             assert not name or re.search(rf"^def {name}\(", source, re.M), f"{line!r}: {path}::{name} does not exist"
+
+
+def test_cpu_launch_lines_leave_nothing_to_accelerates_defaults(monkeypatch, caplog):
+    """A line printed to be run as written on CPU ranks (``ACCELERATE_USE_CPU=1 accelerate launch ...``) passes every
+    value accelerate would otherwise default and list in its "values were not passed" block (the TP line printed that
+    block): checked with accelerate's own validation of the line's arguments, without a user's `accelerate config`."""
+    import logging
+    import shlex
+
+    from accelerate.commands import launch as accelerate_launch
+
+    monkeypatch.setattr(accelerate_launch, "default_config_file", str(REPO_ROOT / "no-such-default-config.yaml"))
+    monkeypatch.chdir(REPO_ROOT)  # a --config_file is relative to the repository
+    cpu_lines = [line for line in launch_lines() if "ACCELERATE_USE_CPU=1 accelerate launch" in line]
+    assert any("--tp_size 2" in line for line in cpu_lines)
+    for line in cpu_lines:
+        words = shlex.split(line)
+        for word in words[: words.index("accelerate")]:
+            monkeypatch.setenv(*word.split("=", 1))
+        args = accelerate_launch.launch_command_parser().parse_args(words[words.index("launch") + 1 :])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=accelerate_launch.logger.name):
+            accelerate_launch._validate_launch_command(args)
+        assert "were not passed" not in caplog.text, f"{line}:\n{caplog.text}"

@@ -116,7 +116,7 @@ def test_sft_bad_inputs_fail_before_the_model_is_built(tmp_path, monkeypatch):
 def test_resume_checkpoint_auto_path_and_none(tmp_path, capsys):
     from types import SimpleNamespace
 
-    from hf_dist.checkpoint.lifecycle.marker import write_marker
+    from tests.unit.checkpoint.fakes import seal
 
     args = SimpleNamespace(resume_from_checkpoint=None, output_dir=str(tmp_path), process_index=0,
                            deepspeed=None, fsdp=[])  # fmt: skip
@@ -130,7 +130,7 @@ def test_resume_checkpoint_auto_path_and_none(tmp_path, capsys):
         (folder / "model.safetensors").write_bytes(b"x")
         torch.save({}, folder / "optimizer.pt")  # loaded by auto_resume before it returns the checkpoint
         if step == 2:
-            write_marker(folder, world_size=1, strategy="ddp", step=2)
+            seal(folder, world_size=1, step=2)
     assert ru.resume_checkpoint(args) == str(tmp_path / "checkpoint-2")
     assert f"resuming from {tmp_path / 'checkpoint-2'}" in capsys.readouterr().out
     args.resume_from_checkpoint = str(tmp_path / "checkpoint-4")  # an explicit path is taken as given
@@ -229,7 +229,7 @@ def test_results_of_an_unchecked_export_claim_no_reload_or_sample():
     assert "reloaded with from_pretrained" in checked and "[hf_dist] sample: 'p' -> 'o'" in checked
     task = {**results, "sample_prompt": "p", "sample_expected": "cba"}
     assert ru.format_results({**task, "sample_output": " cba\nmore"}).endswith("-> ' cba\\nmore' (right)")
-    assert ru.format_results({**task, "sample_output": "abc"}).endswith("-> 'abc' (wrong: expected 'cba')")
+    assert ru.format_results({**task, "sample_output": "abc"}).endswith("-> 'abc' (a miss: expected 'cba')")
 
 
 def test_deepspeed_on_cpu_ranks_needs_the_explicit_flag(tmp_path, monkeypatch):
@@ -241,7 +241,7 @@ def test_deepspeed_on_cpu_ranks_needs_the_explicit_flag(tmp_path, monkeypatch):
 
 def test_model_parallel_flags_reach_the_plan_and_the_loader(monkeypatch):
     """--tp_size pins the plan's TP (auto_args emits its ParallelismConfig and save_only_model) and the model is
-    then loaded with tp_plan="auto"; the batch math counts data-parallel ranks, not processes."""
+    then loaded sharded (the TP plan "auto"); the batch math counts data-parallel ranks, not processes."""
     from types import SimpleNamespace
 
     from accelerate.parallelism_config import ParallelismConfig
@@ -257,7 +257,7 @@ def test_model_parallel_flags_reach_the_plan_and_the_loader(monkeypatch):
     planned = __import__("hf_dist").auto_args(tiny_llama_config(), gpus=2, **{"tp_size": 2, "strategy": "ddp"})
     assert planned["parallelism_config"].tp_size == 2 and planned["save_only_model"] is True
     args = SimpleNamespace(parallelism_config=ParallelismConfig(tp_size=2), deepspeed=None)
-    assert ru.parallel_load_kwargs(args) == {"tp_plan": "auto"}
+    assert ru.parallel_load_kwargs(args) == {"distributed_config": {"tp_plan": "auto"}}  # transformers 5.24's form
     assert ru.parallel_load_kwargs(SimpleNamespace(parallelism_config=None, deepspeed=None)) == {}
     args = SimpleNamespace(
         parallelism_config=ParallelismConfig(tp_size=2), world_size=2, per_device_train_batch_size=4,
@@ -281,7 +281,10 @@ def test_a_tp_run_whose_weights_are_not_sharded_is_refused():
         args=SimpleNamespace(deepspeed=None),
         model=torch.nn.Linear(2, 2),
     )
-    with pytest.raises(RuntimeError, match="tp_size 2 was requested but no weight is sharded.*tp_plan='auto'"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"tp_size 2 was requested but no weight is sharded.*hf_dist.from_pretrained_kwargs\(plan.layout\)",
+    ):
         _live_sizes(trainer)
     trainer.accelerator.parallelism_config = None
     assert _live_sizes(trainer) == {"tp": 1, "cp": 1, "sp": 1}

@@ -59,10 +59,10 @@ def resume_case(layout: str, form: str):
         config, state = STATE
         ckpt = tmp / "run" / "checkpoint-3"
         if layout == "zero3 for zero2":
-            from hf_dist.checkpoint.lifecycle.marker import write_marker
+            from tests.unit.checkpoint.fakes import seal
 
             make_zero_checkpoint(ckpt, config, state, stage=3)
-            write_marker(ckpt, world_size=2, step=3)  # complete: only the strategy is wrong
+            seal(ckpt, world_size=2, step=3)  # complete: only the strategy is wrong
             args = _args_for(ckpt)
             args.deepspeed = args.hf_deepspeed_config.config = {"zero_optimization": {"stage": 2}}
         elif layout == "unprovable":

@@ -224,6 +224,16 @@ class DeepSpeedReader(Reader):
                 groups[g] = _read_swap_file(path, self._sub_group_sizes[g])
         return groups
 
+    def check_swap_files(self) -> None:
+        """Every rank's ZeRO-Infinity swap files present and as long as the partitions its optimizer file records
+        (FileNotFoundError / ValueError naming the file); nothing to check without swapped sub-groups."""
+        for rank in range(self.world_size):
+            optim = safe_load(self.optim_files[rank], trust_pickles=self.trust_pickles, meta=True)[
+                "optimizer_state_dict"
+            ]
+            if int(optim["zero_stage"]) == 3:
+                self._swap_files(rank, list(optim["fp32_flat_groups"]))
+
     def _swap_files(self, rank: int, groups: list) -> list[Path | None]:
         """Per flat group of ``rank``: the NVMe swap file holding its fp32 partition, or None when it is stored inline."""
         folder = self.info.path / "offloaded_tensors" / f"rank{rank:02d}"

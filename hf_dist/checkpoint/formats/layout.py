@@ -55,7 +55,7 @@ LATEST = "latest"  # DeepSpeed: names the tag folder of the newest save
 LATEST_UNIVERSAL = "latest_universal"
 TRAINER_STATE = "trainer_state.json"  # the Trainer writes it after every other file of a save
 DCP_METADATA = ".metadata"  # DCP writes it once every rank wrote its .distcp files
-MARKER_NAME = "hf_dist_complete.json"  # hf_dist.checkpoint.lifecycle.marker: every rank finished this save
+MARKER_NAME = "hf_dist_complete.json"  # the manifest (hf_dist.checkpoint.lifecycle.manifest): every file of one save
 WRITING_NAME = "hf_dist_writing.json"  # ... and: a background thread is still writing it (async_save)
 PIPELINE_LAYER_GLOB = "layer_*"  # DeepSpeed pipeline parallelism's per-layer files (not read by hf_dist)
 # Files and folders that only a training run writes: a folder holding one of them is a checkpoint or a run.
@@ -205,6 +205,27 @@ def read_layout(path: str | Path, *, tag: str | None = None, strict: bool = True
             (d / "adapter_config.json").is_file() for d in _nearby_dirs(layout)
         )
     return layout
+
+
+SWAP_RANK_DIR_RE = re.compile(r"^rank(?P<rank>\d+)$")  # ZeRO-Infinity: offloaded_tensors/rankNN/*.tensor.swp
+OUTPUT_MARKER = "hf_dist_output.json"  # in a folder hf_dist wrote as an output (convert, reshard, a recipe's export)
+RUN_JOURNAL = "hf_dist_run.json"  # in an output_dir: the run writing it now (hf_dist.checkpoint.lifecycle.runs)
+SCHEDULER_FILES = ("scheduler.pt",)  # the Trainer's LR scheduler
+OPTIMIZER_FILES = ("optimizer.pt", "optimizer.bin")  # the Trainer's optimizer of unsharded runs
+SHARDED_SCHEDULER = "hf_dist_scheduler.json"  # hf_dist's scheduler of a model sharded at load (sharded_state)
+
+
+def owner_rank(rel: str) -> int | None:
+    """The rank a checkpoint file's name says wrote it (``rng_state_3.pth``, ``zero_pp_rank_3_...``, ``__3_0.distcp``,
+    ``offloaded_tensors/rank03/...``), else None."""
+    parts = Path(rel).parts
+    for pattern in (RNG_STATE_FILE_RE, OPTIM_FILE_RE, ZERO3_MODEL_FILE_RE, DCP_SHARD_FILE_RE):
+        if match := pattern.match(parts[-1]):
+            return int(match["rank"])
+    for part in parts[:-1]:
+        if match := SWAP_RANK_DIR_RE.match(part):
+            return int(match["rank"])
+    return None
 
 
 def list_checkpoints(output_dir: str | Path) -> list[tuple[int, str]]:

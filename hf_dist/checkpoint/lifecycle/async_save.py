@@ -125,8 +125,10 @@ class BackgroundWriter:
                 return save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
                             process_group=process_group, **kw)  # fmt: skip
             staged = self._stage(state_dict)
-            return self._submit(save, staged, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
-                                planner=planner, process_group=self._group, **kw)  # fmt: skip
+            folder = Path(checkpoint_id).parent if checkpoint_id is not None else None
+            self._submit(_into_existing(folder, save), staged, checkpoint_id=checkpoint_id,
+                         storage_writer=storage_writer, planner=planner, process_group=self._group, **kw)  # fmt: skip
+            return None
 
         return dcp_save
 
@@ -141,8 +143,16 @@ class BackgroundWriter:
 
         return queued
 
-    def _submit(self, fn: Callable, *args: Any, **kwargs: Any) -> None:
-        self._futures.append(self._executor.submit(fn, *args, **kwargs))
+    def _submit(self, fn: Callable, *args: Any, **kwargs: Any) -> Future:
+        future = self._executor.submit(fn, *args, **kwargs)
+        self._futures.append(future)
+        return future
+
+    def after_writes(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the writer thread once every write queued so far ended (the manifest's hashes of this
+        rank's files: read back from the page cache, off the training thread); its result, or error, via the
+        returned future (an error is reported by :meth:`wait` like a failed write)."""
+        return self._submit(fn)
 
     # ---- state of the queued writes ----
 
@@ -174,8 +184,30 @@ def _lowest_cpu_priority() -> None:
 
 
 def _write_atomically(write: Callable, obj: Any, path: Path, *args: Any, **kwargs: Any) -> None:
-    with atomic_path(path) as tmp:
+    _check_folder(path.parent)
+    with atomic_path(path, create_parent=False) as tmp:
         write(obj, str(tmp), *args, **kwargs)
+
+
+def _into_existing(folder: Path | None, save: Callable) -> Callable:
+    """``save`` (DCP's), run only while the checkpoint folder it writes into still exists."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if folder is not None:
+            _check_folder(folder)
+        return save(*args, **kwargs)
+
+    return run
+
+
+def _check_folder(folder: Path) -> None:
+    """A checkpoint folder removed while its save was pending (by the Trainer's rotation, a user) is not recreated:
+    the write fails, and the save stays without a manifest."""
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"{folder} was removed while its files were being written in the background; not recreating it "
+            "(a folder rebuilt from part of a save would look like a checkpoint)"
+        )
 
 
 def all_ranks_done(writer: BackgroundWriter, *, block: bool) -> tuple[bool, list[str]]:

@@ -1,8 +1,10 @@
 """``auto_resume``: the newest complete checkpoint of a run, checked against the run about to resume it.
 
-``auto_resume(output_dir)`` returns the newest ``checkpoint-N`` whose completion marker exists and whose files
-still match it (:mod:`hf_dist.checkpoint.lifecycle.marker`), so ``trainer.train(resume_from_checkpoint=auto_resume(out))``
-is always safe. Given the run's strategy or ``TrainingArguments`` it also checks that the checkpoint's family
+``auto_resume(output_dir)`` returns the newest ``checkpoint-N`` whose manifest matches what is on disk, file by file,
+sizes and SHA-256 (:mod:`hf_dist.checkpoint.lifecycle.manifest`), or, without a manifest, whose files prove it
+complete (:mod:`hf_dist.checkpoint.lifecycle.proof`), and that belongs to the run that last trained in the folder
+(:mod:`hf_dist.checkpoint.lifecycle.runs`), so ``trainer.train(resume_from_checkpoint=auto_resume(out))`` is always
+safe. Given the run's strategy or ``TrainingArguments`` it also checks that the checkpoint's family
 (:class:`~hf_dist.planning.layout.CheckpointFamily`, read by :func:`hf_dist.checkpoint.formats.layout.read_layout`) is
 the one that strategy writes and reads, and that a ZeRO checkpoint matches the world size or was resharded.
 """
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.checkpoint.formats.layout import MARKER_NAME, is_checkpoint_dir, list_checkpoints
-from hf_dist.checkpoint.lifecycle.marker import incomplete_reasons, unmarked_reasons
+from hf_dist.checkpoint.lifecycle import manifest, proof, runs
 from hf_dist.checkpoint.lifecycle.reshard import prepare_resume
 from hf_dist.checkpoint.lifecycle.resume_checks import check_resume_compatible, gate_checkpoint, strategy_and_world
 
@@ -27,7 +29,6 @@ def auto_resume(
     *,
     strategy: Any = None,
     world_size: int | None = None,
-    checksums: bool = False,
     training_args: Any = None,
     trust_pickles: bool = False,
     fresh_start: bool = False,
@@ -36,10 +37,12 @@ def auto_resume(
     ``fresh_start=True``). Partial checkpoints are skipped, and if checkpoints exist but none can be proven
     complete it raises, naming each one's problem: it never silently starts over a run's own checkpoints.
 
-    Complete means hf_dist's marker (written by :func:`hf_dist.callbacks.default`'s callbacks) matches the files,
-    or, for a run without those callbacks, the Trainer's own files prove it
-    (:func:`~hf_dist.checkpoint.lifecycle.marker.unmarked_reasons`: ``trainer_state.json`` at step N, every rank's files of
-    the live world size, DCP metadata, untruncated safetensors).
+    Complete means hf_dist's manifest (written by :func:`hf_dist.callbacks.default`'s callbacks) matches the files on
+    disk, sizes and content (with several ranks launched, each hashes its share), or, for a run without those
+    callbacks, every file its strategy writes is there and readable
+    (:func:`~hf_dist.checkpoint.lifecycle.proof.unproven_reasons`). A checkpoint newer than the step the folder's last
+    run started from must be that run's (:func:`~hf_dist.checkpoint.lifecycle.runs.lineage_reason`): one a rolled-back
+    run left behind is skipped, named.
 
     ``training_args`` (the run's ``TrainingArguments``, before the Trainer is built) also prepares the
     checkpoint for this run with :func:`hf_dist.checkpoint.lifecycle.reshard.prepare_resume`: a DeepSpeed ZeRO checkpoint saved
@@ -60,16 +63,17 @@ def auto_resume(
     Either way the checkpoint's family must match the run (a ZeRO-3 checkpoint for a ZeRO-2 run, or DDP
     weights for an FSDP run, raise), and every pickle in it passes the loading gate (:func:`gate_checkpoint`;
     a foreign type raises :class:`~hf_dist.checkpoint.safety.errors.UnsafePickleError` unless ``trust_pickles``).
-    Malformed markers make a checkpoint "not complete", with the reason in the log.
+    A malformed manifest makes a checkpoint "not complete", with the reason in the log.
     """
     _check_output_dir(output_dir)
     checkpoints = list_checkpoints(output_dir)
     if not checkpoints:
         logger.info("auto_resume: no checkpoint-N folder in %s; starting from scratch", output_dir)
     live_world = _live_world_size(world_size, training_args, strategy)
+    journal = runs.read_run(output_dir)
     skipped = []
     for step, path in checkpoints:
-        reasons = _not_resumable(path, live_world, checksums)
+        reasons = _not_resumable(path, step, live_world, journal)
         if reasons:
             logger.warning("auto_resume: skipping %s: %s", path, "; ".join(reasons))
             skipped.append(f"  {Path(path).name}: {'; '.join(reasons)}")
@@ -103,16 +107,38 @@ def _refuse_unproven(output_dir: str | os.PathLike, skipped: list[str]) -> None:
     )
 
 
-def _not_resumable(path: str, live_world: int, checksums: bool) -> list[str]:
-    """Why ``path`` cannot be resumed: its marker's reasons, or without a marker the Trainer files' proof."""
-    if (Path(path) / MARKER_NAME).exists():
-        return incomplete_reasons(path, checksums=checksums)
-    reasons = unmarked_reasons(path, live_world)
-    if not reasons:
-        logger.info("auto_resume: %s has no %s (hf_dist's callbacks were not attached); proved complete from the "
-                    "Trainer's own files", path, MARKER_NAME)  # fmt: skip
-        return []
-    return [f"no {MARKER_NAME} and the Trainer's files do not prove it complete: " + "; ".join(reasons)]
+def _not_resumable(path: str, step: int, live_world: int, journal: runs.RunRecord | None) -> list[str]:
+    """Why ``path`` cannot be resumed: its manifest's disagreements with the disk, or without one the layout's proof;
+    and whether it belongs to the run that last trained in the folder."""
+    folder = Path(path)
+    run = None
+    if manifest.has_manifest(folder):
+        reasons = _verified(folder)
+        found = manifest.read_manifest(folder) if not reasons else None
+        run = found.get("run") if isinstance(found, dict) else None
+    else:
+        reasons = proof.unproven_reasons(folder, live_world)
+        if not reasons:
+            logger.info("auto_resume: %s has no %s (hf_dist's callbacks were not attached); proved complete from "
+                        "the files its strategy writes", path, MARKER_NAME)  # fmt: skip
+        else:
+            reasons = [f"no {MARKER_NAME} and its files do not prove it complete: " + "; ".join(reasons)]
+    lineage = runs.lineage_reason(journal, step, run)
+    return reasons + ([lineage] if lineage else [])
+
+
+def _verified(folder: Path) -> list[str]:
+    """The manifest's disagreements with the disk; with several ranks launched each hashes its share of the files
+    and every rank gets every reason (a collective: every rank checks the same folders in the same order)."""
+    from hf_dist.runtime import dist as _dist
+
+    if not _dist.is_distributed() or _dist.world_size() < 2:
+        return manifest.incomplete_reasons(folder)
+    mine = manifest.own_files(folder, _dist.rank(), _dist.world_size())
+    merged: list[str] = []
+    for reasons in _dist.gather_objects(manifest.incomplete_reasons(folder, files=mine)):
+        merged += [r for r in reasons or [] if r not in merged]
+    return merged
 
 
 def _live_world_size(world_size: int | None, training_args: Any, running: Any) -> int:

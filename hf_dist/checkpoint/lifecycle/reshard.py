@@ -37,6 +37,7 @@ from hf_dist.checkpoint.formats.layout import (
     CheckpointLayout,
     read_layout,
 )
+from hf_dist.checkpoint.lifecycle.manifest import require_match
 from hf_dist.checkpoint.lifecycle.resume_checks import check_autotp_matches, check_strategy_matches, gate_checkpoint
 from hf_dist.checkpoint.safety.paths import PathEscapeError
 
@@ -55,6 +56,7 @@ def inspect_checkpoint(checkpoint_dir: str | Path) -> CheckpointLayout:
         raise
     except ValueError as exc:
         raise ValueError(f"{path} is not a Trainer checkpoint: {exc}") from None
+    require_match(layout.root)  # a checkpoint with a manifest is resharded only as it was written
     if layout.family.is_zero and not layout.rank_files[ZERO_OPTIM]:
         raise ValueError(
             f"{layout.path} holds no ZeRO optimizer files (zero_pp_rank_*_optim_states.pt); it was saved without "
@@ -119,7 +121,7 @@ def reshard(
     guarded (:func:`to_universal`).
     """
     from hf_dist.checkpoint.safety.loading import check_loadable
-    from hf_dist.checkpoint.safety.output_paths import check_output_path, make_parent
+    from hf_dist.checkpoint.safety.output_paths import check_output_path, make_parent, mark_output
 
     src_path = Path(src).expanduser()
     layout = inspect_checkpoint(src_path)
@@ -134,6 +136,7 @@ def reshard(
         shutil.copytree(src_path, tmp, ignore=shutil.ignore_patterns(".*.tmp-*"), symlinks=True, dirs_exist_ok=True)
         if layout.family.is_zero:
             to_universal(tmp, workers=workers, overwrite=overwrite, trust_pickles=trust_pickles)
+        mark_output(tmp, "hf-dist reshard", source=src_path)
     return dst_path
 
 

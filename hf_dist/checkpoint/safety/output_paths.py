@@ -1,8 +1,10 @@
 """Where a writer may write: the one path-safety check every output of hf_dist goes through.
 
 A writer replaces its destination only when the user asked for it (``--overwrite``) and only when the
-destination is a previous *output*: never a training checkpoint, a run folder, the source itself, a folder
-that contains the source or one inside it. Every refusal names the path received, why, and what to do.
+destination is a previous *output* of hf_dist, recognised by the ``hf_dist_output.json`` every output carries
+(:func:`mark_output`): never a training checkpoint, a run folder, another tool's folder, the source itself, a folder
+that contains the source or one inside it. A single output file (``hf-dist config --out``) is never written into a
+training checkpoint or over one of its files. Every refusal names the path received, why, and what to do.
 Writers then build their output with :func:`hf_dist.atomic_io.atomic_dir`.
 """
 
@@ -13,7 +15,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from hf_dist.checkpoint.formats.layout import is_training_state
+from hf_dist.checkpoint.formats.layout import OUTPUT_MARKER, is_checkpoint_dir, is_training_state
 
 
 class UnsafeOutputError(ValueError):
@@ -82,10 +84,30 @@ def check_output_path(
                 f"{what} {raw} contains the source {source} (it is its run folder or a parent); replacing it "
                 f"would delete the checkpoint. Choose a new folder next to it, e.g. {src.parent / 'hf-model'}"
             )
+    if not is_dir:
+        _check_not_into_training_state(raw, what=what)
     if raw.exists():
         _check_existing(raw, what=what, overwrite=overwrite, overwrite_flag=overwrite_flag, is_dir=is_dir)
     _check_parent(raw, what=what)
     return raw
+
+
+def mark_output(folder: str | os.PathLike, tool: str, *, source: str | os.PathLike | None = None) -> None:
+    """Say that ``folder`` is an output of hf_dist (``tool``), which ``--overwrite`` may replace later."""
+    import json
+    import time
+
+    record = {"tool": tool, "source": str(source) if source is not None else None, "time": time.time()}
+    (Path(folder) / OUTPUT_MARKER).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def _check_not_into_training_state(raw: Path, *, what: str) -> None:
+    parent = Path(os.path.abspath(raw)).parent
+    if is_training_state(raw.name) or (parent.is_dir() and (is_checkpoint_dir(parent) or training_state_in(parent))):
+        raise UnsafeOutputError(
+            f"{what} {raw} is in (or is a file of) a training checkpoint or run folder ({parent}); hf_dist never "
+            "writes there. Choose a path outside it"
+        )
 
 
 def _check_existing(raw: Path, *, what: str, overwrite: bool, overwrite_flag: str, is_dir: bool) -> None:
@@ -102,6 +124,12 @@ def _check_existing(raw: Path, *, what: str, overwrite: bool, overwrite_flag: st
         raise UnsafeOutputError(
             f"{what} {raw} holds training state ({found}): it is a training checkpoint or run folder, and "
             f"{overwrite_flag} replaces only a previous conversion output. Choose a new folder"
+        )
+    if is_dir and not (raw / OUTPUT_MARKER).is_file():
+        raise UnsafeOutputError(
+            f"{what} {raw} was not written by hf_dist (it has no {OUTPUT_MARKER}); {overwrite_flag} replaces only a "
+            "previous output of hf-dist convert / reshard, so nobody else's files are deleted. Choose a new folder, "
+            "or remove this one yourself"
         )
 
 

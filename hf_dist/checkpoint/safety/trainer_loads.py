@@ -5,7 +5,8 @@ scheduler, scaler and RNG files (``torch.load(weights_only=True)``, no path chec
 optimizer (DCP: ``.metadata`` with ``pickle.load``, non-tensor values with ``torch.load(weights_only=False)``) and
 DeepSpeed's ``load_checkpoint`` (``torch.load(weights_only=False)`` of whatever ``latest`` names). Each of those
 entry points is wrapped so that, while it runs, every load is torch's ``weights_only`` load with hf_dist's
-allowlist and confined to the checkpoint it was given; :func:`hf_dist.callbacks.attach` calls
+allowlist and confined to the checkpoint it was given, and a checkpoint with a manifest is read only when it
+matches it (:func:`hf_dist.checkpoint.lifecycle.manifest.require_match`); :func:`hf_dist.callbacks.attach` calls
 :func:`guard_trainer`. The methods wrapped are the Trainer's own names (transformers 5.x); a Trainer without one
 of them is refused rather than left half-guarded.
 """
@@ -13,6 +14,7 @@ of them is refused rather than left half-guarded.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 from hf_dist.checkpoint.safety.loading import active_root, guarded_loads
@@ -41,16 +43,34 @@ def _first(args: tuple, kwargs: dict) -> Any:
     return args[0] if args else next(iter(kwargs.values()), None)
 
 
+_VERIFIED: set[tuple[str, float]] = set()  # (checkpoint, its manifest's mtime) matched against the disk
+
+
 def _guarded(method: Any, checkpoint_of: Any) -> Any:
+    """``method`` run under guarded loads of the checkpoint it reads; a checkpoint with a manifest must match it
+    first (once per checkpoint and manifest: the later loads of a resume read the verified files)."""
+
     @functools.wraps(method)
     def run(*args: Any, **kwargs: Any) -> Any:
         checkpoint = checkpoint_of(args, kwargs)
         if not checkpoint or active_root() is not None:
             return method(*args, **kwargs)
+        _verify_once(Path(checkpoint))
         with guarded_loads(checkpoint):
             return method(*args, **kwargs)
 
     return run
+
+
+def _verify_once(checkpoint: Path) -> None:
+    from hf_dist.checkpoint.formats.layout import MARKER_NAME
+    from hf_dist.checkpoint.lifecycle.manifest import require_match
+
+    manifest = checkpoint / MARKER_NAME
+    key = (str(checkpoint), manifest.stat().st_mtime if manifest.is_file() else 0.0)
+    if key not in _VERIFIED:
+        require_match(checkpoint)
+        _VERIFIED.add(key)
 
 
 def _guard_deepspeed_load() -> None:

@@ -195,10 +195,11 @@ def atomic_output_dir(
     """Yield a temporary sibling of ``dst``; on success it replaces ``dst``, on any error it is removed.
 
     ``dst`` passes :func:`hf_dist.checkpoint.safety.output_paths.check_output_path` first (never the source, a folder around
-    or inside it, or a training checkpoint) and its file system must have ``needed_bytes`` free; the folder
-    is then built by :func:`hf_dist.atomic_io.atomic_dir`.
+    or inside it, a training checkpoint, or with ``overwrite`` anything but a previous output) and its file system
+    must have ``needed_bytes`` free; the folder is then built by :func:`hf_dist.atomic_io.atomic_dir` and marked as
+    an output (``hf_dist_output.json``).
     """
-    from hf_dist.checkpoint.safety.output_paths import check_output_path, format_bytes, make_parent
+    from hf_dist.checkpoint.safety.output_paths import check_output_path, format_bytes, make_parent, mark_output
 
     dst = check_output_path(dst, sources=sources, overwrite=overwrite)
     make_parent(dst)
@@ -210,3 +211,4 @@ def atomic_output_dir(
         )
     with atomic_dir(dst, overwrite=overwrite) as tmp:
         yield tmp
+        mark_output(tmp, "hf-dist convert", source=sources[0] if sources else None)

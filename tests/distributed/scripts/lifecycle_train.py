@@ -6,6 +6,8 @@
 ``--kill STEP:RANK`` SIGKILLs RANK at the end of optimizer step STEP, once per job (a marker file
 in the output folder remembers it across restarts); ``--kill-during-save STEP:RANK`` does it in
 the middle of checkpoint-STEP's save, after the model and optimizer files, before the RNG state.
+``--hang STEP:RANK`` blocks RANK at STEP's start in the first attempt; ``--slow-save STEP:RANK:SECONDS`` and
+``--slow-first-step SECONDS`` make a save and the first step after a resume slow, for the hang watchdog's phases.
 Every attempt resumes with ``hf_dist.auto_resume`` and appends what it saw to ``attempts.jsonl``.
 """
 
@@ -45,6 +47,16 @@ def parse_kill(text: str) -> tuple[int, int]:
     return int(step), int(rank)
 
 
+def parse_slow(text: str) -> tuple[int, int, float]:
+    step, rank, seconds = text.split(":")
+    return int(step), int(rank), float(seconds)
+
+
+def parse_allowances(text: str) -> dict[str, float]:
+    factor, min_limit_s, first_limit_s = map(float, text.split(","))
+    return {"factor": factor, "min_limit_s": min_limit_s, "first_limit_s": first_limit_s}
+
+
 class KillAtStep(TrainerCallback):
     def __init__(self, out: Path, points: list[tuple[int, int]]) -> None:
         self.out, self.points = out, points
@@ -56,23 +68,35 @@ class KillAtStep(TrainerCallback):
 
 
 class SleepAtStepBegin(TrainerCallback):
-    """A straggler: ``rank`` sleeps ``seconds`` at the start of every micro-step."""
+    """A straggler: ``rank`` (None: every rank) sleeps ``seconds`` at the start of every micro-step (of ``at_step``;
+    ``"first"``: of the first step after a resume)."""
 
-    def __init__(self, rank: int, seconds: float, at_step: int | None = None) -> None:
+    def __init__(self, rank: int | None, seconds: float, at_step: int | str | None = None) -> None:
         self.rank, self.seconds, self.at_step = rank, seconds, at_step
+        self._first: int | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._first = state.global_step + 1 if state.global_step else None
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if self.rank == RANK and self.at_step in (None, state.global_step + 1):
+        at_step = self._first if self.at_step == "first" else self.at_step
+        if self.at_step == "first" and at_step is None:
+            return
+        if self.rank in (None, RANK) and at_step in (None, state.global_step + 1):
             time.sleep(self.seconds)
 
 
 class KillDuringSaveTrainer(Trainer):
     kill_during_save: list[tuple[int, int]] = []
 
+    slow_save: tuple[int, int, float] | None = None
+
     def _save_rng_state(self, output_dir):
         for step, rank in self.kill_during_save:
             if self.state.global_step == step and rank == RANK:
                 kill_once(Path(self.args.output_dir), "save", step)
+        if self.slow_save is not None and self.slow_save[:2] == (self.state.global_step, RANK):
+            time.sleep(self.slow_save[2])  # inside the save (an async one: its staging), this rank only
         super()._save_rng_state(output_dir)
 
 
@@ -99,12 +123,21 @@ def main() -> None:
     parser.add_argument("--kill-during-save", action="append", default=[], type=parse_kill)
     parser.add_argument("--export", action="store_true", help="add ExportCallback(on_save=True)")
     parser.add_argument("--profile", action="store_true", help="add ProfilerCallback on steps 2..3 of every rank")
-    parser.add_argument("--straggler", type=int, help="this rank sleeps 0.3 s at the start of every step")
-    parser.add_argument("--hang", type=parse_kill, help="STEP:RANK: that rank blocks for 120 s at that step's start")
+    parser.add_argument("--straggler", type=int, help="this rank sleeps 2 s at the start of every step")
+    parser.add_argument(
+        "--hang", type=parse_kill, help="STEP:RANK: in the first attempt, that rank blocks for 120 s at STEP's start"
+    )
+    parser.add_argument("--slow-save", type=parse_slow, help="STEP:RANK:SECONDS: that rank's save at STEP sleeps")
+    parser.add_argument("--slow-first-step", type=float, help="every rank sleeps this long at a resume's first step")
     parser.add_argument("--async-save", action="store_true", help="attach the default callbacks with async_save=True")
     parser.add_argument("--slow-write", type=float, default=0.0, help="each background write first sleeps this long")
     parser.add_argument(
-        "--watchdog-limit", type=float, help="HangWatchdogCallback(limit_s=...) instead of the default"
+        "--no-average-tokens", action="store_true", help="average_tokens_across_devices=False (no sync before a step)"
+    )
+    parser.add_argument(
+        "--watchdog",
+        type=parse_allowances,
+        help="FACTOR,MIN_LIMIT_S,FIRST_LIMIT_S: HangWatchdogCallback's allowances instead of the defaults",
     )
     strategy = parser.add_mutually_exclusive_group()
     strategy.add_argument(
@@ -148,24 +181,28 @@ def main() -> None:
         dataloader_num_workers=0,
         disable_tqdm=True,
         ddp_find_unused_parameters=False,
+        average_tokens_across_devices=not opts.no_average_tokens,
     )
     KillDuringSaveTrainer.kill_during_save = opts.kill_during_save
+    KillDuringSaveTrainer.slow_save = opts.slow_save
     trainer = KillDuringSaveTrainer(model=model, args=args, train_dataset=TokenDataset())
     extra = [ExportCallback(on_save=True)] if opts.export else []
     extra += [ProfilerCallback(start_step=1, num_steps=2, ranks=(0, 1))] if opts.profile else []
     callbacks = default(async_save=opts.async_save) + extra
     if opts.slow_write:
         slow_background_writes(opts.slow_write)
-    if opts.watchdog_limit:
+    if opts.watchdog:
         callbacks = [c for c in callbacks if not isinstance(c, HangWatchdogCallback)]
-        callbacks.append(HangWatchdogCallback(limit_s=opts.watchdog_limit, gather_s=5))
+        callbacks.append(HangWatchdogCallback(**opts.watchdog, gather_s=5))
     attach(trainer, callbacks)
     trainer.add_callback(KillAtStep(out, opts.kill))
     if opts.straggler is not None:
-        trainer.add_callback(SleepAtStepBegin(opts.straggler, 0.3))
-    if opts.hang is not None:
+        trainer.add_callback(SleepAtStepBegin(opts.straggler, 2.0))
+    if opts.hang is not None and ATTEMPT == 0:
         step, rank = opts.hang
         trainer.add_callback(SleepAtStepBegin(rank, 120.0, at_step=step))
+    if opts.slow_first_step:
+        trainer.add_callback(SleepAtStepBegin(None, opts.slow_first_step, at_step="first"))
 
     resume = hf_dist.auto_resume(out, strategy=trainer)
     if RANK == 0:

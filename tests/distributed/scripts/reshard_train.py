@@ -116,12 +116,12 @@ def main() -> None:
         args.resume = auto_resume(args.out, training_args=training_args)
         if args.resume is None:
             raise SystemExit(f"--auto-resume: no complete checkpoint in {args.out}")
-    from hf_dist.callbacks import CompleteCheckpointCallback
+    from hf_dist.callbacks import CompleteCheckpointCallback, attach
     from hf_dist.checkpoint.lifecycle.reshard import reshard_callback
     from hf_dist.runtime.dist import shutdown
 
-    callbacks = [Record(), CompleteCheckpointCallback(), reshard_callback()]
-    trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=callbacks)
+    trainer = Trainer(model=model, args=training_args, train_dataset=dataset)
+    attach(trainer, [Record(), CompleteCheckpointCallback(), reshard_callback()])  # the resume's loads guarded
     trainer.train(resume_from_checkpoint=args.resume)
     if trainer.is_world_process_zero():
         wrapped = type(trainer.model_wrapped).__name__

@@ -298,6 +298,10 @@ def main() -> None:
     if args.resume_from:
         report_refusal(trainer, args.resume_from, args.out)
         return
+    if resume:
+        from hf_dist.callbacks import attach
+
+        attach(trainer, callbacks=[])  # the resume's loads guarded, as every hf_dist resume is
     trainer.train(resume_from_checkpoint=resume)
     facts = {**engine_facts(trainer), **sharding_facts(trainer)}
     state = trainer.accelerator.state

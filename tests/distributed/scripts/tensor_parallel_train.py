@@ -10,7 +10,7 @@ Every layout loads the same saved tiny Llama (``--model-dir``, written once by r
 the same global batch per optimizer step, in dataset order, fp32:
 
 * ``ddp``: 2 ranks, micro-batch 2 each (global 4);
-* ``tp``: 2 ranks, ``from_pretrained(tp_plan="auto")`` + ``ParallelismConfig(tp_size=2)``; both ranks
+* ``tp``: 2 ranks, ``from_pretrained(distributed_config={"tp_plan": "auto"})`` + ``ParallelismConfig(tp_size=2)``; both ranks
   see the same micro-batch of 4 (the TP group is one data-parallel replica);
 * ``fsdp_tp``: 4 ranks, ``from_pretrained(distributed_config=DistributedConfig(tp_size=2, fsdp_size=2))``
   (transformers applies TP and FSDP2 at load time) + ``ParallelismConfig(dp_shard_size=2, tp_size=2)``;
@@ -95,7 +95,9 @@ def load_model(layout: str, folder: Path):
         ds = deepspeed_config("zero2", tp_size=2, mixed_precision="no")
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), {"deepspeed": ds}, GLOBAL_BATCH
     if layout == "tp":
-        model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, distributed_config={"tp_plan": "auto"}, dtype=torch.float32
+        )
         return model, {"parallelism_config": ParallelismConfig(tp_size=2)}, GLOBAL_BATCH
     from transformers.distributed.configuration_utils import DistributedConfig
 

@@ -14,9 +14,11 @@ from safetensors.torch import load_file
 
 from hf_dist.callbacks import attach, default
 from hf_dist.callbacks.resume import AsyncCheckpointCallback, CompleteCheckpointCallback
+from hf_dist.checkpoint.formats.layout import MARKER_NAME, WRITING_NAME
 from hf_dist.checkpoint.lifecycle import async_save
 from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
-from hf_dist.checkpoint.lifecycle.marker import MARKER_NAME, WRITING_NAME, is_complete, unmarked_reasons
+from hf_dist.checkpoint.lifecycle.manifest import is_complete
+from hf_dist.checkpoint.lifecycle.proof import unproven_reasons
 
 SAVE = dict(save_strategy="steps", save_steps=2, save_total_limit=3)
 
@@ -78,7 +80,7 @@ def test_a_failed_background_write_stops_the_run_and_leaves_the_checkpoint_unres
         trainer.train()
     checkpoint = Path(trainer.args.output_dir, "checkpoint-2")
     assert not (checkpoint / MARKER_NAME).exists() and (checkpoint / WRITING_NAME).exists()
-    assert "written in the background" in unmarked_reasons(checkpoint, 1)[0]
+    assert "a save was writing into this folder and did not finish" in unproven_reasons(checkpoint, 1)[0]
     with pytest.raises(RuntimeError, match="none can be proven complete"):
         auto_resume(trainer.args.output_dir)
 

@@ -15,14 +15,15 @@ from pathlib import Path
 import torch
 
 
-def tiny_model_state(tied: bool = False, seed: int = 0):
+def tiny_model_state(tied: bool = False, seed: int = 0, hidden_size: int = 32):
     from transformers import AutoModelForCausalLM
 
     from hf_dist.testing import tiny_llama_config
 
     torch.manual_seed(seed)
-    config = tiny_llama_config(tie_word_embeddings=tied, num_hidden_layers=1, hidden_size=32, intermediate_size=48,
-                               vocab_size=67, num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    config = tiny_llama_config(tie_word_embeddings=tied, num_hidden_layers=1, hidden_size=hidden_size,
+                               intermediate_size=48, vocab_size=67, num_attention_heads=2,
+                               num_key_value_heads=1)  # fmt: skip
     model = AutoModelForCausalLM.from_config(config)
     state = OrderedDict((k, v.detach().clone()) for k, v in model.state_dict().items())
     if tied:
@@ -129,3 +130,10 @@ def _zero3_flats(state, groups, world_size):
         for rank in range(world_size):
             per_rank[rank].append(torch.cat(slices[rank]).clone())
     return per_rank
+
+
+def seal(folder: Path, world_size: int = 1, step: int | None = None, run: str | None = None) -> dict:
+    """The manifest hf_dist's callbacks write once every rank saved (every file hashed here)."""
+    from hf_dist.checkpoint.lifecycle.manifest import write_manifest
+
+    return write_manifest(Path(folder), hashed={}, world_size=world_size, step=step, run=run)

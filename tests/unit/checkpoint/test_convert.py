@@ -6,6 +6,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hf_dist.checkpoint.convert import convert
+from hf_dist.checkpoint.safety.output_paths import UnsafeOutputError
 from hf_dist.checkpoint.verify import verify
 from hf_dist.cli.main import main
 
@@ -25,9 +26,29 @@ def test_existing_dst_is_refused_before_reading(zero_ckpt, tmp_path):
     with pytest.raises(FileExistsError, match=r"DST .*out already exists; pass --overwrite"):
         convert(root, tmp_path / "out", progress=False)
     assert os.listdir(tmp_path / "out") == ["keep.txt"]
-    convert(root, tmp_path / "out", overwrite=True, progress=False)
-    assert "keep.txt" not in os.listdir(tmp_path / "out") and (tmp_path / "out" / "config.json").is_file()
+    # --overwrite replaces only an earlier output of hf_dist (hf_dist_output.json), never someone else's folder
+    with pytest.raises(UnsafeOutputError, match=r"out was not written by hf_dist \(it has no hf_dist_output.json\)"):
+        convert(root, tmp_path / "out", overwrite=True, progress=False)
+    assert os.listdir(tmp_path / "out") == ["keep.txt"]
+    convert(root, tmp_path / "out2", progress=False)
+    (tmp_path / "out2" / "stale.txt").write_text("from the first conversion")
+    convert(root, tmp_path / "out2", overwrite=True, progress=False)
+    assert "stale.txt" not in os.listdir(tmp_path / "out2") and (tmp_path / "out2" / "config.json").is_file()
+    assert json.loads((tmp_path / "out2" / "hf_dist_output.json").read_text())["tool"] == "hf-dist convert"
     assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []
+
+
+@pytest.mark.parametrize("inner", ["global_step3", "optimizer_0"])
+def test_overwrite_never_deletes_another_runs_shards(zero_ckpt, tmp_path, inner):
+    """A run's shard folders hold no name that marks training state at their top level; --overwrite still refuses
+    them, because they are no output of hf_dist."""
+    root, _ = zero_ckpt
+    other = tmp_path / "other-run" / "checkpoint-9" / inner
+    other.mkdir(parents=True)
+    (other / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"another run's shard")
+    with pytest.raises(UnsafeOutputError, match="was not written by hf_dist"):
+        convert(root, other, overwrite=True, progress=False)
+    assert (other / "zero_pp_rank_0_mp_rank_00_optim_states.pt").read_bytes() == b"another run's shard"
 
 
 def test_no_config_says_which_flag(zero_ckpt, tmp_path):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 from safetensors.torch import save_file
 
 from hf_dist.checkpoint.verify import verify
 from hf_dist.cli.main import main
+from tests.unit.checkpoint.fakes import tiny_model_state
 
 
 def _hf(folder, config, state):
@@ -63,3 +66,26 @@ def test_dcp_without_any_config_asks_for_one(tiny_state, tmp_path, capsys):
     save_file({"x.y": torch.ones(2)}, bare / "model.safetensors")
     assert main(["verify", str(plain), str(bare)]) == 1
     assert "share no tensor name" in capsys.readouterr().err
+
+
+def test_differently_shaped_models_name_the_tensor_even_with_logits(tiny_state, tmp_path, capsys):
+    """Two models of different widths: the report lists the tensors that differ, and --logits says why it compared
+    no logits instead of torch's bare "size of tensor a must match" error."""
+    from hf_dist.testing import tiny_llama_config
+
+    config, state = tiny_state
+    a = _hf(tmp_path / "a", config, state)
+    wide_config, wide_state = tiny_model_state(hidden_size=64)
+    b = _hf(tmp_path / "b", wide_config, wide_state)
+    assert main(["verify", str(a), str(b), "--logits"]) == 1
+    captured = capsys.readouterr()
+    assert "model.embed_tokens.weight: A (67, 32) vs B (67, 64)" in captured.out
+    assert "logits not compared: " in captured.out and "different models" in captured.out
+    assert captured.err == ""
+    # same shapes on both sides, but a --model-config that builds another shape: the tensor is named
+    other = tmp_path / "other"
+    tiny_llama_config(num_hidden_layers=1, hidden_size=64, intermediate_size=48, vocab_size=67).save_pretrained(other)
+    assert main(["verify", str(a), str(a), "--logits", "--model-config", str(other)]) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"tensor '(lm_head|model\.embed_tokens)\.weight' has shape \(67, 32\), but the config in", err)
+    assert "builds it as (67, 64)" in err and "--model-config" in err

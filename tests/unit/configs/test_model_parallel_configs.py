@@ -15,7 +15,7 @@ def test_fsdp2_x_tp_emits_parallelism_config_and_tp_plan():
     layout = Layout("fsdp_full_shard", 8, tp_size=2)
     out = strategy_args(layout, wrap_classes=["LlamaDecoderLayer"])
     assert out["fsdp"] and out["parallelism_config"] == {"dp_replicate_size": 1, "dp_shard_size": 4, "tp_size": 2}
-    assert from_pretrained_kwargs(layout) == {"tp_plan": "auto"}
+    assert from_pretrained_kwargs(layout) == {"distributed_config": {"tp_plan": "auto"}}
     # transformers refuses to checkpoint the optimizer of a model sharded at load: weights only, said up front
     assert out["save_only_model"] is True
     assert "save_only_model" not in strategy_args(Layout("fsdp_full_shard", 8))
@@ -25,7 +25,36 @@ def test_fsdp2_x_tp_emits_parallelism_config_and_tp_plan():
 def test_tp_alone_under_ddp():
     layout = Layout("ddp", 2, tp_size=2)
     assert strategy_args(layout)["parallelism_config"] == {"dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": 2}
-    assert from_pretrained_kwargs(layout) == {"tp_plan": "auto"}
+    assert from_pretrained_kwargs(layout) == {"distributed_config": {"tp_plan": "auto"}}
+
+
+def test_tp_load_keywords_follow_the_installed_transformers(monkeypatch, tmp_path):
+    """The TP plan goes in distributed_config where transformers takes it there: its tp_plan= keyword warns once per
+    rank (the documented TP line printed it twice); an older transformers gets the keyword."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    import hf_dist
+    from hf_dist.configs.training_args import shards_at_load
+    from hf_dist.planning.features import installed_features
+    from hf_dist.testing import tiny_llama_config
+
+    layout = Layout("ddp", 2, tp_size=2)
+    assert from_pretrained_kwargs(layout, LibraryFeatures(tp_distributed_config=False)) == {"tp_plan": "auto"}
+    assert shards_at_load({"tp_plan": "auto"}) and shards_at_load(from_pretrained_kwargs(layout))
+    assert not shards_at_load({"attn_implementation": "sdpa"}) and not shards_at_load({"distributed_config": None})
+    features = installed_features()
+    kwargs = hf_dist.from_pretrained_kwargs(layout)
+    assert kwargs == from_pretrained_kwargs(layout, features)
+    if not features.tp_distributed_config:
+        pytest.skip("this transformers has no DistributedConfig(tp_plan=...): the tp_plan keyword is its form")
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: transformers resolves tp_size 1 and loads unsharded
+    AutoModelForCausalLM.from_config(tiny_llama_config()).save_pretrained(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        AutoModelForCausalLM.from_pretrained(tmp_path, **kwargs)
+    assert not [str(w.message) for w in caught if "tp_plan" in str(w.message)]
 
 
 def test_tp_with_ddp_replicas_is_refused_as_accelerate_would():
@@ -329,7 +358,7 @@ def test_auto_args_builds_the_fsdp_tp_parallelism_config(plan_with_layout):
     p, layout = plan_with_layout("fsdp_full_shard", tp_size=2)
     kw = auto_args(tiny_llama_config(), plan=p)
     assert (kw["parallelism_config"].tp_size, kw["parallelism_config"].dp_shard_size) == (2, 2)
-    assert kw["fsdp"] and from_pretrained_kwargs(layout) == {"tp_plan": "auto"}
+    assert kw["fsdp"] and from_pretrained_kwargs(layout) == {"distributed_config": {"tp_plan": "auto"}}
 
 
 def test_auto_args_nvme_offload(plan_with_layout, tmp_path, monkeypatch):

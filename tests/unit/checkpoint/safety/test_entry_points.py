@@ -19,14 +19,14 @@ import torch
 from hf_dist.checkpoint.lifecycle import reshard as reshard_module
 from hf_dist.checkpoint.lifecycle import resume_checks
 from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
-from hf_dist.checkpoint.lifecycle.marker import write_marker
 from hf_dist.checkpoint.lifecycle.reshard import prepare_resume, reshard
 from hf_dist.checkpoint.safety import loading
 from hf_dist.checkpoint.safety.errors import UnsafePickleError
 from hf_dist.checkpoint.safety.loading import check_loadable, guarded_loads
 from hf_dist.checkpoint.safety.paths import PathEscapeError
 from hf_dist.cli.main import main
-from tests.unit.checkpoint.fakes import make_zero_checkpoint
+from hf_dist.recipe_utils.run import resume_checkpoint
+from tests.unit.checkpoint.fakes import make_zero_checkpoint, seal
 from tests.unit.checkpoint.safety.payloads import ESCAPES, FORMATS, escape, plant, plant_dcp_value, plant_metadata
 
 
@@ -107,7 +107,7 @@ def _build(kind: str, tmp_path: Path, tiny_state, fmt: str = "zip") -> tuple[Pat
     else:
         plant(planted, marker, fmt)
     # a valid, matching marker: authenticity is not what the marker proves, the loads must still refuse
-    write_marker(ckpt, world_size=2 if layout.startswith("zero") else 1, step=3)
+    seal(ckpt, world_size=2 if layout.startswith("zero") else 1, step=3)
     return ckpt, planted, marker
 
 
@@ -172,11 +172,14 @@ def test_every_entry_point_refuses_the_payload(kind, fmt, tmp_path, tiny_state, 
     if planted.suffix != ".distcp":  # DCP's payloads are loaded by DCP alone, under the guard (below)
         with pytest.raises(UnsafePickleError, match=refused):
             check_loadable(ckpt)
+    recipe_args = _args_for(ckpt)
+    recipe_args.__dict__.update(resume_from_checkpoint="auto", output_dir=str(run), process_index=0)
     for entry in (
         lambda: auto_resume(run),
         lambda: auto_resume(run, strategy=_strategy_for(ckpt)),
         lambda: auto_resume(run, training_args=_args_for(ckpt)),
         lambda: prepare_resume(ckpt, 3, training_args=_args_for(ckpt)),
+        lambda: resume_checkpoint(recipe_args),  # a recipe's --resume_from_checkpoint auto
     ):
         with pytest.raises(UnsafePickleError, match=str(planted.parent)):
             entry()
@@ -263,10 +266,11 @@ def _match_marker(ckpt: Path) -> None:
     import json
 
     from hf_dist.checkpoint.formats.layout import MARKER_NAME
+    from hf_dist.checkpoint.lifecycle.manifest import hash_file
 
     marker = json.loads((ckpt / MARKER_NAME).read_text())
     for rel, entry in marker["files"].items():
-        entry["size"] = (ckpt / rel).stat().st_size
+        entry.update(size=(ckpt / rel).stat().st_size, sha256=hash_file(ckpt / rel))  # through the links
     (ckpt / MARKER_NAME).write_text(json.dumps(marker))
 
 
@@ -276,7 +280,7 @@ def test_a_path_leaving_the_checkpoint_is_refused_everywhere(how, tmp_path, tiny
     ckpt = _zero_run(tmp_path, tiny_state, 2)
     outside = tmp_path / "elsewhere"
     outside.mkdir()
-    write_marker(ckpt, world_size=2, step=3)
+    seal(ckpt, world_size=2, step=3)
     refused = escape(ckpt, how, outside)
     _match_marker(ckpt)  # as an attacker would: the marker proves nothing about where files live
     expected = rf"refusing to read {refused}"

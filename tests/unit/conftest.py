@@ -1,4 +1,4 @@
-"""A tiny single-process Trainer factory for callback tests (real Trainer, real optimizer, CPU)."""
+"""A tiny single-process Trainer factory for tests of callbacks and checkpoints (real Trainer, real optimizer, CPU)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import pytest
 
 @pytest.fixture
 def make_trainer(tmp_path):
-    """``make_trainer(callbacks=[...], **training_args) -> Trainer`` with a 2-layer Llama, batch 2 x 16 tokens."""
+    """``make_trainer(callbacks=[...], eval_dataset=None, **training_args) -> Trainer`` with a 2-layer Llama, batch
+    2 x 16 tokens."""
     import torch
     from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
     from hf_dist.testing import TokenDataset, tiny_llama_config
 
-    def build(callbacks=(), model=None, **overrides):
+    def build(callbacks=(), model=None, eval_dataset=None, **overrides):
         torch.manual_seed(0)
         kwargs = dict(
             output_dir=str(tmp_path / "out"),
@@ -30,7 +31,11 @@ def make_trainer(tmp_path):
         kwargs.update(overrides)
         model = model if model is not None else LlamaForCausalLM(tiny_llama_config())
         return Trainer(
-            model=model, args=TrainingArguments(**kwargs), train_dataset=TokenDataset(32), callbacks=list(callbacks)
+            model=model,
+            args=TrainingArguments(**kwargs),
+            train_dataset=TokenDataset(32),
+            eval_dataset=eval_dataset,
+            callbacks=list(callbacks),
         )
 
     return build

@@ -1,0 +1,271 @@
+"""A checkpoint is complete only when its manifest, written last, lists exactly what is on disk.
+
+``hf_dist_complete.json`` is the manifest of one save: every file of ``checkpoint-N/`` with its size and SHA-256,
+the run and the save that wrote it, the world size and strategy. It is written by rank 0 after every rank finished
+writing (:class:`hf_dist.callbacks.resume.CompleteCheckpointCallback`; each rank hashes the files it wrote, in the
+background for ``async_save``), and it is the last file of the save. Before a save writes its first file into a
+``checkpoint-N`` folder, :func:`begin_save` removes that folder's old manifest (an atomic unlink) and leaves a
+pending-write note naming the save, so a save that dies half way leaves a folder that proves nothing.
+
+:func:`incomplete_reasons` compares a folder with its manifest: a listed file missing, of another size or other
+content, a file not listed, a pending-write note of another save. A folder without a manifest (a plain Trainer
+run, an older hf_dist's size-only marker) is proved from the layout of what its strategy writes
+(:func:`unmarked_reasons`): every file present and readable, or it is skipped with the reason.
+
+Cost of the content hash: SHA-256 reads every byte once, about 2.3 s per GiB on one core of the 2-core CI machine
+(measured while other jobs ran, docs/fault-tolerance.md); every rank hashes its own files, so a save's hashing
+time is its largest rank's share.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from hf_dist.atomic_io import atomic_write_json
+from hf_dist.checkpoint.formats.layout import (
+    MARKER_NAME,
+    WRITING_NAME,
+    owner_rank,
+    read_layout,
+)
+
+MANIFEST_VERSION = 2
+# An hf_dist before the manifest wrote version 1: sizes only, no run, kept readable as "no manifest".
+SIZE_ONLY_VERSION = 1
+
+
+def new_id() -> str:
+    """A run's or a save's identity in manifests and notes."""
+    return uuid.uuid4().hex[:16]
+
+
+# ---------------------------------------------------------------- files and hashes
+
+
+def hash_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def entries(folder: Path, rels: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """``{rel: {"size", "sha256"}}`` of files of ``folder``."""
+    out = {}
+    for rel in rels:
+        path = folder / rel
+        out[rel] = {"size": path.stat().st_size, "sha256": hash_file(path)}
+    return out
+
+
+def _is_temporary(name: str) -> bool:
+    return name.startswith(".") and (".tmp" in name or ".old-" in name)
+
+
+def checkpoint_files(folder: Path) -> list[str]:
+    """Every file of ``folder`` a manifest lists: all but the manifest, the pending-write note and temporaries."""
+    out = []
+    for path in Path(folder).rglob("*"):
+        rel = path.relative_to(folder)
+        if (
+            path.is_file()
+            and path.name not in (MARKER_NAME, WRITING_NAME)
+            and not any(_is_temporary(part) for part in rel.parts)
+        ):
+            out.append(rel.as_posix())
+    return sorted(out)
+
+
+def own_files(folder: Path, rank: int, world_size: int) -> list[str]:
+    """The files of ``folder`` that ``rank`` hashes: those of its rank (by name), and on rank 0 every file of no
+    rank or of a rank beyond the world: the ranks hash in parallel, each what it wrote."""
+    out = []
+    for rel in checkpoint_files(folder):
+        owner = owner_rank(rel)
+        if owner == rank or (rank == 0 and (owner is None or owner >= world_size)):
+            out.append(rel)
+    return out
+
+
+# ---------------------------------------------------------------- writing
+
+
+def begin_save(folder: Path, *, step: int, run: str | None, save: str) -> None:
+    """Rank 0, before any rank writes a file of this save: the old manifest goes (one unlink: the folder proves
+    nothing from now on), then a note names the save under way."""
+    folder = Path(folder)
+    (folder / MARKER_NAME).unlink(missing_ok=True)
+    atomic_write_json(folder / WRITING_NAME, {"step": step, "run": run, "save": save, "time": time.time()})
+
+
+def write_manifest(
+    folder: Path,
+    *,
+    hashed: dict[str, dict[str, Any]],
+    world_size: int,
+    step: int | None = None,
+    run: str | None = None,
+    save: str | None = None,
+    strategy: str | None = None,
+) -> dict:
+    """Rank 0, after every rank finished: the manifest of everything in ``folder`` (``hashed``: entries the ranks
+    computed; the rest is hashed here), written atomically; then the note goes. Raises RuntimeError, writing
+    nothing, when a rank's files are missing."""
+    folder = Path(folder)
+    layout = read_layout(folder, strict=False)
+    missing = layout.missing_rank_files(world_size)
+    if missing:
+        raise RuntimeError(
+            f"{folder} is not complete: missing {', '.join(missing)} (world size {world_size}); not writing its "
+            "manifest, so auto_resume will skip it"
+        )
+    files = checkpoint_files(folder)
+    listed = {rel: hashed[rel] for rel in files if rel in hashed}
+    listed.update(entries(folder, [rel for rel in files if rel not in hashed]))
+    manifest = {
+        "version": MANIFEST_VERSION,
+        "step": step,
+        "run": run,
+        "save": save,
+        "world_size": world_size,
+        "strategy": strategy,
+        "layout": layout.family.value,
+        "time": time.time(),
+        "files": listed,
+    }
+    atomic_write_json(folder / MARKER_NAME, manifest, indent=1, sort_keys=True)
+    (folder / WRITING_NAME).unlink(missing_ok=True)
+    return manifest
+
+
+def extend_manifest(folder: Path, rels: Iterable[str]) -> None:
+    """Rank 0: add files written into a complete checkpoint after its manifest (an export) to that manifest."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if not isinstance(manifest, dict) or manifest.get("version") != MANIFEST_VERSION:
+        return
+    manifest["files"].update(entries(folder, rels))
+    atomic_write_json(folder / MARKER_NAME, manifest, indent=1, sort_keys=True)
+
+
+# ---------------------------------------------------------------- reading
+
+
+def read_manifest(folder: Path) -> Any:
+    """The parsed manifest of ``folder``, None when there is none; raises ValueError when it is unreadable."""
+    path = Path(folder) / MARKER_NAME
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"unreadable {MARKER_NAME}: {exc}") from None
+
+
+def has_manifest(folder: Path) -> bool:
+    """True when ``folder`` holds a manifest of this version (not an older size-only marker)."""
+    try:
+        manifest = read_manifest(folder)
+    except ValueError:
+        return True  # unreadable: judged (and refused) as a manifest
+    return isinstance(manifest, dict) and manifest.get("version") != SIZE_ONLY_VERSION
+
+
+def incomplete_reasons(folder: str | os.PathLike, *, files: Iterable[str] | None = None) -> list[str]:
+    """Why ``folder`` does not match its manifest; empty when it does (``files``: hash only these, when ranks
+    share the work; everything else is still checked). A folder without a manifest is not complete here."""
+    folder = Path(folder)
+    try:
+        manifest = read_manifest(folder)
+    except ValueError as exc:
+        return [str(exc)]
+    if manifest is None:
+        return [f"no {MARKER_NAME} (the save did not finish on every rank)"]
+    problem = malformed(manifest)
+    if problem:
+        return [f"malformed {MARKER_NAME}: {problem}"]
+    reasons = _note_reasons(folder, manifest)
+    on_disk = set(checkpoint_files(folder))
+    hash_these = set(on_disk if files is None else files)
+    for rel, entry in manifest["files"].items():
+        path = folder / rel
+        if rel not in on_disk:
+            reasons.append(f"{rel} is missing")
+        elif path.stat().st_size != entry["size"]:
+            reasons.append(f"{rel} has {path.stat().st_size} bytes, the manifest says {entry['size']}")
+        elif "sha256" in entry and rel in hash_these and hash_file(path) != entry["sha256"]:
+            reasons.append(f"{rel} differs from the manifest (SHA-256; same size, other content)")
+    unlisted = sorted(on_disk - set(manifest["files"]))
+    if unlisted:
+        reasons.append(f"{', '.join(unlisted[:3])}{' ...' if len(unlisted) > 3 else ''} not in the manifest "
+                       "(written after it: another save or another run)")  # fmt: skip
+    reasons += [f"{what} is missing" for what in read_layout(folder, strict=False).missing_rank_files(
+        manifest.get("world_size") or 1)]  # fmt: skip
+    return reasons
+
+
+def _note_reasons(folder: Path, manifest: dict) -> list[str]:
+    note_path = folder / WRITING_NAME
+    if not note_path.is_file():
+        return []
+    try:
+        note = json.loads(note_path.read_text())
+    except (OSError, ValueError):
+        note = {}
+    if isinstance(note, dict) and note.get("save") and note.get("save") == manifest.get("save"):
+        return []  # the save that wrote the manifest; its note's removal was cut short
+    return [
+        f"{WRITING_NAME}: a later save (step {note.get('step') if isinstance(note, dict) else '?'}) began writing "
+        "into this folder after the manifest and did not finish: its files and the manifest's are mixed"
+    ]
+
+
+def malformed(manifest: Any) -> str | None:
+    """What is wrong with a parsed manifest's structure, or None."""
+    if not isinstance(manifest, dict):
+        return f"expected a JSON object, got {type(manifest).__name__}"
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return f'"files" must be an object of path -> {{"size", "sha256"}}, got {type(files).__name__}'
+    world = manifest.get("world_size", 1)
+    if world is not None and (not isinstance(world, int) or isinstance(world, bool) or world < 1):
+        return f'"world_size" must be a positive integer, got {world!r}'
+    for rel, entry in files.items():
+        size = entry.get("size") if isinstance(entry, dict) else None
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return f"the entry of {rel} has no integer size ({entry!r})"
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            return f"the entry {rel!r} points outside the checkpoint"
+        if manifest.get("version") == MANIFEST_VERSION and not isinstance(entry.get("sha256"), str):
+            return f"the entry of {rel} has no sha256"
+    return None
+
+
+def require_match(folder: str | os.PathLike) -> None:
+    """Refuse a checkpoint whose manifest does not match the disk (``convert``, ``verify``, ``reshard`` read only
+    what was written); a folder without a manifest passes (its reader checks what it reads)."""
+    from hf_dist.checkpoint.safety.errors import CorruptCheckpointError
+
+    folder = Path(folder)
+    if not folder.is_dir() or not has_manifest(folder):
+        return
+    reasons = incomplete_reasons(folder)
+    if reasons:
+        raise CorruptCheckpointError(
+            f"{folder} does not match its {MARKER_NAME}: {'; '.join(reasons[:3])}"
+            f"{' ...' if len(reasons) > 3 else ''}. It changed after it was written, or the copy is partial: re-copy "
+            "it, or use an earlier checkpoint"
+        )
+
+
+def is_complete(folder: str | os.PathLike) -> bool:
+    """True when ``folder``'s manifest lists exactly what is on disk (sizes and content)."""
+    return not incomplete_reasons(folder)
