@@ -9,9 +9,11 @@ The thin layer above :mod:`hf_dist.planning.planner` and the pure factories of :
 one place that looks at the installed library versions (``installed_features``), the environment (an
 accelerate launcher's DeepSpeed fields) and the model (FSDP wrap classes, precision). The strategy, offload,
 activation checkpointing and batch split come from :func:`hf_dist.plan`; the result holds ``fsdp``/``fsdp_config``
-or ``deepspeed``, ``bf16``/``fp16`` by hardware, ``per_device_train_batch_size``, ``gradient_accumulation_steps``,
-activation checkpointing in the form the strategy needs, and a generous ``ddp_timeout``. Every other keyword is
-passed to ``TrainingArguments`` as given; user values win.
+or ``deepspeed``, ``bf16``/``fp16`` by hardware, the planned optimizer as ``optim``, ``per_device_train_batch_size``,
+``gradient_accumulation_steps``, activation checkpointing in the form the strategy needs, and a generous
+``ddp_timeout``. Every other keyword is passed to ``TrainingArguments`` as given; user values win where they do not
+contradict the plan. The plan is left where ``hf_dist.callbacks.attach(trainer)`` finds it
+(:mod:`hf_dist.runtime.planned`), which checks the live run against it.
 
 One way, one check: the keywords are sorted (:mod:`~hf_dist.configs.request`), planned, rendered
 (:mod:`~hf_dist.configs.training_args`), merged with the user's fields (:mod:`~hf_dist.configs.overrides`), and
@@ -27,7 +29,7 @@ from typing import Any
 
 from hf_dist.configs.overrides import apply_strategy_overrides
 from hf_dist.configs.request import Request, read_request
-from hf_dist.configs.training_args import sync_deepspeed_precision, training_kwargs
+from hf_dist.configs.training_args import training_kwargs
 from hf_dist.configs.validate import validate
 
 __all__ = ["auto_args"]
@@ -53,7 +55,10 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
     (:mod:`hf_dist.configs.config_class`). Everything else is a ``TrainingArguments`` (or ``config_class``) keyword;
     every key the plan depends on is emitted explicitly, so a subclass's own defaults cannot replace it.
     ``trust_remote_code=True`` lets a model folder's ``auto_map`` classes be imported (planning, tracing, FSDP wrap
-    classes); without it they never are (:mod:`hf_dist.planning.remote_code`).
+    classes); without it they never are (:mod:`hf_dist.planning.remote_code`). ``engine_on_cpu=True`` (tests and CPU
+    development): an FSDP2 or ZeRO plan launched on CPU ranks runs there
+    (:func:`hf_dist.runtime.cpu_fsdp.engine_on_cpu_ranks`); without it such a plan is refused, since accelerate would
+    train plain DDP instead of FSDP and set DeepSpeed up for one rank.
 
     Precision: bf16/fp16 mixed precision keeps fp32 master weights and fp32 Adam state under every
     strategy. A ``model`` module loaded in bf16/fp16 and trained with DDP / one process has its
@@ -62,8 +67,11 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
     copy, Adam state at half its size; less accurate updates). See :mod:`hf_dist.runtime.precision`.
     """
     from hf_dist.planning.features import installed_features
+    from hf_dist.runtime import planned
+    from hf_dist.runtime.cpu_fsdp import cpu_ranks
     from hf_dist.runtime.launch import check_one_process_launch
 
+    planned.forget()  # a refused call leaves no plan for attach(trainer) to check against
     check_one_process_launch()  # `accelerate launch --num_processes 2` that started one process
     features = installed_features()
     request = read_request(overrides)  # 1. the keywords sorted: planner, auto_args', TrainingArguments'
@@ -77,17 +85,61 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
         merge_conflicts=merge_conflicts,
         features=features,
         launcher_ds_fields=os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", ""),
+        cpu_ranks=cpu_ranks(),
+        engine_on_cpu=_engine_on_cpu(plan, request),
     )
-    _prepare(model, plan, final)  # 6. the model and the live objects
+    _prepare(model, plan, final, request)  # 6. the model and the live objects
+    planned.remember(plan)  # 7. where attach(trainer) finds it
     return final
 
 
 def _plan(model: Any, request: Request) -> Any:
+    """The plan of ``request`` (or the one it passes). A user ``gradient_accumulation_steps`` without a global batch
+    is planned too: gradients that persist across micro-batches cost memory (FSDP2, ZeRO-1), and the live run is
+    checked against the plan's accumulation."""
     if request.given_plan is not None:
         return request.given_plan
+    plan = _make_plan(model, request, request.plan_kwargs)
+    gas = request.user.get("gradient_accumulation_steps")
+    if gas is None or "global_batch_size" in request.plan_kwargs or gas == plan.gradient_accumulation_steps:
+        return plan
+    return _make_plan(model, request, _with_accumulation(plan, request.plan_kwargs, gas))
+
+
+def _make_plan(model: Any, request: Request, plan_kwargs: dict[str, Any]) -> Any:
     from hf_dist.tracing.verify import plan as make_plan
 
-    return make_plan(model, trust_remote_code=request.own.get("trust_remote_code", False), **request.plan_kwargs)
+    return make_plan(model, trust_remote_code=request.own.get("trust_remote_code", False), **plan_kwargs)
+
+
+def _with_accumulation(plan: Any, plan_kwargs: dict[str, Any], gas: int) -> dict[str, Any]:
+    """``plan``'s layout and micro-batch pinned, its global batch made of ``gas`` accumulation steps."""
+    pinned = {
+        "strategy": plan.strategy,
+        "offload": plan.offload,
+        "activation_checkpointing": plan.activation_checkpointing,
+        "use_liger_kernel": plan.use_liger_kernel,
+        "tp_size": plan.tp_size,
+        "cp_size": plan.cp_size,
+        "sp_size": plan.sp_size,
+        "micro_batch_size": plan.micro_batch_size,
+        "global_batch_size": plan.micro_batch_size * gas * plan.layout.dp_size,
+    }
+    if plan.offload != "none":
+        pinned["offload_device"] = plan.offload_device
+    return {**plan_kwargs, **pinned}
+
+
+def _engine_on_cpu(plan: Any, request: Request) -> bool:
+    """Whether the planned engine was opted in for CPU ranks: ``engine_on_cpu=True``, or FSDP on CPU already turned on
+    in this process (:func:`hf_dist.runtime.cpu_fsdp.enable_fsdp_on_cpu`: the recipes' ``--fsdp_on_cpu``)."""
+    if request.own.get("engine_on_cpu"):
+        return True
+    if not plan.layout.strategy.is_fsdp:
+        return False
+    from hf_dist.runtime.cpu_fsdp import fsdp_on_cpu_enabled
+
+    return fsdp_on_cpu_enabled()
 
 
 def _generate(plan: Any, request: Request, model: Any, features: Any) -> dict[str, Any]:
@@ -120,26 +172,37 @@ def _nvme(plan: Any, request: Request) -> dict[str, Any]:
 
 def _merge(plan: Any, ours: dict[str, Any], request: Request) -> tuple[dict[str, Any], list[str]]:
     """The user's fields over ours: engine configs merged key by key (contradicting keys kept as the plan's and
-    returned as conflicts), every other field as given; our DeepSpeed JSON follows the final precision flags."""
+    returned as conflicts), every other field as given (a precision flag or ``optim`` that contradicts the plan is
+    then refused by the validation step, so our DeepSpeed JSON's precision stays the final flags')."""
     user = dict(request.user)
     conflicts = apply_strategy_overrides(plan, ours, user)  # fsdp / fsdp_config / deepspeed / parallelism_config
-    final = {**ours, **user}
-    if ours.get("deepspeed") is not None and final.get("deepspeed") is ours["deepspeed"]:
-        sync_deepspeed_precision(final, pure_bf16=bool(getattr(plan, "pure_bf16", False)))
-    return final, conflicts
+    return {**ours, **user}, conflicts
 
 
-def _prepare(model: Any, plan: Any, final: dict[str, Any]) -> None:
+def _prepare(model: Any, plan: Any, final: dict[str, Any], request: Request) -> None:
     """What a validated request changes outside the kwargs: the model's precision and KV cache, DeepSpeed's
-    warnings, and accelerate's ``ParallelismConfig`` object."""
+    warnings, accelerate's ``ParallelismConfig`` object, and the planned engine on CPU ranks (``engine_on_cpu``)."""
     from hf_dist.runtime.precision import prepare_model
 
-    if plan.layout.strategy.is_deepspeed:
+    strategy = plan.layout.strategy
+    if strategy.is_deepspeed:
         _quiet_deepspeed_collectives()
     prepare_model(model, plan, "bf16" if final.get("bf16") else "fp16" if final.get("fp16") else "no")
     disable_kv_cache_under_checkpointing(model, plan)
     if isinstance(final.get("parallelism_config"), dict):
         final["parallelism_config"] = build_parallelism_config(final["parallelism_config"])
+    if request.own.get("engine_on_cpu"):
+        from hf_dist.runtime.cpu_fsdp import engine_on_cpu_ranks
+
+        _merge_accelerator_config(final, engine_on_cpu_ranks(fsdp=strategy.is_fsdp, deepspeed=strategy.is_deepspeed))
+
+
+def _merge_accelerator_config(final: dict[str, Any], extra: dict[str, Any]) -> None:
+    """``extra``'s kwargs into ``final``; an ``accelerator_config`` dict of the user's keeps its other keys."""
+    given = final.get("accelerator_config")
+    if isinstance(given, dict) and isinstance(extra.get("accelerator_config"), dict):
+        extra = {**extra, "accelerator_config": {**given, **extra["accelerator_config"]}}
+    final.update(extra)
 
 
 def disable_kv_cache_under_checkpointing(model: Any, plan: Any) -> None:

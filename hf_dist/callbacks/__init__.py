@@ -3,7 +3,7 @@
     from hf_dist.callbacks import attach
     resume = hf_dist.auto_resume(args.output_dir, training_args=args)  # newest complete checkpoint, resharded
     trainer = Trainer(model=model, args=args, train_dataset=ds)
-    attach(trainer, plan=plan)          # plan from hf_dist.plan(...), optional
+    attach(trainer)                     # checks the run against the plan hf_dist.auto_args made (or plan=...)
     trainer.train(resume_from_checkpoint=resume)
 
 ``Trainer(callbacks=default(plan))`` works too, but the Trainer calls user callbacks after its
@@ -104,9 +104,13 @@ def attach(
     the job that holds it; a rank whose launcher dies stops). Guards the Trainer's checkpoint loads
     (:func:`hf_dist.checkpoint.safety.trainer_loads.guard_trainer`): while a resume or the best model loads, every
     unpickle the Trainer, accelerate or DeepSpeed makes is torch's ``weights_only`` load with hf_dist's allowlist,
-    and every file must lie inside the checkpoint. with ``plan``, the run is checked against it at train start
-    (:class:`~hf_dist.callbacks.plan.PlanCallback`: world size, strategy, precision, checkpointing, batch split,
-    tp/cp/sp), and a difference stops it before its first step.
+    and every file must lie inside the checkpoint.
+
+    ``plan``: the run is checked against it at train start (:class:`~hf_dist.callbacks.plan.PlanCallback`: world size,
+    strategy, precision, checkpointing, batch split, tp/cp/sp, FSDP wrap classes, the optimizer that steps, TRL's
+    ``max_length``), and a difference stops it before its first step; the memory and throughput callbacks report
+    against its predictions. ``None`` (the default): the plan the last :func:`hf_dist.auto_args` call of this process
+    made (:mod:`hf_dist.runtime.planned`), if any; ``False``: no plan.
 
     There they run before the ``report_to`` integrations and the console printer, so the keys they
     add to the logs reach TensorBoard, W&B, etc. They get the ``on_init_end`` event they missed (the
@@ -122,7 +126,7 @@ def attach(
     claim_output_dir(trainer.args.output_dir)  # one live job per output folder; ranks stop with their launcher
     guard_trainer(trainer)  # every checkpoint load of a resume: weights_only with the allowlist, paths confined
     if callbacks is None:
-        callbacks = default(plan, resume_from=resume_from, async_save=async_save)
+        callbacks = default(_the_plan(plan), resume_from=resume_from, async_save=async_save)
     elif async_save:
         raise ValueError(
             "async_save=True chooses the default callbacks; with your own list, add AsyncCheckpointCallback()"
@@ -138,3 +142,14 @@ def attach(
             callback.trainer = trainer
         callback.on_init_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
     return callbacks
+
+
+def _the_plan(plan: Any) -> Any:
+    """``plan`` as given; None: the plan of this process's last ``auto_args`` call (or None); False: None."""
+    if plan is False:
+        return None
+    if plan is None:
+        from hf_dist.runtime.planned import last_plan
+
+        return last_plan()
+    return plan

@@ -56,6 +56,7 @@ CONFIG_KEYS = (
     "trust_remote_code",
     "nvme_path",
     "config_class",
+    "engine_on_cpu",
 )
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from hf_dist.configs.deepspeed import deepspeed_config
 from hf_dist.configs.fsdp import fsdp_config
+from hf_dist.configs.optimizer import trainer_optim
 from hf_dist.configs.request import Request
 from hf_dist.planning.features import NEWEST_TESTED_FEATURES, LibraryFeatures, check_features
 from hf_dist.planning.layout import Layout, strategy
@@ -48,9 +49,11 @@ def training_kwargs(
     nvme: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Everything ``auto_args`` generates from ``plan`` before the user's fields are merged: the batch split,
-    precision, the strategy's engine config, the timeout, ``config_class``'s planned fields and a scaled LR."""
+    precision, the optimizer, the strategy's engine config, the timeout, ``config_class``'s planned fields and a
+    scaled LR."""
     out = batch_args(plan, request.user)
     out.update(precision_args(plan))
+    out["optim"] = trainer_optim(plan.optimizer, features)  # the optimizer whose state the plan counts
     if getattr(plan, "use_liger_kernel", False):
         out["use_liger_kernel"] = True  # the planner chose it: fused kernels, less memory, faster
     out.update(
@@ -288,11 +291,3 @@ def lr_args(request: Request, mbs: int, gas: int, plan: Any, features: LibraryFe
         key = "warmup_ratio" if features.warmup_ratio_field else "warmup_steps"
         out[key] = DEFAULT_WARMUP_RATIO
     return out
-
-
-def sync_deepspeed_precision(kwargs: dict[str, Any], *, pure_bf16: bool = False) -> None:
-    """Keep our DeepSpeed JSON's precision equal to the final bf16/fp16 flags (the Trainer checks they match)."""
-    from hf_dist.configs.deepspeed import _precision_section
-
-    mp = "bf16" if kwargs.get("bf16") else "fp16" if kwargs.get("fp16") else "no"
-    kwargs["deepspeed"] = {**kwargs["deepspeed"], **_precision_section(mp, pure_bf16=pure_bf16 and mp == "bf16")}

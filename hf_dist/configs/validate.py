@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from hf_dist.configs.optimizer import optim_conflicts
 from hf_dist.configs.request import Request
+from hf_dist.configs.training_args import precision_args
 from hf_dist.planning.features import LibraryFeatures
 from hf_dist.planning.layout import strategy
 from hf_dist.validation import raise_contradictions
@@ -35,26 +37,44 @@ def contradictions(
     merge_conflicts: list[str],
     features: LibraryFeatures,
     launcher_ds_fields: str = "",
+    cpu_ranks: int = 0,
+    engine_on_cpu: bool = False,
 ) -> list[str]:
-    """Every contradiction between ``request``, ``plan`` and the ``final`` kwargs, one message (with its fix) each."""
+    """Every contradiction between ``request``, ``plan`` and the ``final`` kwargs, one message (with its fix) each.
+
+    The launch comes in as plain values: ``launcher_ds_fields`` (an accelerate launcher config's DeepSpeed fields),
+    ``cpu_ranks`` (the ranks of a launch without CUDA, 0 otherwise) and ``engine_on_cpu`` (FSDP2 / DeepSpeed opted in
+    for CPU ranks: ``auto_args(engine_on_cpu=True)``, or FSDP on CPU already enabled)."""
     return [
         *request.conflicts,
         *merge_conflicts,
         *_batch(plan, request),
         *_precision(plan, request, final),
+        *optim_conflicts(plan, final, cpu_adam=request.cpu_adam),
         *_activation_checkpointing(plan, request.user, features),
         *_engines(plan, final),
         *_launcher(final, launcher_ds_fields),
+        *_cpu_engine(plan, cpu_ranks, engine_on_cpu),
     ]
 
 
 def _batch(plan: Any, request: Request) -> list[str]:
     """A user ``gradient_accumulation_steps`` must still give the global batch the user asked the plan for: micro-batch
-    x accumulation x the data-parallel ranks (tensor, context and sequence parallel ranks share their micro-batch)."""
+    x accumulation x the data-parallel ranks (tensor, context and sequence parallel ranks share their micro-batch);
+    without a global batch asked for it must be the plan's (``auto_args`` plans it; a ``plan=`` is as given)."""
     gas = request.user.get("gradient_accumulation_steps")
-    if gas is None or "global_batch_size" not in request.plan_kwargs:
+    if gas is None:
         return []
     mbs, dp = int(plan.micro_batch_size), int(plan.layout.dp_size)
+    if "global_batch_size" not in request.plan_kwargs:
+        if gas == plan.gradient_accumulation_steps:
+            return []
+        return [
+            f"gradient_accumulation_steps={gas} contradicts the plan, which accumulates "
+            f"{plan.gradient_accumulation_steps} step(s) of micro-batch {mbs} (global batch "
+            f"{plan.global_batch_size}); drop it, or plan with global_batch_size={mbs * gas * dp} (gradients kept "
+            "across micro-batches cost memory)."
+        ]
     if mbs * gas * dp == plan.global_batch_size:
         return []
     ranks = "world_size" if dp == plan.world_size else "data_parallel"
@@ -65,17 +85,39 @@ def _batch(plan: Any, request: Request) -> list[str]:
     ]
 
 
+_PRECISION_TEXT = {"bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision", "no": "fp32"}
+
+
 def _precision(plan: Any, request: Request, final: dict[str, Any]) -> list[str]:
-    """bf16 where the hardware has it; one precision flag; pure bf16's flags and optimizer as the plan states."""
-    out = []
-    if request.user.get("bf16") and plan.mixed_precision == "fp16":
-        out.append(
-            f"bf16=True but the hardware ({plan.hardware.gpu_name or plan.hardware.device}) has no bf16 support; "
-            "use fp16=True (the plan's choice) or drop bf16."
-        )
-    if final.get("bf16") and final.get("fp16"):
-        out.append("bf16=True and fp16=True are both set; pass only one.")
+    """``bf16`` / ``fp16`` as the plan states them (activations, logits and engine buffers were sized for its
+    precision); pure bf16's flags and optimizer as it needs them."""
+    planned, user = precision_args(plan), request.user
+    if user.get("bf16") and user.get("fp16"):
+        flags = f"bf16={planned['bf16']}, fp16={planned['fp16']}"
+        return [f"bf16=True and fp16=True are both set; pass only one (the plan's: {flags})."]
+    checked = ("fp16",) if plan.pure_bf16 else ("bf16", "fp16")  # pure bf16's bf16 flag: _pure_bf16 says why
+    out = [
+        _precision_message(plan, flag, user[flag], planned)
+        for flag in checked
+        if flag in user and bool(user[flag]) != planned[flag]
+    ]
     return out + _pure_bf16(plan, request, final)
+
+
+def _precision_message(plan: Any, flag: str, value: Any, planned: dict[str, bool]) -> str:
+    """One precision flag the user set against the plan: both values and the fix."""
+    hardware = plan.hardware.gpu_name or plan.hardware.device
+    if flag == "bf16" and value and plan.mixed_precision == "fp16":
+        return (
+            f"bf16=True but the hardware ({hardware}) has no bf16 support; use fp16=True (the plan's choice) or "
+            "drop bf16."
+        )
+    chosen = "pure bf16" if plan.pure_bf16 else _PRECISION_TEXT[plan.mixed_precision]
+    return (
+        f"{flag}={value!r} contradicts the plan, which trains in {chosen} on this hardware ({hardware}: "
+        f"bf16={planned['bf16']}, fp16={planned['fp16']}); activations, logits and the engine's buffers were sized "
+        f"for it. Drop {flag}= (auto_args sets both flags from the hardware)."
+    )
 
 
 def _pure_bf16(plan: Any, request: Request, final: dict[str, Any]) -> list[str]:
@@ -143,4 +185,26 @@ def _launcher(final: dict[str, Any], launcher_ds_fields: str) -> list[str]:
         "auto_args chose DeepSpeed, but this process was launched with an accelerate DeepSpeed config that sets "
         f"{clashing}; accelerate refuses both. Launch with accelerate_configs/ddp.yaml or torchrun (auto_args "
         "supplies the DeepSpeed JSON)."
+    ]
+
+
+def _cpu_engine(plan: Any, cpu_ranks: int, engine_on_cpu: bool) -> list[str]:
+    """FSDP2 or ZeRO on CPU ranks runs only when opted in: accelerate drops FSDP on CPU (plain DDP trains instead) and
+    sets DeepSpeed up for a single rank there (``hf_dist.runtime.cpu_fsdp``)."""
+    s = strategy(plan.strategy)
+    if cpu_ranks < 2 or engine_on_cpu or not (s.is_fsdp or s.is_deepspeed):
+        return []
+    if s.is_fsdp:
+        why = "accelerate silently drops FSDP on CPU and would train plain DDP (full weights and optimizer per rank)"
+        how = "turns FSDP2 on for CPU ranks (hf_dist.runtime.cpu_fsdp.enable_fsdp_on_cpu; recipes: pass --fsdp_on_cpu)"
+    else:
+        why = "accelerate sets DeepSpeed up for a single rank without CUDA (DeepSpeed's batch check then fails)"
+        how = (
+            "adds the kwargs of hf_dist.runtime.cpu_fsdp.cpu_deepspeed_training_kwargs() and starts DeepSpeed's "
+            "process group over gloo (recipes: pass --deepspeed_on_cpu)"
+        )
+    return [
+        f"strategy {plan.strategy!r} on {cpu_ranks} CPU ranks: {why}. For tests and CPU development call "
+        f"hf_dist.auto_args(model, ..., engine_on_cpu=True), which {how}; otherwise plan DDP with strategy='ddp', "
+        "or train on GPUs."
     ]

@@ -31,6 +31,8 @@ class LibraryFeatures:
     forward (accelerate >= 1.15), so only the tail (final norm, ``lm_head``) stays gathered until backward.
     ``tp_distributed_config``: ``from_pretrained(distributed_config={"tp_plan": "auto"})`` shards a model at load
     (transformers' ``DistributedConfig`` has ``tp_plan``); the ``tp_plan=`` keyword it replaces warns once per rank.
+    ``default_adamw``: the ``TrainingArguments.optim`` default, the AdamW a plan's ``adamw`` runs as
+    (``adamw_torch_fused`` where transformers sees torch >= 2.8, else ``adamw_torch``).
     """
 
     fsdp_version: int = 2
@@ -43,6 +45,7 @@ class LibraryFeatures:
     fsdp2_checkpoints_children: bool = False
     fsdp2_embedding_unit: bool = True
     tp_distributed_config: bool = True
+    default_adamw: str = "adamw_torch_fused"
 
     def __post_init__(self) -> None:
         if self.fsdp_version not in (1, 2):
@@ -105,6 +108,7 @@ def installed_features() -> LibraryFeatures:
         fsdp2_checkpoints_children=_fsdp2_ac_wraps_children(),
         fsdp2_embedding_unit=_fsdp2_shards_embedding_alone(),
         tp_distributed_config=_distributed_config_has_tp_plan(),
+        default_adamw=str(getattr(TrainingArguments.optim, "value", TrainingArguments.optim)),
     )
 
 

@@ -338,7 +338,9 @@ def training_arguments(
         import hf_dist
 
         plan_kwargs = _plan_kwargs(kwargs, method, seq_len, strategy, lora_rank, sizes, async_save, offloading)
-        planned = hf_dist.auto_args(model, trust_remote_code=trust_remote_code, **plan_kwargs)
+        planned = hf_dist.auto_args(
+            model, trust_remote_code=trust_remote_code, engine_on_cpu=deepspeed_on_cpu, **plan_kwargs
+        )  # --fsdp_on_cpu turned FSDP on already (cpu_test_modes)
         kwargs.update({k: v for k, v in planned.items() if k not in explicit})
     if kwargs.get("deepspeed") and not _has_accelerator() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         kwargs.update(_deepspeed_on_cpu_kwargs(deepspeed_on_cpu))

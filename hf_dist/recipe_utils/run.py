@@ -124,9 +124,9 @@ def train(trainer: Any, resume: str | None, *, async_save: bool = False) -> str:
     from hf_dist.callbacks import attach
 
     strategy = check_strategy(trainer)
-    attach(
-        trainer, resume_from=resume, async_save=async_save
-    )  # a path from another run's folder resumes its optimizer state too
+    # plan=False: a recipe's explicit flags win over auto_args' kwargs (docs/recipes.md), so its run is not checked
+    # against the plan; a resume path from another run's folder resumes its optimizer state too
+    attach(trainer, plan=False, resume_from=resume, async_save=async_save)
     trainer.train(resume_from_checkpoint=resume)
     return strategy
 

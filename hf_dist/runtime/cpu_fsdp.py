@@ -10,9 +10,10 @@ came out as ``MULTI_CPU`` while an FSDP2 plugin was passed, does exactly what ac
 branch does (set ``DistributedType.FSDP``, store the plugin, apply mixed precision). Nothing else
 in accelerate is touched.
 
-It is always an explicit call, made by whoever launches on CPU, before ``TrainingArguments``/
-``Accelerator`` are created; nothing else in hf_dist calls it. The recipes call it when launched with
-``--fsdp_on_cpu`` (``tests/distributed/test_recipes.py`` does); test scripts call::
+It is always an explicit opt-in, made by whoever launches on CPU, before ``TrainingArguments``/
+``Accelerator`` are created: a user script with ``hf_dist.auto_args(model, ..., engine_on_cpu=True)``
+(:func:`engine_on_cpu_ranks`; without it ``auto_args`` refuses an FSDP or ZeRO plan on CPU ranks), the recipes
+when launched with ``--fsdp_on_cpu`` (``tests/distributed/test_recipes.py`` does); test scripts call::
 
     from hf_dist.runtime.cpu_fsdp import enable_fsdp_on_cpu_from_env
     enable_fsdp_on_cpu_from_env()      # active only when HF_DIST_FSDP_ON_CPU=1
@@ -54,8 +55,8 @@ def enable_fsdp_on_cpu() -> None:
     if fsdp_on_cpu_enabled():
         return
     warnings.warn(
-        f"hf_dist: FSDP on CPU is enabled (enable_fsdp_on_cpu(): --fsdp_on_cpu or {ENV_VAR}=1). This is for tests and CPU "
-        "development only; never use it for real training.",
+        f"hf_dist: FSDP on CPU is enabled (enable_fsdp_on_cpu(): auto_args(..., engine_on_cpu=True), --fsdp_on_cpu or "
+        f"{ENV_VAR}=1). This is for tests and CPU development only; never use it for real training.",
         RuntimeWarning,
         stacklevel=2,
     )
@@ -131,9 +132,7 @@ def cpu_deepspeed_training_kwargs() -> dict[str, Any]:
     on a GPU machine or a single process, where none of this is needed. Call it before
     ``TrainingArguments`` is created. For tests and CPU development only.
     """
-    import torch
-
-    if torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    if not cpu_ranks():
         return {}
     from accelerate import PartialState
 
@@ -141,6 +140,14 @@ def cpu_deepspeed_training_kwargs() -> dict[str, Any]:
     os.environ["ACCELERATE_USE_CPU"] = "false"
     PartialState(backend="gloo")
     return {"use_cpu": False, "accelerator_config": {"use_configured_state": True}}
+
+
+def cpu_ranks() -> int:
+    """The ranks of this launch when they run on CPU (``WORLD_SIZE`` > 1 on a machine without CUDA), else 0."""
+    import torch
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return 0 if torch.cuda.is_available() or world < 2 else world
 
 
 def cpu_launch_kwargs(deepspeed: bool) -> dict[str, Any]:
@@ -151,11 +158,22 @@ def cpu_launch_kwargs(deepspeed: bool) -> dict[str, Any]:
     writing to one folder. DeepSpeed needs the opposite setup (:func:`cpu_deepspeed_training_kwargs`), which an
     explicit call makes.
     """
-    import torch
+    return {"use_cpu": True} if cpu_ranks() and not deepspeed else {}
 
-    if deepspeed or torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1") or 1) < 2:
+
+def engine_on_cpu_ranks(*, fsdp: bool, deepspeed: bool) -> dict[str, Any]:
+    """Make the planned engine run on this launch's CPU ranks; return the ``TrainingArguments`` kwargs it adds.
+
+    ``hf_dist.auto_args(..., engine_on_cpu=True)`` calls it: FSDP2 through :func:`enable_fsdp_on_cpu`, DeepSpeed
+    through :func:`cpu_deepspeed_training_kwargs`; nothing for DDP, on a CUDA machine or in one process. For tests
+    and CPU development only (the recipes' ``--fsdp_on_cpu`` / ``--deepspeed_on_cpu``).
+    """
+    if not cpu_ranks():
         return {}
-    return {"use_cpu": True}
+    if fsdp:
+        enable_fsdp_on_cpu()
+        return {}
+    return cpu_deepspeed_training_kwargs() if deepspeed else {}
 
 
 def allow_parallelism_config_on_cpu() -> None:

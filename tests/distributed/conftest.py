@@ -164,3 +164,16 @@ def strategy_runs(tmp_path_factory: pytest.TempPathFactory) -> LaunchCache:
 @pytest.fixture(scope="session")
 def accelerate_runs(tmp_path_factory: pytest.TempPathFactory) -> LaunchCache:
     return LaunchCache(tmp_path_factory.mktemp("accelerate"), lambda key, wd, out: launch_accelerate_config(key, out))
+
+
+def launch_user_script(strategy_name: str, workdir: Path, out: Path) -> None:
+    """scripts/user_script_train.py on 2 CPU ranks under plain torchrun: no ACCELERATE_USE_CPU, no
+    HF_DIST_FSDP_ON_CPU, only the script's own hf_dist calls."""
+    env = {"ACCELERATE_USE_CPU": "0", "HF_DIST_FSDP_ON_CPU": "0"}  # cpu_env sets ACCELERATE_USE_CPU=1: undo it
+    args = ["--strategy", strategy_name, "--output-dir", workdir / "run", "--out", out]
+    torchrun(SCRIPTS / "user_script_train.py", args, env=env, timeout=LAUNCH_TIMEOUT_S, outputs=[workdir / "run", out])
+
+
+@pytest.fixture(scope="session")
+def user_script_runs(tmp_path_factory: pytest.TempPathFactory) -> LaunchCache:
+    return LaunchCache(tmp_path_factory.mktemp("user_script"), launch_user_script)

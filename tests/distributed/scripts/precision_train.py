@@ -106,7 +106,9 @@ def run(strategy: str, pure_bf16: bool, output_dir: str, world_size: int) -> dic
         strategy=strategy, seq_len=SEQ_LEN, hardware=detect_hardware(gpus=world_size, bf16=True), pure_bf16=pure_bf16
     )
     plan = hf_dist.plan(model, micro_batch_size=MICRO_BATCH, **planner)  # what auto_args plans, for the report
-    auto = hf_dist.auto_args(model, per_device_train_batch_size=MICRO_BATCH, gradient_accumulation_steps=1, **planner)
+    auto = hf_dist.auto_args(
+        model, per_device_train_batch_size=MICRO_BATCH, gradient_accumulation_steps=1, engine_on_cpu=True, **planner
+    )
     logging.getLogger("hf_dist").removeHandler(handler)
     param_dtypes_after_auto_args = dtypes(model.parameters())
     kwargs = dict(

@@ -20,7 +20,7 @@ import json
 import os
 from pathlib import Path
 
-from hf_dist.runtime.cpu_fsdp import cpu_deepspeed_training_kwargs, enable_fsdp_on_cpu_from_env
+from hf_dist.runtime.cpu_fsdp import enable_fsdp_on_cpu_from_env
 from hf_dist.runtime.dist import shutdown
 
 SEED = 1234
@@ -112,12 +112,11 @@ def training_kwargs(model, args: argparse.Namespace, world_size: int) -> dict:
         gradient_accumulation_steps=args.grad_accum,
         bf16=False,
         fp16=False,
+        engine_on_cpu=True,  # FSDP2 / ZeRO on these CPU ranks (tests only)
         **hardware_kwargs(args.offload, world_size, args.offload_device, args.nvme_path),
     )
-    merged = {**auto, **common}  # use_cpu from auto_args: the DDP launch has no ACCELERATE_USE_CPU (conftest)
-    if "deepspeed" in auto:
-        merged.update(cpu_deepspeed_training_kwargs())
-    return merged
+    # use_cpu from auto_args: the DDP launch has no ACCELERATE_USE_CPU (conftest); engine_on_cpu: DeepSpeed over gloo
+    return {**auto, **common}
 
 
 def in_order_trainer() -> tuple[type, dict]:

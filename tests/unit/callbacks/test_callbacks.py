@@ -59,7 +59,7 @@ def test_plan_callback_refuses_a_run_that_is_not_the_plan(make_trainer, tiny_pla
 def test_plan_mismatches_cover_every_planned_value(tiny_plan):
     live = {"strategy": "ddp", "world_size": 8, "mixed_precision": "bf16", "wrap_classes": ["LlamaMLP"],
             "micro_batch_size": 4, "gradient_accumulation_steps": 3, "activation_checkpointing": True,
-            "tp_size": 2, "cp_size": 1, "sp_size": 1}  # fmt: skip
+            "tp_size": 2, "cp_size": 1, "sp_size": 1, "optimizer": "sgd", "max_length": 1024}  # fmt: skip
     tiny_plan.strategy = "fsdp_full_shard"
     try:
         got = plan_mismatches(tiny_plan, live, planned_wrap=["LlamaDecoderLayer"])
@@ -72,6 +72,8 @@ def test_plan_mismatches_cover_every_planned_value(tiny_plan):
         "micro-batch: planned 2, running 4",
         "gradient accumulation: planned 1, running 3",
         "tp / cp / sp: planned (1, 1, 1), running (2, 1, 1)",
+        "optimizer: planned adamw, running sgd",
+        "sequence length: planned 16, running 1024",
         "FSDP wrap classes: planned ['LlamaDecoderLayer'], running ['LlamaMLP']",
     ]
     assert all("fix: " in line for line in str(mismatch_error(got)).splitlines()[2::2])

@@ -118,10 +118,36 @@ def test_user_batch_and_overrides_win():
     assert (kw["per_device_train_batch_size"], kw["gradient_accumulation_steps"]) == (1, 5)
 
 
-def test_precision_override_keeps_deepspeed_consistent(tmp_path):
-    kw = auto_args(CFG, strategy="zero2", bf16=False, **GPU)
-    assert kw["bf16"] is False and kw["deepspeed"]["bf16"]["enabled"] is False
-    build(tmp_path, **kw)  # the Trainer's DeepSpeed config check sees matching values
+def test_accumulation_without_a_global_batch_is_planned():
+    """gradient_accumulation_steps without global_batch_size: the plan is made for that accumulation (FSDP2 keeps
+    unsharded gradients across micro-batches), so the run attach(trainer) checks is the planned one; a plan= given
+    with another accumulation is refused."""
+    from hf_dist.runtime.planned import last_plan
+
+    single = auto_args(CFG, strategy="fsdp_full_shard", micro_batch_size=1, gpus=4, gpu_memory_gib=80, seq_len=64)
+    one = last_plan()
+    assert single["gradient_accumulation_steps"] == one.gradient_accumulation_steps == 1
+    kw = auto_args(CFG, strategy="fsdp_full_shard", micro_batch_size=1, gradient_accumulation_steps=5, gpus=4,
+                   gpu_memory_gib=80, seq_len=64)  # fmt: skip
+    five = last_plan()
+    assert kw["gradient_accumulation_steps"] == five.gradient_accumulation_steps == 5
+    assert five.global_batch_size == 1 * 5 * 4 and five.memory.grads > one.memory.grads
+    refused = r"gradient_accumulation_steps=3 contradicts the plan, which accumulates 1 step\(s\) of micro-batch 1"
+    with pytest.raises(ValueError, match=refused + r" \(global batch 4\); drop it, or plan with global_batch_size=12"):
+        auto_args(CFG, plan=one, gradient_accumulation_steps=3)
+
+
+def test_precision_flags_that_contradict_the_plan_are_refused_with_both_values():
+    """bf16=False on bf16 GPUs used to pass (the run then trained fp32 activations the plan never sized); a flag equal
+    to the plan's is fine."""
+    assert auto_args(CFG, strategy="zero2", bf16=True, fp16=False, **GPU)["deepspeed"]["bf16"]["enabled"] is True
+    with pytest.raises(ValueError, match=r"bf16=False contradicts the plan, which trains in bf16 mixed precision .*"
+                       r"bf16=True, fp16=False.*Drop bf16="):  # fmt: skip
+        auto_args(CFG, strategy="zero2", bf16=False, **GPU)
+    with pytest.raises(
+        ValueError, match=r"fp16=True contradicts the plan, which trains in fp32 .*bf16=False, fp16=False"
+    ):
+        auto_args(CFG, strategy="ddp", seq_len=64, global_batch_size=4, fp16=True)  # this CPU machine: fp32
 
 
 @pytest.mark.parametrize(
@@ -310,16 +336,39 @@ def test_checkpointing_turns_the_kv_cache_off(strategy):
 
 def test_a_cpu_launch_of_several_ranks_trains_as_one_job(monkeypatch):
     """torchrun / accelerate launch without CUDA: transformers trains each rank alone unless use_cpu=True (what
-    ACCELERATE_USE_CPU=1 sets); auto_args says so for DDP/FSDP, leaves DeepSpeed to its own CPU setup, and never
-    pins memory without CUDA."""
+    ACCELERATE_USE_CPU=1 sets); auto_args says so for DDP (and an opted-in FSDP), and never pins memory without
+    CUDA."""
     assert "use_cpu" not in auto_args(CFG, strategy="ddp", **GPU)  # one process
     monkeypatch.setenv("WORLD_SIZE", "2")
-    for name in ("ddp", "fsdp_full_shard"):
-        kw = auto_args(CFG, strategy=name, **GPU)
-        assert kw["use_cpu"] is True and kw["dataloader_pin_memory"] is True  # planned for GPUs: pinned
-    assert "use_cpu" not in auto_args(CFG, strategy="zero2", **GPU)
+    kw = auto_args(CFG, strategy="ddp", **GPU)
+    assert kw["use_cpu"] is True and kw["dataloader_pin_memory"] is True  # planned for GPUs: pinned
     assert auto_args(CFG, strategy="ddp", gpus=2)["dataloader_pin_memory"] is False  # CPU ranks
     assert auto_args(CFG, strategy="ddp", use_cpu=False, **GPU)["use_cpu"] is False  # the user's value wins
+
+
+def test_fsdp_or_zero_on_cpu_ranks_is_refused_naming_the_call_that_runs_it(monkeypatch):
+    """accelerate drops FSDP on CPU ranks (plain DDP trains) and sets DeepSpeed up for one rank there: auto_args
+    refuses both, naming auto_args(..., engine_on_cpu=True), which turns the engine on (the CPU setup itself is
+    hf_dist.runtime.cpu_fsdp's, recorded here: it would patch accelerate and start a process group)."""
+    from hf_dist.runtime import cpu_fsdp
+
+    calls = []
+    monkeypatch.setattr(cpu_fsdp, "enable_fsdp_on_cpu", lambda: calls.append("fsdp"))
+    ds_kwargs = {"use_cpu": False, "accelerator_config": {"use_configured_state": True}}
+    monkeypatch.setattr(cpu_fsdp, "cpu_deepspeed_training_kwargs", lambda: calls.append("zero") or dict(ds_kwargs))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name, recipe_flag in (("fsdp_full_shard", "--fsdp_on_cpu"), ("zero2", "--deepspeed_on_cpu")):
+        call = r"hf_dist\.auto_args\(model, \.\.\., engine_on_cpu=True\)"
+        with pytest.raises(ValueError, match=rf"strategy '{name}' on 2 CPU ranks: .*call {call}.*pass {recipe_flag}"):
+            auto_args(CFG, strategy=name, **GPU)
+    assert calls == []  # refused before anything was switched on
+    assert auto_args(CFG, strategy="fsdp_full_shard", engine_on_cpu=True, **GPU)["use_cpu"] is True
+    kw = auto_args(CFG, strategy="zero2", engine_on_cpu=True, accelerator_config={"even_batches": False}, **GPU)
+    assert calls == ["fsdp", "zero"] and kw["use_cpu"] is False
+    assert kw["accelerator_config"] == {"even_batches": False, "use_configured_state": True}
+    assert auto_args(CFG, strategy="ddp", engine_on_cpu=True, **GPU)["use_cpu"] is True and len(calls) == 2
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: nothing to turn on, nothing refused
+    assert "use_cpu" not in auto_args(CFG, strategy="zero2", engine_on_cpu=True, **GPU) and len(calls) == 2
 
 
 def test_deepspeeds_deprecated_gather_warning_is_shown_once():
@@ -335,7 +384,7 @@ def test_deepspeeds_deprecated_gather_warning_is_shown_once():
 
 
 def test_every_contradiction_is_reported_at_once(monkeypatch):
-    """auto_args validates once: five contradictions of five kinds come back in one error, each with its fix, and
+    """auto_args validates once: six contradictions of six kinds come back in one error, each with its fix, and
     nothing was applied to the model before it (the check runs before the model is touched)."""
     monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "zero_stage")
     with pytest.raises(ValueError) as caught:
@@ -346,20 +395,22 @@ def test_every_contradiction_is_reported_at_once(monkeypatch):
             micro_batch_size=2,  # 1. the same thing twice, two values
             gradient_accumulation_steps=3,  # 2. 1 x 3 x 4 ranks != 16
             deepspeed={"zero_optimization": {"stage": 2}},  # 3. another stage than the plan's
-            fp16=True,  # 4. with the plan's bf16
+            fp16=True,  # 4. against the plan's bf16
+            optim="sgd",  # 5. against the plan's AdamW
             **GPU,
-        )  # 5. the launcher's DeepSpeed fields clash with the JSON
+        )  # 6. the launcher's DeepSpeed fields clash with the JSON
     problems = caught.value.problems
-    assert len(problems) == 5, problems
+    assert len(problems) == 6, problems
     for pattern in (
         r"micro_batch_size \(2\) != per_device_train_batch_size \(1\)",
         r"gradient_accumulation_steps\(3\) \* world_size\(4\) = 12 != global_batch_size\(16\)",
         r"\['zero_optimization'\]\['stage'\]=2 contradicts the plan \(zero3\)",
-        r"bf16=True and fp16=True are both set",
+        r"fp16=True contradicts the plan, which trains in bf16 mixed precision .*bf16=True, fp16=False",
+        r"optim='sgd' contradicts the plan's optimizer 'adamw' \(optim='adamw_torch_fused'\)",
         r"launched with an accelerate DeepSpeed config that sets \['zero_stage'\]",
     ):
         assert sum(bool(re.search(pattern, p)) for p in problems) == 1, (pattern, problems)
-    assert str(caught.value).startswith("auto_args: 5 contradictions, fix them all:\n  1. ")
+    assert str(caught.value).startswith("auto_args: 6 contradictions, fix them all:\n  1. ")
 
 
 def test_batch_math_counts_data_parallel_ranks_under_tensor_parallelism():
