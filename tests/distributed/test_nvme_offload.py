@@ -31,7 +31,9 @@ import pytest
 from hf_dist.testing import cpu_env, torchrun
 from tests.distributed.conftest import SCRIPTS, launch_env
 
-pytestmark = pytest.mark.distributed
+# the async_io op's build (about 3.5 min idle, several times that on a loaded 2-core machine) runs in the first test's
+# fixture, whose time counts toward that test's limit: the module gets a limit that fits it
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(2400)]
 
 STEPS, SAVE_STEPS, VOCAB, SEQ_LEN = 4, 2, 8192, 32
 LOSS_RTOL = 1e-6  # measured 0.0; a step that lost its swapped state (fresh moments, stale master) moves far more
@@ -55,13 +57,20 @@ def async_io_op():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, async_io_op):
-    root = tmp_path_factory.mktemp("nvme")
-    done: dict[str, dict] = {}
+    """name -> the launch's report, each launched once in a fresh folder; a failed launch is cached and re-raised by
+    every test that needs it (never relaunched into the folder it left behind)."""
+    done: dict[str, dict | BaseException] = {}
 
     def get(name: str) -> dict:
         if name not in done:
-            done[name] = launch(root / name, name, done)
-        return done[name]
+            try:
+                done[name] = launch(tmp_path_factory.mktemp(name), name, done)
+            except Exception as exc:  # cached: the dependent tests fail with it instead of cascading
+                done[name] = exc
+        result = done[name]
+        if isinstance(result, BaseException):
+            raise RuntimeError(f"launch {name!r} failed (cached): {result}") from result
+        return result
 
     return get
 
@@ -73,7 +82,10 @@ def launch(workdir, name: str, done: dict) -> dict:
     args = ["--strategy", "zero3", "--offload", "optimizer+params", "--offload-device", device, "--nvme-path", nvme]
     args += ["--vocab-size", VOCAB, "--steps", STEPS, "--save-steps", SAVE_STEPS, "--output-dir", run, "--out", out]
     if name == "resume":  # the nvme run's first checkpoint alone, as if the job had died after it
-        shutil.copytree(done["nvme"]["output_dir"] + f"/checkpoint-{SAVE_STEPS}", run / f"checkpoint-{SAVE_STEPS}")
+        source = done["nvme"]
+        if isinstance(source, BaseException):
+            raise RuntimeError("the nvme launch this resume starts from failed") from source
+        shutil.copytree(source["output_dir"] + f"/checkpoint-{SAVE_STEPS}", run / f"checkpoint-{SAVE_STEPS}")
         args.append("--resume")
     script = SCRIPTS / "strategies_train.py"
     torchrun(script, list(map(str, args)), env=launch_env("zero3"), timeout=LAUNCH_TIMEOUT_S, outputs=[run, nvme, out])
