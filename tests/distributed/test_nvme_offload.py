@@ -214,3 +214,28 @@ def test_a_truncated_or_altered_swap_file_never_reaches_deepspeed(runs, tmp_path
     with pytest.raises(CorruptCheckpointError, match=rf"does not match its hf_dist_complete.json: {rel} differs"):
         convert(altered, tmp_path / "hf", progress=False)
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_zero_infinity_resume_refuses_a_planted_checkpoint(runs, tmp_path):
+    """ZeRO-Infinity's resume (DeepSpeed's NVMe load, then hf_dist's repair of what it drops) under attach, with no
+    early check: a payload in every rank's optimizer file, in the zip that torch and Python's zipfile read
+    differently, is refused on every rank, naming the file; it never runs."""
+    from tests.unit.checkpoint.safety.payloads import plant
+
+    source = Path(runs("nvme")["output_dir"]) / f"checkpoint-{SAVE_STEPS}"
+    checkpoint = tmp_path / "run" / source.name
+    shutil.copytree(source, checkpoint)
+    marker = tmp_path / "PAYLOAD_RAN"
+    for file in sorted(checkpoint.glob("global_step*/*optim_states.pt")):
+        plant(file, marker, "two directories")
+    nvme, out = tmp_path / "nvme", tmp_path / "report.json"
+    nvme.mkdir()
+    args = ["--strategy", "zero3", "--offload", "optimizer+params", "--offload-device", "nvme", "--nvme-path", nvme,
+            "--vocab-size", VOCAB, "--steps", STEPS, "--save-steps", SAVE_STEPS, "--output-dir", tmp_path / "run2",
+            "--out", out, "--resume-from", checkpoint]  # fmt: skip
+    torchrun(SCRIPTS / "strategies_train.py", list(map(str, args)), env=launch_env("zero3"), timeout=LAUNCH_TIMEOUT_S,
+             outputs=[out])  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["refused"] == "UnsafePickleError", report
+    assert "optim_states.pt: it names the global posix.mkdir" in report["message"]
+    assert not marker.exists()

@@ -32,6 +32,7 @@ from hf_dist.atomic_io import atomic_write_json
 from hf_dist.checkpoint.formats.layout import (
     LATEST_UNIVERSAL,
     MARKER_NAME,
+    OUTPUT_MARKER,
     UNIVERSAL_SUFFIX,
     WRITING_NAME,
     owner_rank,
@@ -79,12 +80,12 @@ def _is_derived(rel: Path) -> bool:
 
 
 def checkpoint_files(folder: Path) -> list[str]:
-    """Every file of ``folder`` a manifest lists: all but the manifest, the pending-write note, temporaries and
-    derived universal copies."""
+    """Every file of ``folder`` a manifest lists: all but the manifest, the pending-write note, hf_dist's output label
+    (a resharded copy carries one), temporaries and derived universal copies."""
     out = []
     for path in Path(folder).rglob("*"):
         rel = path.relative_to(folder)
-        if path.is_file() and path.name not in (MARKER_NAME, WRITING_NAME) and not _skipped(rel):
+        if path.is_file() and path.name not in (MARKER_NAME, WRITING_NAME, OUTPUT_MARKER) and not _skipped(rel):
             out.append(rel.as_posix())
     return sorted(out)
 
