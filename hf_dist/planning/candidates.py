@@ -15,7 +15,8 @@ from hf_dist.planning.features import check_features
 from hf_dist.planning.hardware import Hardware
 from hf_dist.planning.layout import REGISTRY
 from hf_dist.planning.load_memory import LoadMemory, load_memory
-from hf_dist.planning.memory import LORA_DROPOUT, MemoryEstimate, estimate_memory
+from hf_dist.planning.lora import Placement
+from hf_dist.planning.memory import MemoryEstimate, estimate_memory
 from hf_dist.planning.modelinfo import ModelSpec
 from hf_dist.planning.plan_result import Candidate, Combo, format_bytes
 from hf_dist.planning.throughput import StepTime, comm_seconds, model_parallel_seconds, nvme_seconds, step_time
@@ -50,7 +51,7 @@ class Setup:
     method: str
     optimizer: str
     seq_len: int
-    lora_rank: int
+    lora: Placement | None  # where the LoRA's adapters go (method lora/qlora)
     pb: int
     master: bool
     base_bytes: int  # a LoRA model's frozen base as loaded: 4 for fp32, else 2
@@ -69,7 +70,7 @@ def estimate(s: Setup, combo: Combo, mb, world=None, nodes=None, accum=1) -> Mem
         s.spec, combo.strategy, world or s.hw.world_size, nodes=nodes or s.hw.nodes, method=s.method,
         offload=combo.offload, optimizer=s.optimizer, master_weights=s.master, base_bytes=s.base_bytes,
         param_bytes=s.pb, seq_len=s.seq_len, micro_batch_size=mb, activation_checkpointing=combo.ckpt,
-        lora_rank=s.lora_rank, gradient_accumulation_steps=accum, use_liger_kernel=combo.liger, device=s.hw.device,
+        lora=s.lora, gradient_accumulation_steps=accum, use_liger_kernel=combo.liger, device=s.hw.device,
         tp_size=combo.tp, cp_size=combo.cp, sp_size=combo.sp, offload_device="nvme" if combo.nvme else "cpu",
         checkpoint_children=s.checkpoint_children, fsdp2_embedding_unit=s.embedding_unit,
         fused_lm_head=s.fused_lm_head,
@@ -92,7 +93,7 @@ def step_seconds(s: Setup, combo: Combo, mb: int, accum: int, memory: MemoryEsti
         spec, hw, memory, strategy=strategy, offload=combo.offload, trainable=trainable, micro_batch_size=mb,
         accumulation=accum, seq_len=s.seq_len, activation_checkpointing=combo.ckpt, use_liger_kernel=combo.liger,
         comm=comm, dp_size=layout.dp_size, seq_shards=layout.seq_shards, tp_size=combo.tp,
-        lora_adapters=len(spec.lora_linears) if s.method != "full" else 0, lora_dropout=LORA_DROPOUT > 0,
+        lora_adapters=s.lora.adapters_per_layer if s.lora else 0, lora_dropout=bool(s.lora and s.lora.lora.dropout),
     )  # fmt: skip
 
 

@@ -11,6 +11,7 @@ from hf_dist.planning.dtypes import GIB
 from hf_dist.planning.hardware import Hardware
 from hf_dist.planning.layout import Layout
 from hf_dist.planning.load_memory import LoadMemory
+from hf_dist.planning.lora import LoraSpec
 from hf_dist.planning.memory import MemoryEstimate
 from hf_dist.planning.modelinfo import ModelSpec
 from hf_dist.planning.throughput import StepTime
@@ -121,7 +122,7 @@ class Plan:
     hardware: Hardware
     model: ModelSpec
     optimizer: str
-    lora_rank: int
+    lora: LoraSpec | None = None  # the LoRA planned (method lora/qlora): hf_dist.planning.lora
     reason: str = ""
     usable_gib: float = field(default=0.0)
     use_liger_kernel: bool = False
@@ -142,6 +143,11 @@ class Plan:
     staging_bytes: int | None = None  # host RAM per node of async_save's staging copy (None: not planned)
     fused_lm_head: bool = False  # the loss runs through TRL's fused LM head (SFTTrainer): no logits held
     train_tokens: int | None = None  # tokens the run trains on: time_to_finish() and explain() state the wall time
+    trainable_params: int = 0  # what sum(p.numel() for p in model.parameters() if p.requires_grad) will count
+
+    @property
+    def lora_rank(self) -> int | None:
+        return None if self.lora is None else self.lora.rank
 
     @property
     def layout(self) -> Layout:
@@ -196,8 +202,9 @@ class Plan:
 
     def to_dict(self) -> dict:
         """JSON-serializable summary (the transformers config object is left out)."""
-        skip = ("memory", "candidates", "hardware", "model", "trace", "load")
+        skip = ("memory", "candidates", "hardware", "model", "trace", "load", "lora")
         out = {k: v for k, v in asdict(self).items() if k not in skip}
+        out["lora"] = self.lora.to_dict() if self.lora is not None else None
         out["trace"] = self.trace.to_dict() if self.trace is not None else None
         out["memory"] = self.memory.to_dict()
         out["optimizer_state_dtype"] = self.optimizer_state_dtype
@@ -242,11 +249,11 @@ class Plan:
             f"({hw.gpu_memory_gib:.1f} GiB, usable {self.usable_gib:.1f} GiB after safety margin)",
             f"chosen: {self.strategy}{self._sizes_text()}, offload={self.offload}"
             f"{' to NVMe' if self.offload_device == 'nvme' else ''}, activation_checkpointing="
-            f"{self.activation_checkpointing}, use_liger_kernel={self.use_liger_kernel}, micro_batch="
-            f"{self.micro_batch_size} x accumulation={self.gradient_accumulation_steps} x data_parallel="
+            f"{self.activation_checkpointing}, use_liger_kernel={self.use_liger_kernel}, "
+            f"micro_batch={self.micro_batch_size} x accumulation={self.gradient_accumulation_steps} x data_parallel="
             f"{self.layout.dp_size} = global_batch {self.global_batch_size}{speed}",
             f"why: {self.reason}",
-        ]
+        ] + ([f"lora: {self.lora.describe()}: {self.trainable_params:,} trainable parameters"] if self.lora else [])
 
     def _note_lines(self) -> list[str]:
         """Host RAM, swap files, staging, time, and the planner's notes, each where it applies."""

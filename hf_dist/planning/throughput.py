@@ -195,7 +195,7 @@ def _engine_hooks_s(s: Strategy, spec) -> float:
 def step_time(
     spec, hw: Hardware, memory, *, strategy: Strategy, offload: str, trainable: int, micro_batch_size: int,
     accumulation: int, seq_len: int, activation_checkpointing: bool, use_liger_kernel: bool, comm: float,
-    dp_size: int | None = None, seq_shards: int = 1, tp_size: int = 1, lora_adapters: int = 0,
+    dp_size: int | None = None, seq_shards: int = 1, tp_size: int = 1, lora_adapters: float = 0,
     lora_dropout: bool = False,
 ) -> StepTime:  # fmt: skip
     """Estimated seconds per optimizer step on each rank, from ``memory`` (a MemoryEstimate of the same layout).
