@@ -374,3 +374,19 @@ def test_batch_math_counts_data_parallel_ranks_under_tensor_parallelism():
         auto_args(CFG, **tp, gradient_accumulation_steps=2 * gas)
     scaled = auto_args(CFG, **tp, lr_scaling="linear", reference_batch_size=8, learning_rate=1e-4)
     assert scaled["learning_rate"] == pytest.approx(1e-4 * 16 / 8)  # the global batch is 16, not 16 x tp
+
+
+def test_a_peft_models_lora_and_peft_config_are_what_auto_args_plans():
+    peft = pytest.importorskip("peft")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(CFG)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=64, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match=r"lora_rank=16 but the PeftModel's config has 64"):
+        auto_args(model, lora_rank=16, **GPU)
+    with pytest.raises(ValueError, match=r"peft_config is a IA3 adapter.*hf_dist plans LoRA adapters only"):
+        auto_args(CFG, peft_config=peft.IA3Config(target_modules=["q_proj"], feedforward_modules=[]), **GPU)
+    kw = auto_args(CFG, peft_config=peft.LoraConfig(r=8, target_modules=["q_proj"]), **GPU)
+    assert kw["per_device_train_batch_size"] * kw["gradient_accumulation_steps"] * 4 == 16
