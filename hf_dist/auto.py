@@ -40,7 +40,7 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
     ``PeftModel``'s own LoRA is planned, and ``peft_config=`` (a PEFT ``LoraConfig``) plans one before the model exists.
     Plan keywords (``gpus, gpu_memory_gib, nodes, method, seq_len, global_batch_size,
     micro_batch_size, optimizer, lora_rank, lora_dropout, lora_targets, peft_config, strategy, offload,
-    activation_checkpointing, use_liger_kernel, safety_margin, hardware, pure_bf16, tp_size, cp_size,
+    activation_checkpointing, use_liger_kernel, sync_each_batch, safety_margin, hardware, pure_bf16, tp_size, cp_size,
     sp_size, host_memory_gib, nvme_gbps, fused_lm_head, async_save, train_tokens, verify, verify_time_limit_s``) go to the planner (``verify=True`` traces the chosen layout on the real
     model with fake tensors and takes the next one if the trace does not fit) (``use_liger_kernel``
     pins the TrainingArguments flag of the same name; by default the planner turns it on where it

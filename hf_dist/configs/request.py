@@ -46,6 +46,7 @@ PLAN_KEYS = (
     "fused_lm_head",
     "async_save",
     "train_tokens",
+    "sync_each_batch",
     "verify",
     "verify_time_limit_s",
 )

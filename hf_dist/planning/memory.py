@@ -165,7 +165,7 @@ def estimate_memory(
     tp_size: int = 1, cp_size: int = 1, sp_size: int = 1, offload_device: str = "cpu",
     lora_dropout: float | None = None, lora_targets: Any = None, peft_config: Any = None,
     lora: LoraSpec | Placement | None = None, checkpoint_children: bool = False, fsdp2_embedding_unit: bool = True,
-    fused_lm_head: bool = False, trust_remote_code: bool = False,
+    fused_lm_head: bool = False, sync_each_batch: bool = False, trust_remote_code: bool = False,
 ) -> MemoryEstimate:  # fmt: skip
     """Per-rank memory of training ``model_or_num_params`` with ``strategy`` on ``world_size`` ranks.
 
@@ -184,6 +184,9 @@ def estimate_memory(
     before the model exists, or the ``lora_rank`` / ``lora_dropout`` / ``lora_targets`` keywords over the recipes'
     LoRA (rank 16, dropout 0.05, every linear of the block); ``lora`` takes a ready :class:`LoraSpec` or
     :class:`Placement`. ``method`` (None) is ``lora`` when any of them is given, else ``full``.
+    ``sync_each_batch``: FSDP2 with gradient accumulation reduce-scatters every micro-batch (accelerate's
+    ``gradient_accumulation_kwargs={"sync_each_batch": True}``) instead of keeping unsharded gradients until the last
+    (:func:`~hf_dist.planning.model_states.grad_bytes_per_rank`).
 
     Model parallelism (:class:`~hf_dist.planning.layout.Layout` checks the sizes): ``tp_size`` splits the linear
     weights, their gradients and optimizer state and the head / MLP activations
@@ -203,6 +206,7 @@ def estimate_memory(
     run = Layout(
         strategy, world_size, nodes, offload, activation_checkpointing,
         tp_size=tp_size, cp_size=cp_size, sp_size=sp_size, offload_device=offload_device,
+        sync_each_batch=sync_each_batch,
     )  # fmt: skip
     if lora is None:
         lora_keywords = dict(lora_rank=lora_rank, lora_dropout=lora_dropout, lora_targets=lora_targets)
@@ -224,7 +228,7 @@ def estimate_memory(
         run, spec, run.rank_spec(spec), replace(lay, grads=grad_bytes) if grad_bytes is not None else lay,
         method, offload, optimizer, param_bytes, base_bytes, seq_len // run.seq_shards, seq_len, micro_batch_size,
         gradient_accumulation_steps, placement, use_liger_kernel, attention, device,
-        checkpoint_children, fsdp2_embedding_unit, fused_lm_head,
+        checkpoint_children, fsdp2_embedding_unit, fused_lm_head, run.sync_each_batch,
     )  # fmt: skip
     return _estimate(r, overhead)
 
@@ -271,6 +275,7 @@ class _Run:
     checkpoint_children: bool
     embedding_unit: bool
     fused_lm_head: bool
+    sync_each_batch: bool
 
     @property
     def s(self) -> Strategy:
@@ -322,7 +327,7 @@ def _model_states(r: _Run) -> tuple[int, int, int, int]:
     """(params, grads, optimizer state, FSDP2's padded elements per gathered decoder layer) of one rank."""
     s, spec, lay, degree, trainable = r.s, r.spec, r.lay, r.degree, r.trainable
     params = param_bytes_per_rank(spec, s, degree, r.method, r.offload, lay, r.base_bytes, r.lora)
-    grads = grad_bytes_per_rank(s, degree, trainable, r.offload, lay, r.accumulation)
+    grads = grad_bytes_per_rank(s, degree, trainable, r.offload, lay, r.accumulation, r.sync_each_batch)
     padded, padded_unit = fsdp_row_padding(spec, degree) if s.is_fsdp and r.offload == "none" else (0, 0)
     if r.layout.tp_size > 1 and r.method == "full" and not s.shards.grads:
         # the vocabulary-parallel embedding (embedding_rowwise) gets a replicated, full-vocabulary gradient
@@ -332,7 +337,8 @@ def _model_states(r: _Run) -> tuple[int, int, int, int]:
     if padded:  # every sharded state of the padded rows; the routed experts are trainable only in full fine-tuning
         full = r.method == "full"
         params += padded * (lay.weights if full else r.base_bytes)
-        grads += padded * lay.grads if full and s.shards.grads and r.accumulation == 1 else 0
+        reduced = r.accumulation == 1 or r.sync_each_batch  # the padded rows of sharded gradients
+        grads += padded * lay.grads if full and s.shards.grads and reduced else 0
         optim += padded * (optimizer_state_bytes(r.optimizer, lay.state) + lay.master) if full else 0
     return params, grads, optim, padded_unit
 

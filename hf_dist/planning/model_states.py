@@ -73,7 +73,9 @@ def param_bytes_per_rank(spec, s: Strategy, degree, method, offload, lay: Dtypes
     return shard_bytes(full, sharded, degree)
 
 
-def grad_bytes_per_rank(s: Strategy, degree, trainable, offload, lay: Dtypes, accumulation=1) -> int:
+def grad_bytes_per_rank(
+    s: Strategy, degree, trainable, offload, lay: Dtypes, accumulation=1, sync_each_batch=False
+) -> int:
     """Gradients kept until the optimizer step.
 
     - DDP / FSDP2: ``param.grad`` in the weights' dtype (FSDP2: views into fp32 reduce-scatter outputs).
@@ -88,9 +90,12 @@ def grad_bytes_per_rank(s: Strategy, degree, trainable, offload, lay: Dtypes, ac
     - FSDP2 with gradient accumulation: the Trainer runs every micro-batch but the last under accelerate's
       ``no_sync``, which for FSDP2 is ``set_requires_gradient_sync(False)``: no reduce-scatter, and each parameter
       keeps its *unsharded* gradient, upcast to the reduce dtype (torch ``_fsdp_param.py``
-      ``to_accumulated_grad_if_needed``), until the last micro-batch. Found by tracing 8B on 64 ranks.
+      ``to_accumulated_grad_if_needed``), until the last micro-batch. Found by tracing 8B on 64 ranks. With
+      ``sync_each_batch`` (accelerate's ``GradientAccumulationPlugin``; the Trainer then runs no ``no_sync``) every
+      micro-batch reduce-scatters, and only the sharded gradients, accumulated in place, persist between them
+      (torch ``_fsdp_collectives.foreach_reduce``): the full-shard size.
     """
-    if s.is_fsdp and accumulation > 1:
+    if s.is_fsdp and accumulation > 1 and not sync_each_batch:
         return trainable * lay.grads
     if bf16_optimizer(s, lay):
         return trainable * (FP32 + lay.compute)

@@ -56,12 +56,14 @@ def plan(
     tp_size: int | None = None, cp_size: int | None = None, sp_size: int | None = None,
     host_memory_gib: float | None = None, nvme_gbps: float | None = None, offload_device: str | None = None,
     features: Any = None, fused_lm_head: bool = False, async_save: bool = False,
-    train_tokens: int | float | None = None, trust_remote_code: bool = False,
+    train_tokens: int | float | None = None, sync_each_batch: bool | None = None, trust_remote_code: bool = False,
 ) -> Plan:  # fmt: skip
     """Plan distributed training of ``model`` (count, config, module, folder, config.json or hub name).
 
-    ``strategy`` / ``offload`` / ``activation_checkpointing`` / ``use_liger_kernel`` pin a choice
-    instead of searching it (Liger kernels are searched on CUDA when liger-kernel is installed).
+    ``strategy`` / ``offload`` / ``activation_checkpointing`` / ``use_liger_kernel`` / ``sync_each_batch`` pin a
+    choice instead of searching it (Liger kernels are searched on CUDA when liger-kernel is installed;
+    ``sync_each_batch``: FSDP2 with gradient accumulation reduce-scatters every micro-batch instead of holding every
+    unsharded gradient until the last, searched where gradients accumulate).
 
     LoRA (:mod:`hf_dist.planning.lora`): a ``PeftModel``'s own config is planned (rank, alpha, dropout, targets,
     ``modules_to_save``, bias, rsLoRA); ``peft_config`` (a PEFT ``LoraConfig``) does the same before the model
@@ -98,7 +100,8 @@ def plan(
     _check_arguments(method, safety_margin, train_tokens, global_batch_size, micro_batch_size, *sizes)
     hw = hardware or detect_hardware(gpus=gpus, gpu_memory_gib=gpu_memory_gib, nodes=nodes,
                                      host_memory_gib=host_memory_gib, nvme_gbps=nvme_gbps)  # fmt: skip
-    space = search_space(hw, method, strategy, offload, offload_device, activation_checkpointing, use_liger_kernel)
+    space = search_space(hw, method, strategy, offload, offload_device, activation_checkpointing, use_liger_kernel,
+                         sync_each_batch)  # fmt: skip
     check_pure_bf16_hardware(pure_bf16, hw)
     model_dtype, spec = loaded_dtype(model), model_spec(model, trust_remote_code=trust_remote_code)
     features = installed_features() if features is None else features
@@ -165,7 +168,7 @@ def _choose(setup: Setup, search: Search, candidates, dims, sizes_pinned: bool, 
         raise PlanError(nothing_fits_message(setup, search.dp_combos, candidates, dims))
     chosen = best(fitting)
     for c in candidates:
-        c.reason = reason_for(c, chosen, pinned=sizes_pinned, offload_pinned=offload_pinned)
+        c.reason = reason_for(c, chosen, pinned=sizes_pinned, offload_pinned=offload_pinned, candidates=candidates)
     return chosen
 
 
@@ -180,7 +183,7 @@ def _result(s: Setup, c: Candidate, candidates, dims, mp, notes, pure_bf16, mode
         global_batch_size=global_batch, num_params=s.spec.num_params, memory=c.memory, candidates=candidates,
         world_size=hw.world_size, nodes=hw.nodes, method=s.method, seq_len=s.seq_len, mixed_precision=mp, hardware=hw,
         model=s.spec, optimizer=s.optimizer, lora=s.lora.lora if s.lora else None, reason=c.reason,
-        usable_gib=s.usable / GIB, trainable_params=s.trainable,
+        usable_gib=s.usable / GIB, trainable_params=s.trainable, sync_each_batch=c.sync_each_batch,
         use_liger_kernel=c.use_liger_kernel, tokens_per_s=c.tokens_per_s, liger_note=liger_note,
         margin_note=margin_note, offload_note=offload_note, pure_bf16=pure_bf16, model_dtype=model_dtype,
         tp_size=c.tp_size, cp_size=c.cp_size, sp_size=c.sp_size, offload_device=c.offload_device,

@@ -34,6 +34,7 @@ class TraceSetup:
     mixed precision). ``device``: the hardware planned for (``cuda`` or ``cpu``), which decides the optimizer the
     Trainer builds there. ``lora``: the LoRA applied (:class:`~hf_dist.planning.lora.LoraSpec`, or its dict;
     default for a LoRA method: the recipes'), through PEFT's ``get_peft_model`` with that config, dropout included.
+    ``sync_each_batch``: FSDP2 reduce-scatters every micro-batch (accelerate's ``sync_each_batch``: no ``no_sync``).
     """
 
     strategy: str
@@ -57,6 +58,7 @@ class TraceSetup:
     device: str = "cuda"
     optimizer: str = "adamw"
     fused_lm_head: bool = False  # TRL's fused LM head (not traceable here: untraceable_reason)
+    sync_each_batch: bool = False
 
     def __post_init__(self) -> None:
         check_choice("method", self.method, ("full", "lora", "qlora"))
@@ -87,6 +89,7 @@ class TraceSetup:
         return Layout(
             self.strategy, self.world_size, self.nodes, self.offload, self.activation_checkpointing,
             self.mixed_precision, self.pure_bf16, self.tp_size, self.cp_size, self.sp_size,
+            sync_each_batch=self.sync_each_batch,
         )  # fmt: skip
 
     def untraceable_reason(self) -> str | None:
@@ -142,7 +145,7 @@ class TraceSetup:
             tp_size=self.tp_size, cp_size=self.cp_size, sp_size=self.sp_size,
             checkpoint_children=installed_features().fsdp2_checkpoints_children,  # the accelerate the trace runs
             fsdp2_embedding_unit=installed_features().fsdp2_embedding_unit,
-            fused_lm_head=self.fused_lm_head,
+            fused_lm_head=self.fused_lm_head, sync_each_batch=self.sync_each_batch,
         )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
@@ -169,6 +172,7 @@ class TraceSetup:
             pure_bf16=plan.pure_bf16, base_dtype=plan.model_dtype or pb, lora=plan.lora,
             offload=c.offload, use_liger_kernel=c.use_liger_kernel, tp_size=c.tp_size, cp_size=c.cp_size,
             sp_size=c.sp_size, device=plan.hardware.device, optimizer=plan.optimizer, fused_lm_head=plan.fused_lm_head,
+            sync_each_batch=c.sync_each_batch,
         )  # fmt: skip
         values.update(overrides)
         return cls(**values)
