@@ -35,7 +35,8 @@ _SOURCE_TEXT = {"default": "the recipes' default LoRA", "keywords": "the lora_* 
 _UNPLANNED = {
     "use_dora": (False, "DoRA runs each adapted linear's base weight again to scale it by its norm "
                  "(PEFT DoraLinearLayer)"),
-    "inference_mode": (False, "an adapter in inference mode trains nothing"),
+    "inference_mode": (False, "an adapter in inference mode trains nothing (load it with PeftModel.from_pretrained(..., "
+                       "is_trainable=True))"),
     "layer_replication": (None, "replicated layers share weights that the memory model counts once"),
     "target_parameters": (None, "LoRA on parameters (PEFT ParamWrapper, e.g. MoE experts)"),
     "trainable_token_indices": (None, "trainable token rows of the embedding"),
@@ -226,10 +227,7 @@ def resolve(model: Any, method: str | None, peft_config: Any = None, **keywords:
         method = "lora" if found or given else "full"
     if method == "full":
         if found or given:
-            what = ", ".join(["a PeftModel" if is_peft_model(model) else "", "peft_config" if peft_config else ""]
-                             + sorted(given)).strip(", ").replace(", ,", ",")  # fmt: skip
-            raise ValueError(f"method='full' trains every weight, but {what} describes LoRA adapters; pass "
-                             f"method='lora' (or 'qlora'), or drop {what}")  # fmt: skip
+            _refuse_full(model, peft_config, given)
         return method, None
     if found:
         _check_keywords_agree(found[0], given)
@@ -242,6 +240,16 @@ def resolve(model: Any, method: str | None, peft_config: Any = None, **keywords:
     return method, LoraSpec(**chosen, source="keywords" if given else "default")
 
 
+def _refuse_full(model: Any, peft_config: Any, given: dict[str, Any]) -> None:
+    parts = ["a PeftModel"] if is_peft_model(model) else []
+    parts += ["peft_config"] if peft_config is not None else []
+    what = ", ".join(parts + sorted(given))
+    raise ValueError(
+        f"method='full' trains every weight, but {what} describes LoRA adapters; pass method='lora' (or 'qlora'), "
+        f"or drop {what}"
+    )
+
+
 def _spec_of(model: Any) -> Any:
     from hf_dist.planning.modelinfo import model_spec
 
@@ -250,7 +258,7 @@ def _spec_of(model: Any) -> Any:
 
 def _targets(value: Any) -> tuple[str, ...] | str:
     """``lora_targets`` as PEFT's ``target_modules``: ``"all-linear"`` or a regex as a string, names as a tuple;
-    ``"q_proj,v_proj"`` (the CLI's comma-separated form) as names."""
+    a comma-separated string (``"q_proj,v_proj"``) as names."""
     if isinstance(value, str) and "," in value:
         return tuple(v.strip() for v in value.split(",") if v.strip())
     return _tuple(value)
