@@ -2,13 +2,14 @@
 
 Usage:  python benchmarks/gpu_ground_truth.py [DATA.json ...] [--json OUT]
 
-Each data file (default: every ``benchmarks/data/gpu/*.json``) holds runs of the HF Trainer with
-``hf_dist.auto_args()`` on one CUDA device, taken with ``../shared/gpu/gpu_memory.py``: what was asked
-(strategy, micro-batch, accumulation, checkpointing, Liger, the dtype the weights were loaded in) and
+Each data file (default: every ``benchmarks/data/gpu/*.json``: an H100 and an H200) holds runs of the HF Trainer
+with ``hf_dist.auto_args()`` on one CUDA device, taken with ``../shared/gpu/gpu_memory.py``: what was asked
+(strategy, micro-batch, accumulation, checkpointing, Liger, the dtype the weights were loaded in, the LoRA) and
 what was measured (``device_used_gib`` = max over steps of ``total - free``, torch's allocated and
 reserved peaks, OOM, tokens/s). For every case this prints hf_dist's prediction of what ran (a
 16-bit-loaded model under one process trained in pure bf16 before hf_dist 0.2; the Adam state dtype
-in the data says which) next to the measurement, as ratios.
+in the data says which; a LoRA case with the LoRA it records, ``hf_dist.testing.gpu_case_lora``) next to the
+measurement, as ratios, and the prediction of the hf_dist that ran the case (``hf_dist_prediction_at_*``).
 
 Targets (issue 10): every case that ran with fp32 master weights within -5 % / +15 % of the device
 memory used; every case that ran out of memory predicted above the usable capacity. Then, per model
@@ -47,9 +48,17 @@ def load(paths: list[str]) -> list[tuple[dict, dict, Path]]:
 
 
 def capacity_gib(env: dict) -> float:
-    """Usable device memory from the environment line, e.g. '... (79.18 GiB usable by torch)'."""
-    text = env["gpu"]
-    return float(text.split("(")[1].split(" GiB")[0])
+    """Usable device memory from the environment line, e.g. '... (79.18 GiB usable by torch)' or
+    '... (143771 MiB; 139.80 GiB seen by torch)'."""
+    import re
+
+    return float(re.search(r"([\d.]+) GiB (?:usable|seen) by torch", env["gpu"]).group(1))
+
+
+def recorded_prediction(case: dict) -> float:
+    """The device total the hf_dist that ran the case predicted (0.1.0 on the H100, 00cc18a on the H200)."""
+    key = next(k for k in case if k.startswith("hf_dist_prediction_at_"))
+    return case[key]["total"]
 
 
 def ran_pure_bf16(case: dict) -> bool:
@@ -59,6 +68,7 @@ def ran_pure_bf16(case: dict) -> bool:
 def predict(case: dict, config_dir: Path):
     from hf_dist.planning.memory import estimate_memory
     from hf_dist.planning.modelinfo import load_config, model_spec
+    from hf_dist.testing import gpu_case_lora
 
     spec = model_spec(load_config(str(config_dir / "config.json")))
     return estimate_memory(
@@ -66,6 +76,7 @@ def predict(case: dict, config_dir: Path):
         case["strategy"],
         1,
         method=case["method"],
+        lora=gpu_case_lora(case),
         master_weights=not ran_pure_bf16(case),
         seq_len=case["seq_len"],
         micro_batch_size=case["micro_batch_size"],
@@ -76,7 +87,7 @@ def predict(case: dict, config_dir: Path):
 
 
 def case_label(case: dict) -> str:
-    parts = [case["model"], case["method"], case["strategy"], f"mb{case['micro_batch_size']}"]
+    parts = [case["model"], case["method"], case["strategy"], f"seq{case['seq_len']}", f"mb{case['micro_batch_size']}"]
     if case["gradient_accumulation_steps"] > 1:
         parts.append(f"ga{case['gradient_accumulation_steps']}")
     if case["activation_checkpointing"]:
@@ -101,7 +112,7 @@ def memory_rows(cases) -> tuple[list[dict], list[str]]:
             "measured_allocated_gib": m["max_memory_allocated_gib"],
             "oom": bool(m["out_of_memory"]),
             "capacity_gib": cap,
-            "v0.1_gib": case["hf_dist_prediction_at_0.1.0"]["total"],
+            "recorded_gib": recorded_prediction(case),
             "terms": est.gib(),
         }
         row["ratio"] = row["predicted_gib"] / row["measured_gib"]
@@ -120,7 +131,7 @@ def memory_rows(cases) -> tuple[list[dict], list[str]]:
 
 
 def memory_table(rows: list[dict]) -> str:
-    header = ("case", "precision", "predicted", "measured", "ratio", "alloc pred/meas", "v0.1 ratio", "target")
+    header = ("case", "precision", "predicted", "measured", "ratio", "alloc pred/meas", "recorded ratio", "target")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         if r["oom"]:
@@ -131,7 +142,7 @@ def memory_table(rows: list[dict]) -> str:
             measured, ratio = f"{r['measured_gib']:.2f}", f"{r['ratio']:.3f}"
             target = "-" if r["ok"] is None else ("ok" if r["ok"] else "MISS")
         alloc = f"{r['predicted_allocated_gib'] / r['measured_allocated_gib']:.3f}" if not r["oom"] else "-"
-        v01 = "-" if r["oom"] else f"{r['v0.1_gib'] / r['measured_gib']:.3f}"
+        v01 = "-" if r["oom"] else f"{r['recorded_gib'] / r['measured_gib']:.3f}"
         cells = (r["case"], r["precision"], f"{r['predicted_gib']:.2f}", measured, ratio, alloc, v01, target)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -1,7 +1,8 @@
-"""The analytic memory model against the tracer, and the tracer against the H100.
+"""The analytic memory model against the tracer, and the tracer against real GPUs (an H100 and an H200).
 
     python benchmarks/trace_accuracy.py                 # every row (about 15 minutes on 2 cores)
     python benchmarks/trace_accuracy.py --only llama-3-8b --out trace.json
+    python benchmarks/trace_accuracy.py --skip-models --gpu-only llama-3-8b   # part 2: the H200 LoRA run (~1 min)
 
 Part 1: public models' configs (hf_dist.testing.PUBLIC_CONFIGS: Llama 3.2 1B/3B, Llama 3 8B/70B, Qwen2.5 7B, Mistral
 7B, Gemma 2 9B, Mixtral 8x7B) laid out as DDP, FSDP2 full-shard / shard-grad-op / HSDP and FSDP2 x TP, full and LoRA,
@@ -11,8 +12,9 @@ prints the traced peak of live tensors next to the memory model's ``allocated`` 
 ``torch.cuda.max_memory_allocated`` reports). Target: within 5 % on every row whose traced device total (traced
 peak + the model's allocator and CUDA-context terms) fits in 80 GiB.
 
-Part 2: the tracer against every H100 run of benchmarks/data/gpu/ that trained with fp32 master weights and a layout
-the tracer runs (DDP / FSDP2; no Liger), against its measured ``max_memory_allocated``. Target: within 3 %.
+Part 2: the tracer against every GPU run of benchmarks/data/gpu/ (H100, H200) that trained with fp32 master weights and
+a layout the tracer runs (DDP / FSDP2; no Liger), with the LoRA the run recorded (``hf_dist.testing.gpu_case_lora``),
+against its measured ``max_memory_allocated``; the memory model's ``allocated`` beside it. Target: within 3 %.
 Out-of-memory runs must trace above the card.
 """
 
@@ -25,7 +27,8 @@ import time
 from pathlib import Path
 
 from hf_dist.planning.memory import GIB, estimate_memory
-from hf_dist.testing import PUBLIC_CONFIGS, public_config
+from hf_dist.planning.modelinfo import config_from_dict
+from hf_dist.testing import PUBLIC_CONFIGS, gpu_case_lora, public_config
 from hf_dist.tracing import TraceError, TraceSetup, TraceUnsupported, trace_memory
 
 CARD_GIB = 80.0
@@ -85,28 +88,34 @@ def describe(s: TraceSetup) -> str:
     return f"{s.strategy}{sizes} w{s.world_size} {s.method}{flags} seq{s.seq_len} mb{s.micro_batch_size}"
 
 
-def gpu_rows(limit: float) -> list[dict]:
-    """Every H100 case with fp32 masters that the tracer can run."""
+def gpu_rows(limit: float, only: list[str] | None = None) -> list[dict]:
+    """Every GPU case with fp32 masters that the tracer can run (of the ``only`` models, when given)."""
     rows = []
     for path in sorted(GPU_DATA.glob("*.json")):
         data = json.loads(path.read_text())
+        gpu = data["environment"]["gpu"].split(" (")[0]
         for case in data["cases"]:
             measured = case["measured"]
             masters = measured.get("adam_state_dtype") == "torch.float32"
             if not masters or case["use_liger_kernel"] or case["strategy"].startswith("zero"):
+                continue
+            if only and case["model"] not in only:
                 continue
             config = json.loads((GPU_DATA / "configs" / case["model"] / "config.json").read_text())
             setup = TraceSetup(
                 strategy=case["strategy"], method=case["method"], seq_len=case["seq_len"],
                 micro_batch_size=case["micro_batch_size"], gradient_accumulation_steps=case["gradient_accumulation_steps"],
                 activation_checkpointing=case["activation_checkpointing"], base_dtype=case["weights_loaded_as"],
+                lora=gpu_case_lora(case),
             )  # fmt: skip
             trace = trace_memory(config, isolate=False, time_limit_s=limit, **setup.to_dict())
+            modelled = estimate_memory(config_from_dict(config), setup.strategy, **setup.estimate_kwargs())
             real = measured["max_memory_allocated_gib"]
             rows.append({
-                "case": f"{case['model']} {describe(setup)}", "h100_allocated_gib": real,
+                "case": f"{case['model']} {describe(setup)}", "gpu": gpu, "gpu_allocated_gib": real,
                 "traced_gib": trace.peak_bytes / GIB, "ratio": trace.peak_bytes / GIB / real,
-                "out_of_memory": bool(measured.get("out_of_memory")), "seconds": trace.seconds,
+                "modelled_gib": modelled.allocated / GIB, "out_of_memory": bool(measured.get("out_of_memory")),
+                "seconds": trace.seconds,
             })  # fmt: skip
     return rows
 
@@ -128,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--only", nargs="*", choices=sorted(PUBLIC_CONFIGS), help="models to run (default: all)")
-    parser.add_argument("--skip-gpu", action="store_true", help="leave out part 2 (the H100 comparison)")
+    parser.add_argument("--skip-gpu", action="store_true", help="leave out part 2 (the GPU comparison)")
+    parser.add_argument("--skip-models", action="store_true", help="leave out part 1 (the memory model vs the tracer)")
+    parser.add_argument("--gpu-only", nargs="*", help="part 2 for these models only (e.g. llama-3-8b)")
     parser.add_argument("--time-limit", type=float, default=300.0, help="seconds per trace")
     parser.add_argument("--out", type=Path, help="also write every row as JSON")
     args = parser.parse_args(argv)
@@ -136,21 +147,22 @@ def main(argv: list[str] | None = None) -> int:
     print("Part 1: analytic model vs tracer (rank 0, allocated GiB)")
     print(HEADER, flush=True)
     rows, misses = [], 0
-    for name, setup in setups(args.only or list(PUBLIC_CONFIGS)):
+    for name, setup in [] if args.skip_models else setups(args.only or list(PUBLIC_CONFIGS)):
         rows.append(model_row(name, setup, args.time_limit))
         line, miss = format_row(rows[-1])
         misses += miss
         print(line, flush=True)
     checked = sum(1 for r in rows if r.get("fits_80"))
     print(f"{checked - misses}/{checked} rows that fit in {CARD_GIB:g} GiB within {MODEL_TARGET:.0%}")
-    gpu = [] if args.skip_gpu else gpu_rows(args.time_limit)
+    gpu = [] if args.skip_gpu else gpu_rows(args.time_limit, args.gpu_only)
     if gpu:
-        print("\nPart 2: tracer vs H100 max_memory_allocated (GiB)")
+        print("\nPart 2: tracer (and memory model) vs the GPU's max_memory_allocated (GiB)")
         for r in gpu:
             ok = r["ratio"] > 1 if r["out_of_memory"] else abs(r["ratio"] - 1) <= GPU_TARGET  # OOM: above what it had
             print(
-                f"{r['case']:60} H100 {r['h100_allocated_gib']:7.2f}  traced {r['traced_gib']:7.2f}  "
-                f"ratio {r['ratio']:.3f}{' (OOM on the H100)' if r['out_of_memory'] else ''}{'' if ok else '  MISS'}"
+                f"{r['case']:60} {r['gpu']:22} {r['gpu_allocated_gib']:7.2f}  traced {r['traced_gib']:7.2f}  "
+                f"ratio {r['ratio']:.3f}  modelled {r['modelled_gib']:7.2f}"
+                f"{' (OOM on the GPU)' if r['out_of_memory'] else ''}{'' if ok else '  MISS'}"
             )
     print(f"\n{time.time() - start:.0f} s")
     if args.out:

@@ -38,11 +38,12 @@ __all__ = ["auto_args"]
 def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
     """Return kwargs for ``TrainingArguments(**kwargs)`` on the installed transformers version.
 
-    ``model``: anything :func:`hf_dist.plan` accepts (name, folder, config, module, PEFT model, count).
+    ``model``: anything :func:`hf_dist.plan` accepts (name, folder, config, module, PEFT model, count); a
+    ``PeftModel``'s own LoRA is planned, and ``peft_config=`` (a PEFT ``LoraConfig``) plans one before the model exists.
     Plan keywords (``gpus, gpu_memory_gib, nodes, method, seq_len, global_batch_size,
-    micro_batch_size, optimizer, lora_rank, strategy, offload, activation_checkpointing,
-    use_liger_kernel, safety_margin, hardware, pure_bf16, tp_size, cp_size, sp_size, host_memory_gib,
-    nvme_gbps, fused_lm_head, async_save, train_tokens, verify, verify_time_limit_s``) go to the planner (``verify=True`` traces the chosen layout on the real
+    micro_batch_size, optimizer, lora_rank, lora_dropout, lora_targets, peft_config, strategy, offload,
+    activation_checkpointing, use_liger_kernel, sync_each_batch, safety_margin, hardware, pure_bf16, tp_size, cp_size,
+    sp_size, host_memory_gib, nvme_gbps, fused_lm_head, async_save, train_tokens, verify, verify_time_limit_s``) go to the planner (``verify=True`` traces the chosen layout on the real
     model with fake tensors and takes the next one if the trace does not fit) (``use_liger_kernel``
     pins the TrainingArguments flag of the same name; by default the planner turns it on where it
     helps); ``plan=`` passes a ready :class:`~hf_dist.planning.planner.Plan`

@@ -80,6 +80,27 @@ def public_config(name: str):
     return config_from_dict(dict(PUBLIC_CONFIGS[name]))
 
 
+# a GPU case's LoRA as ../shared/gpu/gpu_memory.py records it: "r=16, alpha=32, dropout=0.0 (...), all linear layers"
+_CASE_LORA = re.compile(r"r=(?P<r>\d+), alpha=(?P<alpha>[\d.]+), dropout=(?P<dropout>[\d.]+).*, (?P<targets>.+)$")
+
+
+def gpu_case_lora(case: dict):
+    """The :class:`~hf_dist.planning.lora.LoraSpec` a measured GPU case trained (its ``lora`` field), None for full
+    fine-tuning; a description this cannot read is refused rather than planned as another LoRA."""
+    from hf_dist.planning.lora import LoraSpec
+
+    text = case.get("lora")
+    if case["method"] == "full" or text is None:
+        return None
+    match = _CASE_LORA.match(text)
+    targets = {"all linear layers": "all-linear"}.get(match["targets"].strip()) if match else None
+    if targets is None:
+        raise ValueError(f"cannot read the LoRA of case {case['model']}: {text!r}; expected 'r=.., alpha=.., "
+                         "dropout=.., all linear layers'")  # fmt: skip
+    return LoraSpec(rank=int(match["r"]), alpha=float(match["alpha"]), dropout=float(match["dropout"]),
+                    targets=targets, source="peft_config")  # fmt: skip
+
+
 def torchrun(
     script: str | Path,
     args: Sequence[str] = (),

@@ -80,14 +80,15 @@ def main(argv: list[str] | None = None, *, method: str = "full") -> dict:
     tokenizer = ru.load_tokenizer(model_args, chat=True)
     config = ru.model_config(model_args, tokenizer)
     seq_len = ru.resolve_seq_len(data_args.max_seq_length, config, embedded=model_args.embedded)
+    peft_config = None  # the LoRA the plan is made for and the model gets
     if method != "full":
-        ru.check_lora_targets(lora_args, config, trust_remote_code=model_args.trust_remote_code)
+        peft_config = ru.check_lora_targets(lora_args, config, trust_remote_code=model_args.trust_remote_code)
     ru.check_dataset(data_args, kind="chat")
     # the tiny embedded model is built before the strategy exists (see ru.build_model)
     model = ru.build_model(model_args, config, seed=train_kwargs["seed"]) if model_args.embedded else None
     args = ru.training_arguments(
         train_kwargs, explicit, config, method=method, seq_len=seq_len, strategy=model_args.strategy,
-        lora_rank=lora_args.lora_r, deepspeed_on_cpu=run_args.deepspeed_on_cpu, sizes=model_args.sizes,
+        peft_config=peft_config, deepspeed_on_cpu=run_args.deepspeed_on_cpu, sizes=model_args.sizes,
         offloading=model_args.offloading, async_save=run_args.async_save,
         trust_remote_code=model_args.trust_remote_code,
     )  # fmt: skip
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None, *, method: str = "full") -> dict:
         quantization = ru.bnb_config(quant_args) if method == "qlora" else None
         model = ru.build_model(model_args, config, seed=args.seed, quantization_config=quantization, **load)
     ru.print_plan(config, method=method, seq_len=seq_len, args=args, strategy=model_args.strategy,
-                  trust_remote_code=model_args.trust_remote_code)  # fmt: skip
+                  trust_remote_code=model_args.trust_remote_code, peft_config=peft_config)  # fmt: skip
     before = ru.baseline_accuracy(model, tokenizer, task, mode="chat", args=args)
     if method != "full":
         model = ru.apply_lora(model, lora_args, quantized=method == "qlora")

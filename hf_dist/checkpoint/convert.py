@@ -198,7 +198,8 @@ def _adapter_config(info: CheckpointLayout) -> dict:
 
 
 def _find_adapter_config(info: CheckpointLayout) -> Path | None:
-    for directory in (info.path if info.path.is_dir() else info.path.parent, info.root, info.root.parent):
+    near = (info.path if info.path.is_dir() else info.path.parent, info.root, info.root.parent)
+    for directory in (*((info.config_dir,) if info.config_dir is not None else ()), *near):
         if (directory / "adapter_config.json").is_file():
             return directory / "adapter_config.json"
     return None

@@ -12,6 +12,7 @@ EPILOG = """examples:
   hf-dist plan meta-llama/Llama-3.1-8B --gpus 8 --gpu-memory 80
   hf-dist plan ./my-model/config.json --gpus 16 --nodes 2 --gpu-memory 80 --global-batch 128
   hf-dist plan ./my-model --gpus 1 --gpu-memory 24 --method lora --seq-len 4096
+  hf-dist plan ./my-model --gpus 1 --gpu-memory 80 --lora-rank 64 --lora-dropout 0 --lora-targets q_proj v_proj
   hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --json > plan.json
   hf-dist plan ./my-model --gpus 1 --gpu-memory 80 --global-batch 64 --liger off   # without Liger kernels
   hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --pure-bf16   # bf16 weights and Adam state
@@ -84,6 +85,14 @@ def _add_layout_pins(parser: argparse.ArgumentParser) -> None:
         "tokens/s",
     )
     parser.add_argument(
+        "--sync-each-batch",
+        choices=("auto", "on", "off"),
+        default="auto",
+        dest="sync_each_batch",
+        help="FSDP2 with gradient accumulation: reduce-scatter each micro-batch (auto_args(sync_each_batch=...)) "
+        "instead of holding every unsharded gradient until the last one; auto = chosen by memory and tokens/s",
+    )
+    parser.add_argument(
         "--offload-device",
         choices=("cpu", "nvme"),
         dest="offload_device",
@@ -102,17 +111,41 @@ def _add_layout_pins(parser: argparse.ArgumentParser) -> None:
 
 def _add_workload(parser: argparse.ArgumentParser) -> None:
     """What is trained and how: method, batch shape, optimizer, kernels."""
-    parser.add_argument("--method", choices=("full", "lora", "qlora"), default="full")
+    parser.add_argument(
+        "--method",
+        choices=("full", "lora", "qlora"),
+        help="what trains (default: lora when a --lora-* flag is given, else full)",
+    )
     parser.add_argument("--seq-len", type=int, default=2048, dest="seq_len")
     parser.add_argument("--global-batch", type=int, dest="global_batch", help="sequences per optimizer step")
     parser.add_argument("--micro-batch", type=int, dest="micro_batch", help="sequences per rank per forward")
     parser.add_argument("--optimizer", choices=("adamw", "adamw_8bit", "sgd"), default="adamw")
-    parser.add_argument("--lora-rank", type=int, default=16, dest="lora_rank")
+    _add_lora(parser)
     parser.add_argument(
         "--liger",
         choices=("auto", "on", "off"),
         default="auto",
         help="Liger kernels (use_liger_kernel): auto = considered on CUDA when liger-kernel is installed",
+    )
+
+
+def _add_lora(parser: argparse.ArgumentParser) -> None:
+    """The LoRA planned (hf_dist.planning.lora): the recipes' (rank 16, dropout 0.05, every linear of the block)
+    unless a flag says otherwise."""
+    lora = "the recipes' LoRA: rank 16, dropout 0.05, q/k/v/o/gate/up/down_proj"
+    parser.add_argument("--lora-rank", type=int, dest="lora_rank", help=f"LoRA rank r (default: {lora})")
+    parser.add_argument(
+        "--lora-dropout",
+        type=float,
+        dest="lora_dropout",
+        help="LoRA dropout on each adapter's input; PEFT's LoraConfig defaults to 0.0, the recipes to 0.05",
+    )
+    parser.add_argument(
+        "--lora-targets",
+        nargs="+",
+        dest="lora_targets",
+        metavar="NAME",
+        help="modules to adapt, as PEFT's target_modules: names (q_proj v_proj) or all-linear",
     )
 
 
@@ -171,7 +204,7 @@ def _add_verification_and_output(parser: argparse.ArgumentParser) -> None:
 
 # the flags plan() takes under their own names, and plan()'s keyword -> the flag
 _PLAN_OPTIONS = (
-    "method", "seq_len", "optimizer", "lora_rank", "safety_margin", "fused_lm_head", "async_save",
+    "method", "seq_len", "optimizer", "lora_rank", "lora_dropout", "safety_margin", "fused_lm_head", "async_save",
     "train_tokens", "pure_bf16", "tp_size", "cp_size", "sp_size", "offload_device", "verify", "strategy", "offload",
 )  # fmt: skip
 _PLAN_RENAMED = {
@@ -183,7 +216,8 @@ _PLAN_RENAMED = {
 _HARDWARE_OPTIONS = ("gpus", "nodes", "nvme_gbps")
 _HARDWARE_RENAMED = {"gpu_memory_gib": "gpu_memory", "host_memory_gib": "host_memory"}
 # on / off / auto flags: plan()'s keyword -> the flag (auto = None: searched)
-_SWITCHES = {"use_liger_kernel": "liger", "activation_checkpointing": "activation_checkpointing"}
+_SWITCHES = {"use_liger_kernel": "liger", "activation_checkpointing": "activation_checkpointing",
+             "sync_each_batch": "sync_each_batch"}  # fmt: skip
 _SWITCH_VALUES = {"auto": None, "on": True, "off": False}
 
 
@@ -203,9 +237,17 @@ def run(args: argparse.Namespace) -> int:
     result = plan(
         spec,
         hardware=hardware,
+        lora_targets=_targets(args.lora_targets),
         trust_remote_code=args.trust_remote_code,
         **switches,
         **arg_kwargs(args, *_PLAN_OPTIONS, **_PLAN_RENAMED),
     )
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.explain())
     return 0
+
+
+def _targets(names: list[str] | None):
+    """``--lora-targets``: names as a list, ``all-linear`` (one value) as PEFT's shorthand string."""
+    if names is None:
+        return None
+    return names[0] if len(names) == 1 and names[0].lower() == "all-linear" else names

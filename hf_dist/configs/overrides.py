@@ -1,6 +1,7 @@
 """User overrides of the strategy's own ``TrainingArguments`` keys, checked against the plan.
 
-``auto_args(..., fsdp=..., fsdp_config=..., deepspeed=...)``: the generated FSDP config / DeepSpeed JSON is
+``auto_args(..., fsdp=..., fsdp_config=..., deepspeed=..., parallelism_config=..., accelerator_config=...)``: the
+generated FSDP config / DeepSpeed JSON is
 the base, the user's nested dict is merged into it key by key, and a key that contradicts the plan is an
 error naming both values and the fix. Turning the planned engine off (``fsdp=False`` with an FSDP plan,
 ``deepspeed=None`` with a ZeRO plan) or switching it on against the plan is an error too: the strategy is
@@ -52,6 +53,36 @@ def apply_strategy_overrides(plan: Any, ours: dict[str, Any], user: dict[str, An
         ours["deepspeed"] = merge_nested(ours["deepspeed"], given, "deepspeed", strategy, conflicts)
     if user.get("parallelism_config") is not None:
         conflicts += _mesh_conflicts(plan, ours, user)
+    if user.get("accelerator_config") is not None:
+        conflicts += _accelerator_config_conflicts(plan, ours, user)
+    return conflicts
+
+
+def _accelerator_config_conflicts(plan: Any, ours: dict[str, Any], user: dict[str, Any]) -> list[str]:
+    """A user ``accelerator_config`` (dict, JSON file or transformers ``AcceleratorConfig``) keeps the plan's
+    ``gradient_accumulation_kwargs.sync_each_batch``: it decides whether FSDP2 holds every unsharded gradient until
+    the last micro-batch, which the plan's memory counts. The user's other keys are merged into the generated ones."""
+    given = user["accelerator_config"]
+    if hasattr(given, "to_dict"):
+        given = given.to_dict()
+    given = _as_dict("accelerator_config", given)
+    planned = bool(getattr(plan, "sync_each_batch", False))
+    kwargs = given.get("gradient_accumulation_kwargs") or {}
+    asked = kwargs.get("sync_each_batch", _MISSING)
+    conflicts = []
+    if asked is not _MISSING and bool(asked) != planned and (planned or plan.gradient_accumulation_steps > 1):
+        conflicts.append(
+            f"accelerator_config gradient_accumulation_kwargs sync_each_batch={asked!r} contradicts the plan "
+            f"({plan.strategy}, sync_each_batch={planned}): it decides whether FSDP2 keeps every unsharded gradient "
+            f"until the last micro-batch; pass sync_each_batch={bool(asked)} to auto_args (a planner keyword, so "
+            "memory and speed follow it) and drop it from accelerator_config."
+        )
+    mine = ours.get("accelerator_config") or {}
+    merged_kwargs = {**kwargs, **(mine.get("gradient_accumulation_kwargs") or {})}
+    user["accelerator_config"] = {
+        **given,
+        **({"gradient_accumulation_kwargs": merged_kwargs} if merged_kwargs else {}),
+    }
     return conflicts
 
 

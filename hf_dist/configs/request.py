@@ -27,6 +27,9 @@ PLAN_KEYS = (
     "micro_batch_size",
     "optimizer",
     "lora_rank",
+    "lora_dropout",
+    "lora_targets",
+    "peft_config",
     "strategy",
     "offload",
     "activation_checkpointing",
@@ -43,6 +46,7 @@ PLAN_KEYS = (
     "fused_lm_head",
     "async_save",
     "train_tokens",
+    "sync_each_batch",
     "verify",
     "verify_time_limit_s",
 )

@@ -21,6 +21,7 @@ from hf_dist.validation import check_choice
 
 __all__ = [
     "strategy_args",
+    "sync_each_batch_config",
     "parallelism_kwargs",
     "from_pretrained_kwargs",
     "training_kwargs",
@@ -106,8 +107,9 @@ def strategy_args(
     """The one strategy -> ``TrainingArguments`` kwargs emitter (auto_args, the accelerate YAML and bench use it).
 
     FSDP: ``fsdp``/``fsdp_config`` (checkpointing inside each wrapped block: the Trainer's flag would add a
-    redundant all-gather in backward) and, for HSDP, ``parallelism_config`` as ``ParallelismConfig`` kwargs
-    (a dict: :func:`hf_dist.auto_args` builds the object). DeepSpeed: the JSON as a dict, with the model's own
+    redundant all-gather in backward), for HSDP ``parallelism_config`` as ``ParallelismConfig`` kwargs
+    (a dict: :func:`hf_dist.auto_args` builds the object), and with ``layout.sync_each_batch`` the
+    ``accelerator_config`` that reduce-scatters every micro-batch (:func:`sync_each_batch_config`). DeepSpeed: the JSON as a dict, with the model's own
     non-reentrant checkpointing (works with frozen inputs under LoRA). DDP: no unused-parameter search
     (every parameter of a causal LM gets a gradient; under LoRA every adapter).
 
@@ -152,8 +154,18 @@ def _fsdp_args(layout: Layout, features: LibraryFeatures, wrap_classes, cpu_ram_
     )
     if features.fsdp_version == 2 and (layout.dp_replicate_size > 1 or _model_parallel(layout)):
         out["parallelism_config"] = parallelism_kwargs(layout)
+    if layout.sync_each_batch:
+        out["accelerator_config"] = sync_each_batch_config()
     # FSDP checkpoints inside fsdp_config: the Trainer's flag would add a redundant all-gather in backward
     return {**out, features.activation_checkpointing_field: False, **_sharded_at_load(layout)}
+
+
+def sync_each_batch_config() -> dict[str, Any]:
+    """``TrainingArguments.accelerator_config`` that makes the Trainer reduce-scatter every micro-batch under FSDP2:
+    it builds accelerate's ``GradientAccumulationPlugin(**gradient_accumulation_kwargs)`` and skips ``no_sync`` when
+    the plugin's ``sync_each_batch`` is set (transformers ``Trainer.create_accelerator_and_postprocess`` and
+    ``_inner_training_loop``), so no unsharded gradient outlives its micro-batch."""
+    return {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
 
 
 def _deepspeed_args(layout: Layout, features: LibraryFeatures, engine: dict[str, Any]) -> dict[str, Any]:

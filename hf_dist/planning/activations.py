@@ -11,6 +11,7 @@ LoRA base) saves nothing of its input, so LoRA's activations are not full fine-t
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from hf_dist.planning.dtypes import FP32, Dtypes
@@ -24,16 +25,20 @@ _LORA_INPUTS = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "
 
 @dataclass(frozen=True)
 class Lora:
-    """A LoRA run's adapters, as PEFT's ``lora.Linear.forward`` runs them (peft/tuners/lora/layer.py):
+    """One decoder layer's LoRA adapters, as PEFT's ``lora.Linear.forward`` runs them (peft/tuners/lora/layer.py):
     ``result + lora_B(lora_A(dropout(self._cast_input_dtype(x, lora_A.weight.dtype)))) * scaling``.
 
+    ``adapters``: ``(name, in_features, rank)`` of each adapted linear (none: a frozen layer without adapters);
     ``dropout``: ``lora_dropout > 0`` (``nn.Dropout``: its output is a new tensor per adapter, plus a 1-byte mask);
     ``cast``: the adapters' dtype differs from the input's (fp32 adapters under autocast, DDP: every adapter
-    casts its input to fp32, and autocast casts it back to 16-bit for ``lora_A``, a copy per adapter)."""
+    casts its input to fp32, and autocast casts it back to 16-bit for ``lora_A``, a copy per adapter);
+    ``input_grad``: the layer's input needs a gradient (False in the first layer that trains when nothing before it
+    does: dropout there records no mask for the adapters that read the layer's input)."""
 
-    rank: int
+    adapters: tuple[tuple[str, int, int], ...] = ()
     dropout: bool = True
     cast: bool = False
+    input_grad: bool = True
 
 
 def _norm_bytes(h: int, lay: Dtypes, consumers: int, liger: bool, frozen: bool = False) -> int:
@@ -44,7 +49,7 @@ def _norm_bytes(h: int, lay: Dtypes, consumers: int, liger: bool, frozen: bool =
     the input dtype for the weight multiply. Liger's ``LigerRMSNormFunction`` saves only its input and
     a per-row fp32 rstd. Consumers: under autocast each linear saves its own cast of the output;
     otherwise they share one saved tensor. ``frozen`` (a LoRA base): neither the weight multiply nor the frozen
-    linears save the output (their adapters do, :func:`_lora_bytes`).
+    linears save the output (their adapters do, :func:`lora_bytes`).
     """
     r = lay.residual
     if frozen:
@@ -58,18 +63,23 @@ def _norm_saved_bytes(h: int, lay: Dtypes, liger: bool) -> int:
     return lay.residual * h if liger else FP32 * h + lay.residual * h
 
 
-def _lora_bytes(spec, lay: Dtypes, lora: Lora) -> int:
-    """Per token, what one layer's adapters save: ``lora_A`` its (dropped, cast) input and ``lora_B`` the rank-wide
-    output of ``lora_A``. Each adapter keeps its own copy of the input when it applies dropout (plus the 1-byte
-    mask ``native_dropout`` saves) or casts it; otherwise adapters reading one tensor share it."""
+def lora_bytes(lay: Dtypes, lora: Lora, *, attention: str = "sdpa") -> int:
+    """Per token, what adapters save: ``lora_A`` its (dropped, cast) input and ``lora_B`` the rank-wide output of
+    ``lora_A`` (peft ``tuners/lora/layer.py`` ``Linear.forward``). Each adapter keeps its own copy of the input when it
+    applies dropout (plus the 1-byte mask ``native_dropout`` saves when the input needs a gradient, torch
+    ``derivatives.yaml``) or casts it; otherwise adapters reading one tensor share it, and ``o_proj``'s adapter shares
+    the attention output sdpa saved (its ``(batch, seq, heads, dim)`` output makes transformers' ``transpose(1, 2)
+    .contiguous()`` a view). Found by tracing: the saved tensors of each case listed from the autograd graph."""
     c = lay.compute
-    out, shared = 0, set()
-    for name, width_in, _ in spec.lora_linears:
-        out += c * lora.rank
+    out, shared = 0, {"attn_out"} if attention != "eager" else set()
+    for name, width_in, rank in lora.adapters:
+        group = _LORA_INPUTS.get(name.rsplit(".", 1)[-1], name)
+        out += c * rank
         if lora.dropout or lora.cast:
-            out += (c + (1 if lora.dropout else 0)) * width_in
-        elif _LORA_INPUTS.get(name, name) not in shared:
-            shared.add(_LORA_INPUTS.get(name, name))
+            mask = lora.dropout and (lora.input_grad or group != "attn_in")
+            out += (c + (1 if mask else 0)) * width_in
+        elif group not in shared:
+            shared.add(group)
             out += c * width_in
     return out
 
@@ -126,7 +136,7 @@ def layer_activation_bytes(
         contiguous transpose that o_proj saves (c*h; not when o_proj is frozen), and flash/efficient SDPA's fp32
         log-sum-exp per head (4a). Eager attention instead keeps the fp32 softmax and its 16-bit copy per key
         ((4 + c)*a*s);
-      the feed-forward block (:func:`_mlp_bytes`); with LoRA, the adapters (:func:`_lora_bytes`).
+      the feed-forward block (:func:`_mlp_bytes`); with LoRA, the adapters (:func:`lora_bytes`).
     Korthikanti et al. eq. 1 gives 34h for a GPT block in 16-bit; this block with I = 4h is larger
     because SwiGLU keeps four I-sized tensors where GELU keeps two.
     ``seq_len`` is the tokens this rank holds; ``keys`` the length each query attends over (the whole sequence
@@ -145,7 +155,7 @@ def layer_activation_bytes(
     # * cap), which saves tanh's output per key too (modeling_gemma2.py eager_attention_forward)
     per_key = FP32 + c + (c if spec.attention_softcapping else 0)
     attn += per_key * a * keys if attention == "eager" else FP32 * a
-    adapters = _lora_bytes(spec, lay, lora) if lora is not None else 0
+    adapters = lora_bytes(lay, lora, attention=attention) if lora is not None else 0
     return (norms + attn + _mlp_bytes(spec, lay, liger, frozen) + adapters) * seq_len * micro_batch_size
 
 
@@ -203,25 +213,32 @@ def logits_bytes(spec, seq_len: int, micro_batch_size: int, lay: Dtypes, *, lige
     return final_norm + lay.residual * h * tokens + lay.weights * v * h + weight_copy + lay.compute * v * chunk
 
 
-def activation_bytes(spec, seq_len, micro_batch_size, activation_checkpointing, lay: Dtypes, **kw) -> tuple[int, int]:
+def activation_bytes(
+    spec, seq_len, micro_batch_size, activation_checkpointing, lay: Dtypes, *, lora_layers=None, idle_layers=0, **kw
+) -> tuple[int, int]:
     """(saved activations of every decoder layer on one rank, the part of them that exists only while one layer
     is recomputed). Data parallelism does not split them.
 
     With activation checkpointing (non-reentrant, one checkpoint per decoder layer, what hf_dist
     configures) each layer keeps only its input (residual dtype), plus one layer's activations while it
     is recomputed in backward -- not while the loss's logits are alive, which come before any recompute.
+    LoRA: ``lora_layers`` holds each decoder layer's adapters (:class:`Lora`); the first ``idle_layers`` see no
+    input that needs a gradient, and autograd records nothing there.
     """
     if not spec.has_shape:
         return 0, 0
     children = kw.pop("checkpoint_children", False)
-    layer = layer_activation_bytes(spec, seq_len, micro_batch_size, lay, **kw)
+    kinds = Counter(lora_layers[idle_layers:]) if lora_layers is not None else Counter({None: spec.num_layers})
+    per_kind = {lora: layer_activation_bytes(spec, seq_len, micro_batch_size, lay, lora=lora, **kw) for lora in kinds}
+    largest = max(per_kind.values(), default=0)
     if activation_checkpointing:
         # one checkpoint per layer saves its input; one per child (the norms, attention and MLP: accelerate <= 1.14's
         # FSDP2 checkpointing) saves each child's input, all hidden-sized
         saved = spec.norms_per_layer + 2 if children else 1
-        inputs = spec.num_layers * saved * spec.hidden_size * seq_len * micro_batch_size * lay.residual
-        return inputs + layer, layer
-    return spec.num_layers * layer, 0
+        busy = sum(kinds.values())
+        inputs = busy * saved * spec.hidden_size * seq_len * micro_batch_size * lay.residual
+        return inputs + largest, largest
+    return sum(per_kind[lora] * count for lora, count in kinds.items()), 0
 
 
 def largest_transient_bytes(spec, seq_len, micro_batch_size, lay: Dtypes, liger: bool, trl_head: bool = False) -> int:

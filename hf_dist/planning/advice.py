@@ -64,7 +64,7 @@ def lora_without_offload(s: Setup, chosen: Candidate) -> str:
     if s.method != "lora" or chosen.offload == "none" or s.hw.device != "cuda":
         return ""
 
-    qlora = replace(s, method="qlora", trainable=trainable_params(s.spec, "qlora", s.lora_rank))
+    qlora = replace(s, method="qlora", trainable=trainable_params(s.spec, "qlora", s.lora))
     q_how = "QLoRA (method='qlora', a 4-bit base; bitsandbytes)"
     l_how = "Liger's kernels (use_liger_kernel=True" + (
         ")" if s.hw.liger_kernel else "; pip install 'hf_dist[liger]')"

@@ -15,7 +15,8 @@ from hf_dist.planning.features import check_features
 from hf_dist.planning.hardware import Hardware
 from hf_dist.planning.layout import REGISTRY
 from hf_dist.planning.load_memory import LoadMemory, load_memory
-from hf_dist.planning.memory import LORA_DROPOUT, MemoryEstimate, estimate_memory
+from hf_dist.planning.lora import Placement
+from hf_dist.planning.memory import MemoryEstimate, estimate_memory
 from hf_dist.planning.modelinfo import ModelSpec
 from hf_dist.planning.plan_result import Candidate, Combo, format_bytes
 from hf_dist.planning.throughput import StepTime, comm_seconds, model_parallel_seconds, nvme_seconds, step_time
@@ -50,7 +51,7 @@ class Setup:
     method: str
     optimizer: str
     seq_len: int
-    lora_rank: int
+    lora: Placement | None  # where the LoRA's adapters go (method lora/qlora)
     pb: int
     master: bool
     base_bytes: int  # a LoRA model's frozen base as loaded: 4 for fp32, else 2
@@ -69,10 +70,10 @@ def estimate(s: Setup, combo: Combo, mb, world=None, nodes=None, accum=1) -> Mem
         s.spec, combo.strategy, world or s.hw.world_size, nodes=nodes or s.hw.nodes, method=s.method,
         offload=combo.offload, optimizer=s.optimizer, master_weights=s.master, base_bytes=s.base_bytes,
         param_bytes=s.pb, seq_len=s.seq_len, micro_batch_size=mb, activation_checkpointing=combo.ckpt,
-        lora_rank=s.lora_rank, gradient_accumulation_steps=accum, use_liger_kernel=combo.liger, device=s.hw.device,
+        lora=s.lora, gradient_accumulation_steps=accum, use_liger_kernel=combo.liger, device=s.hw.device,
         tp_size=combo.tp, cp_size=combo.cp, sp_size=combo.sp, offload_device="nvme" if combo.nvme else "cpu",
         checkpoint_children=s.checkpoint_children, fsdp2_embedding_unit=s.embedding_unit,
-        fused_lm_head=s.fused_lm_head,
+        fused_lm_head=s.fused_lm_head, sync_each_batch=combo.sync,
     )  # fmt: skip
 
 
@@ -84,7 +85,7 @@ def step_seconds(s: Setup, combo: Combo, mb: int, accum: int, memory: MemoryEsti
     grad_bytes = 4 if s.pb == 4 else 2  # what the collectives move (DeepSpeed reduces in the compute dtype)
     # the data-parallel collectives run over the ranks that hold the same TP slice
     comm = comm_seconds(strategy, combo.offload, spec, trainable, hw.world_size // combo.tp, hw.nodes, accum, s.pb,
-                        grad_bytes, hw)  # fmt: skip
+                        grad_bytes, hw, sync_each_batch=combo.sync)  # fmt: skip
     comm += model_parallel_seconds(layout, s.spec, s.seq_len, mb, hw, combo.ckpt) * accum
     if combo.nvme:
         comm += nvme_seconds(s.spec, s.trainable, combo.offload, accum, s.pb, hw)
@@ -92,17 +93,18 @@ def step_seconds(s: Setup, combo: Combo, mb: int, accum: int, memory: MemoryEsti
         spec, hw, memory, strategy=strategy, offload=combo.offload, trainable=trainable, micro_batch_size=mb,
         accumulation=accum, seq_len=s.seq_len, activation_checkpointing=combo.ckpt, use_liger_kernel=combo.liger,
         comm=comm, dp_size=layout.dp_size, seq_shards=layout.seq_shards, tp_size=combo.tp,
-        lora_adapters=len(spec.lora_linears) if s.method != "full" else 0, lora_dropout=LORA_DROPOUT > 0,
+        lora_adapters=s.lora.adapters_per_layer if s.lora else 0, lora_dropout=bool(s.lora and s.lora.lora.dropout),
     )  # fmt: skip
 
 
 def combos(
-    strategies, offloads, ckpts, ligers, hw: Hardware, pinned: bool, features, sizes=((1, 1, 1),)
+    strategies, offloads, ckpts, ligers, hw: Hardware, pinned: bool, features, sizes=((1, 1, 1),), syncs=(False,)
 ) -> list[Combo]:
     """Every allowed combination. On one GPU there is nothing to shard: a sharding engine is only
     searched with offload (it would add its overhead for nothing), unless the strategy is pinned.
     ``sizes``: the (tp, cp, sp) triples to combine with them; those a layout or the installed libraries
-    (``features``) refuse are left out."""
+    (``features``) refuse are left out. ``syncs``: the ``sync_each_batch`` options of FSDP2 strategies (the others
+    never hold unsharded gradients across micro-batches)."""
     out = []
     for liger in ligers:
         for offload in offloads:
@@ -116,10 +118,20 @@ def combos(
                     if offload not in s.offloads:
                         continue
                     for tp, cp, sp in sizes:
-                        combo = Combo(name, offload, ckpt, liger, tp, cp, sp)
-                        if refusal(combo, hw, features) is None:
-                            out.append(combo)
+                        for sync in syncs if s.is_fsdp else (False,):
+                            combo = Combo(name, offload, ckpt, liger, tp, cp, sp, sync=sync)
+                            if refusal(combo, hw, features) is None:
+                                out.append(combo)
     return out
+
+
+def accumulates(s: Setup, combo: Combo, hw: Hardware) -> bool:
+    """Whether some micro-batch of ``combo`` accumulates gradients over micro-batches (sync_each_batch matters)."""
+    if s.global_batch is None:
+        return False
+    dp = combo.layout(hw).dp_size
+    per_rank = s.global_batch // dp if s.global_batch % dp == 0 else 0
+    return per_rank > (s.micro_batch or 1)
 
 
 def refusal(combo: Combo, hw: Hardware, features) -> str | None:
@@ -164,6 +176,7 @@ def staging_per_node(s: Setup, combo: Combo, mem: MemoryEstimate) -> int:
 def candidate(s: Setup, combo: Combo) -> Candidate:
     layout = combo.layout(s.hw)
     extra = dict(tp_size=combo.tp, cp_size=combo.cp, sp_size=combo.sp, offload_device="nvme" if combo.nvme else "cpu")
+    extra["sync_each_batch"] = combo.sync
     strategy, offload, ckpt, liger = combo.strategy, combo.offload, combo.ckpt, combo.liger
     try:
         mbs = micro_batch_options(s.global_batch, s.micro_batch, layout.dp_size)
@@ -196,6 +209,8 @@ def candidate(s: Setup, combo: Combo) -> Candidate:
     best = None
     for mb in mbs:  # largest first; memory only grows with the micro-batch
         accum = (s.global_batch // (mb * layout.dp_size)) if s.global_batch else 1
+        if combo.sync and accum == 1:  # nothing accumulates: the same run as without sync_each_batch
+            continue
         mem = estimate(s, combo, mb, accum=accum)
         if mem.total > s.usable:
             continue

@@ -25,11 +25,31 @@ def best(fitting: list[Candidate]) -> Candidate:
     close = [c for c in pool if c.tokens_per_s >= fastest * (1 - TIE_FRACTION)]
     return min(
         close,
-        key=lambda c: (c.activation_checkpointing, c.model_parallel, REGISTRY[c.strategy].preference, -c.tokens_per_s),
+        key=lambda c: (
+            c.activation_checkpointing, c.sync_each_batch, c.model_parallel, REGISTRY[c.strategy].preference,
+            -c.tokens_per_s,
+        ),
+    )  # fmt: skip
+
+
+def sync_note(c: Candidate, candidates) -> str:
+    """Why the chosen FSDP2 layout reduce-scatters every micro-batch: what the Trainer's ``no_sync`` would hold (its
+    unsharded gradients until the last micro-batch), and what the same layout reached without it."""
+    unsynced = next((o for o in candidates if o.key == c.key._replace(sync=False)), None)
+    held = f"{format_bytes(unsynced.memory.grads)} of unsharded gradients" if unsynced else "every unsharded gradient"
+    without = ""
+    if unsynced is not None:
+        without = (f" (without it: micro_batch {unsynced.micro_batch_size}, ~{unsynced.tokens_per_s:,.0f} tokens/s)"
+                   if unsynced.fits else f" (without it: {unsynced.reason})")  # fmt: skip
+    return (
+        f"sync_each_batch: FSDP2 reduce-scatters every micro-batch ({c.time.comm:.3f} s/step communication) and holds "
+        f"{format_bytes(c.memory.grads)} of sharded gradients between micro-batches instead of the Trainer's no_sync "
+        f"keeping {held} until the last, so micro_batch {c.micro_batch_size} fits{without}"
     )
 
 
-def reason_for(c: Candidate, best: Candidate, pinned: bool = False, offload_pinned: bool = False) -> str:
+def reason_for(c: Candidate, best: Candidate, pinned: bool = False, offload_pinned: bool = False,
+               candidates=()) -> str:  # fmt: skip
     if c is best:
         notes = []
         if REGISTRY[c.strategy].is_deepspeed and c.offload == "optimizer":
@@ -50,6 +70,8 @@ def reason_for(c: Candidate, best: Candidate, pinned: bool = False, offload_pinn
             notes.append("activation checkpointing: its recompute costs less than the smaller micro-batch without it")
         if c.use_liger_kernel:
             notes.append("Liger kernels: fused RMSNorm/SwiGLU/RoPE/linear cross-entropy save memory and time")
+        if c.sync_each_batch:
+            notes.append(sync_note(c, candidates))
         t = c.time
         extra = ("; " + "; ".join(notes)) if notes else ""
         return (

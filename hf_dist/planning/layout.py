@@ -210,6 +210,7 @@ class Layout:
     cp_size: int = 1
     sp_size: int = 1
     offload_device: str = "cpu"
+    sync_each_batch: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", strategy(self.strategy))
@@ -251,6 +252,16 @@ class Layout:
             )
         self._check_model_parallel()
         self._check_offload_device()
+        self._check_sync_each_batch()
+
+    def _check_sync_each_batch(self) -> None:
+        if not isinstance(self.sync_each_batch, bool):
+            raise ValueError(f"sync_each_batch must be True or False, got {self.sync_each_batch!r}")
+        if self.sync_each_batch and not self.strategy.is_fsdp:
+            raise ValueError(
+                f"sync_each_batch with {self.strategy.name}: only FSDP2 keeps unsharded gradients across "
+                "micro-batches (the Trainer's no_sync), which sync_each_batch avoids; use an FSDP2 strategy, or drop it"
+            )
 
     def _check_model_parallel(self) -> None:
         """What each model-parallel dimension needs from the engine and the machines."""
@@ -373,5 +384,7 @@ class Layout:
             parts.append(f"offload {self.offload}" + (" to NVMe" if self.offload_device == "nvme" else ""))
         if self.activation_checkpointing:
             parts.append("activation checkpointing")
+        if self.sync_each_batch:
+            parts.append("gradients reduce-scattered every micro-batch")
         parts.append("pure bf16" if self.pure_bf16 else self.mixed_precision)
         return ", ".join(parts)

@@ -38,10 +38,12 @@ from hf_dist.planning.activations import (
     largest_transient_bytes,
     layer_gradient_bytes,
     logits_bytes,
+    lora_bytes,
     trl_head_bytes,
 )
 from hf_dist.planning.dtypes import FP32, GIB, Dtypes, engine_dtypes
 from hf_dist.planning.layout import Layout, Strategy
+from hf_dist.planning.lora import LoraSpec, Placement, place, resolve
 from hf_dist.planning.model_states import (
     cpu_bytes_per_rank,
     grad_bytes_per_rank,
@@ -59,7 +61,6 @@ METHODS = ("full", "lora", "qlora")
 OPTIMIZERS = ("adamw", "adamw_8bit", "sgd")
 ATTENTIONS = ("sdpa", "flash_attention_2", "eager")
 DEVICES = ("cuda", "cpu")
-LORA_DROPOUT = 0.05  # the recipes' --lora_dropout (hf_dist.recipe_utils.LoraArguments)
 
 
 @dataclass(frozen=True)
@@ -137,11 +138,10 @@ class MemoryEstimate:
 # ---------------------------------------------------------------- validation
 
 
-def validate_args(layout: Layout, method, optimizer, param_bytes, grad_bytes, lora_rank) -> None:
+def validate_args(layout: Layout, method, optimizer, param_bytes, grad_bytes) -> None:
     """Raise ValueError naming the bad argument, the allowed values and the fix (the layout checked itself)."""
     check_choice("method", method, METHODS)
     check_choice("optimizer", optimizer, OPTIMIZERS)
-    check_positive_int("lora_rank", lora_rank)
     if method == "qlora" and layout.offload != "none":
         raise ValueError(f"qlora keeps 4-bit base weights on the GPU; offload must be 'none', got {layout.offload!r}")
     if param_bytes not in (2, 4):
@@ -157,14 +157,15 @@ def validate_args(layout: Layout, method, optimizer, param_bytes, grad_bytes, lo
 
 
 def estimate_memory(
-    model_or_num_params: Any, strategy: str, world_size: int, *, nodes: int = 1, method: str = "full",
+    model_or_num_params: Any, strategy: str, world_size: int, *, nodes: int = 1, method: str | None = None,
     offload: str = "none", optimizer: str = "adamw", master_weights: bool = True, param_bytes: int = 2,
     grad_bytes: int | None = None, seq_len: int = 2048, micro_batch_size: int = 1, activation_checkpointing: bool = False,
-    lora_rank: int = 16, overhead: int | None = None, gradient_accumulation_steps: int = 1,
+    lora_rank: int | None = None, overhead: int | None = None, gradient_accumulation_steps: int = 1,
     use_liger_kernel: bool = False, attention: str | None = None, device: str = "cuda", base_bytes: int | None = None,
     tp_size: int = 1, cp_size: int = 1, sp_size: int = 1, offload_device: str = "cpu",
-    lora_dropout: float = LORA_DROPOUT, checkpoint_children: bool = False, fsdp2_embedding_unit: bool = True,
-    fused_lm_head: bool = False, trust_remote_code: bool = False,
+    lora_dropout: float | None = None, lora_targets: Any = None, peft_config: Any = None,
+    lora: LoraSpec | Placement | None = None, checkpoint_children: bool = False, fsdp2_embedding_unit: bool = True,
+    fused_lm_head: bool = False, sync_each_batch: bool = False, trust_remote_code: bool = False,
 ) -> MemoryEstimate:  # fmt: skip
     """Per-rank memory of training ``model_or_num_params`` with ``strategy`` on ``world_size`` ranks.
 
@@ -176,9 +177,16 @@ def estimate_memory(
     SwiGLU, RoPE and linear cross-entropy (the ``TrainingArguments`` flag). ``attention``: the
     ``attn_implementation`` (default: the model's own, ``ModelSpec.attention``: eager where it refuses sdpa). ``device="cpu"``: no CUDA context or caching allocator (CPU ranks).
     ``base_bytes``: bytes per element of a LoRA/QLoRA model's frozen base as loaded (default: the
-    compute dtype's; 4 for a model loaded in fp32). ``lora_dropout``: PEFT's dropout on each adapter's input (the
-    recipes' 0.05 by default; 0 saves one copy of each adapter's input). ``overhead`` overrides the context term. ``gradient_accumulation_steps`` > 1 keeps gradients
+    compute dtype's; 4 for a model loaded in fp32). ``overhead`` overrides the context term. ``gradient_accumulation_steps`` > 1 keeps gradients
     alive next to activations (see MemoryEstimate).
+
+    LoRA (:mod:`hf_dist.planning.lora`): a ``PeftModel``'s own config, or ``peft_config`` (a PEFT ``LoraConfig``)
+    before the model exists, or the ``lora_rank`` / ``lora_dropout`` / ``lora_targets`` keywords over the recipes'
+    LoRA (rank 16, dropout 0.05, every linear of the block); ``lora`` takes a ready :class:`LoraSpec` or
+    :class:`Placement`. ``method`` (None) is ``lora`` when any of them is given, else ``full``.
+    ``sync_each_batch``: FSDP2 with gradient accumulation reduce-scatters every micro-batch (accelerate's
+    ``gradient_accumulation_kwargs={"sync_each_batch": True}``) instead of keeping unsharded gradients until the last
+    (:func:`~hf_dist.planning.model_states.grad_bytes_per_rank`).
 
     Model parallelism (:class:`~hf_dist.planning.layout.Layout` checks the sizes): ``tp_size`` splits the linear
     weights, their gradients and optimizer state and the head / MLP activations
@@ -198,13 +206,19 @@ def estimate_memory(
     run = Layout(
         strategy, world_size, nodes, offload, activation_checkpointing,
         tp_size=tp_size, cp_size=cp_size, sp_size=sp_size, offload_device=offload_device,
+        sync_each_batch=sync_each_batch,
     )  # fmt: skip
-    validate_args(run, method, optimizer, param_bytes, grad_bytes, lora_rank)
+    if lora is None:
+        lora_keywords = dict(lora_rank=lora_rank, lora_dropout=lora_dropout, lora_targets=lora_targets)
+        method, lora = resolve(model_or_num_params, method, peft_config, **lora_keywords)
+    method = method or ("full" if lora is None else "lora")
+    validate_args(run, method, optimizer, param_bytes, grad_bytes)
     for name, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size),
                         ("gradient_accumulation_steps", gradient_accumulation_steps)):  # fmt: skip
         check_positive_int(name, value)
     check_choice("device", device, DEVICES)
     spec = model_spec(model_or_num_params, trust_remote_code=trust_remote_code)
+    placement = _placement(spec, method, lora)
     attention = spec.attention if attention is None else attention
     check_choice("attention", attention, ATTENTIONS)
     run.check_model(spec, seq_len)
@@ -213,10 +227,19 @@ def estimate_memory(
     r = _Run(
         run, spec, run.rank_spec(spec), replace(lay, grads=grad_bytes) if grad_bytes is not None else lay,
         method, offload, optimizer, param_bytes, base_bytes, seq_len // run.seq_shards, seq_len, micro_batch_size,
-        gradient_accumulation_steps, lora_rank, lora_dropout, use_liger_kernel, attention, device,
-        checkpoint_children, fsdp2_embedding_unit, fused_lm_head,
+        gradient_accumulation_steps, placement, use_liger_kernel, attention, device,
+        checkpoint_children, fsdp2_embedding_unit, fused_lm_head, run.sync_each_batch,
     )  # fmt: skip
     return _estimate(r, overhead)
+
+
+def _placement(spec, method: str, lora: LoraSpec | Placement | None) -> Placement | None:
+    """Where the LoRA of a ``lora``/``qlora`` run puts its adapters in ``spec`` (None for full fine-tuning)."""
+    if method == "full":
+        if lora is not None:
+            raise ValueError("method='full' trains every weight; a LoRA spec was given too: pass method='lora'")
+        return None
+    return lora if isinstance(lora, Placement) else place(spec, lora or LoraSpec())
 
 
 def _base_bytes(param_bytes: int, base_bytes: int | None) -> int:
@@ -245,14 +268,14 @@ class _Run:
     keys: int
     mb: int
     accumulation: int
-    lora_rank: int
-    lora_dropout: float
+    lora: Placement | None
     liger: bool
     attention: str
     device: str
     checkpoint_children: bool
     embedding_unit: bool
     fused_lm_head: bool
+    sync_each_batch: bool
 
     @property
     def s(self) -> Strategy:
@@ -268,12 +291,13 @@ class _Run:
 
     @property
     def trainable(self) -> int:
-        return trainable_params(self.spec, self.method, self.lora_rank)
+        return trainable_params(self.spec, self.method, self.lora)
 
 
 def _estimate(r: _Run, overhead: int | None) -> MemoryEstimate:
     params, grads, optim, padded_unit = _model_states(r)
     acts, recompute = activation_bytes(r.spec, r.seq_len, r.mb, r.ckpt, r.lay, **_activation_kwargs(r))
+    acts += outer_adapter_bytes(r)
     last_layer = recompute if r.ckpt else (acts // r.spec.num_layers if r.spec.num_layers else 0)
     buffers, units = buffer_bytes(
         r.spec, r.s, r.layout.world_size // r.layout.tp_size, r.trainable, r.lay, r.ckpt, padded_unit,
@@ -302,8 +326,8 @@ def _estimate(r: _Run, overhead: int | None) -> MemoryEstimate:
 def _model_states(r: _Run) -> tuple[int, int, int, int]:
     """(params, grads, optimizer state, FSDP2's padded elements per gathered decoder layer) of one rank."""
     s, spec, lay, degree, trainable = r.s, r.spec, r.lay, r.degree, r.trainable
-    params = param_bytes_per_rank(spec, s, degree, r.method, r.offload, lay, r.base_bytes, r.lora_rank)
-    grads = grad_bytes_per_rank(s, degree, trainable, r.offload, lay, r.accumulation)
+    params = param_bytes_per_rank(spec, s, degree, r.method, r.offload, lay, r.base_bytes, r.lora)
+    grads = grad_bytes_per_rank(s, degree, trainable, r.offload, lay, r.accumulation, r.sync_each_batch)
     padded, padded_unit = fsdp_row_padding(spec, degree) if s.is_fsdp and r.offload == "none" else (0, 0)
     if r.layout.tp_size > 1 and r.method == "full" and not s.shards.grads:
         # the vocabulary-parallel embedding (embedding_rowwise) gets a replicated, full-vocabulary gradient
@@ -313,7 +337,8 @@ def _model_states(r: _Run) -> tuple[int, int, int, int]:
     if padded:  # every sharded state of the padded rows; the routed experts are trainable only in full fine-tuning
         full = r.method == "full"
         params += padded * (lay.weights if full else r.base_bytes)
-        grads += padded * lay.grads if full and s.shards.grads and r.accumulation == 1 else 0
+        reduced = r.accumulation == 1 or r.sync_each_batch  # the padded rows of sharded gradients
+        grads += padded * lay.grads if full and s.shards.grads and reduced else 0
         optim += padded * (optimizer_state_bytes(r.optimizer, lay.state) + lay.master) if full else 0
     return params, grads, optim, padded_unit
 
@@ -322,10 +347,39 @@ def _activation_kwargs(r: _Run) -> dict[str, Any]:
     act_kw: dict[str, Any] = {"attention": r.attention, "liger": r.liger, "keys": r.keys}
     if r.checkpoint_children and r.s.is_fsdp:  # accelerate <= 1.14 (LibraryFeatures.fsdp2_checkpoints_children)
         act_kw["checkpoint_children"] = True
-    if r.method != "full":  # fp32 adapters under DDP's autocast: each casts its input to fp32 and back (a copy each)
-        cast = r.s.is_ddp and r.lay.weights == FP32 and r.lay.compute < FP32
-        act_kw["lora"] = Lora(r.lora_rank, dropout=r.lora_dropout > 0, cast=cast)
+    if r.lora is not None:
+        act_kw["lora_layers"] = lora_layers(r)
+        act_kw["idle_layers"] = r.lora.idle_layers if _inputs_frozen(r) else 0
     return act_kw
+
+
+def lora_layers(r: _Run) -> tuple[Lora, ...]:
+    """Each decoder layer's adapters as :class:`~hf_dist.planning.activations.Lora`: fp32 adapters under DDP's
+    autocast cast their input to fp32 and back (a copy each)."""
+    cast = r.s.is_ddp and r.lay.weights == FP32 and r.lay.compute < FP32
+    dropout = r.lora.lora.dropout > 0
+    first = r.lora.idle_layers if _inputs_frozen(r) else -1  # the first layer that trains sees no input gradient
+    return tuple(
+        Lora(tuple((a.name, a.in_features, a.rank) for a in layer), dropout, cast, input_grad=i != first)
+        for i, layer in enumerate(r.lora.layers)
+    )
+
+
+def _inputs_frozen(r: _Run) -> bool:
+    """Whether the decoder layers' input needs no gradient: nothing before them trains, and no one made the
+    embedding's output require one -- transformers' checkpointing (DDP, DeepSpeed: the Trainer's flag) calls
+    ``enable_input_require_grads``, as PEFT's k-bit preparation does for QLoRA."""
+    transformers_ckpt = r.ckpt and not r.s.is_fsdp
+    return r.lora.frozen_inputs and not transformers_ckpt and r.method != "qlora"
+
+
+def outer_adapter_bytes(r: _Run) -> int:
+    """What the adapters outside the decoder layers save (LoRA on ``lm_head``), for the step's tokens."""
+    if r.lora is None or not r.lora.outer:
+        return 0
+    cast = r.s.is_ddp and r.lay.weights == FP32 and r.lay.compute < FP32
+    adapters = tuple((a.name, a.in_features, a.rank) for a in r.lora.outer)
+    return lora_bytes(r.lay, Lora(adapters, r.lora.lora.dropout > 0, cast), attention=r.attention) * r.seq_len * r.mb
 
 
 def _head_bytes(r: _Run) -> int:

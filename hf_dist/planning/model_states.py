@@ -11,6 +11,7 @@ import math
 
 from hf_dist.planning.dtypes import FP32, Dtypes
 from hf_dist.planning.layout import Strategy
+from hf_dist.planning.lora import LoraSpec, Placement, place
 from hf_dist.planning.nvme import host_bytes, param_buffer_elements, param_swapper_bytes, per_rank, swap_files
 
 # QLoRA (Dettmers et al. 2023, sec. 3): NF4 = 4 bits/param; double quantisation stores one 8-bit absmax
@@ -19,21 +20,16 @@ QLORA_BASE_BYTES_PER_PARAM = 0.5 + (8 / 64 + 32 / (64 * 256)) / 8
 
 
 def lora_trainable_params(spec, rank: int) -> int:
-    """LoRA params: rank * (in + out) for each adapted linear (q,k,v,o,gate,up,down) of every decoder layer
-    (Hu et al. 2021): the model's own linears when known (a mixture of experts has no gate/up/down linears)."""
-    if not spec.has_shape:
-        raise ValueError("LoRA/QLoRA estimates need the model's shape; pass a config, folder or model, not a count")
-    if spec.lora_linears:
-        return rank * sum(i + o for _, i, o in spec.lora_linears) * spec.num_layers
-    h, inter = spec.hidden_size, spec.intermediate_size
-    q_out = spec.num_attention_heads * spec.head_dim
-    kv_out = spec.num_key_value_heads * spec.head_dim
-    per_layer = rank * ((h + q_out) + 2 * (h + kv_out) + (q_out + h) + 2 * (h + inter) + (inter + h))
-    return per_layer * spec.num_layers
+    """The recipes' LoRA at ``rank``: rank * (in + out) for each linear (q,k,v,o,gate,up,down) of every decoder
+    layer that the model has (Hu et al. 2021; a mixture of experts has no gate/up/down linears)."""
+    return place(spec, LoraSpec(rank=rank)).trainable
 
 
-def trainable_params(spec, method: str, lora_rank: int) -> int:
-    return spec.num_params if method == "full" else lora_trainable_params(spec, lora_rank)
+def trainable_params(spec, method: str, lora: Placement | None) -> int:
+    """Every parameter under full fine-tuning; LoRA's adapters, saved module copies and trainable biases else."""
+    if method == "full":
+        return spec.num_params
+    return (lora or place(spec, LoraSpec())).trainable
 
 
 def base_weight_bytes(spec, method: str, param_bytes: int) -> float:
@@ -60,21 +56,26 @@ def shard_bytes(full: float, sharded: bool, degree: int) -> int:
     return math.ceil(full / degree) if sharded else math.ceil(full)
 
 
-def param_bytes_per_rank(spec, s: Strategy, degree, method, offload, lay: Dtypes, base_bytes, lora_rank) -> int:
+def param_bytes_per_rank(spec, s: Strategy, degree, method, offload, lay: Dtypes, base_bytes, lora) -> int:
     """The weights each rank keeps between steps (gathered units and working copies are buffers).
 
-    Shard-grad-op keeps its fp32 shards plus the bf16 units gathered for the whole step (buffers)."""
+    Shard-grad-op keeps its fp32 shards plus the bf16 units gathered for the whole step (buffers). LoRA: the frozen
+    base as loaded, the parameters PEFT adds (adapters, ``modules_to_save`` copies) in the trainable dtype, and base
+    biases that train upcast to it (``auto_args`` upcasts every trainable parameter)."""
     if offload == "optimizer+params":
         return 0
     if method == "full":
         full = spec.num_params * lay.weights
     else:
-        full = base_weight_bytes(spec, method, base_bytes) + trainable_params(spec, method, lora_rank) * lay.weights
+        upcast = lora.trainable_biases * max(lay.weights - base_bytes, 0)
+        full = base_weight_bytes(spec, method, base_bytes) + lora.new_params * lay.weights + upcast
     sharded = s.shards.params  # shard-grad-op: its shards at rest; the gathered units are buffers
     return shard_bytes(full, sharded, degree)
 
 
-def grad_bytes_per_rank(s: Strategy, degree, trainable, offload, lay: Dtypes, accumulation=1) -> int:
+def grad_bytes_per_rank(
+    s: Strategy, degree, trainable, offload, lay: Dtypes, accumulation=1, sync_each_batch=False
+) -> int:
     """Gradients kept until the optimizer step.
 
     - DDP / FSDP2: ``param.grad`` in the weights' dtype (FSDP2: views into fp32 reduce-scatter outputs).
@@ -89,9 +90,12 @@ def grad_bytes_per_rank(s: Strategy, degree, trainable, offload, lay: Dtypes, ac
     - FSDP2 with gradient accumulation: the Trainer runs every micro-batch but the last under accelerate's
       ``no_sync``, which for FSDP2 is ``set_requires_gradient_sync(False)``: no reduce-scatter, and each parameter
       keeps its *unsharded* gradient, upcast to the reduce dtype (torch ``_fsdp_param.py``
-      ``to_accumulated_grad_if_needed``), until the last micro-batch. Found by tracing 8B on 64 ranks.
+      ``to_accumulated_grad_if_needed``), until the last micro-batch. Found by tracing 8B on 64 ranks. With
+      ``sync_each_batch`` (accelerate's ``GradientAccumulationPlugin``; the Trainer then runs no ``no_sync``) every
+      micro-batch reduce-scatters, and only the sharded gradients, accumulated in place, persist between them
+      (torch ``_fsdp_collectives.foreach_reduce``): the full-shard size.
     """
-    if s.is_fsdp and accumulation > 1:
+    if s.is_fsdp and accumulation > 1 and not sync_each_batch:
         return trainable * lay.grads
     if bf16_optimizer(s, lay):
         return trainable * (FP32 + lay.compute)

@@ -18,6 +18,19 @@ from hf_dist.planning.precision import is_module
 from hf_dist.planning.remote_code import check_config_class, check_trust_flag, uses_folder_class
 
 
+class Module(NamedTuple):
+    """One module of a model as PEFT matches it: its name (``target_modules`` / ``modules_to_save`` keys; relative to
+    a decoder layer for the layers' own modules), its kind (``linear``: ``nn.Linear`` or transformers' ``Conv1D``,
+    ``embedding``, ``other``), its parameters (children included) and, for a linear, its features and bias."""
+
+    name: str
+    kind: str
+    params: int
+    in_features: int = 0
+    out_features: int = 0
+    bias: bool = False
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Parameter counts and shape of a causal LM, enough for the memory model."""
@@ -49,6 +62,15 @@ class ModelSpec:
         "sdpa"  # the attention transformers runs by default: "eager" where the model refuses sdpa (Gemma 2)
     )
     checkpoint_bytes: int = 2  # bytes per parameter in the saved weights (the config's dtype; hub models: bf16)
+    # what LoRA can adapt or save (hf_dist.planning.lora.place): the decoder layers' ModuleList name, one layer's
+    # modules (names relative to the layer), the modules outside the layers, the input and output embeddings' names
+    # and every parameter named ``bias``
+    layer_prefix: str = ""
+    layer_modules: tuple[Module, ...] = ()
+    outer_modules: tuple[Module, ...] = ()
+    input_module: str = ""
+    output_module: str = ""
+    bias_params: int = 0
 
     def __post_init__(self) -> None:
         for field in ("num_params", "num_layers", "hidden_size", "layer_params", "embedding_params"):
@@ -338,6 +360,7 @@ class _Counts(NamedTuple):
     norms: int  # normalisation modules per layer
     lora_linears: tuple[tuple[str, int, int], ...]  # (name, in, out) of the layer's LoRA-targetable linears
     attention: str  # "sdpa", or "eager" when the model class does not support sdpa (``_supports_sdpa``)
+    inventory: _Inventory
 
 
 # keyed on the config JSON so repeated plans of the same config (CLI, tests) count once
@@ -439,7 +462,65 @@ def _module_counts(model: Any) -> _Counts:
     embed = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
     embedding = embed.weight.numel() if embed is not None and hasattr(embed, "weight") else 0
     attention = "sdpa" if getattr(type(base), "_supports_sdpa", True) else "eager"
-    return _Counts(total, layer, embedding, norms, linears, attention)
+    return _Counts(total, layer, embedding, norms, linears, attention, _inventory(base, layers))
+
+
+class _Inventory(NamedTuple):
+    layer_prefix: str
+    layer_modules: tuple[Module, ...]
+    outer_modules: tuple[Module, ...]
+    input_module: str
+    output_module: str
+    bias_params: int
+
+
+def _inventory(base: Any, layers: Any) -> _Inventory:
+    """Every module PEFT could adapt or save, named as PEFT's matching sees them (:class:`Module`): one decoder
+    layer's (relative names; the layers share one class) and those outside the layers. A PEFT-wrapped module is
+    described by what it wraps (a LoRA layer's ``base_layer``, a ``ModulesToSaveWrapper``'s ``original_module``)."""
+    names = {id(m): n for n, m in base.named_modules()}
+    prefix = names.get(id(layers), "") if layers is not None and len(layers) else ""
+    first = f"{prefix}.0." if prefix else None
+    in_layer, outer, skipping = [], [], None
+    for name, module in base.named_modules():
+        if not name or (skipping and name.startswith(skipping)):
+            continue
+        module, wrapped = _unwrapped(module)
+        skipping = f"{name}." if wrapped else skipping
+        if first and name.startswith(first):
+            in_layer.append(_described(name[len(first) :], module))
+        elif not (prefix and (name == prefix or name.startswith(prefix + ".") or prefix.startswith(name + "."))):
+            outer.append(_described(name, module))
+    embeddings = [getattr(base, f, lambda: None)() for f in ("get_input_embeddings", "get_output_embeddings")]
+    biases = sum(p.numel() for n, p in base.named_parameters()
+                 if (n == "bias" or n.endswith(".bias")) and not any(m in n for m in _ADAPTER_MARKERS))  # fmt: skip
+    ends = [names.get(id(e), "") if e is not None else "" for e in embeddings]
+    return _Inventory(prefix, tuple(in_layer), tuple(outer), ends[0], ends[1], biases)
+
+
+def _unwrapped(module: Any) -> tuple[Any, bool]:
+    """(the module PEFT wrapped, True) for a LoRA layer or a ``ModulesToSaveWrapper``; (``module``, False) else."""
+    for attribute in ("base_layer", "original_module"):
+        inner = getattr(module, attribute, None)
+        if inner is not None and hasattr(inner, "parameters"):
+            return inner, True
+    return module, False
+
+
+def _described(name: str, module: Any) -> Module:
+    """``module`` as a :class:`Module`: a linear's features from its weight (transformers' ``Conv1D`` stores
+    ``(in, out)``, ``nn.Linear`` ``(out, in)``)."""
+    import torch
+
+    params = sum(p.numel() for p in module.parameters())
+    bias = getattr(module, "bias", None) is not None
+    if isinstance(module, torch.nn.Linear):
+        return Module(name, "linear", params, module.in_features, module.out_features, bias)
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
+        return Module(name, "linear", params, *module.weight.shape, bias)
+    if isinstance(module, torch.nn.Embedding):
+        return Module(name, "embedding", params, module.num_embeddings, module.embedding_dim)
+    return Module(name, "other", params)
 
 
 def _lora_linears(layer: Any) -> tuple[tuple[str, int, int], ...]:
@@ -474,7 +555,7 @@ def spec_from_module(model: Any) -> ModelSpec:
     if config is None or not _is_config(config):
         layers = _decoder_layers(base)
         return ModelSpec(num_params=counts.total, num_layers=len(layers) if layers is not None else 0,
-                         layer_params=counts.layer)  # fmt: skip
+                         layer_params=counts.layer, **counts.inventory._asdict())  # fmt: skip
     return _spec(config, counts, name=getattr(config, "_name_or_path", None) or None)
 
 
@@ -515,6 +596,7 @@ def _spec(config: Any, counts: _Counts, *, name: str | None) -> ModelSpec:
         experts=int(experts),
         experts_per_token=per_token,
         checkpoint_bytes=_dtype_bytes(getattr(config, "dtype", None) or getattr(text, "dtype", None)),
+        **counts.inventory._asdict(),
     )
 
 

@@ -11,6 +11,7 @@ from hf_dist.planning.dtypes import GIB
 from hf_dist.planning.hardware import Hardware
 from hf_dist.planning.layout import Layout
 from hf_dist.planning.load_memory import LoadMemory
+from hf_dist.planning.lora import LoraSpec
 from hf_dist.planning.memory import MemoryEstimate
 from hf_dist.planning.modelinfo import ModelSpec
 from hf_dist.planning.throughput import StepTime
@@ -27,19 +28,21 @@ class Combo(NamedTuple):
     cp: int = 1
     sp: int = 1
     nvme: bool = False
+    sync: bool = False  # FSDP2 reduce-scatters every micro-batch (sync_each_batch) instead of under no_sync
 
     @classmethod
     def of(cls, chosen: Any) -> Combo:
         """The point of a :class:`Candidate` or a :class:`Plan` (both carry the same fields)."""
         return cls(
             chosen.strategy, chosen.offload, chosen.activation_checkpointing, chosen.use_liger_kernel,
-            chosen.tp_size, chosen.cp_size, chosen.sp_size, chosen.offload_device == "nvme",
+            chosen.tp_size, chosen.cp_size, chosen.sp_size, chosen.offload_device == "nvme", chosen.sync_each_batch,
         )  # fmt: skip
 
     def layout(self, hw: Hardware, world: int | None = None, nodes: int | None = None) -> Layout:
         return Layout(
             self.strategy, world or hw.world_size, nodes or hw.nodes, self.offload, self.ckpt,
             tp_size=self.tp, cp_size=self.cp, sp_size=self.sp, offload_device="nvme" if self.nvme else "cpu",
+            sync_each_batch=self.sync,
         )  # fmt: skip
 
 
@@ -78,6 +81,7 @@ class Candidate:
     cp_size: int = 1
     sp_size: int = 1
     offload_device: str = "cpu"
+    sync_each_batch: bool = False
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -95,6 +99,7 @@ class Candidate:
     def label(self) -> str:
         """``fsdp_full_shard/none+ckpt tp=2``: the candidate in one token for the reasons list."""
         flags = ("+ckpt" if self.activation_checkpointing else "") + ("+liger" if self.use_liger_kernel else "")
+        flags += "+sync" if self.sync_each_batch else ""
         where = "@nvme" if self.offload_device == "nvme" else ""
         sizes = "".join(
             f" {n}={v}" for n, v in (("tp", self.tp_size), ("cp", self.cp_size), ("sp", self.sp_size)) if v > 1
@@ -121,7 +126,7 @@ class Plan:
     hardware: Hardware
     model: ModelSpec
     optimizer: str
-    lora_rank: int
+    lora: LoraSpec | None = None  # the LoRA planned (method lora/qlora): hf_dist.planning.lora
     reason: str = ""
     usable_gib: float = field(default=0.0)
     use_liger_kernel: bool = False
@@ -142,6 +147,12 @@ class Plan:
     staging_bytes: int | None = None  # host RAM per node of async_save's staging copy (None: not planned)
     fused_lm_head: bool = False  # the loss runs through TRL's fused LM head (SFTTrainer): no logits held
     train_tokens: int | None = None  # tokens the run trains on: time_to_finish() and explain() state the wall time
+    trainable_params: int = 0  # what sum(p.numel() for p in model.parameters() if p.requires_grad) will count
+    sync_each_batch: bool = False  # FSDP2 reduce-scatters every micro-batch (accelerate's sync_each_batch)
+
+    @property
+    def lora_rank(self) -> int | None:
+        return None if self.lora is None else self.lora.rank
 
     @property
     def layout(self) -> Layout:
@@ -149,6 +160,7 @@ class Plan:
         return Layout(
             self.strategy, self.world_size, self.nodes, self.offload, self.activation_checkpointing,
             self.mixed_precision, self.pure_bf16, self.tp_size, self.cp_size, self.sp_size, self.offload_device,
+            self.sync_each_batch,
         )  # fmt: skip
 
     @property
@@ -196,8 +208,9 @@ class Plan:
 
     def to_dict(self) -> dict:
         """JSON-serializable summary (the transformers config object is left out)."""
-        skip = ("memory", "candidates", "hardware", "model", "trace", "load")
+        skip = ("memory", "candidates", "hardware", "model", "trace", "load", "lora")
         out = {k: v for k, v in asdict(self).items() if k not in skip}
+        out["lora"] = self.lora.to_dict() if self.lora is not None else None
         out["trace"] = self.trace.to_dict() if self.trace is not None else None
         out["memory"] = self.memory.to_dict()
         out["optimizer_state_dtype"] = self.optimizer_state_dtype
@@ -242,11 +255,12 @@ class Plan:
             f"({hw.gpu_memory_gib:.1f} GiB, usable {self.usable_gib:.1f} GiB after safety margin)",
             f"chosen: {self.strategy}{self._sizes_text()}, offload={self.offload}"
             f"{' to NVMe' if self.offload_device == 'nvme' else ''}, activation_checkpointing="
-            f"{self.activation_checkpointing}, use_liger_kernel={self.use_liger_kernel}, micro_batch="
-            f"{self.micro_batch_size} x accumulation={self.gradient_accumulation_steps} x data_parallel="
+            f"{self.activation_checkpointing}, use_liger_kernel={self.use_liger_kernel}, "
+            + ("sync_each_batch=True, " if self.sync_each_batch else "")
+            + f"micro_batch={self.micro_batch_size} x accumulation={self.gradient_accumulation_steps} x data_parallel="
             f"{self.layout.dp_size} = global_batch {self.global_batch_size}{speed}",
             f"why: {self.reason}",
-        ]
+        ] + ([f"lora: {self.lora.describe()}: {self.trainable_params:,} trainable parameters"] if self.lora else [])
 
     def _note_lines(self) -> list[str]:
         """Host RAM, swap files, staging, time, and the planner's notes, each where it applies."""
@@ -272,7 +286,9 @@ class Plan:
         unit, div = ("GiB", GIB) if max(c.memory.total for c in self.candidates) >= GIB else ("MiB", 1024**2)
         terms = ("params", "grads", "optimizer", "activations", "logits", "buffers", "allocator", "overhead", "total")
         sized = any(c.model_parallel > 1 or c.offload_device == "nvme" for c in self.candidates)
-        header = ("strategy", "offload", "ckpt", "liger") + (("tp/cp/sp",) if sized else ()) + ("mb", "params")
+        synced = any(c.sync_each_batch for c in self.candidates)
+        header = ("strategy", "offload", "ckpt", "liger") + (("sync",) if synced else ())
+        header += (("tp/cp/sp",) if sized else ()) + ("mb", "params")
         header += ("grads", "optim", "acts", "logits", "buffers", "allocator", "overhead", "total", "tok/s", "verdict")
         rows = [header]
         for c in self.candidates:
@@ -280,11 +296,12 @@ class Plan:
             sizes = [f"{getattr(c.memory, t) / div:.2f}" for t in terms]
             speed = "-" if c.tokens_per_s is None else f"{c.tokens_per_s:,.0f}"
             flags = ("yes" if c.activation_checkpointing else "no", "yes" if c.use_liger_kernel else "no")
+            flags += ("yes" if c.sync_each_batch else "no",) if synced else ()
             offload = c.offload + ("@nvme" if c.offload_device == "nvme" else "")
             dims = (f"{c.tp_size}/{c.cp_size}/{c.sp_size}",) if sized else ()
             rows.append((c.strategy, offload, *flags, *dims, str(c.micro_batch_size), *sizes, speed, verdict))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        first_number = 5 if sized else 4
+        first_number = 4 + sized + synced
         lines = [
             f"per-rank memory in {unit} (total = device memory in use at the peak: allocated tensors + caching "
             "allocator + CUDA context):"

@@ -33,6 +33,7 @@ from hf_dist.planning.choice import best, reason_for
 from hf_dist.planning.dtypes import GIB
 from hf_dist.planning.features import installed_features
 from hf_dist.planning.hardware import Hardware, detect_hardware
+from hf_dist.planning.lora import place, resolve
 from hf_dist.planning.memory import METHODS
 from hf_dist.planning.model_parallel import pinned_sizes, size_options
 from hf_dist.planning.model_states import trainable_params
@@ -47,19 +48,29 @@ __all__ = ["Plan", "PlanError", "Candidate", "Combo", "plan", "comm_seconds", "m
 
 def plan(
     model: Any, *, gpus: int | None = None, gpu_memory_gib: float | None = None, nodes: int | None = None,
-    method: str = "full", seq_len: int = 2048, global_batch_size: int | None = None,
-    micro_batch_size: int | None = None, optimizer: str = "adamw", lora_rank: int = 16, strategy: str | None = None,
+    method: str | None = None, seq_len: int = 2048, global_batch_size: int | None = None,
+    micro_batch_size: int | None = None, optimizer: str = "adamw", lora_rank: int | None = None,
+    lora_dropout: float | None = None, lora_targets: Any = None, peft_config: Any = None, strategy: str | None = None,
     offload: str | None = None, activation_checkpointing: bool | None = None, use_liger_kernel: bool | None = None,
     safety_margin: float = 0.1, hardware: Hardware | None = None, pure_bf16: bool = False,
     tp_size: int | None = None, cp_size: int | None = None, sp_size: int | None = None,
     host_memory_gib: float | None = None, nvme_gbps: float | None = None, offload_device: str | None = None,
     features: Any = None, fused_lm_head: bool = False, async_save: bool = False,
-    train_tokens: int | float | None = None, trust_remote_code: bool = False,
+    train_tokens: int | float | None = None, sync_each_batch: bool | None = None, trust_remote_code: bool = False,
 ) -> Plan:  # fmt: skip
     """Plan distributed training of ``model`` (count, config, module, folder, config.json or hub name).
 
-    ``strategy`` / ``offload`` / ``activation_checkpointing`` / ``use_liger_kernel`` pin a choice
-    instead of searching it (Liger kernels are searched on CUDA when liger-kernel is installed).
+    ``strategy`` / ``offload`` / ``activation_checkpointing`` / ``use_liger_kernel`` / ``sync_each_batch`` pin a
+    choice instead of searching it (Liger kernels are searched on CUDA when liger-kernel is installed;
+    ``sync_each_batch``: FSDP2 with gradient accumulation reduce-scatters every micro-batch instead of holding every
+    unsharded gradient until the last, searched where gradients accumulate).
+
+    LoRA (:mod:`hf_dist.planning.lora`): a ``PeftModel``'s own config is planned (rank, alpha, dropout, targets,
+    ``modules_to_save``, bias, rsLoRA); ``peft_config`` (a PEFT ``LoraConfig``) does the same before the model
+    exists; ``lora_rank`` / ``lora_dropout`` / ``lora_targets`` adjust the recipes' LoRA (rank 16, dropout 0.05,
+    every linear of the block) and must agree with a given config. ``method`` (default: ``lora`` when any of them is
+    given, else ``full``). A config hf_dist cannot plan (IA3, prefix tuning, DoRA, a target matching no module) is
+    refused by name.
     ``pure_bf16=True`` plans bf16 weights and bf16 Adam state without fp32 master weights (less memory,
     less accurate updates); by default mixed precision keeps fp32 masters. A module's loaded dtype is
     read (``Plan.model_dtype``); dtypes other than float32/bfloat16/float16 raise ValueError.
@@ -84,14 +95,18 @@ def plan(
     Raises PlanError (a ValueError) naming the minimum hardware when nothing fits.
     """
     sizes = (tp_size, cp_size, sp_size)
+    lora_keywords = dict(lora_rank=lora_rank, lora_dropout=lora_dropout, lora_targets=lora_targets)
+    method, lora = resolve(model, method, peft_config, **lora_keywords)
     _check_arguments(method, safety_margin, train_tokens, global_batch_size, micro_batch_size, *sizes)
     hw = hardware or detect_hardware(gpus=gpus, gpu_memory_gib=gpu_memory_gib, nodes=nodes,
                                      host_memory_gib=host_memory_gib, nvme_gbps=nvme_gbps)  # fmt: skip
-    space = search_space(hw, method, strategy, offload, offload_device, activation_checkpointing, use_liger_kernel)
+    space = search_space(hw, method, strategy, offload, offload_device, activation_checkpointing, use_liger_kernel,
+                         sync_each_batch)  # fmt: skip
     check_pure_bf16_hardware(pure_bf16, hw)
     model_dtype, spec = loaded_dtype(model), model_spec(model, trust_remote_code=trust_remote_code)
     features = installed_features() if features is None else features
-    setup = _setup(spec, hw, model_dtype, features, pure_bf16, safety_margin, method, optimizer, seq_len, lora_rank,
+    placement = place(spec, lora) if lora is not None else None
+    setup = _setup(spec, hw, model_dtype, features, pure_bf16, safety_margin, method, optimizer, seq_len, placement,
                    global_batch_size, micro_batch_size, fused_lm_head, async_save)  # fmt: skip
     options = size_options(spec, hw, seq_len, features, method=method)
     pinned = pinned_sizes(spec, options, *(v or 1 for v in sizes)) if any(v is not None for v in sizes) else None
@@ -107,14 +122,14 @@ def plan(
     )
 
 
-def _setup(spec, hw, model_dtype, features, pure_bf16, safety_margin, method, optimizer, seq_len, lora_rank,
+def _setup(spec, hw, model_dtype, features, pure_bf16, safety_margin, method, optimizer, seq_len, lora,
            global_batch, micro_batch, fused_lm_head, async_save) -> Setup:  # fmt: skip
     """The run every candidate shares: its precision on ``hw`` (fp32 masters unless pure bf16) and usable memory."""
     _, pb, master = hardware_precision(hw)
     return Setup(
-        spec, hw, method, optimizer, seq_len, lora_rank, pb, master and not pure_bf16,
+        spec, hw, method, optimizer, seq_len, lora, pb, master and not pure_bf16,
         4 if model_dtype == "float32" else pb, usable=(1 - safety_margin) * hw.gpu_memory_gib * GIB,
-        trainable=trainable_params(spec, method, lora_rank), global_batch=global_batch, micro_batch=micro_batch,
+        trainable=trainable_params(spec, method, lora), global_batch=global_batch, micro_batch=micro_batch,
         checkpoint_children=features.fsdp2_checkpoints_children, embedding_unit=features.fsdp2_embedding_unit,
         fused_lm_head=bool(fused_lm_head), async_save=bool(async_save),
     )  # fmt: skip
@@ -153,7 +168,7 @@ def _choose(setup: Setup, search: Search, candidates, dims, sizes_pinned: bool, 
         raise PlanError(nothing_fits_message(setup, search.dp_combos, candidates, dims))
     chosen = best(fitting)
     for c in candidates:
-        c.reason = reason_for(c, chosen, pinned=sizes_pinned, offload_pinned=offload_pinned)
+        c.reason = reason_for(c, chosen, pinned=sizes_pinned, offload_pinned=offload_pinned, candidates=candidates)
     return chosen
 
 
@@ -167,7 +182,8 @@ def _result(s: Setup, c: Candidate, candidates, dims, mp, notes, pure_bf16, mode
         micro_batch_size=c.micro_batch_size, gradient_accumulation_steps=global_batch // (c.micro_batch_size * dp),
         global_batch_size=global_batch, num_params=s.spec.num_params, memory=c.memory, candidates=candidates,
         world_size=hw.world_size, nodes=hw.nodes, method=s.method, seq_len=s.seq_len, mixed_precision=mp, hardware=hw,
-        model=s.spec, optimizer=s.optimizer, lora_rank=s.lora_rank, reason=c.reason, usable_gib=s.usable / GIB,
+        model=s.spec, optimizer=s.optimizer, lora=s.lora.lora if s.lora else None, reason=c.reason,
+        usable_gib=s.usable / GIB, trainable_params=s.trainable, sync_each_batch=c.sync_each_batch,
         use_liger_kernel=c.use_liger_kernel, tokens_per_s=c.tokens_per_s, liger_note=liger_note,
         margin_note=margin_note, offload_note=offload_note, pure_bf16=pure_bf16, model_dtype=model_dtype,
         tp_size=c.tp_size, cp_size=c.cp_size, sp_size=c.sp_size, offload_device=c.offload_device,

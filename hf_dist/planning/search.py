@@ -4,16 +4,20 @@ NVMe offload; docs/parallelism.md)."""
 
 from __future__ import annotations
 
-from hf_dist.planning.candidates import Setup, candidate, combos, refusal
+from hf_dist.planning.candidates import Setup, accumulates, candidate, combos, refusal
 from hf_dist.planning.hardware import Hardware
 from hf_dist.planning.layout import OFFLOAD_DEVICES, OFFLOADS, REGISTRY, STRATEGIES
 from hf_dist.planning.plan_result import Candidate, Combo
 from hf_dist.validation import restrict
 
 
-def search_space(hw: Hardware, method, strategy, offload, offload_device, activation_checkpointing, use_liger_kernel):
-    """(strategies, offload rungs, checkpointing options, Liger options) a call leaves open on ``hw``: each pinned
-    argument keeps its one value; refused with ValueError where a pin cannot run there."""
+def search_space(
+    hw: Hardware, method, strategy, offload, offload_device, activation_checkpointing, use_liger_kernel,
+    sync_each_batch=None,
+):  # fmt: skip
+    """(strategies, offload rungs, checkpointing options, Liger options, FSDP2's sync_each_batch options) a call
+    leaves open on ``hw``: each pinned argument keeps its one value; refused with ValueError where a pin cannot run
+    there."""
     if method == "qlora" and hw.device != "cuda":
         raise ValueError("qlora needs CUDA GPUs (bitsandbytes 4-bit kernels); use method='lora' on CPU")
     if hw.device == "cpu" and offload not in (None, "none"):
@@ -35,7 +39,8 @@ def search_space(hw: Hardware, method, strategy, offload, offload_device, activa
             f"strategy {strategy!r} needs nodes >= {REGISTRY[strategy].min_nodes} (it replicates across nodes), "
             f"got nodes={hw.nodes}; use fsdp_full_shard"
         )
-    return strategies, offloads, ckpts, ligers
+    syncs = restrict("sync_each_batch", sync_each_batch, (False, True))
+    return strategies, offloads, ckpts, ligers, syncs
 
 
 def liger_options(use_liger_kernel: bool | None, hw: Hardware) -> tuple[bool, ...]:
@@ -72,19 +77,29 @@ def nvme_strategies(strategy: str | None, offload: str | None, method: str) -> t
     return ("zero3",)
 
 
+def layouts(points: list[Combo]) -> int:
+    """Layouts among ``points``: FSDP2 with and without ``sync_each_batch`` is one layout run two ways."""
+    return len({c._replace(sync=False) for c in points})
+
+
 class Search:
     """The ladder: data parallelism (with CPU offload as a last resort), then model parallelism without offload
     when no data-parallel layout fits without it or splits the global batch, then Ulysses SP with ZeRO CPU offload,
     then NVMe offload when nothing fits."""
 
-    def __init__(self, setup: Setup, strategies, offloads, ckpts, ligers, pinned_strategy: bool, features, device):
+    def __init__(
+        self, setup: Setup, strategies, offloads, ckpts, ligers, syncs, pinned_strategy: bool, features, device
+    ):  # fmt: skip
         self.s, self.strategies, self.offloads, self.ckpts, self.ligers = setup, strategies, offloads, ckpts, ligers
-        self.pinned_strategy, self.features, self.device = pinned_strategy, features, device
+        self.syncs, self.pinned_strategy, self.features, self.device = syncs, pinned_strategy, features, device
         self.dp_combos = self._combos(strategies, offloads, (1, 1, 1))
 
     def _combos(self, strategies, offloads, *sizes) -> list[Combo]:
+        """The combinations of ``sizes``; FSDP2 with ``sync_each_batch`` only where gradients accumulate."""
         hw = self.s.hw
-        return combos(strategies, offloads, self.ckpts, self.ligers, hw, self.pinned_strategy, self.features, sizes)
+        found = combos(strategies, offloads, self.ckpts, self.ligers, hw, self.pinned_strategy, self.features, sizes,
+                       self.syncs)  # fmt: skip
+        return [c for c in found if not c.sync or accumulates(self.s, c, hw)]
 
     def _evaluate(self, points: list[Combo]) -> list[Candidate]:
         return [candidate(self.s, combo) for combo in points]
@@ -109,7 +124,7 @@ class Search:
         triples = options.triples(hw.world_size)
         mp = self._combos(self.strategies, ("none",), *triples)
         candidates += self._evaluate(mp)
-        dims.append(f"searched {options.describe()} ({len(mp)} layouts) because no data-parallel layout fits "
+        dims.append(f"searched {options.describe()} ({layouts(mp)} layouts) because no data-parallel layout fits "
                     "without offload" + self._batch_note(candidates))  # fmt: skip
         if any(c.fits for c in candidates):
             return candidates, dims

@@ -104,33 +104,38 @@ def device_rates(hw: Hardware) -> tuple[float, float]:
     return tflops * 1e12, gbps * 1e9
 
 
-def comm_seconds(s: Strategy | str, offload, spec, trainable, world, nodes, accum, pb, gb, hw: Hardware) -> float:
+def comm_seconds(
+    s: Strategy | str, offload, spec, trainable, world, nodes, accum, pb, gb, hw: Hardware, sync_each_batch=False
+) -> float:
     """Per optimizer step, per rank, seconds spent moving bytes (ring collectives, bandwidth-bound).
 
     Ring all-reduce moves 2(N-1)/N of the buffer per rank, reduce-scatter and all-gather (N-1)/N each
     (Patarasuk & Yuan 2009; NCCL performance docs). DDP and ZeRO-1 reduce once per optimizer step
     (no_sync / local accumulation); ZeRO-2 reduce-scatters each micro-step; FSDP and ZeRO-3 gather
-    parameters in forward and backward (FSDP2 shard-grad-op only in forward) and reduce-scatter
-    gradients on every micro-step.
+    parameters in forward and backward (FSDP2 shard-grad-op only in forward) every micro-step. ZeRO-3
+    reduce-scatters gradients every micro-step; FSDP2 under the Trainer's ``no_sync``
+    (``set_requires_gradient_sync(False)`` on all but the last micro-batch, accelerate ``Accelerator.no_sync``)
+    once per optimizer step, and every micro-step with ``sync_each_batch``.
     """
     s = strategy(s)
     intra = (hw.intra_node_gbps or DEFAULT_INTRA_GBPS) * 1e9
     inter = (hw.inter_node_gbps or DEFAULT_INTER_GBPS) * 1e9
     link = inter if nodes > 1 else intra
     params, grads = spec.num_params * pb, trainable * gb
+    reductions = gradient_reductions(s, accum, sync_each_batch)
     seconds = 0.0
     if world > 1 and s.replicates_across_nodes:
         g = world // nodes
         fi, fo = (g - 1) / g, (nodes - 1) / nodes
-        seconds = (fi * (2 * params + grads) / intra + 2 * fo * grads / g / inter) * accum
+        seconds = fi * 2 * params / intra * accum + (fi * grads / intra + 2 * fo * grads / g / inter) * reductions
     elif world > 1:
         f = (world - 1) / world
         if s.shards.params:  # gathered for forward, and again for backward unless kept gathered
             seconds += (1 if s.gathers_params else 2) * f * params * accum / link
         elif s.shards.optimizer:  # updated shards gathered once after the step
             seconds += f * params / link
-        if s.shards.grads:  # reduce-scattered every micro-step
-            seconds += f * grads * accum / link
+        if s.shards.grads:  # reduce-scattered every micro-step, or once per step (FSDP2's no_sync)
+            seconds += f * grads * reductions / link
         else:  # reduced once per step: reduce-scatter (sharded optimizer) or all-reduce
             seconds += (1 if s.shards.optimizer else 2) * f * grads / link
     if offload != "none":
@@ -140,6 +145,13 @@ def comm_seconds(s: Strategy | str, offload, spec, trainable, world, nodes, accu
         if offload == "optimizer+params":
             seconds += 2 * params / degree * accum / (PCIE_GBPS * 1e9)
     return seconds
+
+
+def gradient_reductions(s: Strategy, accum: int, sync_each_batch: bool = False) -> int:
+    """Gradient reductions per optimizer step of a gradient-sharding engine: DeepSpeed ZeRO-2/3 reduce every
+    micro-step (the Trainer never runs DeepSpeed under ``no_sync``); FSDP2 once (accelerate's ``no_sync``), or every
+    micro-step with ``sync_each_batch`` (transformers ``Trainer._inner_training_loop``)."""
+    return accum if sync_each_batch or not s.is_fsdp else 1
 
 
 def model_parallel_seconds(layout, spec, seq_len: int, micro_batch_size: int, hw: Hardware, ckpt: bool) -> float:
@@ -198,7 +210,7 @@ def _engine_hooks_s(s: Strategy, spec) -> float:
 def step_time(
     spec, hw: Hardware, memory, *, strategy: Strategy, offload: str, trainable: int, micro_batch_size: int,
     accumulation: int, seq_len: int, activation_checkpointing: bool, use_liger_kernel: bool, comm: float,
-    dp_size: int | None = None, seq_shards: int = 1, tp_size: int = 1, lora_adapters: int = 0,
+    dp_size: int | None = None, seq_shards: int = 1, tp_size: int = 1, lora_adapters: float = 0,
     lora_dropout: bool = False,
 ) -> StepTime:  # fmt: skip
     """Estimated seconds per optimizer step on each rank, from ``memory`` (a MemoryEstimate of the same layout).

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hf_dist.planning.layout import STRATEGIES
+from hf_dist.planning.lora import DEFAULT_TARGETS, RECIPE_ALPHA, RECIPE_DROPOUT, RECIPE_RANK
 
-LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LLAMA_LORA_TARGETS = DEFAULT_TARGETS  # every linear of a Llama block: the LoRA hf_dist plans unless told otherwise
 STRATEGY_CHOICES = STRATEGIES  # the registry's user-facing names
 STRATEGY_FLAGS = ("fsdp", "fsdp_config", "deepspeed")  # TrainingArguments flags that choose a strategy
 
@@ -198,9 +199,9 @@ class DataArguments:
 class LoraArguments:
     """PEFT LoRA adapter settings; the default targets every linear layer of a Llama block."""
 
-    lora_r: int = field(default=16, metadata={"help": "Adapter rank."})
-    lora_alpha: int = field(default=32, metadata={"help": "Scaling numerator (scale = alpha / r)."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the adapter input."})
+    lora_r: int = field(default=RECIPE_RANK, metadata={"help": "Adapter rank."})
+    lora_alpha: int = field(default=int(RECIPE_ALPHA), metadata={"help": "Scaling numerator (scale = alpha / r)."})
+    lora_dropout: float = field(default=RECIPE_DROPOUT, metadata={"help": "Dropout on the adapter input."})
     lora_target_modules: list[str] = field(
         default_factory=lambda: list(LLAMA_LORA_TARGETS), metadata={"help": "Module names to adapt."}
     )
@@ -309,7 +310,7 @@ def training_arguments(
     method: str,
     seq_len: int,
     strategy: str | None,
-    lora_rank: int = 16,
+    peft_config: Any = None,
     deepspeed_on_cpu: bool = False,
     sizes: dict[str, int | None] | None = None,
     async_save: bool = False,
@@ -321,6 +322,8 @@ def training_arguments(
     The plan is skipped when the user chose the strategy with ``--fsdp``/``--deepspeed`` or an
     accelerate FSDP/DeepSpeed config; ``--strategy`` pins the plan's strategy instead.
     ``sizes``: the recipes' ``--tp_size``/``--cp_size``/``--sp_size`` (None: the plan searches them).
+    ``peft_config``: the ``peft.LoraConfig`` the recipe will apply (``--lora_r``, ``--lora_alpha``, ``--lora_dropout``,
+    ``--lora_target_modules``): the plan is made for that LoRA.
     ``async_save``: the plan counts the staging copy of background saves in host RAM. ``offloading``: the recipes'
     ``--offload``/``--offload_device``/``--nvme_path`` (None: the plan's choice).
     ``deepspeed_on_cpu`` (the recipes' ``--deepspeed_on_cpu``, tests and CPU development only) lets a
@@ -337,7 +340,7 @@ def training_arguments(
     if not (explicit & set(STRATEGY_FLAGS)) and not _accelerate_config_strategy():
         import hf_dist
 
-        plan_kwargs = _plan_kwargs(kwargs, method, seq_len, strategy, lora_rank, sizes, async_save, offloading)
+        plan_kwargs = _plan_kwargs(kwargs, method, seq_len, strategy, peft_config, sizes, async_save, offloading)
         planned = hf_dist.auto_args(
             model, trust_remote_code=trust_remote_code, engine_on_cpu=deepspeed_on_cpu, **plan_kwargs
         )  # --fsdp_on_cpu turned FSDP on already (cpu_test_modes)
@@ -364,7 +367,7 @@ def _plan_kwargs(
     method: str,
     seq_len: int,
     strategy: str | None,
-    lora_rank: int,
+    peft_config: Any,
     sizes: dict[str, int | None] | None,
     async_save: bool,
     offloading: dict[str, str | None] | None,
@@ -373,8 +376,8 @@ def _plan_kwargs(
     plan_kwargs: dict[str, Any] = {"method": method, "seq_len": seq_len, "strategy": strategy}
     plan_kwargs.update({k: v for k, v in (sizes or {}).items() if v is not None})  # --tp_size/--cp_size/--sp_size
     plan_kwargs.update({k: v for k, v in (offloading or {}).items() if v is not None})  # --offload, --nvme_path
-    if method != "full":
-        plan_kwargs["lora_rank"] = lora_rank
+    if method != "full" and peft_config is not None:
+        plan_kwargs["peft_config"] = peft_config
     if async_save:
         plan_kwargs["async_save"] = True
     if "per_device_train_batch_size" in kwargs:  # a user flag or a recipe default pins the micro batch

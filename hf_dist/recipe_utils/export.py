@@ -61,26 +61,38 @@ def _convert_checkpoint(
     """Run ``hf_dist.convert`` on the checkpoint in a fresh process, as ``hf-dist convert`` would.
 
     A separate process keeps the converter away from this job's initialised process group (its
-    readers must not join collectives the other ranks are not in).
+    readers must not join collectives the other ranks are not in). The config, adapter config and tokenizer that
+    make the sharded tensors loadable are written to a folder beside the export (``--model-config`` and
+    ``--tokenizer`` of the conversion), never into the checkpoint, whose manifest lists what the run saved.
     """
+    import shutil
+    import tempfile
 
     model = trainer.accelerator.unwrap_model(trainer.model)
-    # sharded checkpoints hold tensors only; the config (and adapter config) make them loadable
     base = model.get_base_model() if adapter else model
-    base.config.save_pretrained(checkpoint)
-    if adapter:
-        model.peft_config["default"].save_pretrained(checkpoint)
-    tokenizer.save_pretrained(checkpoint)
+    export_dir.parent.mkdir(parents=True, exist_ok=True)
+    side = Path(tempfile.mkdtemp(prefix=f".{export_dir.name}.side-", dir=export_dir.parent))
+    try:
+        base.config.save_pretrained(side)
+        if adapter:
+            model.peft_config["default"].save_pretrained(side)
+        tokenizer.save_pretrained(side)
+        _run_convert(checkpoint, export_dir, side, adapter=adapter, trust_remote_code=trust_remote_code)
+    finally:
+        shutil.rmtree(side, ignore_errors=True)
+
+
+def _run_convert(checkpoint: Path, export_dir: Path, side: Path, *, adapter: bool, trust_remote_code: bool) -> None:
     code = (
         "import sys, hf_dist; "
-        "hf_dist.convert(sys.argv[1], sys.argv[2], adapter=sys.argv[3] == '1', overwrite=True, progress=False, "
-        "trust_remote_code=sys.argv[4] == '1')"
+        "hf_dist.convert(sys.argv[1], sys.argv[2], model_config=sys.argv[3], tokenizer=sys.argv[3], "
+        "adapter=sys.argv[4] == '1', overwrite=True, progress=False, trust_remote_code=sys.argv[5] == '1')"
     )
     flags = (adapter, trust_remote_code)
     dist_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
     env = {k: v for k, v in os.environ.items() if k not in dist_vars}
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(checkpoint), str(export_dir), *("1" if f else "0" for f in flags)],
+        [sys.executable, "-c", code, str(checkpoint), str(export_dir), str(side), *("1" if f else "0" for f in flags)],
         env=env,
         capture_output=True,
         text=True,

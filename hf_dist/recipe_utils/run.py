@@ -194,19 +194,20 @@ def _live_sizes(trainer: Any) -> dict[str, int]:
 
 
 def print_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy: str | None = None,
-               trust_remote_code: bool = False) -> None:  # fmt: skip
+               trust_remote_code: bool = False, peft_config: Any = None) -> None:  # fmt: skip
     """Print :func:`describe_plan` on the main process."""
     if args.process_index == 0:
         text = describe_plan(config, method=method, seq_len=seq_len, args=args, strategy=strategy,
-                             trust_remote_code=trust_remote_code)  # fmt: skip
+                             trust_remote_code=trust_remote_code, peft_config=peft_config)  # fmt: skip
         print(text, flush=True)
 
 
 def describe_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy: str | None = None,
-                  trust_remote_code: bool = False) -> str:  # fmt: skip
+                  trust_remote_code: bool = False, peft_config: Any = None) -> str:  # fmt: skip
     """The planner's explanation for this model/method on the detected hardware, plus the batch math (over the
     data-parallel ranks: the ranks of one tensor / context / sequence parallel group share each sequence).
-    ``trust_remote_code``: the planner may import the config's ``auto_map`` code (``--trust_remote_code``)."""
+    ``trust_remote_code``: the planner may import the config's ``auto_map`` code (``--trust_remote_code``);
+    ``peft_config``: the LoRA the recipe applies."""
     world = args.world_size
     asked = parallel_sizes(getattr(args, "parallelism_config", None), deepspeed_config(args))
     sizes = {f"{n}_size": size for n, size in asked.items()}
@@ -226,10 +227,11 @@ def describe_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy
     try:
         explained = plan(
             config, gpus=world, method=method, seq_len=seq_len, global_batch_size=batch, strategy=strategy,
-            trust_remote_code=trust_remote_code, **pinned,
+            trust_remote_code=trust_remote_code, peft_config=peft_config if method != "full" else None, **pinned,
         ).explain()  # fmt: skip
-        # model / hardware / chosen / why; `hf-dist plan` prints the full per-strategy table
-        lines += ["[hf_dist] plan: " + line for line in explained.splitlines()[:4]]
+        # model / hardware / chosen / why (and the LoRA); `hf-dist plan` prints the full per-strategy table
+        head = explained.splitlines()
+        lines += ["[hf_dist] plan: " + line for line in head[:4] + [h for h in head[4:5] if h.startswith("lora:")]]
     except ValueError as exc:  # PlanError: e.g. no strategy fits the detected hardware
         lines.append(f"[hf_dist] planner: {exc}")
     return "\n".join(lines)

@@ -10,6 +10,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from hf_dist.planning.lora import from_peft_model, is_peft_model, place, resolve
+from hf_dist.planning.modelinfo import model_spec
 from hf_dist.planning.remote_code import RemoteCodeError
 from hf_dist.tracing.setup import TraceSetup, TraceUnsupported
 from hf_dist.tracing.trace import TraceError, TraceResult, TraceTimeout, trace_here
@@ -40,6 +42,7 @@ def trace_memory(
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
     isolate: bool = True,
     trust_remote_code: bool = False,
+    peft_config: Any = None,
     **setup: Any,
 ) -> TraceResult:
     """Trace rank 0's training memory of ``model`` laid out as ``plan`` (or one of its ``candidate`` alternatives).
@@ -50,6 +53,11 @@ def trace_memory(
     one, they override the plan's. ``isolate`` runs the trace in a separate process (the default: the caller may
     be a rank with a real process group, and a hard limit can stop it); ``time_limit_s`` bounds it.
 
+    LoRA: the plan's (``Plan.lora``), which must be a ``PeftModel``'s own when one is traced; without a plan, a
+    ``PeftModel``'s config, ``peft_config`` (a PEFT ``LoraConfig``) or the ``lora_rank`` / ``lora_dropout`` /
+    ``lora_targets`` keywords, resolved as :func:`hf_dist.plan` resolves them (:func:`hf_dist.planning.lora.resolve`),
+    and applied through PEFT's ``get_peft_model``: the traced adapters are the run's, dropout included.
+
     Raises :class:`TraceUnsupported` (a layout that cannot be traced; the message says which part and why),
     :class:`TraceTimeout` (past the limit; ``.partial`` is the peak of what ran, when the worker got that far),
     :class:`TraceError` (the model failed under the layout), ``ValueError`` (bad input: an unbuildable config, a
@@ -57,7 +65,9 @@ def trace_memory(
     causal LM is only the folder's ``auto_map`` code, unless ``trust_remote_code=True``).
     """
     config = _config_of(model, trust_remote_code)
-    spec = TraceSetup.from_plan(plan, candidate, **setup) if plan is not None else TraceSetup(**setup)
+    spec = _setup_of(model, plan, candidate, peft_config, setup)
+    if spec.lora is not None:  # a target that matches nothing, or no linear, is refused here, by name
+        place(model_spec(config, trust_remote_code=trust_remote_code), spec.lora)
     reason = spec.untraceable_reason()
     if reason:
         raise TraceUnsupported(f"cannot trace {spec.layout.describe()}: {reason}; the analytic estimate stands")
@@ -66,6 +76,30 @@ def trace_memory(
     if not isolate:
         return trace_here(config, spec, time_limit_s=time_limit_s, trust_remote_code=trust_remote_code)
     return _run_worker(config, _code_folder(model, config, trust_remote_code), trust_remote_code, spec, time_limit_s)
+
+
+_LORA_KEYWORDS = ("lora_rank", "lora_dropout", "lora_targets")
+
+
+def _setup_of(model: Any, plan: Any, candidate: Any, peft_config: Any, setup: dict[str, Any]) -> TraceSetup:
+    """The traced setup: the plan's (its LoRA checked against a PeftModel's own), or ``setup`` with its LoRA resolved
+    from the model, ``peft_config`` and the LoRA keywords."""
+    keywords = {k: setup.pop(k) for k in _LORA_KEYWORDS if k in setup}
+    if plan is not None:
+        if peft_config is not None or keywords:
+            raise ValueError("trace_memory(model, plan) traces the plan's LoRA; pass peft_config / lora_* to plan()")
+        traced = TraceSetup.from_plan(plan, candidate, **setup)
+        own = from_peft_model(model) if is_peft_model(model) else None
+        if own is not None and (traced.lora is None or not own.same_run(traced.lora, model_spec(model))):
+            planned = traced.lora.describe() if traced.lora else "full fine-tuning"
+            raise ValueError(
+                f"the PeftModel's LoRA ({own.describe()}) is not the plan's ({planned}); plan the model itself: "
+                "hf_dist.plan(peft_model, ...)"
+            )
+        return traced
+    if "lora" not in setup:
+        setup["method"], setup["lora"] = resolve(model, setup.get("method"), peft_config, **keywords)
+    return TraceSetup(**setup)
 
 
 def _config_of(model: Any, trust_remote_code: bool) -> Any:

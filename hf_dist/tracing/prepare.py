@@ -13,7 +13,7 @@ import dataclasses
 import types
 from typing import Any
 
-from hf_dist.tracing.setup import LORA_TARGETS, TraceSetup, TraceUnsupported
+from hf_dist.tracing.setup import TraceSetup, TraceUnsupported
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -66,21 +66,13 @@ def build_model(config: Any, setup: TraceSetup, *, trust_remote_code: bool = Fal
 
 
 def _add_lora(model: Any, setup: TraceSetup) -> Any:
-    import torch
+    """The run's own LoRA (``setup.lora``: rank, alpha, dropout, targets, ``modules_to_save``, bias...) applied as the
+    run applies it, through PEFT's ``get_peft_model``; trainable parameters in the trainable dtype."""
     from peft import LoraConfig
 
     from hf_dist.runtime.peft_calls import get_peft_model
 
-    linears = {name.rsplit(".", 1)[-1] for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
-    targets = [t for t in LORA_TARGETS if t in linears]
-    if not targets:
-        raise ValueError(
-            f"LoRA: none of the target modules {list(LORA_TARGETS)} is a linear layer of {type(model).__name__} "
-            f"(its linear layers: {sorted(linears)}); the tracer adapts what the recipes adapt"
-        )
-    lora = LoraConfig(r=setup.lora_rank, lora_alpha=setup.lora_alpha, lora_dropout=setup.lora_dropout,
-                      target_modules=targets, task_type="CAUSAL_LM")  # fmt: skip
-    model = get_peft_model(model, lora)
+    model = get_peft_model(model, LoraConfig(**setup.lora.peft_kwargs(), task_type="CAUSAL_LM"))
     for param in model.parameters():  # PEFT keeps adapters in fp32 (autocast_adapter_dtype); pure bf16 does not
         if param.requires_grad:
             param.data = param.data.to(trainable_dtype(setup))

@@ -11,12 +11,13 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from hf_dist.planning.layout import MIXED_PRECISIONS, Engine, Layout
+from hf_dist.planning.lora import DEFAULT_TARGETS, LoraSpec
 from hf_dist.validation import check_choice, check_positive_int
 
 METHODS = ("full", "lora")
 DTYPES = ("float32", "bfloat16", "float16")
 # PEFT LoRA as the recipes apply it (hf_dist.recipe_utils.LoraArguments): every linear of a Llama-style block
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = DEFAULT_TARGETS
 
 
 class TraceUnsupported(ValueError):
@@ -31,7 +32,9 @@ class TraceSetup:
     ``MixedPrecisionPolicy`` with fp32 shards) or ``no`` (fp32); ``pure_bf16``: bf16 weights and Adam state.
     ``base_dtype``: the dtype the model is loaded in (a LoRA base stays in it; trainable weights are fp32 under
     mixed precision). ``device``: the hardware planned for (``cuda`` or ``cpu``), which decides the optimizer the
-    Trainer builds there. ``lora_dropout``: PEFT's dropout on each adapter's input (0 = ``nn.Identity``).
+    Trainer builds there. ``lora``: the LoRA applied (:class:`~hf_dist.planning.lora.LoraSpec`, or its dict;
+    default for a LoRA method: the recipes'), through PEFT's ``get_peft_model`` with that config, dropout included.
+    ``sync_each_batch``: FSDP2 reduce-scatters every micro-batch (accelerate's ``sync_each_batch``: no ``no_sync``).
     """
 
     strategy: str
@@ -45,9 +48,7 @@ class TraceSetup:
     mixed_precision: str = "bf16"
     pure_bf16: bool = False
     base_dtype: str = "bfloat16"
-    lora_rank: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
+    lora: LoraSpec | None = None
     offload: str = "none"
     use_liger_kernel: bool = False
     tp_size: int = 1
@@ -57,6 +58,7 @@ class TraceSetup:
     device: str = "cuda"
     optimizer: str = "adamw"
     fused_lm_head: bool = False  # TRL's fused LM head (not traceable here: untraceable_reason)
+    sync_each_batch: bool = False
 
     def __post_init__(self) -> None:
         check_choice("method", self.method, ("full", "lora", "qlora"))
@@ -64,17 +66,30 @@ class TraceSetup:
         check_choice("base_dtype", self.base_dtype, DTYPES)
         check_choice("device", self.device, ("cuda", "cpu"))
         check_choice("optimizer", self.optimizer, ("adamw", "adamw_8bit", "sgd"))
-        for name in ("seq_len", "micro_batch_size", "gradient_accumulation_steps", "lora_rank"):
+        for name in ("seq_len", "micro_batch_size", "gradient_accumulation_steps"):
             check_positive_int(name, getattr(self, name))
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
+        self._set_lora()
         self.layout  # noqa: B018  (the layout checks world size, nodes and parallel sizes, naming the arithmetic)
+
+    def _set_lora(self) -> None:
+        """The LoRA of a LoRA method (a dict from :meth:`to_dict` read back; the recipes' when not given)."""
+        lora = self.lora
+        if isinstance(lora, dict):
+            lora = LoraSpec.from_dict(lora)
+        if self.method == "full" and lora is not None:
+            raise ValueError("method='full' trains every weight, but a LoRA was given; pass method='lora'")
+        if self.method != "full" and lora is None:
+            lora = LoraSpec()
+        if lora is not None and not isinstance(lora, LoraSpec):
+            raise ValueError(f"lora must be a LoraSpec or its dict, got {type(lora).__name__}")
+        object.__setattr__(self, "lora", lora)
 
     @property
     def layout(self) -> Layout:
         return Layout(
             self.strategy, self.world_size, self.nodes, self.offload, self.activation_checkpointing,
             self.mixed_precision, self.pure_bf16, self.tp_size, self.cp_size, self.sp_size,
+            sync_each_batch=self.sync_each_batch,
         )  # fmt: skip
 
     def untraceable_reason(self) -> str | None:
@@ -124,17 +139,17 @@ class TraceSetup:
             world_size=self.world_size, nodes=self.nodes, method=self.method, offload=self.offload,
             optimizer=self.optimizer, master_weights=not self.pure_bf16, param_bytes=2 if sixteen else 4,
             seq_len=self.seq_len, micro_batch_size=self.micro_batch_size,
-            activation_checkpointing=self.activation_checkpointing, lora_rank=self.lora_rank,
+            activation_checkpointing=self.activation_checkpointing, lora=self.lora,
             gradient_accumulation_steps=self.gradient_accumulation_steps, use_liger_kernel=self.use_liger_kernel,
             attention=self.attention, device=self.device, base_bytes=4 if self.base_dtype == "float32" else 2,
             tp_size=self.tp_size, cp_size=self.cp_size, sp_size=self.sp_size,
             checkpoint_children=installed_features().fsdp2_checkpoints_children,  # the accelerate the trace runs
             fsdp2_embedding_unit=installed_features().fsdp2_embedding_unit,
-            fused_lm_head=self.fused_lm_head,
+            fused_lm_head=self.fused_lm_head, sync_each_batch=self.sync_each_batch,
         )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "lora": self.lora.to_dict() if self.lora is not None else None}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TraceSetup:
@@ -154,9 +169,10 @@ class TraceSetup:
             strategy=c.strategy, world_size=plan.world_size, nodes=plan.nodes, method=plan.method,
             seq_len=plan.seq_len, micro_batch_size=c.micro_batch_size, gradient_accumulation_steps=accumulation,
             activation_checkpointing=c.activation_checkpointing, mixed_precision=plan.mixed_precision,
-            pure_bf16=plan.pure_bf16, base_dtype=plan.model_dtype or pb, lora_rank=plan.lora_rank,
+            pure_bf16=plan.pure_bf16, base_dtype=plan.model_dtype or pb, lora=plan.lora,
             offload=c.offload, use_liger_kernel=c.use_liger_kernel, tp_size=c.tp_size, cp_size=c.cp_size,
             sp_size=c.sp_size, device=plan.hardware.device, optimizer=plan.optimizer, fused_lm_head=plan.fused_lm_head,
+            sync_each_batch=c.sync_each_batch,
         )  # fmt: skip
         values.update(overrides)
         return cls(**values)

@@ -239,7 +239,7 @@ def _train_steps(model: Any, optimizer: Any, setup: TraceSetup, vocab_size: int,
     accumulation = setup.gradient_accumulation_steps
     for micro_batches in (1, min(accumulation, 2)):
         for index in range(micro_batches):
-            with _sync(model, index == micro_batches - 1):
+            with _sync(model, index == micro_batches - 1 or setup.sync_each_batch):
                 on_phase("forward")
                 loss = model(input_ids=ids, labels=ids).loss
                 on_phase("backward")
@@ -253,7 +253,8 @@ def _train_steps(model: Any, optimizer: Any, setup: TraceSetup, vocab_size: int,
 
 @contextlib.contextmanager
 def _sync(model: Any, sync: bool):
-    """accelerate's ``no_sync`` for a non-final micro-batch: DDP's ``no_sync``, FSDP2's gradient sync off."""
+    """accelerate's ``no_sync`` for a non-final micro-batch: DDP's ``no_sync``, FSDP2's gradient sync off. The
+    Trainer syncs every micro-batch with ``sync_each_batch`` (transformers ``Trainer._inner_training_loop``)."""
     if sync:
         yield
     elif hasattr(model, "set_requires_gradient_sync"):

@@ -60,10 +60,18 @@ def verify_plan(plan: Plan, *, time_limit_s: float, trust_remote_code: bool = Fa
             trace = trace_memory(config, plan, candidate=chosen, time_limit_s=time_limit_s,
                                  trust_remote_code=trust_remote_code)  # fmt: skip
         except (TraceUnsupported, TraceTimeout, TraceError) as exc:
-            return _with_choice(plan, chosen, reason_for(chosen, chosen), note=f"not traced: {exc}", rejected=rejected)
+            return _with_choice(
+                plan,
+                chosen,
+                reason_for(chosen, chosen, candidates=plan.candidates),
+                note=f"not traced: {exc}",
+                rejected=rejected,
+            )
         need = trace.device_total(chosen.memory)
         if need <= usable:
-            return _with_choice(plan, chosen, reason_for(chosen, chosen), trace=trace, rejected=rejected)
+            return _with_choice(
+                plan, chosen, reason_for(chosen, chosen, candidates=plan.candidates), trace=trace, rejected=rejected
+            )
         chosen.fits = False
         chosen.reason = (
             f"traced: {format_bytes(trace.peak_bytes)} of tensors + {format_bytes(need - trace.peak_bytes)} allocator "
@@ -75,7 +83,7 @@ def verify_plan(plan: Plan, *, time_limit_s: float, trust_remote_code: bool = Fa
         if not fitting:
             raise PlanError(f"nothing fits once traced: {'; '.join(rejected)}")
         chosen = best(fitting)
-    return _with_choice(plan, chosen, reason_for(chosen, chosen),
+    return _with_choice(plan, chosen, reason_for(chosen, chosen, candidates=plan.candidates),
                         note=f"not traced: {MAX_TRACED} traced candidates did not fit", rejected=rejected)  # fmt: skip
 
 
@@ -95,7 +103,7 @@ def _with_choice(plan: Plan, c: Any, reason: str, *, trace: Any = None, note: st
         micro_batch_size=c.micro_batch_size, gradient_accumulation_steps=plan.global_batch_size // (c.micro_batch_size * dp),
         memory=c.memory, reason=reason, use_liger_kernel=c.use_liger_kernel, tokens_per_s=c.tokens_per_s,
         tp_size=c.tp_size, cp_size=c.cp_size, sp_size=c.sp_size, offload_device=c.offload_device,
-        trace=trace, verification="; ".join([*moved, note]),
+        sync_each_batch=c.sync_each_batch, trace=trace, verification="; ".join([*moved, note]),
     )  # fmt: skip
 
 

@@ -50,6 +50,7 @@ class StrategyCase:
     name: str
     strategy: str  # "none" = single process, no distributed wrapper
     offload: str = "none"
+    extra: tuple[str, ...] = ()  # more flags of strategies_train.py (micro-batch, accumulation, sync_each_batch)
 
     @property
     def nproc(self) -> int:
@@ -68,6 +69,14 @@ CASES = {
         StrategyCase("zero2", "zero2"),
         StrategyCase("zero3", "zero3"),
         StrategyCase("zero3_offload", "zero3", offload="optimizer"),
+        # FSDP2 with gradient accumulation (the same 4 samples per step): under the Trainer's no_sync, and with
+        # each micro-batch reduce-scattered (sync_each_batch, planned and emitted by auto_args)
+        StrategyCase("fsdp_no_sync", "fsdp_full_shard", extra=("--micro-batch", "1", "--grad-accum", "2")),
+        StrategyCase(
+            "fsdp_sync_each_batch",
+            "fsdp_full_shard",
+            extra=("--micro-batch", "1", "--grad-accum", "2", "--sync-each-batch"),
+        ),  # fmt: skip
     )
 }
 
@@ -105,7 +114,7 @@ class LaunchCache:
 
 def launch_strategy(case: StrategyCase, workdir: Path, out: Path) -> None:
     script = SCRIPTS / "strategies_train.py"
-    args = ["--strategy", case.strategy, "--offload", case.offload, "--steps", TRAIN_STEPS]
+    args = ["--strategy", case.strategy, "--offload", case.offload, "--steps", TRAIN_STEPS, *case.extra]
     args += ["--output-dir", workdir / "run", "--out", out]
     if case.nproc == 1:
         # One process, accumulation 2 == two ranks, accumulation 1 (same samples per optimizer step).

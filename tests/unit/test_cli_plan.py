@@ -26,6 +26,31 @@ def test_plan_config_json_as_json(tmp_path, capsys):
     assert data["hardware"]["gpu_memory_gib"] == 24.0 and data["mixed_precision"] == "bf16"
 
 
+def test_plan_lora_flags_plan_that_lora(tmp_path, capsys):
+    """--lora-rank/--lora-dropout/--lora-targets (method lora without --method): what PEFT would train."""
+    peft = pytest.importorskip("peft")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tiny_llama_config().save_pretrained(tmp_path)
+    base = ["plan", str(tmp_path), "--gpus", "1", "--gpu-memory", "80", "--json"]
+    assert main([*base, "--lora-rank", "64", "--lora-dropout", "0", "--lora-targets", "q_proj", "v_proj"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["method"] == "lora" and data["lora"]["source"] == "keywords"
+    assert (data["lora"]["r"], data["lora"]["lora_dropout"], data["lora"]["target_modules"]) == (
+        64, 0.0, ["q_proj", "v_proj"])  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_llama_config())
+    model = peft.get_peft_model(model, peft.LoraConfig(r=64, target_modules=["q_proj", "v_proj"]))
+    assert data["trainable_params"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert main([*base, "--lora-targets", "all-linear"]) == 0
+    assert json.loads(capsys.readouterr().out)["lora"]["target_modules"] == "all-linear"
+    assert main([*base, "--lora-targets", "qkv_proj"]) == 1
+    assert "target_modules name 'qkv_proj' matches no module of the model" in capsys.readouterr().err
+    assert main([*base, "--method", "full", "--lora-rank", "8"]) == 1
+    assert "method='full' trains every weight, but lora_rank describes LoRA adapters" in capsys.readouterr().err
+
+
 def test_plan_two_nodes(tmp_path, capsys):
     tiny_llama_config().save_pretrained(tmp_path)
     assert main(["plan", str(tmp_path), "--gpus", "16", "--nodes", "2", "--gpu-memory", "80", "--json"]) == 0
@@ -165,9 +190,13 @@ def test_plan_pinned_to_nvme_states_the_swap_files(tmp_path, capsys, monkeypatch
 # PLAN_KEYS that cannot be a flag, and why
 NOT_A_FLAG = {
     "hardware": "a Hardware object; the CLI builds it from --gpus, --gpu-memory, --nodes, --host-memory, --nvme-gbps",
+    "peft_config": "a PEFT LoraConfig object; the CLI plans the LoRA of --lora-rank, --lora-dropout, --lora-targets",
 }
 # a value for each flag that differs from its default, and the value the planner keyword then receives
 FLAG_VALUES = {
+    "lora_dropout": (["--lora-dropout", "0.1"], 0.1),
+    "lora_targets": (["--lora-targets", "q_proj", "v_proj"], ["q_proj", "v_proj"]),
+    "sync_each_batch": (["--sync-each-batch", "on"], True),
     "gpus": (["--gpus", "4"], 4),
     "gpu_memory_gib": (["--gpu-memory", "40"], 40.0),
     "nodes": (["--nodes", "2"], 2),

@@ -61,6 +61,28 @@ def test_unknown_lora_target_lists_the_available_modules():
         ru.check_lora_targets(ru.LoraArguments(lora_target_modules=["q_proj", "qkv_proj"]), config)
 
 
+def test_the_lora_recipe_plans_the_lora_its_flags_give(tmp_path, monkeypatch):
+    """recipes/lora.py hands its LoraConfig (--lora_r, --lora_dropout, --lora_target_modules) to the plan."""
+    import hf_dist
+
+    for key in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(key, raising=False)
+    planned = []
+
+    def auto_args(model, **kwargs):
+        planned.append(
+            hf_dist.plan(model, **{k: v for k, v in kwargs.items() if k not in ("trust_remote_code", "engine_on_cpu")})
+        )
+        raise KeyboardInterrupt  # the plan is what this test reads: stop before anything trains
+
+    monkeypatch.setattr(hf_dist, "auto_args", auto_args)
+    flags = ["--lora_r", "64", "--lora_dropout", "0", "--lora_target_modules", "q_proj", "v_proj"]
+    with pytest.raises(KeyboardInterrupt):
+        load_recipe("lora").main([*flags, "--output_dir", str(tmp_path / "out")])
+    lora = planned[0].lora
+    assert (lora.rank, lora.dropout, lora.targets, lora.source) == (64, 0.0, ("q_proj", "v_proj"), "peft_config")
+
+
 def test_bitsandbytes_config_is_nf4_double_quant_with_matching_storage():
     import torch
 

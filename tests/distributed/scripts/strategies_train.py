@@ -5,12 +5,15 @@ Launched by tests/distributed/test_strategies.py, e.g.::
     python tests/distributed/scripts/strategies_train.py --strategy none --grad-accum 2 --out base.json
     HF_DIST_FSDP_ON_CPU=1 torchrun --nproc_per_node 2 tests/distributed/scripts/strategies_train.py \
         --strategy fsdp_full_shard --out fsdp.json
+    HF_DIST_FSDP_ON_CPU=1 torchrun --nproc_per_node 2 tests/distributed/scripts/strategies_train.py \
+        --strategy fsdp_full_shard --micro-batch 1 --grad-accum 2 --sync-each-batch --out sync.json
 
 Everything is fp32 on CPU: bf16 autocast on CPU is slow and would blur the loss comparison.
 The data are fixed-length random token ids (no padding), fed in order, so one process with
 gradient accumulation 2 sees exactly the samples that 2 ranks with accumulation 1 see per step.
 Rank 0 writes a JSON report: per-step losses, the wrapper types, accelerate's distributed type,
-proof of sharding (DTensor shards for FSDP, ZeRO-3 partitioned numel) and the checkpoint files.
+proof of sharding (DTensor shards for FSDP, ZeRO-3 partitioned numel) and the checkpoint files, and how often the
+Trainer turned FSDP2's gradient sync off (``no_sync_calls``) next to the plugin's ``sync_each_batch``.
 """
 
 from __future__ import annotations
@@ -44,6 +47,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument(
+        "--sync-each-batch",
+        action="store_true",
+        help="plan FSDP2 to reduce-scatter every micro-batch (hf_dist.auto_args(sync_each_batch=True))",
+    )
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--out", required=True, help="JSON report written by rank 0")
@@ -104,6 +112,9 @@ def training_kwargs(model, args: argparse.Namespace, world_size: int) -> dict:
         }
     import hf_dist
 
+    sync = {}
+    if args.sync_each_batch:  # the plan accumulates only when its global batch says so
+        sync = {"sync_each_batch": True, "global_batch_size": args.micro_batch * args.grad_accum * world_size}
     auto = hf_dist.auto_args(
         model,
         strategy=args.strategy,
@@ -113,6 +124,7 @@ def training_kwargs(model, args: argparse.Namespace, world_size: int) -> dict:
         bf16=False,
         fp16=False,
         engine_on_cpu=True,  # FSDP2 / ZeRO on these CPU ranks (tests only)
+        **sync,
         **hardware_kwargs(args.offload, world_size, args.offload_device, args.nvme_path),
     )
     # use_cpu from auto_args: the DDP launch has no ACCELERATE_USE_CPU (conftest); engine_on_cpu: DeepSpeed over gloo
@@ -233,6 +245,22 @@ class NVMeProbe:
         }
 
 
+class NoSyncCounter:
+    """Counts FSDP2's ``set_requires_gradient_sync(False)`` on the root module: accelerate's ``no_sync``, which the
+    Trainer enters on every micro-batch but the last unless the plugin's ``sync_each_batch`` is set."""
+
+    def __init__(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.calls, original = 0, FSDPModule.set_requires_gradient_sync
+
+        def counted(module, requires_gradient_sync, *args, **kwargs):
+            self.calls += not requires_gradient_sync
+            return original(module, requires_gradient_sync, *args, **kwargs)
+
+        FSDPModule.set_requires_gradient_sync = counted
+
+
 def engine_facts(trainer) -> dict:
     wrapped = trainer.model_wrapped
     facts = {"model_wrapped": type(wrapped).__name__, "model": type(trainer.model).__name__}
@@ -295,6 +323,7 @@ def main() -> None:
 
         callbacks.append(ZeroInfinityResumeCallback())
     trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=callbacks)
+    no_sync = NoSyncCounter()
     if args.resume_from:
         report_refusal(trainer, args.resume_from, args.out)
         return
@@ -315,6 +344,8 @@ def main() -> None:
         "training_args": {k: v for k, v in kwargs.items() if isinstance(v, str | int | float | bool)},
         "resumed_from": resume,
         "nvme": probe.steps if probe else None,
+        "sync_each_batch": trainer.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False),
+        "no_sync_calls": no_sync.calls,
         **facts,
     }
     trainer.accelerator.wait_for_everyone()

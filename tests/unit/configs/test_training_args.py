@@ -425,3 +425,42 @@ def test_batch_math_counts_data_parallel_ranks_under_tensor_parallelism():
         auto_args(CFG, **tp, gradient_accumulation_steps=2 * gas)
     scaled = auto_args(CFG, **tp, lr_scaling="linear", reference_batch_size=8, learning_rate=1e-4)
     assert scaled["learning_rate"] == pytest.approx(1e-4 * 16 / 8)  # the global batch is 16, not 16 x tp
+
+
+def test_sync_each_batch_is_emitted_so_the_trainer_runs_it(tmp_path):
+    """A plan that reduce-scatters every micro-batch becomes accelerator_config.gradient_accumulation_kwargs
+    (accelerate's GradientAccumulationPlugin, which the Trainer builds and reads before each no_sync)."""
+    kw = auto_args(CFG, strategy="fsdp_full_shard", micro_batch_size=2, sync_each_batch=True, **GPU)
+    assert kw["gradient_accumulation_steps"] == 2
+    assert kw["accelerator_config"] == {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
+    args = build(tmp_path, use_cpu=True, **kw)
+    assert args.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": True}
+    assert "accelerator_config" not in auto_args(CFG, strategy="fsdp_full_shard", micro_batch_size=2, **GPU)
+    merged = auto_args(CFG, strategy="fsdp_full_shard", micro_batch_size=2, sync_each_batch=True,
+                       accelerator_config={"split_batches": False}, **GPU)  # fmt: skip
+    assert merged["accelerator_config"] == {
+        "split_batches": False, "gradient_accumulation_kwargs": {"sync_each_batch": True}}  # fmt: skip
+    against = {"gradient_accumulation_kwargs": {"sync_each_batch": False}}
+    with pytest.raises(ValueError, match=r"accelerator_config gradient_accumulation_kwargs sync_each_batch=False "
+                                         r"contradicts the plan \(fsdp_full_shard, sync_each_batch=True\).*pass "
+                                         r"sync_each_batch=False to auto_args"):  # fmt: skip
+        auto_args(CFG, strategy="fsdp_full_shard", micro_batch_size=2, sync_each_batch=True,
+                  accelerator_config=against, **GPU)  # fmt: skip
+    with pytest.raises(ValueError, match=r"unknown sync_each_batch .yes.; allowed: False, True"):
+        auto_args(CFG, strategy="fsdp_full_shard", sync_each_batch="yes", **GPU)
+
+
+def test_a_peft_models_lora_and_peft_config_are_what_auto_args_plans():
+    peft = pytest.importorskip("peft")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(CFG)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=64, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match=r"lora_rank=16 but the PeftModel's config has 64"):
+        auto_args(model, lora_rank=16, **GPU)
+    with pytest.raises(ValueError, match=r"peft_config is a IA3 adapter.*hf_dist plans LoRA adapters only"):
+        auto_args(CFG, peft_config=peft.IA3Config(target_modules=["q_proj"], feedforward_modules=[]), **GPU)
+    kw = auto_args(CFG, peft_config=peft.LoraConfig(r=8, target_modules=["q_proj"]), **GPU)
+    assert kw["per_device_train_batch_size"] * kw["gradient_accumulation_steps"] * 4 == 16

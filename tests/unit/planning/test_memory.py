@@ -287,3 +287,35 @@ def test_a_layers_backward_holds_its_feed_forward_gradients():
     assert bf16.layer_grads == tokens * (3 * 2 * inter + 2 * hidden)
     liger = estimate_memory(spec, "fsdp_full_shard", 2, use_liger_kernel=True, **kw)
     assert liger.layer_grads == tokens * (2 * inter + 2 * hidden)
+
+
+def test_sync_each_batch_holds_sharded_gradients_and_reduce_scatters_every_micro_batch():
+    """FSDP2 under the Trainer's no_sync keeps every unsharded fp32 gradient until the last micro-batch; with
+    sync_each_batch each micro-batch reduce-scatters and only the rank's shard persists (accumulated in place)."""
+    from hf_dist.planning.hardware import Hardware
+    from hf_dist.planning.layout import strategy
+    from hf_dist.planning.throughput import comm_seconds
+
+    spec = model_spec(tiny_llama_config())
+    kw = dict(seq_len=64, micro_batch_size=2, param_bytes=4, master_weights=False, device="cpu")
+    no_sync = estimate_memory(spec, "fsdp_full_shard", 2, gradient_accumulation_steps=4, **kw)
+    synced = estimate_memory(spec, "fsdp_full_shard", 2, gradient_accumulation_steps=4, sync_each_batch=True, **kw)
+    assert no_sync.grads == spec.num_params * 4  # 4 fp32 bytes per parameter, unsharded
+    assert synced.grads == math.ceil(spec.num_params * 4 / 2)  # the rank's half
+    assert no_sync.total - synced.total == no_sync.grads - synced.grads  # alive through the next forward either way
+    one = estimate_memory(spec, "fsdp_full_shard", 2, sync_each_batch=True, **kw)  # nothing accumulates: no change
+    assert one == estimate_memory(spec, "fsdp_full_shard", 2, **kw)
+    # communication per optimizer step of a 1B count on 8 ranks at 150 GB/s, accumulation 4, bf16 collectives:
+    # two all-gathers of the parameters per micro-step either way; the reduce-scatter of the gradients once (no_sync)
+    # or four times (sync_each_batch): 3 x 7/8 x 2e9 bytes / 150e9 B/s = 0.035 s more
+    hw = Hardware(device="cuda", gpus_per_node=8, gpu_memory_gib=80, intra_node_gbps=150)
+    s, f, count = strategy("fsdp_full_shard"), 7 / 8, model_spec(P)
+    base = comm_seconds(s, "none", count, P, 8, 1, 4, 2, 2, hw)
+    assert base == pytest.approx(2 * f * 2e9 * 4 / 150e9 + f * 2e9 / 150e9)
+    assert comm_seconds(s, "none", count, P, 8, 1, 4, 2, 2, hw, sync_each_batch=True) - base == pytest.approx(0.035)
+    # ZeRO-2/3 reduce-scatter every micro-step whatever the flag (the Trainer never runs DeepSpeed under no_sync)
+    z3 = strategy("zero3")
+    assert comm_seconds(z3, "none", count, P, 8, 1, 4, 2, 2, hw) == comm_seconds(
+        z3, "none", count, P, 8, 1, 4, 2, 2, hw, True)  # fmt: skip
+    with pytest.raises(ValueError, match=r"sync_each_batch with ddp: only FSDP2 keeps unsharded gradients"):
+        estimate_memory(spec, "ddp", 2, sync_each_batch=True)

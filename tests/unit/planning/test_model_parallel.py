@@ -246,7 +246,9 @@ def test_lora_is_never_planned_with_tensor_parallelism():
 
 
 def test_a_faster_layout_just_over_the_margin_is_named_with_the_margin_that_takes_it():
-    kw = dict(gpus=8, gpu_memory_gib=80, global_batch_size=64, micro_batch_size=4, features=ALL)
+    # without sync_each_batch: with it, FSDP2 shard-grad-op fits the tighter margin faster than the near miss
+    # (test_planner.py::test_sync_each_batch_is_chosen_when_it_makes_a_faster_layout_fit)
+    kw = dict(gpus=8, gpu_memory_gib=80, global_batch_size=64, micro_batch_size=4, features=ALL, sync_each_batch=False)
     best = plan(LLAMA_8B, **kw)
     card = 80 * GIB
     margin = 1 - (best.memory.total - 0.005 * card) / card  # the pick now misses by half a percent of the card

@@ -191,3 +191,41 @@ def test_a_plan_without_offload_or_with_full_fine_tuning_has_no_offload_note():
     assert plan(public_config("llama-3-8b"), gpus=1, gpu_memory_gib=24, method="lora").offload_note == ""
     full = plan(public_config("llama-3-8b"), gpus=1, gpu_memory_gib=80, seq_len=2048)
     assert full.offload_note == ""
+
+
+def test_sync_each_batch_is_chosen_when_it_makes_a_faster_layout_fit():
+    """Llama-3-8B on 8 x 80 GiB, FSDP2 full-shard, global batch 64: under the Trainer's no_sync every micro-batch but
+    the last keeps 29.9 GiB of unsharded fp32 gradients, so without checkpointing only micro_batch 1 fits;
+    reduce-scattering every micro-batch (3.7 GiB of shards) fits micro_batch 2, which is faster despite 4x the
+    reduce-scatters."""
+    from hf_dist.planning.features import NEWEST_TESTED_FEATURES as ALL
+
+    kw = dict(gpus=8, gpu_memory_gib=80, global_batch_size=64, strategy="fsdp_full_shard", features=ALL)
+    p = plan(LLAMA_8B, **kw)
+    assert (p.sync_each_batch, p.micro_batch_size, p.gradient_accumulation_steps, p.activation_checkpointing) == (
+        True, 2, 4, False)  # fmt: skip
+    without = plan(LLAMA_8B, sync_each_batch=False, **kw)
+    assert without.tokens_per_s < p.tokens_per_s and not without.sync_each_batch
+    assert (without.micro_batch_size, without.activation_checkpointing) != (2, False)
+    unsynced = next(c for c in p.candidates if c.key == p._chosen_key._replace(sync=False))
+    assert unsynced.micro_batch_size == 1 and p.memory.grads * 8 == unsynced.memory.grads
+    text = p.explain()
+    assert "sync_each_batch=True, micro_batch=2 x accumulation=4" in text
+    assert ("sync_each_batch: FSDP2 reduce-scatters every micro-batch" in text and "holds 3.74 GiB of sharded "
+            "gradients between micro-batches instead of the Trainer's no_sync keeping 29.92 GiB of unsharded "
+            "gradients until the last, so micro_batch 2 fits (without it: micro_batch 1," in text)  # fmt: skip
+    assert "fsdp_full_shard/none+sync" in text  # its row and reason in the table
+
+
+def test_sync_each_batch_is_not_chosen_when_no_sync_fits_as_fast():
+    """A small model fits with no_sync at the same micro-batch: the Trainer's default stays (fewer reduce-scatters);
+    without accumulation there is nothing to sync, and it is not searched."""
+    kw = dict(gpus=8, gpu_memory_gib=80, global_batch_size=64, strategy="fsdp_full_shard")
+    p = plan(tiny_llama_config(), micro_batch_size=2, **kw)
+    assert not p.sync_each_batch and p.gradient_accumulation_steps == 4
+    synced = next(c for c in p.candidates if c.key == p._chosen_key._replace(sync=True))  # weighed, fits, slower
+    assert synced.fits and synced.tokens_per_s < p.tokens_per_s
+    assert synced.reason == "fits at about the same speed; fsdp_full_shard/none is simpler"
+    once = plan(tiny_llama_config(), gpus=8, gpu_memory_gib=80, global_batch_size=8, strategy="fsdp_full_shard")
+    assert once.gradient_accumulation_steps == 1 and not any(c.sync_each_batch for c in once.candidates)
+    assert "sync" not in once.explain().splitlines()[6]  # no sync column without a sync candidate
