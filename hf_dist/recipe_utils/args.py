@@ -264,8 +264,33 @@ def parse_recipe_args(
     embedded = namespace.get("model_name_or_path") is None
     defaults = embedded_defaults if embedded else real_defaults
     training_kwargs.update({k: v for k, v in defaults.items() if k not in explicit})
+    _interval_strategies(training_kwargs, explicit)
     quiet_progress_bars(embedded=embedded)
     return (*instances, training_kwargs, explicit)
+
+
+# "--save_steps N" does something only under save_strategy "steps" (likewise evaluation), which a recipe default may
+# have turned off (the embedded default saves only at the end): a flag the user gave is never silently dropped
+INTERVAL_FLAGS = {"save_steps": "save_strategy", "eval_steps": "eval_strategy"}
+
+
+def _interval_strategies(training_kwargs: dict[str, Any], explicit: set[str]) -> None:
+    """``--save_steps``/``--eval_steps`` without their ``--..._strategy``: the strategy becomes ``steps``; with
+    another strategy given, the flag would be ignored and the contradiction is refused."""
+    for steps, strategy in INTERVAL_FLAGS.items():
+        if steps not in explicit:
+            continue
+        if strategy not in explicit:
+            training_kwargs[strategy] = "steps"
+            continue
+        chosen = getattr(training_kwargs[strategy], "value", training_kwargs[strategy])
+        if chosen != "steps":
+            given = training_kwargs[steps]
+            given = f"{given:g}" if isinstance(given, float) else given
+            raise ValueError(
+                f"--{steps} {given} has no effect with --{strategy} {chosen}: pass --{strategy} steps (or leave it "
+                f"out), or drop --{steps}"
+            )
 
 
 def quiet_progress_bars(*, embedded: bool) -> None:
