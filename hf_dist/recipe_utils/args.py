@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from dataclasses import dataclass, field, fields
@@ -362,7 +363,8 @@ def training_arguments(
     if not (explicit & set(STRATEGY_FLAGS)) and not _accelerate_config_strategy():
         import hf_dist
 
-        plan_kwargs = _plan_kwargs(kwargs, method, seq_len, strategy, lora_rank, sizes, async_save, offloading)
+        plan_kwargs = _plan_kwargs(kwargs, explicit, method, seq_len, strategy, lora_rank, sizes, async_save,
+                                   offloading)  # fmt: skip
         planned = hf_dist.auto_args(model, trust_remote_code=trust_remote_code, **plan_kwargs)
         kwargs.update({k: v for k, v in planned.items() if k not in explicit})
     if kwargs.get("deepspeed") and not _has_accelerator() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -381,6 +383,7 @@ def training_arguments(
 
 def _plan_kwargs(
     kwargs: dict[str, Any],
+    explicit: set[str],
     method: str,
     seq_len: int,
     strategy: str | None,
@@ -398,8 +401,29 @@ def _plan_kwargs(
     if async_save:
         plan_kwargs["async_save"] = True
     if "per_device_train_batch_size" in kwargs:  # a user flag or a recipe default pins the micro batch
-        plan_kwargs["micro_batch_size"] = kwargs["per_device_train_batch_size"]
+        plan_kwargs.update(_batch_kwargs(kwargs["per_device_train_batch_size"], explicit, plan_kwargs))
     return plan_kwargs
+
+
+def _batch_kwargs(micro_batch: int, explicit: set[str], plan_kwargs: dict[str, Any]) -> dict[str, int]:
+    """The planner's batch keywords for a micro batch the user (in ``explicit``) or the recipe's defaults chose.
+
+    A recipe default means that many sequences per data-parallel rank. Where the pinned layout runs only smaller
+    micro-batches (Ulysses SP on CPU ranks: 1, :func:`hf_dist.planning.model_parallel.micro_batch_limit`), it
+    becomes that global batch, which gradient accumulation then makes up. The user's own micro batch (or
+    accumulation) stays pinned: the plan refuses a micro batch the layout cannot run, with the arithmetic.
+    """
+    from hf_dist.planning.model_parallel import micro_batch_limit
+
+    limit = micro_batch_limit("cuda" if _has_accelerator() else "cpu", plan_kwargs.get("sp_size") or 1)
+    users = explicit & {"per_device_train_batch_size", "gradient_accumulation_steps"}
+    if users or limit is None or micro_batch <= limit[0]:
+        return {"micro_batch_size": micro_batch}
+    shared = math.prod(plan_kwargs.get(f"{n}_size") or 1 for n in ("tp", "cp", "sp"))
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world % shared:  # the plan refuses those sizes, naming them
+        return {"micro_batch_size": micro_batch}
+    return {"global_batch_size": micro_batch * (world // shared)}
 
 
 def _deepspeed_on_cpu_kwargs(deepspeed_on_cpu: bool) -> dict[str, Any]:
