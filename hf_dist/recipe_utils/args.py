@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hf_dist.planning.layout import STRATEGIES
+from hf_dist.recipe_utils.checks import check_engine_runs_here
 
 LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 STRATEGY_CHOICES = STRATEGIES  # the registry's user-facing names
@@ -252,7 +253,7 @@ def parse_recipe_args(
     from transformers import HfArgumentParser, TrainingArguments
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = HfArgumentParser((*types, TrainingArguments))
+    parser = _refusing(HfArgumentParser((*types, TrainingArguments)))
     namespace = vars(parser.parse_args(argv))
     explicit = set(vars(_suppressed_parser(types).parse_args(argv)))
     instances = []
@@ -294,6 +295,17 @@ def _interval_strategies(training_kwargs: dict[str, Any], explicit: set[str]) ->
             )
 
 
+def _refusing(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``parser`` raising a ValueError for a command line it refuses (a refusal the recipe reports once), instead of
+    printing its usage from every rank and exiting."""
+
+    def error(message: str) -> None:
+        raise ValueError(f"{message} (see --help for every flag)")
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser
+
+
 def quiet_progress_bars(*, embedded: bool) -> None:
     """One progress bar per run: the Trainer's, on the main process.
 
@@ -319,7 +331,7 @@ def _suppressed_parser(types: tuple[type, ...]) -> argparse.ArgumentParser:
     """The same parser with every default suppressed: its namespace holds only flags given explicitly."""
     from transformers import HfArgumentParser, TrainingArguments
 
-    parser = HfArgumentParser((*types, TrainingArguments))
+    parser = _refusing(HfArgumentParser((*types, TrainingArguments)))
     for action in parser._actions:
         if action.dest != "help":
             action.default = argparse.SUPPRESS
@@ -376,6 +388,7 @@ def training_arguments(
     # FSDP2 + bf16/fp16: reduce gradients in fp32 (a no-op for every other setup)
     args = apply_fp32_reduce(TrainingArguments(**kwargs))
     _check_sizes_honoured(args, sizes or {}, explicit)
+    check_engine_runs_here(args, has_accelerator=_has_accelerator())  # before accelerate drops or refuses it
     if not args.deepspeed and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() not in ("1", "true"):
         _no_deepspeed_in_unwrap()
     return args
