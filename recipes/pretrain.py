@@ -41,25 +41,33 @@ REAL_DEFAULTS = dict(ru.REAL_TRAINING_DEFAULTS, output_dir="outputs/pretrain", l
 
 
 def main(argv: list[str] | None = None) -> dict:
-    model_args, data_args, run_args, train_kwargs, explicit = ru.parse_recipe_args(
-        (ru.ModelArguments, ru.DataArguments, ru.RunArguments),
-        argv,
-        embedded_defaults=EMBEDDED_DEFAULTS,
-        real_defaults=REAL_DEFAULTS,
-    )
-    ru.cpu_test_modes(run_args)  # --fsdp_on_cpu / --model_parallel_on_cpu: tests and CPU development only
-    tokenizer = ru.load_tokenizer(model_args, chat=False)
-    config = ru.model_config(model_args, tokenizer)
-    seq_len = ru.resolve_seq_len(data_args.max_seq_length, config, embedded=model_args.embedded)
-    ru.check_dataset(data_args, kind="text")
-    # the tiny embedded model is built before the strategy exists (see ru.build_model)
-    model = ru.build_model(model_args, config, seed=train_kwargs["seed"]) if model_args.embedded else None
-    args = ru.training_arguments(
-        train_kwargs, explicit, config, method="full", seq_len=seq_len, strategy=model_args.strategy,
-        deepspeed_on_cpu=run_args.deepspeed_on_cpu, sizes=model_args.sizes, offloading=model_args.offloading,
-        async_save=run_args.async_save, trust_remote_code=model_args.trust_remote_code,
-    )  # fmt: skip
+    # every check of the arguments, before any model is built: a refusal is printed once, no traceback (ru.run_recipe)
+    with ru.checking():
+        model_args, data_args, run_args, train_kwargs, explicit = ru.parse_recipe_args(
+            (ru.ModelArguments, ru.DataArguments, ru.RunArguments),
+            argv,
+            embedded_defaults=EMBEDDED_DEFAULTS,
+            real_defaults=REAL_DEFAULTS,
+        )
+        ru.cpu_test_modes(run_args)  # --fsdp_on_cpu / --model_parallel_on_cpu: tests and CPU development only
+        ru.check_output_dir(train_kwargs["output_dir"], resuming=bool(train_kwargs.get("resume_from_checkpoint")))
+        ru.check_model_source(model_args)  # a hub name with no hub: refused in a second, not after retries
+        tokenizer = ru.load_tokenizer(model_args, chat=False)
+        config = ru.model_config(model_args, tokenizer)
+        seq_len = ru.resolve_seq_len(data_args.max_seq_length, config, embedded=model_args.embedded)
+        ru.check_dataset(data_args, kind="text")
+        args = ru.training_arguments(
+            train_kwargs, explicit, config, method="full", seq_len=seq_len, strategy=model_args.strategy,
+            deepspeed_on_cpu=run_args.deepspeed_on_cpu, sizes=model_args.sizes, offloading=model_args.offloading,
+            async_save=run_args.async_save, trust_remote_code=model_args.trust_remote_code,
+        )  # fmt: skip
+        resume = ru.resume_checkpoint(args)  # --resume_from_checkpoint: checked against this run, said in one line
+    if ru.is_finished(resume, args):  # the checkpoint is at the last step: nothing to train, nothing to redo
+        return ru.earlier_results(args)
+
     load = ru.parallel_load_kwargs(args)  # the TP plan under tensor parallelism: sharded as it loads
+    # the tiny embedded model is built whole, outside DeepSpeed's zero.Init (see ru.build_model)
+    model = ru.build_model(model_args, config, seed=args.seed) if model_args.embedded else None
     with args.main_process_first(desc="packing"):
         train_ds, eval_ds, task = ru.text_datasets(data_args, tokenizer, seq_len=seq_len, seed=args.seed)
 
@@ -71,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
                   trust_remote_code=model_args.trust_remote_code)  # fmt: skip
     before = ru.baseline_accuracy(model, tokenizer, task, mode="text", args=args)
 
-    trainer, resume = ru.make_trainer(model, args, tokenizer, train_ds, eval_ds, packed=True)
+    trainer = ru.make_trainer(model, args, tokenizer, train_ds, eval_ds, packed=True)
     ru.train(trainer, resume, async_save=run_args.async_save)
     return ru.finish_run(trainer, tokenizer, task=task, mode="text", adapter=False, before=before,
                          check_export=run_args.check_export,
@@ -79,5 +87,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
-    ru.shutdown()  # every rank tears the process group down together, before exiting
+    ru.run_recipe(main)  # a refusal: printed once by rank 0, exit 2 on every rank; then the process group torn down

@@ -46,5 +46,4 @@ main = functools.partial(sft.main, method="qlora")
 
 
 if __name__ == "__main__":
-    main()
-    ru.shutdown()  # every rank tears the process group down together, before exiting
+    ru.run_recipe(main)  # a refusal: printed once by rank 0, exit 2 on every rank; then the process group torn down

@@ -67,32 +67,39 @@ RECIPE = {"full": "recipes/sft.py", "lora": "recipes/lora.py", "qlora": "recipes
 
 def main(argv: list[str] | None = None, *, method: str = "full") -> dict:
     """Supervised fine-tuning on chat data: all weights (``full``), LoRA adapters, or LoRA on a 4-bit base."""
-    model_args, data_args, lora_args, quant_args, run_args, train_kwargs, explicit = ru.parse_recipe_args(
-        (ru.ModelArguments, ru.DataArguments, ru.LoraArguments, ru.QuantArguments, ru.RunArguments),
-        argv,
-        embedded_defaults=EMBEDDED_DEFAULTS[method],
-        real_defaults=REAL_DEFAULTS[method],
-    )
-    ru.cpu_test_modes(run_args)  # --fsdp_on_cpu / --model_parallel_on_cpu: tests and CPU development only
-    if method == "qlora":
-        ru.require_cuda(RECIPE[method])  # bitsandbytes has no CPU kernels: fail before anything is loaded
-    # everything that can reject the input runs before the model is built
-    tokenizer = ru.load_tokenizer(model_args, chat=True)
-    config = ru.model_config(model_args, tokenizer)
-    seq_len = ru.resolve_seq_len(data_args.max_seq_length, config, embedded=model_args.embedded)
-    peft_config = None  # the LoRA the plan is made for and the model gets
-    if method != "full":
-        peft_config = ru.check_lora_targets(lora_args, config, trust_remote_code=model_args.trust_remote_code)
-    ru.check_dataset(data_args, kind="chat")
-    # the tiny embedded model is built before the strategy exists (see ru.build_model)
-    model = ru.build_model(model_args, config, seed=train_kwargs["seed"]) if model_args.embedded else None
-    args = ru.training_arguments(
-        train_kwargs, explicit, config, method=method, seq_len=seq_len, strategy=model_args.strategy,
-        peft_config=peft_config, deepspeed_on_cpu=run_args.deepspeed_on_cpu, sizes=model_args.sizes,
-        offloading=model_args.offloading, async_save=run_args.async_save,
-        trust_remote_code=model_args.trust_remote_code,
-    )  # fmt: skip
+    # every check of the arguments, before any model is built: a refusal is printed once, no traceback (ru.run_recipe)
+    with ru.checking():
+        model_args, data_args, lora_args, quant_args, run_args, train_kwargs, explicit = ru.parse_recipe_args(
+            (ru.ModelArguments, ru.DataArguments, ru.LoraArguments, ru.QuantArguments, ru.RunArguments),
+            argv,
+            embedded_defaults=EMBEDDED_DEFAULTS[method],
+            real_defaults=REAL_DEFAULTS[method],
+        )
+        ru.cpu_test_modes(run_args)  # --fsdp_on_cpu / --model_parallel_on_cpu: tests and CPU development only
+        if method == "qlora":
+            ru.require_cuda(RECIPE[method])  # bitsandbytes has no CPU kernels: fail before anything is loaded
+        ru.check_output_dir(train_kwargs["output_dir"], resuming=bool(train_kwargs.get("resume_from_checkpoint")))
+        ru.check_model_source(model_args)  # a hub name with no hub: refused in a second, not after retries
+        tokenizer = ru.load_tokenizer(model_args, chat=True)
+        config = ru.model_config(model_args, tokenizer)
+        seq_len = ru.resolve_seq_len(data_args.max_seq_length, config, embedded=model_args.embedded)
+        peft_config = None  # the LoRA the plan is made for and the model gets
+        if method != "full":
+            peft_config = ru.check_lora_targets(lora_args, config, trust_remote_code=model_args.trust_remote_code)
+        ru.check_dataset(data_args, kind="chat")
+        args = ru.training_arguments(
+            train_kwargs, explicit, config, method=method, seq_len=seq_len, strategy=model_args.strategy,
+            peft_config=peft_config, deepspeed_on_cpu=run_args.deepspeed_on_cpu, sizes=model_args.sizes,
+            offloading=model_args.offloading, async_save=run_args.async_save,
+            trust_remote_code=model_args.trust_remote_code,
+        )  # fmt: skip
+        resume = ru.resume_checkpoint(args)  # --resume_from_checkpoint: checked against this run, said in one line
+    if ru.is_finished(resume, args):  # the checkpoint is at the last step: nothing to train, nothing to redo
+        return ru.earlier_results(args)
+
     load = ru.parallel_load_kwargs(args)  # the TP plan under tensor parallelism: sharded as it loads
+    # the tiny embedded model is built whole, outside DeepSpeed's zero.Init (see ru.build_model)
+    model = ru.build_model(model_args, config, seed=args.seed) if model_args.embedded else None
     with args.main_process_first(desc="tokenizing"):
         train_ds, eval_ds, task = ru.chat_datasets(data_args, tokenizer, seq_len=seq_len, seed=args.seed)
 
@@ -109,7 +116,7 @@ def main(argv: list[str] | None = None, *, method: str = "full") -> dict:
     if method != "full":
         model = ru.apply_lora(model, lora_args, quantized=method == "qlora")
 
-    trainer, resume = ru.make_trainer(model, args, tokenizer, train_ds, eval_ds, packed=False, seq_len=seq_len)
+    trainer = ru.make_trainer(model, args, tokenizer, train_ds, eval_ds, packed=False, seq_len=seq_len)
     ru.train(trainer, resume, async_save=run_args.async_save)
     return ru.finish_run(
         trainer, tokenizer, task=task, mode="chat", adapter=method != "full", before=before,
@@ -118,5 +125,4 @@ def main(argv: list[str] | None = None, *, method: str = "full") -> dict:
 
 
 if __name__ == "__main__":
-    main()
-    ru.shutdown()  # every rank tears the process group down together, before exiting
+    ru.run_recipe(main)  # a refusal: printed once by rank 0, exit 2 on every rank; then the process group torn down

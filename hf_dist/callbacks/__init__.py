@@ -104,7 +104,9 @@ def attach(
     the job that holds it; a rank whose launcher dies stops). Guards the Trainer's checkpoint loads
     (:func:`hf_dist.checkpoint.safety.trainer_loads.guard_trainer`): while a resume or the best model loads, every
     unpickle the Trainer, accelerate or DeepSpeed makes is torch's ``weights_only`` load with hf_dist's allowlist,
-    and every file must lie inside the checkpoint.
+    and every file must lie inside the checkpoint. Makes the resume of a finished run (a checkpoint at ``max_steps``)
+    train nothing, where the Trainer would train one step past it
+    (:func:`hf_dist.checkpoint.lifecycle.finished.guard_finished`).
 
     ``plan``: the run is checked against it at train start (:class:`~hf_dist.callbacks.plan.PlanCallback`: world size,
     strategy, precision, checkpointing, batch split, tp/cp/sp, FSDP wrap classes, the optimizer that steps, TRL's
@@ -119,12 +121,14 @@ def attach(
     from transformers.trainer_callback import DefaultFlowCallback
 
     from hf_dist.callbacks.plan import check_launch
+    from hf_dist.checkpoint.lifecycle.finished import guard_finished
     from hf_dist.checkpoint.lifecycle.output_lock import claim_output_dir
     from hf_dist.checkpoint.safety.trainer_loads import guard_trainer
 
     check_launch(trainer.args)  # several ranks launched, each training alone: refused before anything else
     claim_output_dir(trainer.args.output_dir)  # one live job per output folder; ranks stop with their launcher
     guard_trainer(trainer)  # every checkpoint load of a resume: weights_only with the allowlist, paths confined
+    guard_finished(trainer)  # a resumed run already at max_steps trains nothing (the Trainer would train one more)
     if callbacks is None:
         callbacks = default(_the_plan(plan), resume_from=resume_from, async_save=async_save)
     elif async_save:

@@ -92,8 +92,8 @@ def nothing_fits_message(s: Setup, combos, candidates: list[Candidate], dims: li
     """Why nothing fits and what would, one finding a line."""
     hw = s.hw
     model_parallel = [d for d in dims if not d.startswith("tp/cp/sp not searched")]
-    batch = [c for c in candidates if c.reason.startswith("global_batch")]
-    if len(batch) == len(candidates):  # no layout can split the batch: the arithmetic is the message
+    batch = [c for c in candidates if c.reason.startswith(("global_batch", "micro_batch_size"))]
+    if len(batch) == len(candidates):  # no layout can split the batch (or run its micro-batch): the arithmetic
         return _lines(candidates[0].reason, [f"model parallelism: {d}" for d in model_parallel])
     # the GPU memory that would suffice is stated for plans without offload (offload also needs host RAM)
     smallest = min([c for c in candidates if c.offload == "none"] or candidates, key=lambda c: c.memory.total)

@@ -17,6 +17,7 @@ from hf_dist.planning.layout import REGISTRY
 from hf_dist.planning.load_memory import LoadMemory, load_memory
 from hf_dist.planning.lora import Placement
 from hf_dist.planning.memory import MemoryEstimate, estimate_memory
+from hf_dist.planning.model_parallel import micro_batch_limit
 from hf_dist.planning.modelinfo import ModelSpec
 from hf_dist.planning.plan_result import Candidate, Combo, format_bytes
 from hf_dist.planning.throughput import StepTime, comm_seconds, model_parallel_seconds, nvme_seconds, step_time
@@ -24,9 +25,14 @@ from hf_dist.planning.throughput import StepTime, comm_seconds, model_parallel_s
 MAX_MICRO_BATCH = 16
 
 
-def micro_batch_options(global_batch, micro_batch, world) -> list[int]:
-    """Micro-batch sizes to try, largest first, each dividing global / world."""
+def micro_batch_options(global_batch, micro_batch, world, limit: tuple[int, str] | None = None) -> list[int]:
+    """Micro-batch sizes to try, largest first, each dividing global / world (the data-parallel ranks) and, for a
+    layout that runs only micro-batches up to a size (``limit``: that size and why), at most that size; a pinned
+    micro-batch above it is refused with the arithmetic that keeps the global batch."""
+    cap = min(limit[0], MAX_MICRO_BATCH) if limit else MAX_MICRO_BATCH
     if micro_batch is not None:
+        if limit and micro_batch > limit[0]:
+            raise ValueError(_over_limit(global_batch or micro_batch * world, micro_batch, world, limit))
         if global_batch is not None and global_batch % (micro_batch * world):
             raise ValueError(
                 f"global_batch ({global_batch}) is not divisible by micro_batch ({micro_batch}) * world ({world}) "
@@ -41,7 +47,21 @@ def micro_batch_options(global_batch, micro_batch, world) -> list[int]:
             f"micro_batch * accumulation * {world} can never equal {global_batch}; use a multiple of {world}"
         )
     per_rank = global_batch // world
-    return [m for m in range(min(per_rank, MAX_MICRO_BATCH), 0, -1) if per_rank % m == 0]
+    return [m for m in range(min(per_rank, cap), 0, -1) if per_rank % m == 0]
+
+
+def _over_limit(global_batch: int, micro_batch: int, world: int, limit: tuple[int, str]) -> str:
+    """Why a pinned ``micro_batch`` above ``limit`` is refused, and the split that keeps ``global_batch``."""
+    cap, why = limit
+    per_rank = max(global_batch // world, 1)
+    fix = next(m for m in range(min(cap, per_rank), 0, -1) if per_rank % m == 0)
+    accum = per_rank // fix
+    return (
+        f"micro_batch_size {micro_batch} (per_device_train_batch_size) cannot run: {why}.\n"
+        f"  To keep the global batch: micro_batch {fix} x gradient_accumulation_steps {accum} x data_parallel {world} "
+        f"= {global_batch}; pass micro_batch_size {fix} with gradient_accumulation_steps {accum}, or "
+        f"global_batch_size {global_batch} alone"
+    )
 
 
 @dataclass(frozen=True)
@@ -179,7 +199,8 @@ def candidate(s: Setup, combo: Combo) -> Candidate:
     extra["sync_each_batch"] = combo.sync
     strategy, offload, ckpt, liger = combo.strategy, combo.offload, combo.ckpt, combo.liger
     try:
-        mbs = micro_batch_options(s.global_batch, s.micro_batch, layout.dp_size)
+        limit = micro_batch_limit(s.hw.device, combo.sp)
+        mbs = micro_batch_options(s.global_batch, s.micro_batch, layout.dp_size, limit)
     except ValueError as e:
         mem = estimate(s, combo, s.micro_batch or 1)
         return Candidate(strategy, offload, ckpt, s.micro_batch or 1, mem, False, str(e), None, liger, **extra)

@@ -92,6 +92,24 @@ def size_options(spec, hw, seq_len: int, features, *, method: str = "full") -> S
     return SizeOptions(**keep, unavailable=unavailable)
 
 
+# DeepSpeed's Ulysses data adapter keeps each rank's share of a batch as ``batch[k][:, start:end].cpu()``, a strided
+# view on CPU ranks once the micro-batch is above 1, which transformers' loss cannot ``.view(-1)`` ("view size is
+# not compatible"); on a GPU ``.cpu()`` copies it. Measured: docs/parallelism.md, "Ulysses SP ... micro-batch 1".
+CPU_SP_MICRO_BATCH = 1
+
+
+def micro_batch_limit(device: str, sp_size: int) -> tuple[int, str] | None:
+    """``(largest micro-batch, why)`` for a layout that runs only micro-batches up to a size, else None."""
+    if device == "cpu" and sp_size > 1:
+        why = (
+            f"Ulysses sequence parallelism (sp={sp_size}) runs on CPU ranks at micro-batch {CPU_SP_MICRO_BATCH} only "
+            "(DeepSpeed's SP data adapter leaves each rank's labels a strided view there, which transformers' loss "
+            "cannot .view(): docs/parallelism.md)"
+        )
+        return CPU_SP_MICRO_BATCH, why
+    return None
+
+
 def pinned_sizes(spec, options: SizeOptions, tp_size: int, cp_size: int, sp_size: int) -> Sizes:
     """Sizes the user asked for, refused here (before any model is built) when the model, the hardware or the
     installed libraries cannot run them (``options`` from :func:`size_options`)."""

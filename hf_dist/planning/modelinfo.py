@@ -223,7 +223,7 @@ def load_config(path_or_name: str, *, trust_remote_code: bool = False) -> Any:
             raise FileNotFoundError(f"folder {path_or_name} has no config.json; pass a model folder or a config.json")
         check_config_class(_read_json(config_file), path_or_name, trust_remote_code=trust)
         return _auto_config(path_or_name, trust, f"cannot read {config_file}", "fix or replace it")
-    _check_hub_reachable(path_or_name)
+    check_hub_reachable(path_or_name)
     return _hub_config(path_or_name, trust)
 
 
@@ -276,7 +276,7 @@ def _hub_config(name: str, trust: bool) -> Any:
     return _auto_config(name, trust, f"cannot read the config of {name!r}", "pass a local folder or config.json")
 
 
-def _check_hub_reachable(name: str, timeout_s: float = 1.5) -> None:
+def check_hub_reachable(name: str, timeout_s: float = 1.5) -> None:
     """Fail in about a second when the hub cannot be reached, instead of huggingface_hub's retries (~25 s): under
     ``HF_HUB_OFFLINE`` only its cache answers (no network call is made), otherwise its endpoint must resolve and accept
     a connection."""

@@ -1,13 +1,16 @@
 """Shared logic of the recipes in ``recipes/``: arguments, model/tokenizer/data setup, evaluation, export.
 
 The recipes read top to bottom and call these functions (``from hf_dist import recipe_utils as ru``);
-nothing here is specific to one recipe. Everything that can reject user input (paths, columns,
-sequence length, LoRA targets, QLoRA without a GPU) runs before a model is built, so no accelerator
-time is spent on a bad command.
+nothing here is specific to one recipe. Everything that can reject user input (flags, the output folder, the
+model's source, columns, sequence length, LoRA targets, QLoRA without a GPU, the plan, the checkpoint to resume)
+runs inside :func:`checking`, before a model is built, so no accelerator time is spent on a bad command; the
+recipes' entry point :func:`run_recipe` prints such a refusal once, from rank 0, without a traceback.
 
 - :mod:`~hf_dist.recipe_utils.args`: argument dataclasses, parsing, ``TrainingArguments`` + strategy;
 - :mod:`~hf_dist.recipe_utils.model`: tokenizer, config, model, LoRA/QLoRA;
 - :mod:`~hf_dist.recipe_utils.data`: chat and packed-text datasets, collators;
+- :mod:`~hf_dist.recipe_utils.checks`: the output folder, the model's source, engines CPU ranks would not run;
+- :mod:`~hf_dist.recipe_utils.refusal`: :class:`RecipeRefusal`, :func:`checking`, the entry point :func:`run_recipe`;
 - :mod:`~hf_dist.recipe_utils.run`: resume, callbacks, strategy check, training, export, results.
 """
 
@@ -26,6 +29,7 @@ from hf_dist.recipe_utils.args import (
     parse_recipe_args,
     training_arguments,
 )
+from hf_dist.recipe_utils.checks import check_engine_runs_here, check_model_source, check_output_dir
 from hf_dist.recipe_utils.data import chat_datasets, check_dataset, collator, text_datasets
 from hf_dist.recipe_utils.export import export_model
 from hf_dist.recipe_utils.model import (
@@ -42,13 +46,16 @@ from hf_dist.recipe_utils.model import (
     resolve_seq_len,
     save_base_model,
 )
+from hf_dist.recipe_utils.refusal import RecipeRefusal, checking, run_recipe
 from hf_dist.recipe_utils.run import (
     baseline_accuracy,
     check_strategy,
     cpu_test_modes,
     describe_plan,
+    earlier_results,
     finish_run,
     format_results,
+    is_finished,
     load_recipe,
     make_trainer,
     print_plan,
@@ -60,11 +67,12 @@ from hf_dist.runtime.dist import shutdown  # the recipes' last call, on every ra
 
 __all__ = [
     "DataArguments", "EMBEDDED_TRAINING_DEFAULTS", "LLAMA_LORA_TARGETS", "LoraArguments", "ModelArguments",
-    "QuantArguments", "REAL_TRAINING_DEFAULTS", "RunArguments", "STRATEGY_CHOICES", "STRATEGY_FLAGS",
+    "QuantArguments", "REAL_TRAINING_DEFAULTS", "RecipeRefusal", "RunArguments", "STRATEGY_CHOICES", "STRATEGY_FLAGS",
     "apply_lora", "baseline_accuracy", "bnb_config", "build_model", "chat_datasets", "check_dataset",
-    "check_lora_targets", "check_strategy", "collator", "cpu_test_modes", "describe_plan", "embedded_base_on_disk",
-    "export_model", "finish_run",
-    "format_results", "load_recipe", "load_tokenizer", "lora_config", "make_trainer", "model_config",
-    "parallel_load_kwargs", "parse_recipe_args", "print_plan", "require_cuda", "resolve_seq_len", "resume_checkpoint",
-    "save_at_end_callback", "save_base_model", "shards_at_load", "shutdown", "text_datasets", "train", "training_arguments",
+    "check_engine_runs_here", "check_lora_targets", "check_model_source", "check_output_dir", "check_strategy",
+    "checking", "collator", "cpu_test_modes", "describe_plan", "earlier_results", "embedded_base_on_disk",
+    "export_model", "finish_run", "format_results", "is_finished", "load_recipe", "load_tokenizer", "lora_config",
+    "make_trainer", "model_config", "parallel_load_kwargs", "parse_recipe_args", "print_plan", "require_cuda",
+    "resolve_seq_len", "resume_checkpoint", "run_recipe", "save_at_end_callback", "save_base_model", "shards_at_load",
+    "shutdown", "text_datasets", "train", "training_arguments",
 ]  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from dataclasses import dataclass, field, fields
@@ -10,6 +11,7 @@ from typing import Any
 
 from hf_dist.planning.layout import STRATEGIES
 from hf_dist.planning.lora import DEFAULT_TARGETS, RECIPE_ALPHA, RECIPE_DROPOUT, RECIPE_RANK
+from hf_dist.recipe_utils.checks import check_engine_runs_here
 
 LLAMA_LORA_TARGETS = DEFAULT_TARGETS  # every linear of a Llama block: the LoRA hf_dist plans unless told otherwise
 STRATEGY_CHOICES = STRATEGIES  # the registry's user-facing names
@@ -252,7 +254,7 @@ def parse_recipe_args(
     from transformers import HfArgumentParser, TrainingArguments
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = HfArgumentParser((*types, TrainingArguments))
+    parser = _refusing(HfArgumentParser((*types, TrainingArguments)))
     namespace = vars(parser.parse_args(argv))
     explicit = set(vars(_suppressed_parser(types).parse_args(argv)))
     instances = []
@@ -265,8 +267,44 @@ def parse_recipe_args(
     embedded = namespace.get("model_name_or_path") is None
     defaults = embedded_defaults if embedded else real_defaults
     training_kwargs.update({k: v for k, v in defaults.items() if k not in explicit})
+    _interval_strategies(training_kwargs, explicit)
     quiet_progress_bars(embedded=embedded)
     return (*instances, training_kwargs, explicit)
+
+
+# "--save_steps N" does something only under save_strategy "steps" (likewise evaluation), which a recipe default may
+# have turned off (the embedded default saves only at the end): a flag the user gave is never silently dropped
+INTERVAL_FLAGS = {"save_steps": "save_strategy", "eval_steps": "eval_strategy"}
+
+
+def _interval_strategies(training_kwargs: dict[str, Any], explicit: set[str]) -> None:
+    """``--save_steps``/``--eval_steps`` without their ``--..._strategy``: the strategy becomes ``steps``; with
+    another strategy given, the flag would be ignored and the contradiction is refused."""
+    for steps, strategy in INTERVAL_FLAGS.items():
+        if steps not in explicit:
+            continue
+        if strategy not in explicit:
+            training_kwargs[strategy] = "steps"
+            continue
+        chosen = getattr(training_kwargs[strategy], "value", training_kwargs[strategy])
+        if chosen != "steps":
+            given = training_kwargs[steps]
+            given = f"{given:g}" if isinstance(given, float) else given
+            raise ValueError(
+                f"--{steps} {given} has no effect with --{strategy} {chosen}: pass --{strategy} steps (or leave it "
+                f"out), or drop --{steps}"
+            )
+
+
+def _refusing(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``parser`` raising a ValueError for a command line it refuses (a refusal the recipe reports once), instead of
+    printing its usage from every rank and exiting."""
+
+    def error(message: str) -> None:
+        raise ValueError(f"{message} (see --help for every flag)")
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser
 
 
 def quiet_progress_bars(*, embedded: bool) -> None:
@@ -294,7 +332,7 @@ def _suppressed_parser(types: tuple[type, ...]) -> argparse.ArgumentParser:
     """The same parser with every default suppressed: its namespace holds only flags given explicitly."""
     from transformers import HfArgumentParser, TrainingArguments
 
-    parser = HfArgumentParser((*types, TrainingArguments))
+    parser = _refusing(HfArgumentParser((*types, TrainingArguments)))
     for action in parser._actions:
         if action.dest != "help":
             action.default = argparse.SUPPRESS
@@ -340,7 +378,8 @@ def training_arguments(
     if not (explicit & set(STRATEGY_FLAGS)) and not _accelerate_config_strategy():
         import hf_dist
 
-        plan_kwargs = _plan_kwargs(kwargs, method, seq_len, strategy, peft_config, sizes, async_save, offloading)
+        plan_kwargs = _plan_kwargs(kwargs, explicit, method, seq_len, strategy, peft_config, sizes, async_save,
+                                   offloading)  # fmt: skip
         planned = hf_dist.auto_args(
             model, trust_remote_code=trust_remote_code, engine_on_cpu=deepspeed_on_cpu, **plan_kwargs
         )  # --fsdp_on_cpu turned FSDP on already (cpu_test_modes)
@@ -354,6 +393,7 @@ def training_arguments(
     # FSDP2 + bf16/fp16: reduce gradients in fp32 (a no-op for every other setup)
     args = apply_fp32_reduce(TrainingArguments(**kwargs))
     _check_sizes_honoured(args, sizes or {}, explicit)
+    check_engine_runs_here(args, has_accelerator=_has_accelerator())  # before accelerate drops or refuses it
     from hf_dist.checkpoint.lifecycle.output_lock import claim_output_dir
 
     claim_output_dir(args.output_dir)  # one live job per output folder, refused before any model is built
@@ -364,6 +404,7 @@ def training_arguments(
 
 def _plan_kwargs(
     kwargs: dict[str, Any],
+    explicit: set[str],
     method: str,
     seq_len: int,
     strategy: str | None,
@@ -381,8 +422,29 @@ def _plan_kwargs(
     if async_save:
         plan_kwargs["async_save"] = True
     if "per_device_train_batch_size" in kwargs:  # a user flag or a recipe default pins the micro batch
-        plan_kwargs["micro_batch_size"] = kwargs["per_device_train_batch_size"]
+        plan_kwargs.update(_batch_kwargs(kwargs["per_device_train_batch_size"], explicit, plan_kwargs))
     return plan_kwargs
+
+
+def _batch_kwargs(micro_batch: int, explicit: set[str], plan_kwargs: dict[str, Any]) -> dict[str, int]:
+    """The planner's batch keywords for a micro batch the user (in ``explicit``) or the recipe's defaults chose.
+
+    A recipe default means that many sequences per data-parallel rank. Where the pinned layout runs only smaller
+    micro-batches (Ulysses SP on CPU ranks: 1, :func:`hf_dist.planning.model_parallel.micro_batch_limit`), it
+    becomes that global batch, which gradient accumulation then makes up. The user's own micro batch (or
+    accumulation) stays pinned: the plan refuses a micro batch the layout cannot run, with the arithmetic.
+    """
+    from hf_dist.planning.model_parallel import micro_batch_limit
+
+    limit = micro_batch_limit("cuda" if _has_accelerator() else "cpu", plan_kwargs.get("sp_size") or 1)
+    users = explicit & {"per_device_train_batch_size", "gradient_accumulation_steps"}
+    if users or limit is None or micro_batch <= limit[0]:
+        return {"micro_batch_size": micro_batch}
+    shared = math.prod(plan_kwargs.get(f"{n}_size") or 1 for n in ("tp", "cp", "sp"))
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world % shared:  # the plan refuses those sizes, naming them
+        return {"micro_batch_size": micro_batch}
+    return {"global_batch_size": micro_batch * (world // shared)}
 
 
 def _deepspeed_on_cpu_kwargs(deepspeed_on_cpu: bool) -> dict[str, Any]:

@@ -90,11 +90,12 @@ def build_model(
 ) -> Any:
     """The model on CPU (the Trainer/accelerate move and shard it), seeded so every rank agrees.
 
-    Build the embedded tiny model *before* :func:`training_arguments`: it is then created whole and
-    ZeRO-3 partitions it when the engine starts, instead of inside ``deepspeed.zero.Init``, which
-    needs DeepSpeed's own communication backend that accelerate does not start on CPU ranks.
-    Pretrained models are loaded after it, under ``zero.Init`` when ZeRO-3 is on (GPU machines). ``load``: more
-    ``from_pretrained`` keywords (:func:`parallel_load_kwargs`: a TP model is sharded as it loads).
+    The embedded tiny model is built whole on every rank (:func:`whole_on_every_rank`), also after
+    :func:`training_arguments` chose the strategy: ZeRO-3 partitions it when the engine starts, instead of inside
+    ``deepspeed.zero.Init``, which needs DeepSpeed's own communication backend that accelerate does not start on CPU
+    ranks, and FSDP2 shards it when accelerate prepares it. Pretrained models are loaded under ``zero.Init`` when
+    ZeRO-3 is on (GPU machines). ``load``: more ``from_pretrained`` keywords (:func:`parallel_load_kwargs`: a TP model
+    is sharded as it loads).
     """
     import torch
     from transformers import AutoModelForCausalLM, set_seed
@@ -105,7 +106,7 @@ def build_model(
     if model_args.embedded and shards_at_load(extra):
         raise ValueError("a tensor-parallel model is sharded as it loads: save the embedded model and load it by path")
     if model_args.embedded:
-        with outside_zero3():  # whole, even if a ZeRO-3 config is registered (see above)
+        with whole_on_every_rank():  # even once the strategy is chosen (see above)
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False, **extra)
     dtype = model_args.torch_dtype if model_args.torch_dtype == "auto" else getattr(torch, model_args.torch_dtype)
     return AutoModelForCausalLM.from_pretrained(
@@ -230,6 +231,27 @@ def bnb_config(quant_args: QuantArguments) -> Any:
         bnb_4bit_compute_dtype=compute,
         bnb_4bit_quant_storage=compute,
     )
+
+
+@contextmanager
+def whole_on_every_rank():
+    """Build a model whole on every rank once a strategy is chosen: outside ZeRO-3's ``zero.Init``
+    (:func:`outside_zero3`), and without FSDP's ``cpu_ram_efficient_loading``, under which transformers leaves the
+    weights of every rank but 0 uninitialised for a broadcast (``is_fsdp_enabled()`` once the process group exists),
+    which CPU ranks hang in."""
+    saved = os.environ.get(FSDP_RAM_EFFICIENT)
+    os.environ[FSDP_RAM_EFFICIENT] = "false"
+    try:
+        with outside_zero3():
+            yield
+    finally:
+        if saved is None:
+            os.environ.pop(FSDP_RAM_EFFICIENT, None)
+        else:
+            os.environ[FSDP_RAM_EFFICIENT] = saved
+
+
+FSDP_RAM_EFFICIENT = "FSDP_CPU_RAM_EFFICIENT_LOADING"  # what accelerate's FSDP plugin exports for transformers
 
 
 @contextmanager

@@ -40,13 +40,12 @@ def save_at_end_callback() -> Any:
 
 def make_trainer(
     model: Any, args: Any, tokenizer: Any, train_ds: Any, eval_ds: Any, *, packed: bool, seq_len: int | None = None
-) -> tuple:
-    """``(trainer, resume)``: the checkpoint to resume from (:func:`resume_checkpoint`, resolved first: it may
-    edit the DeepSpeed config) and a ``Trainer`` that saves a checkpoint at its last step."""
+) -> Any:
+    """A ``Trainer`` that saves a checkpoint at its last step (resolve the checkpoint to resume with
+    :func:`resume_checkpoint` first: it may edit the DeepSpeed config)."""
     from transformers import Trainer
 
-    resume = resume_checkpoint(args)
-    trainer = Trainer(
+    return Trainer(
         model=model,
         args=args,
         train_dataset=train_ds,
@@ -55,7 +54,6 @@ def make_trainer(
         processing_class=tokenizer,
         callbacks=[save_at_end_callback()],
     )
-    return trainer, resume
 
 
 def _sp_size(args: Any) -> int:
@@ -63,43 +61,55 @@ def _sp_size(args: Any) -> int:
 
 
 def resume_checkpoint(args: Any) -> str | None:
-    """What ``--resume_from_checkpoint`` names, made loadable by this run; call before the Trainer is built.
+    """What ``--resume_from_checkpoint`` names, made loadable by this run; call before any model or Trainer is built.
 
     ``auto``: the newest complete checkpoint in ``--output_dir`` (:func:`hf_dist.auto_resume`; None, a fresh
     start, when there is none); a path: that checkpoint. A DeepSpeed ZeRO checkpoint saved by another number
     of ranks is converted to DeepSpeed's universal format first, and a checkpoint of another strategy is
-    refused (:func:`hf_dist.checkpoint.lifecycle.reshard.prepare_resume`).
+    refused (:func:`hf_dist.checkpoint.lifecycle.reshard.prepare_resume`). Rank 0 prints one line: where the run
+    resumes, that it starts from scratch, or that the checkpoint is at the run's last step (:func:`is_finished`).
     """
     value = args.resume_from_checkpoint
     if not value:
-        _refuse_earlier_checkpoints(args.output_dir)
         return None
     if value == "auto":
         from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
 
         found = auto_resume(args.output_dir, training_args=args)
-        if args.process_index == 0:
-            print(f"[hf_dist] resuming from {found}" if found else
-                  f"[hf_dist] no complete checkpoint in {args.output_dir}: starting from scratch", flush=True)  # fmt: skip
-        return found
-    from hf_dist.checkpoint.lifecycle.reshard import prepare_resume
+    else:
+        from hf_dist.checkpoint.lifecycle.reshard import prepare_resume
 
-    return prepare_resume(value, training_args=args)
+        found = prepare_resume(value, training_args=args)
+    if args.process_index == 0:
+        print(_resume_line(found, args), flush=True)
+    return found
 
 
-def _refuse_earlier_checkpoints(output_dir: str) -> None:
-    """A fresh run into a folder holding another run's ``checkpoint-N`` would interleave its checkpoints with
-    theirs (and an export, a later ``auto`` resume, could pick theirs): continuing or replacing must be chosen."""
-    from hf_dist.checkpoint.formats.layout import list_checkpoints
+def _resume_line(found: str | None, args: Any) -> str:
+    from hf_dist.checkpoint.lifecycle.finished import finished_at, finished_message
 
-    found = [Path(path).name for _, path in reversed(list_checkpoints(output_dir))]
+    finished = finished_at(found, args)
+    if finished:
+        return finished_message(*finished, found)
     if found:
-        raise ValueError(
-            f"--output_dir {output_dir} already holds checkpoints of an earlier run ({', '.join(found[:4])}"
-            f"{', ...' if len(found) > 4 else ''}) and --resume_from_checkpoint is not set. Continue that run with "
-            "--resume_from_checkpoint auto, or start afresh in another --output_dir (or delete its checkpoint-* "
-            "folders)"
-        )
+        return f"[hf_dist] resuming from {found}"
+    return f"[hf_dist] no complete checkpoint in {args.output_dir}: starting from scratch"
+
+
+def is_finished(resume: str | None, args: Any) -> bool:
+    """Whether ``resume`` (:func:`resume_checkpoint`) is at the run's last step: the rerun of a finished run, which
+    trains nothing (transformers would train one step past it: :mod:`hf_dist.checkpoint.lifecycle.finished`)."""
+    from hf_dist.checkpoint.lifecycle.finished import finished_at
+
+    return finished_at(resume, args) is not None
+
+
+def earlier_results(args: Any) -> dict:
+    """The finished run's ``<output_dir>/results.json`` (empty when it has none): what a rerun of it returns."""
+    import json
+
+    path = Path(args.output_dir) / "results.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def cpu_test_modes(run_args: Any) -> None:

@@ -206,3 +206,10 @@ def allow_parallelism_config_on_cpu() -> None:
 
     validate._hf_dist_cpu = True
     ParallelismConfig._validate_accelerator = validate
+
+
+def parallelism_config_on_cpu_allowed() -> bool:
+    """Whether :func:`allow_parallelism_config_on_cpu` is active in this process."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    return getattr(ParallelismConfig._validate_accelerator, "_hf_dist_cpu", False)

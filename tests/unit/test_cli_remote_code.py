@@ -81,7 +81,9 @@ def test_the_sft_recipe_stops_before_building_anything(tmp_path, marker, monkeyp
     sft = ru.load_recipe(REPO_ROOT / "recipes" / "sft.py")
     argv = ["--model_name_or_path", str(folder), "--tokenizer_name_or_path", str(tmp_path / "tokenizer"),
             "--output_dir", str(tmp_path / "out"), "--use_cpu"]  # fmt: skip
-    with pytest.raises(RemoteCodeError, match=r"modeling_evil\.py.*--trust-remote-code"):
+    from hf_dist.recipe_utils.refusal import RecipeRefusal
+
+    with pytest.raises(RecipeRefusal, match=r"modeling_evil\.py.*--trust-remote-code"):  # printed once by the recipe
         sft.main(argv)
     assert built == [] and not marker.exists()
 

@@ -103,8 +103,9 @@ def test_qlora_without_gpu_fails_before_loading_anything(tmp_path, monkeypatch):
     loaded = []
     monkeypatch.setattr(ru, "load_tokenizer", lambda *a, **k: loaded.append("tokenizer"))
     missing = tmp_path / "missing.jsonl"  # would be a FileNotFoundError if data were read first
-    with pytest.raises(RuntimeError, match=r"recipes/qlora.py needs a CUDA GPU.*use recipes/lora.py"):
+    with pytest.raises(ru.RecipeRefusal, match=r"recipes/qlora.py needs a CUDA GPU.*use recipes/lora.py") as refused:
         load_recipe("qlora").main(["--dataset", str(missing), "--output_dir", str(tmp_path / "out")])
+    assert isinstance(refused.value.__cause__, RuntimeError)
     assert loaded == [] and not (tmp_path / "out").exists()
 
 
@@ -126,11 +127,12 @@ def test_sft_bad_inputs_fail_before_the_model_is_built(tmp_path, monkeypatch):
     out = ["--output_dir", str(tmp_path / "out"), "--use_cpu"]
     wrong = tmp_path / "wrong.jsonl"
     wrong.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
-    with pytest.raises(ValueError, match=r"columns \['answer', 'question'\]; this recipe expects \['messages'\]"):
+    with pytest.raises(ru.RecipeRefusal, match=r"columns \['answer', 'question'\]; this recipe expects"):
         sft.main([*out, "--dataset", str(wrong)])
-    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+    with pytest.raises(ru.RecipeRefusal, match="missing.jsonl") as refused:
         sft.main([*out, "--dataset", str(tmp_path / "missing.jsonl")])
-    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings=256"):
+    assert isinstance(refused.value.__cause__, FileNotFoundError)
+    with pytest.raises(ru.RecipeRefusal, match="exceeds the model's max_position_embeddings=256"):
         sft.main([*out, "--max_seq_length", "100000"])
     assert built == []
 
@@ -157,10 +159,11 @@ def test_resume_checkpoint_auto_path_and_none(tmp_path, capsys):
     assert f"resuming from {tmp_path / 'checkpoint-2'}" in capsys.readouterr().out
     args.resume_from_checkpoint = str(tmp_path / "checkpoint-4")  # an explicit path is taken as given
     assert ru.resume_checkpoint(args) == str(tmp_path / "checkpoint-4")
-    args.resume_from_checkpoint = None  # a fresh run into a folder of another run's checkpoints is refused
+    # a fresh run into a folder of another run's checkpoints is refused (before any model is built)
     with pytest.raises(ValueError, match=r"already holds checkpoints of an earlier run \(checkpoint-2, checkpoint-4\)"
                        r".*--resume_from_checkpoint auto.*another --output_dir"):  # fmt: skip
-        ru.resume_checkpoint(args)
+        ru.check_output_dir(str(tmp_path), resuming=False)
+    ru.check_output_dir(str(tmp_path), resuming=True)
 
 
 def test_export_takes_this_runs_last_checkpoint_never_an_older_runs(tmp_path):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -88,8 +87,7 @@ def rerun(tmp: Path) -> str:
     import hf_dist.recipe_utils as ru
 
     (tmp / "checkpoint-4").mkdir()
-    args = SimpleNamespace(resume_from_checkpoint=None, output_dir=str(tmp), process_index=0)
-    return ru.resume_checkpoint(args)
+    return ru.check_output_dir(str(tmp), resuming=False)
 
 
 def recipe_sizes(config_kind: str, sizes: dict):

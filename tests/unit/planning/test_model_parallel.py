@@ -260,3 +260,28 @@ def test_a_faster_layout_just_over_the_margin_is_named_with_the_margin_that_take
     assert (again.strategy, again.micro_batch_size, again.activation_checkpointing) == (
         best.strategy, best.micro_batch_size, best.activation_checkpointing)  # fmt: skip
     assert best.margin_note == ""
+
+
+def test_sp_on_cpu_ranks_runs_at_micro_batch_1_and_accumulation_keeps_the_global_batch():
+    """--sp_size 2 on 2 CPU ranks planned micro-batch 16 and died after a minute in torch's `view`: DeepSpeed's SP data
+    adapter leaves each CPU rank's labels a strided view once the micro-batch is above 1 (docs/parallelism.md)."""
+    import hf_dist
+    from hf_dist.testing import tiny_llama_config
+
+    tiny = tiny_llama_config()
+    split = plan(tiny, gpus=2, sp_size=2, strategy="zero2", seq_len=64, global_batch_size=16)
+    assert (split.micro_batch_size, split.gradient_accumulation_steps, split.global_batch_size) == (1, 16, 16)
+    refusal = (
+        r"micro_batch_size 16 \(per_device_train_batch_size\) cannot run: Ulysses sequence parallelism "
+        r"\(sp=2\) runs on CPU ranks at micro-batch 1 only.*\n  To keep the global batch: micro_batch 1 x "
+        r"gradient_accumulation_steps 16 x data_parallel 1 = 16; pass micro_batch_size 1 with "
+        r"gradient_accumulation_steps 16, or global_batch_size 16 alone"
+    )
+    with pytest.raises(PlanError, match=refusal):
+        plan(tiny, gpus=2, sp_size=2, strategy="zero2", seq_len=64, micro_batch_size=16)
+    with pytest.raises(ValueError, match=refusal):  # the same through auto_args' per_device_train_batch_size
+        hf_dist.auto_args(tiny, gpus=2, sp_size=2, strategy="zero2", seq_len=64, per_device_train_batch_size=16)
+    # unpinned, a CPU SP layout is planned at micro-batch 1 only; GPUs copy each rank's slice: any micro-batch runs
+    assert plan(tiny, gpus=2, sp_size=2, seq_len=64).micro_batch_size == 1
+    gpus = plan(tiny, gpus=8, gpu_memory_gib=80, sp_size=2, strategy="zero2", seq_len=64, micro_batch_size=4)
+    assert gpus.micro_batch_size == 4

@@ -1,0 +1,81 @@
+"""Refusals: a recipe's arguments refused before any model is built, said once, in a few lines, without a traceback.
+
+A recipe runs every check of its arguments inside :func:`checking` (the flags, the output folder, the model's
+source, the dataset, the plan ``auto_args`` makes, the checkpoint to resume). An error a check raises on the user's
+input (``ValueError``, ``RuntimeError``, ``OSError``) leaves it as a :class:`RecipeRefusal` carrying the message.
+The recipes' entry point :func:`run_recipe` prints a refusal once, from rank 0, and exits with status
+:data:`REFUSAL_EXIT` on every rank; every other error keeps its traceback (it is a failure, not a refusal).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+REFUSAL_EXIT = 2  # argparse's status for a command line it refuses
+CHECK_ERRORS = (ValueError, RuntimeError, OSError)  # what the checks raise on the user's input
+
+
+class RecipeRefusal(Exception):
+    """The arguments of a recipe refused before any model was built; the message says what was received, what is
+    allowed and what to do. ``__cause__`` is the error the check raised."""
+
+
+@contextmanager
+def checking() -> Iterator[None]:
+    """Run the checks of a recipe's arguments: an error they raise on the input becomes a :class:`RecipeRefusal`."""
+    try:
+        yield
+    except RecipeRefusal:
+        raise
+    except CHECK_ERRORS as exc:
+        if _collective_failure(exc):
+            raise
+        raise RecipeRefusal(str(exc) or type(exc).__name__) from exc
+
+
+def _collective_failure(exc: BaseException) -> bool:
+    """A failure of the process group (a rank gone, a timeout) is no refusal: it can strike one rank alone, which
+    must then say so itself, with its traceback."""
+    if "torch.distributed" not in sys.modules:
+        return False
+    import torch.distributed as dist
+
+    return isinstance(exc, dist.DistError)
+
+
+def refusal_text(refusal: RecipeRefusal) -> str:
+    """What a refusal prints: its message, the first line marked as hf_dist's."""
+    return f"[hf_dist] refused: {str(refusal).strip()}"
+
+
+def run_recipe(main: Callable[[], Any]) -> None:
+    """A recipe's ``if __name__ == "__main__"``: ``main()``, then the process group torn down on every rank together.
+
+    A :class:`RecipeRefusal` is printed by rank 0 alone (every rank refuses the same arguments) to stderr, and every
+    rank exits with status :data:`REFUSAL_EXIT`, leaving the process group without waiting for the others.
+    """
+    from hf_dist.runtime.dist import shutdown
+
+    try:
+        main()
+    except RecipeRefusal as refusal:
+        if os.environ.get("RANK", "0") == "0":
+            print(refusal_text(refusal), file=sys.stderr, flush=True)
+        _leave_process_group()
+        sys.exit(REFUSAL_EXIT)
+    shutdown()
+
+
+def _leave_process_group() -> None:
+    """Destroy this rank's process group when the checks had started one (``TrainingArguments`` does), without the
+    barrier of :func:`hf_dist.runtime.dist.shutdown`: a rank left to tear it down at interpreter exit can abort."""
+    if "torch.distributed" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
