@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> dict:
         deepspeed_on_cpu=run_args.deepspeed_on_cpu, sizes=model_args.sizes, offloading=model_args.offloading,
         async_save=run_args.async_save, trust_remote_code=model_args.trust_remote_code,
     )  # fmt: skip
+    if (finished := ru.finished_run(args)) is not None:  # a rerun of a finished run trains nothing
+        return finished
     load = ru.parallel_load_kwargs(args)  # the TP plan under tensor parallelism: sharded as it loads
     with args.main_process_first(desc="packing"):
         train_ds, eval_ds, task = ru.text_datasets(data_args, tokenizer, seq_len=seq_len, seed=args.seed)

@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None, *, method: str = "full") -> dict:
         offloading=model_args.offloading, async_save=run_args.async_save,
         trust_remote_code=model_args.trust_remote_code,
     )  # fmt: skip
+    if (finished := ru.finished_run(args)) is not None:  # a rerun of a finished run trains nothing
+        return finished
     load = ru.parallel_load_kwargs(args)  # the TP plan under tensor parallelism: sharded as it loads
     with args.main_process_first(desc="tokenizing"):
         train_ds, eval_ds, task = ru.chat_datasets(data_args, tokenizer, seq_len=seq_len, seed=args.seed)

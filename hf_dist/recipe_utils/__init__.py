@@ -48,6 +48,7 @@ from hf_dist.recipe_utils.run import (
     cpu_test_modes,
     describe_plan,
     finish_run,
+    finished_run,
     format_results,
     load_recipe,
     make_trainer,
@@ -67,4 +68,5 @@ __all__ = [
     "format_results", "load_recipe", "load_tokenizer", "lora_config", "make_trainer", "model_config",
     "parallel_load_kwargs", "parse_recipe_args", "print_plan", "require_cuda", "resolve_seq_len", "resume_checkpoint",
     "save_at_end_callback", "save_base_model", "shards_at_load", "shutdown", "text_datasets", "train", "training_arguments",
+    "finished_run",
 ]  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,36 @@ def resume_checkpoint(args: Any) -> str | None:
     from hf_dist.checkpoint.lifecycle.reshard import prepare_resume
 
     return prepare_resume(value, training_args=args)
+
+
+def finished_run(args: Any) -> dict | None:
+    """With ``--resume_from_checkpoint auto``, a run whose newest complete checkpoint already reached the steps this
+    launch asks for (``--max_steps``, else the same epochs) is finished: rank 0 says so in one line and the recipe
+    returns that run's results before building its model. Resumed, the Trainer would train one step past the end
+    (it checks for the end only after a step). None otherwise: the run trains (or resumes)."""
+    if args.resume_from_checkpoint != "auto":
+        return None
+    from hf_dist.checkpoint.formats.layout import MARKER_NAME, list_checkpoints
+
+    complete = [(step, Path(path)) for step, path in list_checkpoints(args.output_dir)
+                if (Path(path) / MARKER_NAME).is_file() and (Path(path) / "trainer_state.json").is_file()]  # fmt: skip
+    if not complete:
+        return None
+    step, path = complete[0]
+    state = json.loads((path / "trainer_state.json").read_text())
+    if args.max_steps > 0:
+        goal, asked = args.max_steps, f"--max_steps {args.max_steps}"
+    elif state.get("num_train_epochs") == args.num_train_epochs:
+        goal, asked = state.get("max_steps") or step + 1, f"--num_train_epochs {args.num_train_epochs}"
+    else:
+        return None
+    if step < goal:
+        return None
+    if args.process_index == 0:
+        print(f"[hf_dist] {path} reached step {step} of the {asked} this run asks for: the run is finished, nothing "
+              "to train (raise the steps to continue it)", flush=True)  # fmt: skip
+    results = Path(args.output_dir) / "results.json"
+    return json.loads(results.read_text()) if results.is_file() else {}
 
 
 def _refuse_earlier_checkpoints(output_dir: str) -> None:

@@ -375,3 +375,27 @@ def test_offload_flags_reach_the_plan(tmp_path, monkeypatch):
     assert {k: seen[k] for k in model_args.offloading} == model_args.offloading
     with pytest.raises(ValueError, match="--offload_device 'disk' is not one of cpu, nvme"):
         parse(["--output_dir", str(tmp_path), "--offload_device", "disk"], (ru.ModelArguments,))
+
+
+def test_a_rerun_of_a_finished_run_is_finished_and_says_so(tmp_path, capsys):
+    """`--resume_from_checkpoint auto` into a run whose newest complete checkpoint reached --max_steps: nothing to
+    train, one line, that run's results (the Trainer would resume and train one step more)."""
+    from types import SimpleNamespace
+
+    from hf_dist.checkpoint.formats.layout import MARKER_NAME
+
+    done = tmp_path / "checkpoint-2"
+    done.mkdir()
+    (done / "trainer_state.json").write_text(json.dumps({"global_step": 2, "max_steps": 2, "num_train_epochs": 1}))
+    (tmp_path / "results.json").write_text(json.dumps({"steps": 2}))
+    args = SimpleNamespace(resume_from_checkpoint="auto", output_dir=str(tmp_path), max_steps=2, num_train_epochs=3,
+                           process_index=0)  # fmt: skip
+    assert ru.finished_run(args) is None  # not complete: no manifest, so it resumes (or refuses) as before
+    (done / MARKER_NAME).write_text("{}")
+    assert ru.finished_run(args) == {"steps": 2}
+    assert capsys.readouterr().out.count("the run is finished, nothing to train") == 1
+    assert ru.finished_run(SimpleNamespace(**{**vars(args), "max_steps": 4})) is None  # more steps: it resumes
+    assert ru.finished_run(SimpleNamespace(**{**vars(args), "resume_from_checkpoint": None})) is None
+    epochs = {**vars(args), "max_steps": -1}
+    assert ru.finished_run(SimpleNamespace(**{**epochs, "num_train_epochs": 1})) == {"steps": 2}  # the same epochs
+    assert ru.finished_run(SimpleNamespace(**epochs)) is None  # more epochs than the finished run had
