@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from hf_dist.planning.layout import MIXED_PRECISIONS, Engine, Layout
+from hf_dist.tracing.liger.version import version_refusal
 from hf_dist.validation import check_choice, check_positive_int
 
 METHODS = ("full", "lora")
@@ -20,7 +21,26 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 class TraceUnsupported(ValueError):
-    """The layout cannot be traced here; the message says which part and why (the analytic estimate stands)."""
+    """The layout cannot be traced here; the message says which part and why (the analytic estimate stands).
+    ``reason``: the why alone, one short clause (what ``plan(verify=True)`` prints)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
+
+    @classmethod
+    def refusing(cls, layout: Layout, reason: str) -> TraceUnsupported:
+        return cls(f"cannot trace {layout.describe()}: {reason}; the analytic estimate stands", reason)
+
+
+def check_traceable(setup: TraceSetup, config: Any) -> None:
+    """Raise :class:`TraceUnsupported` when ``setup`` cannot be traced for ``config``: the layout
+    (:meth:`TraceSetup.untraceable_reason`), or Liger on a model whose Liger patch hf_dist does not copy."""
+    from hf_dist.tracing.liger.version import model_refusal
+
+    reason = setup.untraceable_reason() or (model_refusal(config) if setup.use_liger_kernel else None)
+    if reason:
+        raise TraceUnsupported.refusing(setup.layout, reason)
 
 
 @dataclass(frozen=True)
@@ -94,9 +114,10 @@ class TraceSetup:
                 "does not (its terms are derived from TRL's source and checked against its kernel, "
                 "tests/unit/planning/test_trl_head.py)"
             )
-        if self.use_liger_kernel:
-            return (
-                "Liger kernels: Triton kernels, which run only on a GPU (their terms are derived from Liger's source)"
+        if self.use_liger_kernel and (version_refusal() or self.tp_size > 1):
+            return version_refusal() or (
+                "Liger kernels with tensor parallelism: Liger gathers DTensor inputs (full_tensor), which the fake "
+                "Liger functions do not copy"
             )
         if self.offload != "none":
             return "CPU offload: the trace runs on CPU tensors, where offloaded and device memory cannot be told apart"

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_dist.tracing.setup import TraceSetup, TraceUnsupported
+from hf_dist.tracing.setup import TraceSetup, check_traceable
 
 # the trackers' categories as the memory model names its terms (hf_dist.planning.memory.MemoryEstimate)
 TERMS = {
@@ -191,10 +191,35 @@ def _tracker(model: Any, optimizer: Any, deadline: float) -> Any:
         def _grad_hook(self, grad):
             self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
+        def _fsdp_param_group_pre_backward(self, fsdp_mod, orig):
+            return _with_stats(self, fsdp_mod, super()._fsdp_param_group_pre_backward(fsdp_mod, orig))
+
+        def _fsdp_param_group_post_backward(self, fsdp_mod, orig):
+            return _with_stats(self, fsdp_mod, super()._fsdp_param_group_post_backward(fsdp_mod, orig))
+
     tracker = Tracker(model, optimizer) if fsdp else Tracker()
     if not fsdp:
         tracker.track_external(model, optimizer)
     return tracker
+
+
+def _with_stats(tracker: Any, fsdp_mod: Any, hook: Any) -> Any:
+    """``FSDPMemTracker``'s backward ``hook`` of ``fsdp_mod``, given the per-module statistics the tracker makes only
+    in the module's own forward. A unit can reach backward without its module's forward: accelerate's tail unit
+    (final norm and ``lm_head``) under Liger, whose loss reads ``lm_head.weight`` directly; the tracker would fail on
+    the missing key (these statistics are not the peak)."""
+    import functools
+
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModMemStats
+
+    @functools.wraps(hook)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if fsdp_mod not in tracker.memory_tracking:
+            name = tracker._mod_tracker.get_known_fqn(fsdp_mod) or type(fsdp_mod).__name__
+            tracker.memory_tracking[fsdp_mod] = _FSDPModMemStats(name)
+        return hook(*args, **kwargs)
+
+    return call
 
 
 def _inplace_fused_optimizer_ops() -> frozenset:
@@ -284,18 +309,17 @@ def trace_here(
     Raises :class:`TraceUnsupported` for a layout that cannot be traced (naming why), :class:`TraceTimeout`
     (with ``partial``) past ``time_limit_s``, :class:`TraceError` when the model fails under the layout.
     """
-    reason = setup.untraceable_reason()
-    if reason:
-        raise TraceUnsupported(f"cannot trace {setup.layout.describe()}: {reason}; the analytic estimate stands")
+    check_traceable(setup, config)
     from hf_dist.tracing import prepare
+    from hf_dist.tracing.liger import liger_applied
 
     start = time.monotonic()
     deadline = start + time_limit_s
     optimizer = prepare.trainer_optimizer(setup)  # before the fake group: no launch warnings
     run = None
     try:
-        with fake_world(setup) as mesh:
-            run = _Run(config, setup, mesh, optimizer, deadline, trust_remote_code)
+        with fake_world(setup) as mesh, liger_applied(setup.use_liger_kernel, config) as apply_liger:
+            run = _Run(config, setup, mesh, optimizer, deadline, trust_remote_code, apply_liger)
             run.steps()
     except TraceError:
         raise
@@ -321,7 +345,7 @@ class _Run:
     """One traced run: the model prepared and materialised, its optimizer, the tracker, the peak's phase."""
 
     def __init__(self, config: Any, setup: TraceSetup, mesh: Any, optimizer: tuple, deadline: float,
-                 trust_remote_code: bool = False) -> None:  # fmt: skip
+                 trust_remote_code: bool = False, apply_liger: Any = None) -> None:  # fmt: skip
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         from hf_dist.tracing import prepare
@@ -331,6 +355,7 @@ class _Run:
         self.vocab_size = text.vocab_size
         self.tracker = None
         model = prepare.build_model(config, setup, trust_remote_code=trust_remote_code)
+        model = apply_liger(model) if apply_liger else model  # the Trainer's __init__, before accelerate's prepare
         model = prepare.enable_checkpointing(model, setup)
         model = prepare.shard(model, setup, mesh)
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)

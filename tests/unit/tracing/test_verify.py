@@ -31,6 +31,17 @@ def test_untraceable_choice_keeps_the_analytic_plan_and_says_why():
     assert bare.trace is None and "bare parameter count" in bare.verification
 
 
+def test_a_liger_pick_is_traced_with_liger():
+    """Liger is what the planner picks on GPUs that have it; verify=True traces that pick with Liger's kernels."""
+    from hf_dist.planning.hardware import detect_hardware
+
+    hardware = detect_hardware(gpus=1, gpu_memory_gib=80, liger_kernel=True)
+    plan = hf_dist.plan(tiny_llama_config(), hardware=hardware, global_batch_size=16, use_liger_kernel=True,
+                        verify=True)  # fmt: skip
+    assert plan.use_liger_kernel and plan.trace is not None and plan.trace.setup.use_liger_kernel
+    assert plan.verification.startswith(f"traced {plan.strategy}") and "liger" in plan.verification
+
+
 def test_a_candidate_whose_trace_does_not_fit_is_replaced(monkeypatch):
     """The first traced candidate comes back over the usable memory: it is marked no-fit with the traced figure,
     and the plan moves to the next best, traced in turn."""
