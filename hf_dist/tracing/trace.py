@@ -255,14 +255,56 @@ def _terms(categories: dict[str, int]) -> dict[str, int]:
 # ---------------------------------------------------------------- the steps
 
 
+# True: the optimizer state comes from a full first step (forward, backward, step), as it did before the state was
+# made directly (tests/unit/tracing/test_trace.py compares both)
+WARM_UP_BY_STEP = False
+
+
+def create_optimizer_state(model: Any, optimizer: Any) -> None:
+    """The optimizer state a first step leaves, made without its forward and backward: every trainable parameter
+    gets a zero gradient of its own shape, dtype and placement (what backward gives it: FSDP2's sharded gradients
+    are cast to the shards' dtype), ``optimizer.step()`` creates the state as it does on any first step, and the
+    gradients go again. Run in fake mode before the tracker starts: the first step's forward and backward hold less
+    than the measured step's, which has the state on top, so they never decided the peak and cost half the trace."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    with _skip_fused_updates():
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def _skip_fused_updates():
+    """The fused optimizers' in-place update skipped, as the tracker skips it (fake mode's kernel copies every state)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    skipped = _inplace_fused_optimizer_ops()
+
+    class Skip(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in skipped:  # before DTensor's sharding propagation, which is quadratic in the tensors of a call
+                return None
+            if any(t is DTensor for t in types):
+                return NotImplemented  # DTensor first: its local ops then come here
+            return func(*args, **(kwargs or {}))
+
+    with Skip():
+        yield
+
+
 def _train_steps(model: Any, optimizer: Any, setup: TraceSetup, vocab_size: int, on_phase: Any, tracker: Any) -> None:
-    """Warm-up step (one micro-batch: creates the optimizer state), then one full step of up to two micro-batches
-    (a second one is what gradient accumulation adds: gradients alive during forward)."""
+    """One full step of up to two micro-batches (a second one is what gradient accumulation adds: gradients alive
+    during forward), on top of the optimizer state (:func:`create_optimizer_state`; with :data:`WARM_UP_BY_STEP`, a
+    one-micro-batch step first instead)."""
     import torch
 
     ids = torch.randint(0, vocab_size, (setup.micro_batch_size, setup.seq_len))
     accumulation = setup.gradient_accumulation_steps
-    for micro_batches in (1, min(accumulation, 2)):
+    for micro_batches in ((1,) if WARM_UP_BY_STEP else ()) + (min(accumulation, 2),):
         for index in range(micro_batches):
             with _sync(model, index == micro_batches - 1):
                 on_phase("forward")
@@ -364,6 +406,8 @@ class _Run:
             self.buckets = prepare.ddp_buckets(self.model, setup)
             cls, kwargs = optimizer
             self.optimizer = cls([p for p in self.model.parameters() if p.requires_grad], **kwargs)
+            if not WARM_UP_BY_STEP:
+                create_optimizer_state(self.model, self.optimizer)
             self.tracker = _tracker(self.model, self.optimizer, deadline)
             if self.buckets:
                 self.tracker.track_external(*self.buckets)

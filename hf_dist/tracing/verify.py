@@ -29,22 +29,26 @@ def plan(
     *,
     verify: bool = False,
     verify_time_limit_s: float = 120.0,
+    verify_isolate: bool = True,
     trust_remote_code: bool = False,
     **planner_keywords: Any,
 ) -> Plan:
     """:func:`hf_dist.planning.planner.plan` (``planner_keywords``: its keywords), then, with ``verify=True``, the
     chosen layout traced on the real model with fake tensors (:mod:`hf_dist.tracing`, seconds to a minute; at most
     ``verify_time_limit_s`` per trace), moving to the next candidate when the trace does not fit (``Plan.trace``,
-    ``Plan.verification``; docs/planner.md, "Tracing"). ``trust_remote_code=True`` lets a folder's ``auto_map``
+    ``Plan.verification``; docs/planner.md, "Tracing"); ``verify_isolate=False`` traces in this process instead of
+    a worker (only where no process group exists and nothing else runs: ``hf-dist plan``, which saves the worker's
+    imports). ``trust_remote_code=True`` lets a folder's ``auto_map``
     classes be imported, by the planner and the trace alike; without it they never are
     (:mod:`hf_dist.planning.remote_code`)."""
     result = search_plan(model, trust_remote_code=trust_remote_code, **planner_keywords)
     if not verify:
         return result
-    return verify_plan(result, time_limit_s=verify_time_limit_s, trust_remote_code=trust_remote_code)
+    return verify_plan(result, time_limit_s=verify_time_limit_s, isolate=verify_isolate,
+                       trust_remote_code=trust_remote_code)  # fmt: skip
 
 
-def verify_plan(plan: Plan, *, time_limit_s: float, trust_remote_code: bool = False) -> Plan:
+def verify_plan(plan: Plan, *, time_limit_s: float, isolate: bool = True, trust_remote_code: bool = False) -> Plan:
     """``plan`` with its choice traced: the same plan with ``trace`` set, or the next traced candidate that fits."""
     from hf_dist.tracing.api import trace_memory
 
@@ -57,7 +61,7 @@ def verify_plan(plan: Plan, *, time_limit_s: float, trust_remote_code: bool = Fa
     chosen = _chosen(plan)
     for _ in range(MAX_TRACED):
         try:
-            trace = trace_memory(config, plan, candidate=chosen, time_limit_s=time_limit_s,
+            trace = trace_memory(config, plan, candidate=chosen, time_limit_s=time_limit_s, isolate=isolate,
                                  trust_remote_code=trust_remote_code)  # fmt: skip
         except (TraceUnsupported, TraceTimeout, TraceError) as exc:
             return _with_choice(plan, chosen, reason_for(chosen, chosen), note=f"not traced: {exc}", rejected=rejected)
