@@ -64,23 +64,41 @@ def verify_plan(plan: Plan, *, time_limit_s: float, isolate: bool = True, trust_
             trace = trace_memory(config, plan, candidate=chosen, time_limit_s=time_limit_s, isolate=isolate,
                                  trust_remote_code=trust_remote_code)  # fmt: skip
         except (TraceUnsupported, TraceTimeout, TraceError) as exc:
-            return _with_choice(plan, chosen, reason_for(chosen, chosen), note=f"not traced: {exc}", rejected=rejected)
+            note = f"not traced {chosen.label}: {why_not(exc)}; the analytic estimate stands"
+            return _with_choice(plan, chosen, reason_for(chosen, chosen), note=note, rejected=rejected)
         need = trace.device_total(chosen.memory)
         if need <= usable:
-            return _with_choice(plan, chosen, reason_for(chosen, chosen), trace=trace, rejected=rejected)
+            return _with_choice(plan, chosen, reason_for(chosen, chosen), trace=trace, rejected=rejected,
+                                note=_traced_line(plan, chosen, trace, need))  # fmt: skip
         chosen.fits = False
         chosen.reason = (
             f"traced: {format_bytes(trace.peak_bytes)} of tensors + {format_bytes(need - trace.peak_bytes)} allocator "
             f"and context = {format_bytes(need)}, over the usable {format_bytes(usable)} (modelled "
             f"{format_bytes(chosen.memory.total)})"
         )
-        rejected.append(f"{chosen.label}: {chosen.reason}")
+        rejected.append(f"{chosen.label} ({format_bytes(need)} traced with allocator and context)")
         fitting = [c for c in plan.candidates if c.fits]
         if not fitting:
-            raise PlanError(f"nothing fits once traced: {'; '.join(rejected)}")
+            raise PlanError(f"nothing fits once traced: {'; '.join(rejected)}, over the usable {format_bytes(usable)}")
         chosen = best(fitting)
     return _with_choice(plan, chosen, reason_for(chosen, chosen),
                         note=f"not traced: {MAX_TRACED} traced candidates did not fit", rejected=rejected)  # fmt: skip
+
+
+def _traced_line(plan: Plan, c: Any, trace: Any, need: int) -> str:
+    """What the trace checked, in one line: the layout, the rank, traced against modelled, and that it fits."""
+    return (
+        f"traced {c.label} on rank 0 of {plan.world_size} in {trace.seconds:.1f} s: {format_bytes(trace.peak_bytes)} "
+        f"allocated (modelled {format_bytes(c.memory.allocated)}); {format_bytes(need)} with the allocator and CUDA "
+        f"context fits the usable {format_bytes(plan.usable_gib * GIB)}"
+    )
+
+
+def why_not(exc: Exception, limit: int = 160) -> str:
+    """Why a trace gave no figure, in one short clause: the refusal's reason, or the failure's first line cut to
+    ``limit`` characters (the exception keeps the whole message)."""
+    text = getattr(exc, "reason", None) or str(exc).splitlines()[0].removesuffix("; the analytic estimate stands")
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
 
 
 def _chosen(plan: Plan) -> Any:
@@ -92,8 +110,6 @@ def _with_choice(plan: Plan, c: Any, reason: str, *, trace: Any = None, note: st
     c.reason = reason
     dp = _layout(plan, c).dp_size
     moved = [f"traced and rejected {r}" for r in rejected]
-    if trace is not None:
-        note = f"traced {c.label}: {format_bytes(trace.peak_bytes)} allocated (modelled {format_bytes(c.memory.allocated)})"
     return dataclasses.replace(
         plan, strategy=c.strategy, offload=c.offload, activation_checkpointing=c.activation_checkpointing,
         micro_batch_size=c.micro_batch_size, gradient_accumulation_steps=plan.global_batch_size // (c.micro_batch_size * dp),
