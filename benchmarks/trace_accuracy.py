@@ -2,6 +2,7 @@
 
     python benchmarks/trace_accuracy.py                 # every row (about 15 minutes on 2 cores)
     python benchmarks/trace_accuracy.py --only llama-3-8b --out trace.json
+    python benchmarks/trace_accuracy.py --gpu-only    # parts 2 and 3 alone (about 2 minutes of CPU on 2 cores)
 
 Part 1: public models' configs (hf_dist.testing.PUBLIC_CONFIGS: Llama 3.2 1B/3B, Llama 3 8B/70B, Qwen2.5 7B, Mistral
 7B, Gemma 2 9B, Mixtral 8x7B) laid out as DDP, FSDP2 full-shard / shard-grad-op / HSDP and FSDP2 x TP, full and LoRA,
@@ -12,8 +13,13 @@ prints the traced peak of live tensors next to the memory model's ``allocated`` 
 peak + the model's allocator and CUDA-context terms) fits in 80 GiB.
 
 Part 2: the tracer against every H100 run of benchmarks/data/gpu/ that trained with fp32 master weights and a layout
-the tracer runs (DDP / FSDP2; no Liger), against its measured ``max_memory_allocated``. Target: within 3 %.
+the tracer runs (DDP / FSDP2, with or without Liger), against its measured ``max_memory_allocated``. Target: within 3 %.
 Out-of-memory runs must trace above the card.
+
+Part 3: the tracer against every H200 run of benchmarks/data/gpu/h200/ (copied from ../shared/gpu/: HF Trainer +
+``auto_args``, one H200, Liger 0.8.5 where the case says so, LoRA r=16 alpha=32 on all linear layers with PEFT's
+dropout 0.0), against its measured ``max_memory_allocated``. Liger runs trace through hf_dist's fake Liger functions
+(hf_dist/tracing/liger/). Target: within 3 %.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ CARD_GIB = 80.0
 MODEL_TARGET = 0.05
 GPU_TARGET = 0.03
 GPU_DATA = Path(__file__).parent / "data" / "gpu"
+H200_DATA = GPU_DATA / "h200"
 
 # (strategy, world, nodes, tp, method, ckpt, seq_len, micro_batch, accumulation): each model runs every layout
 LAYOUTS = [
@@ -93,22 +100,57 @@ def gpu_rows(limit: float) -> list[dict]:
         for case in data["cases"]:
             measured = case["measured"]
             masters = measured.get("adam_state_dtype") == "torch.float32"
-            if not masters or case["use_liger_kernel"] or case["strategy"].startswith("zero"):
+            if not masters or case["strategy"].startswith("zero"):
                 continue
             config = json.loads((GPU_DATA / "configs" / case["model"] / "config.json").read_text())
             setup = TraceSetup(
                 strategy=case["strategy"], method=case["method"], seq_len=case["seq_len"],
                 micro_batch_size=case["micro_batch_size"], gradient_accumulation_steps=case["gradient_accumulation_steps"],
                 activation_checkpointing=case["activation_checkpointing"], base_dtype=case["weights_loaded_as"],
+                use_liger_kernel=case["use_liger_kernel"],
             )  # fmt: skip
             trace = trace_memory(config, isolate=False, time_limit_s=limit, **setup.to_dict())
             real = measured["max_memory_allocated_gib"]
             rows.append({
-                "case": f"{case['model']} {describe(setup)}", "h100_allocated_gib": real,
+                "case": f"{case['model']} {describe(setup)}{' liger' if setup.use_liger_kernel else ''}", "h100_allocated_gib": real,
                 "traced_gib": trace.peak_bytes / GIB, "ratio": trace.peak_bytes / GIB / real,
                 "out_of_memory": bool(measured.get("out_of_memory")), "seconds": trace.seconds,
             })  # fmt: skip
     return rows
+
+
+def h200_rows(limit: float) -> list[dict]:
+    """Every H200 case (benchmarks/data/gpu/h200/h200-cases.json), Liger or not, traced as it ran."""
+    rows = []
+    for case in json.loads((H200_DATA / "h200-cases.json").read_text())["cases"]:
+        config = json.loads((H200_DATA / "configs" / case["model"] / "config.json").read_text())
+        setup = TraceSetup(
+            strategy=case["strategy"], method=case["method"], seq_len=case["seq_len"],
+            micro_batch_size=case["micro_batch_size"], gradient_accumulation_steps=case["gradient_accumulation_steps"],
+            activation_checkpointing=case["activation_checkpointing"], base_dtype=case["weights_loaded_as"],
+            use_liger_kernel=case["use_liger_kernel"], lora_rank=16, lora_alpha=32, lora_dropout=0.0,
+        )  # fmt: skip
+        start = time.process_time()
+        trace = trace_memory(config, isolate=False, time_limit_s=limit, **setup.to_dict())
+        real = case["measured"]["max_memory_allocated_gib"]
+        rows.append({
+            "case": f"{case['model']} {describe(setup)}{' liger' if setup.use_liger_kernel else ''}",
+            "h200_allocated_gib": real, "traced_gib": trace.peak_bytes / GIB, "ratio": trace.peak_bytes / GIB / real,
+            "cpu_s": round(time.process_time() - start, 1), "peak_phase": trace.peak_phase,
+        })  # fmt: skip
+    return rows
+
+
+def print_h200(rows: list[dict]) -> None:
+    print("\nPart 3: tracer vs H200 max_memory_allocated (GiB)")
+    print("| H200 case | H200 max_memory_allocated GiB | traced GiB | traced/H200 | trace CPU s |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        miss = "" if abs(r["ratio"] - 1) <= GPU_TARGET else " MISS"
+        print(
+            f"| {r['case']} | {r['h200_allocated_gib']:.2f} | {r['traced_gib']:.2f} | {r['ratio']:.3f}{miss} | "
+            f"{r['cpu_s']:.1f} |"
+        )
 
 
 HEADER = f"{'model':14} {'layout':52} {'traced':>8} {'model':>8} {'model/traced':>12} {'fits 80':>7} {'s':>6}"
@@ -124,25 +166,32 @@ def format_row(r: dict) -> tuple[str, bool]:
     return line, miss
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("--only", nargs="*", choices=sorted(PUBLIC_CONFIGS), help="models to run (default: all)")
-    parser.add_argument("--skip-gpu", action="store_true", help="leave out part 2 (the H100 comparison)")
-    parser.add_argument("--time-limit", type=float, default=300.0, help="seconds per trace")
-    parser.add_argument("--out", type=Path, help="also write every row as JSON")
-    args = parser.parse_args(argv)
-    start = time.time()
+def model_rows(models: list[str], limit: float) -> list[dict]:
+    """Part 1, printed as it goes."""
     print("Part 1: analytic model vs tracer (rank 0, allocated GiB)")
     print(HEADER, flush=True)
     rows, misses = [], 0
-    for name, setup in setups(args.only or list(PUBLIC_CONFIGS)):
-        rows.append(model_row(name, setup, args.time_limit))
+    for name, setup in setups(models):
+        rows.append(model_row(name, setup, limit))
         line, miss = format_row(rows[-1])
         misses += miss
         print(line, flush=True)
     checked = sum(1 for r in rows if r.get("fits_80"))
     print(f"{checked - misses}/{checked} rows that fit in {CARD_GIB:g} GiB within {MODEL_TARGET:.0%}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--only", nargs="*", choices=sorted(PUBLIC_CONFIGS), help="models to run (default: all)")
+    parser.add_argument("--skip-gpu", action="store_true", help="leave out parts 2 and 3 (the H100 and H200)")
+    parser.add_argument("--gpu-only", action="store_true", help="run only parts 2 and 3 (the H100 and H200 runs)")
+    parser.add_argument("--time-limit", type=float, default=300.0, help="seconds per trace")
+    parser.add_argument("--out", type=Path, help="also write every row as JSON")
+    args = parser.parse_args(argv)
+    start = time.time()
+    rows = [] if args.gpu_only else model_rows(args.only or list(PUBLIC_CONFIGS), args.time_limit)
     gpu = [] if args.skip_gpu else gpu_rows(args.time_limit)
     if gpu:
         print("\nPart 2: tracer vs H100 max_memory_allocated (GiB)")
@@ -152,9 +201,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['case']:60} H100 {r['h100_allocated_gib']:7.2f}  traced {r['traced_gib']:7.2f}  "
                 f"ratio {r['ratio']:.3f}{' (OOM on the H100)' if r['out_of_memory'] else ''}{'' if ok else '  MISS'}"
             )
+    h200 = [] if args.skip_gpu else h200_rows(args.time_limit)
+    if h200:
+        print_h200(h200)
     print(f"\n{time.time() - start:.0f} s")
     if args.out:
-        args.out.write_text(json.dumps({"model_rows": rows, "gpu_rows": gpu}, indent=1))
+        args.out.write_text(json.dumps({"model_rows": rows, "gpu_rows": gpu, "h200_rows": h200}, indent=1))
     return 0
 
 
