@@ -3,7 +3,7 @@
 :func:`plan` is ``hf_dist.plan``: the planner's search (:func:`hf_dist.planning.planner.plan`), then, with
 ``verify=True``, :func:`verify_plan`.
 
-The analytic plan stands where a layout cannot be traced (DeepSpeed, Liger, offload, CP; the plan says why). A
+The analytic plan stands where a layout cannot be traced (DeepSpeed, offload, CP; the plan says why in one line). A
 traced layout fits when its traced peak plus the memory model's non-tensor terms (caching allocator, CUDA context)
 stays within the usable memory; otherwise the candidate is marked as not fitting, with the traced figure as its
 reason, and the next best candidate is traced in turn (at most :data:`MAX_TRACED` of them).
