@@ -378,6 +378,13 @@ CATALOG: dict[str, Entry] = {
         "a benchmark: traces of public models' configs on 8-512 ranks, 805 s on 2 cores",
         output=("docs/planner.md", "| llama-3.2-1b | ddp w8 lora seq2048 mb1 | 9.61 | 9.62 | 1.001 | yes | 7.8 |"),
     ),
+    "python benchmarks/trace_accuracy.py --gpu-only": CannotRun(
+        "a benchmark: traces every GPU run (14 traces, 310 s on 2 shared cores)",
+        output=(
+            "docs/planner.md",
+            "| llama-3.2-3b ddp w1 full ga2 seq4096 mb4 liger | H200 | 108.50 | 108.42 | 0.999 | 110.94 |",
+        ),
+    ),
     "python benchmarks/trace_accuracy.py --skip-models --gpu-only llama-3-8b": CannotRun(
         "a benchmark: one 8B trace, 48 s on 2 idle cores, 250 s on busy ones",
         output=("docs/planner.md", "# traced 80.49 GiB"),

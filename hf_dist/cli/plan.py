@@ -239,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
         hardware=hardware,
         lora_targets=_targets(args.lora_targets),
         trust_remote_code=args.trust_remote_code,
+        verify_isolate=False,  # this process plans and exits: the trace needs no worker of its own (its imports)
         **switches,
         **arg_kwargs(args, *_PLAN_OPTIONS, **_PLAN_RENAMED),
     )

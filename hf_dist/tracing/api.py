@@ -13,7 +13,7 @@ from typing import Any
 from hf_dist.planning.lora import from_peft_model, is_peft_model, place, resolve
 from hf_dist.planning.modelinfo import model_spec
 from hf_dist.planning.remote_code import RemoteCodeError
-from hf_dist.tracing.setup import TraceSetup, TraceUnsupported
+from hf_dist.tracing.setup import TraceSetup, TraceUnsupported, check_traceable
 from hf_dist.tracing.trace import TraceError, TraceResult, TraceTimeout, trace_here
 
 DEFAULT_TIME_LIMIT_S = 120.0
@@ -68,9 +68,7 @@ def trace_memory(
     spec = _setup_of(model, plan, candidate, peft_config, setup)
     if spec.lora is not None:  # a target that matches nothing, or no linear, is refused here, by name
         place(model_spec(config, trust_remote_code=trust_remote_code), spec.lora)
-    reason = spec.untraceable_reason()
-    if reason:
-        raise TraceUnsupported(f"cannot trace {spec.layout.describe()}: {reason}; the analytic estimate stands")
+    check_traceable(spec, config)
     if time_limit_s <= 0:
         raise ValueError(f"time_limit_s must be positive, got {time_limit_s!r}")
     if not isolate:
@@ -156,6 +154,8 @@ def _run_worker(config: Any, source: str | None, trust_remote_code: bool, setup:
     if error["type"] == "TraceTimeout":
         partial = error.get("partial")
         raise TraceTimeout(error["message"], TraceResult.from_dict(partial) if partial else None)
+    if error["type"] == "TraceUnsupported":
+        raise TraceUnsupported(error["message"], error.get("reason", ""))
     raise _ERRORS.get(error["type"], TraceError)(error["message"])
 
 
@@ -178,6 +178,6 @@ def worker_main(argv: list[str] | None = None) -> int:
         answer = {"error": {"type": "TraceTimeout", "message": str(exc),
                             "partial": exc.partial.to_dict() if exc.partial else None}}  # fmt: skip
     except (TraceUnsupported, TraceError, ValueError) as exc:
-        answer = {"error": {"type": type(exc).__name__, "message": str(exc)}}
+        answer = {"error": {"type": type(exc).__name__, "message": str(exc), "reason": getattr(exc, "reason", "")}}
     atomic_write_json(result_path, answer)
     return 0

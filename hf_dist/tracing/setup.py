@@ -12,6 +12,7 @@ from typing import Any
 
 from hf_dist.planning.layout import MIXED_PRECISIONS, Engine, Layout
 from hf_dist.planning.lora import DEFAULT_TARGETS, LoraSpec
+from hf_dist.tracing.liger.version import version_refusal
 from hf_dist.validation import check_choice, check_positive_int
 
 METHODS = ("full", "lora")
@@ -21,7 +22,26 @@ LORA_TARGETS = DEFAULT_TARGETS
 
 
 class TraceUnsupported(ValueError):
-    """The layout cannot be traced here; the message says which part and why (the analytic estimate stands)."""
+    """The layout cannot be traced here; the message says which part and why (the analytic estimate stands).
+    ``reason``: the why alone, one short clause (what ``plan(verify=True)`` prints)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
+
+    @classmethod
+    def refusing(cls, layout: Layout, reason: str) -> TraceUnsupported:
+        return cls(f"cannot trace {layout.describe()}: {reason}; the analytic estimate stands", reason)
+
+
+def check_traceable(setup: TraceSetup, config: Any) -> None:
+    """Raise :class:`TraceUnsupported` when ``setup`` cannot be traced for ``config``: the layout
+    (:meth:`TraceSetup.untraceable_reason`), or Liger on a model whose Liger patch hf_dist does not copy."""
+    from hf_dist.tracing.liger.version import model_refusal
+
+    reason = setup.untraceable_reason() or (model_refusal(config) if setup.use_liger_kernel else None)
+    if reason:
+        raise TraceUnsupported.refusing(setup.layout, reason)
 
 
 @dataclass(frozen=True)
@@ -104,26 +124,20 @@ class TraceSetup:
         if self.optimizer == "adamw_8bit":
             return "8-bit AdamW: bitsandbytes' optimizer kernels are CUDA-only"
         if self.fused_lm_head:
-            return (
-                "TRL's fused LM head: a Triton kernel on GPU, whose CPU fallback holds tile-sized temporaries the GPU "
-                "does not (its terms are derived from TRL's source and checked against its kernel, "
-                "tests/unit/planning/test_trl_head.py)"
-            )
-        if self.use_liger_kernel:
-            return (
-                "Liger kernels: Triton kernels, which run only on a GPU (their terms are derived from Liger's source)"
+            return "TRL's fused LM head: a Triton kernel, whose CPU fallback holds temporaries the GPU does not"
+        if self.use_liger_kernel and (version_refusal() or self.tp_size > 1):
+            return version_refusal() or (
+                "Liger kernels with tensor parallelism: Liger gathers DTensor inputs (full_tensor), which the fake "
+                "Liger functions do not copy"
             )
         if self.offload != "none":
             return "CPU offload: the trace runs on CPU tensors, where offloaded and device memory cannot be told apart"
         if self.cp_size > 1:
-            return (
-                "context parallelism: torch's context_parallel has no sharding rule for the CPU attention kernel "
-                "(aten._scaled_dot_product_flash_attention_for_cpu), and a CPU build of torch cannot fake CUDA"
-            )
+            return "context parallelism: torch's context_parallel has no sharding rule for the CPU attention kernel"
         if self.tp_size > 1 and not _transformers_distributes_meta_models():
             return (
-                "tensor parallelism: this transformers has no DTensor loading path to apply the model's TP plan to a "
-                "weightless model (PreTrainedModel.maybe_distribute_model, transformers >= 5.23)"
+                "tensor parallelism: this transformers cannot apply a TP plan to a weightless model "
+                "(maybe_distribute_model, transformers >= 5.23)"
             )
         if self.tp_size > 1 and self.method != "full":
             return "LoRA with tensor parallelism: PEFT's LoRA layers do not run on DTensor-sharded weights"
@@ -184,11 +198,11 @@ def _transformers_distributes_meta_models() -> bool:
     return hasattr(PreTrainedModel, "maybe_distribute_model") and hasattr(PreTrainedModel, "prepare_distribute_model")
 
 
-# Found by trying (deepspeed 0.19.8, torch 2.13, a fake process group and FakeTensorMode; docs/planner.md, "Tracing").
+# Found by trying (deepspeed 0.19.8, torch 2.13, a fake process group and FakeTensorMode): engine.py
+# _configure_distributed_model calls module.to(device), which a fake-materialised module refuses (torch swaps the
+# parameters, and FakeTensorMode holds weak references to them), and the optimizer step branches on tensor values in
+# Python (stage_1_and_2.py has_overflow and stage3.py is_invalid_grad_norm call .item()); docs/planner.md, "Tracing".
 _DEEPSPEED_REASON = (
-    "DeepSpeed ZeRO: its engine cannot run on fake tensors without changing what it does: "
-    "engine.py _configure_distributed_model calls module.to(device), which a fake-materialised module refuses "
-    "(torch swaps the parameters, and FakeTensorMode holds weak references to them), and the optimizer step "
-    "branches on tensor values in Python (stage_1_and_2.py has_overflow and stage3.py is_invalid_grad_norm call "
-    ".item()), which fake tensors do not have"
+    "DeepSpeed ZeRO: its engine cannot run on fake tensors (module.to(device) on fake parameters, .item() in its "
+    "overflow checks)"
 )

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_dist.tracing.setup import TraceSetup, TraceUnsupported
+from hf_dist.tracing.setup import TraceSetup, check_traceable
 
 # the trackers' categories as the memory model names its terms (hf_dist.planning.memory.MemoryEstimate)
 TERMS = {
@@ -191,10 +191,35 @@ def _tracker(model: Any, optimizer: Any, deadline: float) -> Any:
         def _grad_hook(self, grad):
             self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
+        def _fsdp_param_group_pre_backward(self, fsdp_mod, orig):
+            return _with_stats(self, fsdp_mod, super()._fsdp_param_group_pre_backward(fsdp_mod, orig))
+
+        def _fsdp_param_group_post_backward(self, fsdp_mod, orig):
+            return _with_stats(self, fsdp_mod, super()._fsdp_param_group_post_backward(fsdp_mod, orig))
+
     tracker = Tracker(model, optimizer) if fsdp else Tracker()
     if not fsdp:
         tracker.track_external(model, optimizer)
     return tracker
+
+
+def _with_stats(tracker: Any, fsdp_mod: Any, hook: Any) -> Any:
+    """``FSDPMemTracker``'s backward ``hook`` of ``fsdp_mod``, given the per-module statistics the tracker makes only
+    in the module's own forward. A unit can reach backward without its module's forward: accelerate's tail unit
+    (final norm and ``lm_head``) under Liger, whose loss reads ``lm_head.weight`` directly; the tracker would fail on
+    the missing key (these statistics are not the peak)."""
+    import functools
+
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModMemStats
+
+    @functools.wraps(hook)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if fsdp_mod not in tracker.memory_tracking:
+            name = tracker._mod_tracker.get_known_fqn(fsdp_mod) or type(fsdp_mod).__name__
+            tracker.memory_tracking[fsdp_mod] = _FSDPModMemStats(name)
+        return hook(*args, **kwargs)
+
+    return call
 
 
 def _inplace_fused_optimizer_ops() -> frozenset:
@@ -230,14 +255,56 @@ def _terms(categories: dict[str, int]) -> dict[str, int]:
 # ---------------------------------------------------------------- the steps
 
 
+# True: the optimizer state comes from a full first step (forward, backward, step), as it did before the state was
+# made directly (tests/unit/tracing/test_trace.py compares both)
+WARM_UP_BY_STEP = False
+
+
+def create_optimizer_state(model: Any, optimizer: Any) -> None:
+    """The optimizer state a first step leaves, made without its forward and backward: every trainable parameter
+    gets a zero gradient of its own shape, dtype and placement (what backward gives it: FSDP2's sharded gradients
+    are cast to the shards' dtype), ``optimizer.step()`` creates the state as it does on any first step, and the
+    gradients go again. Run in fake mode before the tracker starts: the first step's forward and backward hold less
+    than the measured step's, which has the state on top, so they never decided the peak and cost half the trace."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    with _skip_fused_updates():
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def _skip_fused_updates():
+    """The fused optimizers' in-place update skipped, as the tracker skips it (fake mode's kernel copies every state)."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    skipped = _inplace_fused_optimizer_ops()
+
+    class Skip(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in skipped:  # before DTensor's sharding propagation, which is quadratic in the tensors of a call
+                return None
+            if any(t is DTensor for t in types):
+                return NotImplemented  # DTensor first: its local ops then come here
+            return func(*args, **(kwargs or {}))
+
+    with Skip():
+        yield
+
+
 def _train_steps(model: Any, optimizer: Any, setup: TraceSetup, vocab_size: int, on_phase: Any, tracker: Any) -> None:
-    """Warm-up step (one micro-batch: creates the optimizer state), then one full step of up to two micro-batches
-    (a second one is what gradient accumulation adds: gradients alive during forward)."""
+    """One full step of up to two micro-batches (a second one is what gradient accumulation adds: gradients alive
+    during forward), on top of the optimizer state (:func:`create_optimizer_state`; with :data:`WARM_UP_BY_STEP`, a
+    one-micro-batch step first instead)."""
     import torch
 
     ids = torch.randint(0, vocab_size, (setup.micro_batch_size, setup.seq_len))
     accumulation = setup.gradient_accumulation_steps
-    for micro_batches in (1, min(accumulation, 2)):
+    for micro_batches in ((1,) if WARM_UP_BY_STEP else ()) + (min(accumulation, 2),):
         for index in range(micro_batches):
             with _sync(model, index == micro_batches - 1 or setup.sync_each_batch):
                 on_phase("forward")
@@ -285,18 +352,17 @@ def trace_here(
     Raises :class:`TraceUnsupported` for a layout that cannot be traced (naming why), :class:`TraceTimeout`
     (with ``partial``) past ``time_limit_s``, :class:`TraceError` when the model fails under the layout.
     """
-    reason = setup.untraceable_reason()
-    if reason:
-        raise TraceUnsupported(f"cannot trace {setup.layout.describe()}: {reason}; the analytic estimate stands")
+    check_traceable(setup, config)
     from hf_dist.tracing import prepare
+    from hf_dist.tracing.liger import liger_applied
 
     start = time.monotonic()
     deadline = start + time_limit_s
     optimizer = prepare.trainer_optimizer(setup)  # before the fake group: no launch warnings
     run = None
     try:
-        with fake_world(setup) as mesh:
-            run = _Run(config, setup, mesh, optimizer, deadline, trust_remote_code)
+        with fake_world(setup) as mesh, liger_applied(setup.use_liger_kernel, config) as apply_liger:
+            run = _Run(config, setup, mesh, optimizer, deadline, trust_remote_code, apply_liger)
             run.steps()
     except TraceError:
         raise
@@ -322,7 +388,7 @@ class _Run:
     """One traced run: the model prepared and materialised, its optimizer, the tracker, the peak's phase."""
 
     def __init__(self, config: Any, setup: TraceSetup, mesh: Any, optimizer: tuple, deadline: float,
-                 trust_remote_code: bool = False) -> None:  # fmt: skip
+                 trust_remote_code: bool = False, apply_liger: Any = None) -> None:  # fmt: skip
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         from hf_dist.tracing import prepare
@@ -332,6 +398,7 @@ class _Run:
         self.vocab_size = text.vocab_size
         self.tracker = None
         model = prepare.build_model(config, setup, trust_remote_code=trust_remote_code)
+        model = apply_liger(model) if apply_liger else model  # the Trainer's __init__, before accelerate's prepare
         model = prepare.enable_checkpointing(model, setup)
         model = prepare.shard(model, setup, mesh)
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
@@ -340,6 +407,8 @@ class _Run:
             self.buckets = prepare.ddp_buckets(self.model, setup)
             cls, kwargs = optimizer
             self.optimizer = cls([p for p in self.model.parameters() if p.requires_grad], **kwargs)
+            if not WARM_UP_BY_STEP:
+                create_optimizer_state(self.model, self.optimizer)
             self.tracker = _tracker(self.model, self.optimizer, deadline)
             if self.buckets:
                 self.tracker.track_external(*self.buckets)

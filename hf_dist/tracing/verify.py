@@ -3,7 +3,7 @@
 :func:`plan` is ``hf_dist.plan``: the planner's search (:func:`hf_dist.planning.planner.plan`), then, with
 ``verify=True``, :func:`verify_plan`.
 
-The analytic plan stands where a layout cannot be traced (DeepSpeed, Liger, offload, CP; the plan says why). A
+The analytic plan stands where a layout cannot be traced (DeepSpeed, offload, CP; the plan says why in one line). A
 traced layout fits when its traced peak plus the memory model's non-tensor terms (caching allocator, CUDA context)
 stays within the usable memory; otherwise the candidate is marked as not fitting, with the traced figure as its
 reason, and the next best candidate is traced in turn (at most :data:`MAX_TRACED` of them).
@@ -29,22 +29,26 @@ def plan(
     *,
     verify: bool = False,
     verify_time_limit_s: float = 120.0,
+    verify_isolate: bool = True,
     trust_remote_code: bool = False,
     **planner_keywords: Any,
 ) -> Plan:
     """:func:`hf_dist.planning.planner.plan` (``planner_keywords``: its keywords), then, with ``verify=True``, the
     chosen layout traced on the real model with fake tensors (:mod:`hf_dist.tracing`, seconds to a minute; at most
     ``verify_time_limit_s`` per trace), moving to the next candidate when the trace does not fit (``Plan.trace``,
-    ``Plan.verification``; docs/planner.md, "Tracing"). ``trust_remote_code=True`` lets a folder's ``auto_map``
+    ``Plan.verification``; docs/planner.md, "Tracing"); ``verify_isolate=False`` traces in this process instead of
+    a worker (only where no process group exists and nothing else runs: ``hf-dist plan``, which saves the worker's
+    imports). ``trust_remote_code=True`` lets a folder's ``auto_map``
     classes be imported, by the planner and the trace alike; without it they never are
     (:mod:`hf_dist.planning.remote_code`)."""
     result = search_plan(model, trust_remote_code=trust_remote_code, **planner_keywords)
     if not verify:
         return result
-    return verify_plan(result, time_limit_s=verify_time_limit_s, trust_remote_code=trust_remote_code)
+    return verify_plan(result, time_limit_s=verify_time_limit_s, isolate=verify_isolate,
+                       trust_remote_code=trust_remote_code)  # fmt: skip
 
 
-def verify_plan(plan: Plan, *, time_limit_s: float, trust_remote_code: bool = False) -> Plan:
+def verify_plan(plan: Plan, *, time_limit_s: float, isolate: bool = True, trust_remote_code: bool = False) -> Plan:
     """``plan`` with its choice traced: the same plan with ``trace`` set, or the next traced candidate that fits."""
     from hf_dist.tracing.api import trace_memory
 
@@ -57,34 +61,46 @@ def verify_plan(plan: Plan, *, time_limit_s: float, trust_remote_code: bool = Fa
     chosen = _chosen(plan)
     for _ in range(MAX_TRACED):
         try:
-            trace = trace_memory(config, plan, candidate=chosen, time_limit_s=time_limit_s,
+            trace = trace_memory(config, plan, candidate=chosen, time_limit_s=time_limit_s, isolate=isolate,
                                  trust_remote_code=trust_remote_code)  # fmt: skip
         except (TraceUnsupported, TraceTimeout, TraceError) as exc:
+            note = f"not traced {chosen.label}: {why_not(exc)}; the analytic estimate stands"
             return _with_choice(
-                plan,
-                chosen,
-                reason_for(chosen, chosen, candidates=plan.candidates),
-                note=f"not traced: {exc}",
-                rejected=rejected,
+                plan, chosen, reason_for(chosen, chosen, candidates=plan.candidates), note=note, rejected=rejected
             )
         need = trace.device_total(chosen.memory)
         if need <= usable:
-            return _with_choice(
-                plan, chosen, reason_for(chosen, chosen, candidates=plan.candidates), trace=trace, rejected=rejected
-            )
+            return _with_choice(plan, chosen, reason_for(chosen, chosen, candidates=plan.candidates), trace=trace,
+                                rejected=rejected, note=_traced_line(plan, chosen, trace, need))  # fmt: skip
         chosen.fits = False
         chosen.reason = (
             f"traced: {format_bytes(trace.peak_bytes)} of tensors + {format_bytes(need - trace.peak_bytes)} allocator "
             f"and context = {format_bytes(need)}, over the usable {format_bytes(usable)} (modelled "
             f"{format_bytes(chosen.memory.total)})"
         )
-        rejected.append(f"{chosen.label}: {chosen.reason}")
+        rejected.append(f"{chosen.label} ({format_bytes(need)} traced with allocator and context)")
         fitting = [c for c in plan.candidates if c.fits]
         if not fitting:
-            raise PlanError(f"nothing fits once traced: {'; '.join(rejected)}")
+            raise PlanError(f"nothing fits once traced: {'; '.join(rejected)}, over the usable {format_bytes(usable)}")
         chosen = best(fitting)
     return _with_choice(plan, chosen, reason_for(chosen, chosen, candidates=plan.candidates),
                         note=f"not traced: {MAX_TRACED} traced candidates did not fit", rejected=rejected)  # fmt: skip
+
+
+def _traced_line(plan: Plan, c: Any, trace: Any, need: int) -> str:
+    """What the trace checked, in one line: the layout, the rank, traced against modelled, and that it fits."""
+    return (
+        f"traced {c.label} on rank 0 of {plan.world_size} in {trace.seconds:.1f} s: {format_bytes(trace.peak_bytes)} "
+        f"allocated (modelled {format_bytes(c.memory.allocated)}); {format_bytes(need)} with the allocator and CUDA "
+        f"context fits the usable {format_bytes(plan.usable_gib * GIB)}"
+    )
+
+
+def why_not(exc: Exception, limit: int = 160) -> str:
+    """Why a trace gave no figure, in one short clause: the refusal's reason, or the failure's first line cut to
+    ``limit`` characters (the exception keeps the whole message)."""
+    text = getattr(exc, "reason", None) or str(exc).splitlines()[0].removesuffix("; the analytic estimate stands")
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
 
 
 def _chosen(plan: Plan) -> Any:
@@ -96,8 +112,6 @@ def _with_choice(plan: Plan, c: Any, reason: str, *, trace: Any = None, note: st
     c.reason = reason
     dp = _layout(plan, c).dp_size
     moved = [f"traced and rejected {r}" for r in rejected]
-    if trace is not None:
-        note = f"traced {c.label}: {format_bytes(trace.peak_bytes)} allocated (modelled {format_bytes(c.memory.allocated)})"
     return dataclasses.replace(
         plan, strategy=c.strategy, offload=c.offload, activation_checkpointing=c.activation_checkpointing,
         micro_batch_size=c.micro_batch_size, gradient_accumulation_steps=plan.global_batch_size // (c.micro_batch_size * dp),

@@ -2,8 +2,10 @@
 (real DDP Reducer, real FSDP2 collectives), measured by torch's profiler; rank 0's peak must equal the trace's.
 
 Measured (torch 2.13 CPU): DDP, FSDP2 with accumulation and LoRA with dropout agree to the byte or within 112 bytes
-of ~2-3 MB; with activation checkpointing the trace is above the real peak by 0.4 % (full) and 2.7 % (LoRA), what
-torch's MemTracker documents for recomputation in backward (its attribution during AC is approximate)."""
+of ~2-3 MB; with activation checkpointing the trace is above the real peak by 0.4 % (full) and 0.3 % (LoRA), what
+torch's MemTracker documents for recomputation in backward (its attribution during AC is approximate). LoRA was 2.7 %
+above while the trace ran a first step for the optimizer state: 32 KB of it stayed counted into the measured step
+(the real peak is the same either way)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ SETUPS = {
 }
 # the others: 0.1 %. FSDP2 with accumulation: in 1 of ~10 CI runs the real peak held one more sharded root-unit buffer
 # (32,896 bytes: half of the 256 x 64 fp32 embedding, + 128), freed by gloo's reduce-scatter work in another order
-TOLERANCE = {"ddp_ckpt": 0.01, "ddp_lora_ckpt": 0.03, "fsdp_full_shard_accumulation": 0.02}
+TOLERANCE = {"ddp_ckpt": 0.01, "ddp_lora_ckpt": 0.01, "fsdp_full_shard_accumulation": 0.02}
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,15 @@
 
 Each SETUP_JSON is a ``hf_dist.tracing.TraceSetup`` as a dict. The model is built, checkpointed and sharded by
 ``hf_dist.tracing.prepare`` (the same functions the trace runs), then given real storage, wrapped in torch's real
-DDP (its C++ Reducer) where the layout is DDP, and trained for the tracer's steps (``_train_steps``) over gloo.
+DDP (its C++ Reducer) where the layout is DDP, given the optimizer state as the trace makes it
+(``create_optimizer_state``) and trained for the tracer's step (``_train_steps``) over gloo.
 Everything from the model's storage on runs under torch's profiler with every thread counted
 (``hf_dist.testing.track_all_threads``); the peak of live tensor bytes in the steps is what the trace predicts.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import types
@@ -22,10 +24,11 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from hf_dist.testing import memory_curve, tiny_llama_config, track_all_threads
 from hf_dist.tracing import TraceSetup, prepare
-from hf_dist.tracing.trace import _train_steps
+from hf_dist.tracing.trace import _train_steps, create_optimizer_state
 
 
 def measure(setup: TraceSetup, mesh) -> int:
+    gc.collect()  # the previous setup's model and optimizer: their frees inside this profile would count as negative
     config = tiny_llama_config()
     optimizer_cls, optimizer_kwargs = prepare.trainer_optimizer(setup)
     model = prepare.shard(prepare.enable_checkpointing(prepare.build_model(config, setup), setup), setup, mesh)
@@ -40,6 +43,7 @@ def measure(setup: TraceSetup, mesh) -> int:
             model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=False)
         model = prepare.autocast_forward(model, setup)
         optimizer = optimizer_cls([p for p in model.parameters() if p.requires_grad], **optimizer_kwargs)
+        create_optimizer_state(model, optimizer)  # as the trace makes it, before its measured step
         with record_function("steps"), prepare.cuda_dropout():  # the kernel the trace assumes (a GPU's)
             no_tracker = types.SimpleNamespace(reset_mod_stats=lambda: None)
             _train_steps(model, optimizer, setup, config.vocab_size, lambda phase: None, no_tracker)

@@ -218,6 +218,26 @@ def test_fsdp2_x_tp_traces_with_the_runs_mixed_precision_policy():
     assert modelled.allocated / traced.peak_bytes == pytest.approx(1.0, abs=0.05)
 
 
+@pytest.mark.parametrize("setup", [
+    {"strategy": "ddp"}, {"strategy": "ddp", "world_size": 4, "activation_checkpointing": True},
+    {"strategy": "ddp", "method": "lora", "lora_dropout": 0.1, "gradient_accumulation_steps": 2},
+    {"strategy": "ddp", "pure_bf16": True, "use_liger_kernel": True},
+    {"strategy": "fsdp_full_shard", "world_size": 4, "gradient_accumulation_steps": 4},
+    {"strategy": "fsdp_shard_grad_op", "world_size": 4, "method": "lora", "activation_checkpointing": True},
+    {"strategy": "hsdp", "world_size": 8, "nodes": 2, "use_liger_kernel": True},
+])  # fmt: skip
+def test_optimizer_state_made_directly_traces_what_a_first_step_leaves(monkeypatch, setup):
+    """The trace makes the optimizer state directly instead of running a first step (half the trace's time): the
+    peak, its terms and phase, and the states after the step are the same."""
+    import hf_dist.tracing.trace as trace_module
+
+    direct = trace(**setup)
+    monkeypatch.setattr(trace_module, "WARM_UP_BY_STEP", True)
+    stepped = trace(**setup)
+    assert (direct.peak_bytes, direct.terms, direct.peak_phase, direct.states) == (
+        stepped.peak_bytes, stepped.terms, stepped.peak_phase, stepped.states)  # fmt: skip
+
+
 def test_isolated_trace_equals_the_in_process_one():
     isolated = trace_memory(tiny(), isolate=True, strategy="fsdp_full_shard", world_size=4, seq_len=SEQ,
                             micro_batch_size=MB)  # fmt: skip
@@ -230,7 +250,7 @@ def test_isolated_trace_equals_the_in_process_one():
 
 @pytest.mark.parametrize(("setup", "named"), [
     ({"strategy": "zero3", "world_size": 8}, "DeepSpeed ZeRO: its engine cannot run on fake tensors"),
-    ({"strategy": "ddp", "use_liger_kernel": True}, "Triton kernels"),
+    ({"strategy": "ddp", "world_size": 2, "tp_size": 2, "use_liger_kernel": True}, "Liger kernels with tensor"),
     ({"strategy": "ddp", "method": "qlora"}, "bitsandbytes"),
     ({"strategy": "zero2", "world_size": 8, "offload": "optimizer"}, "DeepSpeed"),
     ({"strategy": "fsdp_full_shard", "world_size": 8, "offload": "optimizer+params"}, "CPU offload"),

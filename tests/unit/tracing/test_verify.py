@@ -23,12 +23,50 @@ def test_verified_plan_carries_the_trace_of_its_choice():
     assert plan.to_dict()["trace"]["peak_bytes"] == plan.trace.peak_bytes
 
 
-def test_untraceable_choice_keeps_the_analytic_plan_and_says_why():
+def test_untraceable_choice_keeps_the_analytic_plan_and_says_why_in_one_line():
     plan = hf_dist.plan(tiny_llama_config(), gpus=8, gpu_memory_gib=80, strategy="zero2", verify=True)
     assert plan.strategy == "zero2" and plan.trace is None
-    assert "not traced: cannot trace zero2" in plan.verification and "DeepSpeed ZeRO" in plan.verification
+    assert plan.verification == (
+        "not traced zero2/none: DeepSpeed ZeRO: its engine cannot run on fake tensors (module.to(device) on fake "
+        "parameters, .item() in its overflow checks); the analytic estimate stands"
+    )
     bare = hf_dist.plan(7.5e9, gpus=8, gpu_memory_gib=80, verify=True)
     assert bare.trace is None and "bare parameter count" in bare.verification
+
+
+def test_what_was_checked_is_one_line(monkeypatch):
+    """Traced: the layout, the rank, traced against modelled, and the fit; refused: the layout and one short
+    reason (here a Liger release the fakes were not derived from); failed: the failure's first line, cut short."""
+    from hf_dist.planning.hardware import detect_hardware
+    from hf_dist.tracing import TraceError
+    from hf_dist.tracing.liger import version
+    from hf_dist.tracing.verify import why_not
+
+    traced = hf_dist.plan(tiny_llama_config(), gpus=8, gpu_memory_gib=80, global_batch_size=16, verify=True)
+    assert traced.verification.startswith(f"traced {traced.strategy}/none on rank 0 of 8 in ")
+    assert " allocated (modelled " in traced.verification and "fits the usable 72.00 GiB" in traced.verification
+    monkeypatch.setattr(version, "installed_liger_version", lambda: "0.9.1")
+    hardware = detect_hardware(gpus=1, gpu_memory_gib=80, liger_kernel=True)
+    refused = hf_dist.plan(tiny_llama_config(), hardware=hardware, use_liger_kernel=True, verify=True)
+    assert refused.verification == (
+        f"not traced {refused.strategy}/none+liger: Liger kernels: liger-kernel 0.9.1 is installed, but hf_dist's "
+        "fake Liger functions copy 0.8.5; install liger-kernel==0.8.5 to trace; the analytic estimate stands"
+    )
+    long = TraceError("the model failed under ddp x 1 ranks, bf16 while tracing (KeyError: " + "x" * 300 + ")\nmore")
+    assert len(why_not(long)) == 160 and why_not(long).endswith("...")
+    for line in (traced.verification, refused.verification):
+        assert "\n" not in line and len(line) < 250
+
+
+def test_a_liger_pick_is_traced_with_liger():
+    """Liger is what the planner picks on GPUs that have it; verify=True traces that pick with Liger's kernels."""
+    from hf_dist.planning.hardware import detect_hardware
+
+    hardware = detect_hardware(gpus=1, gpu_memory_gib=80, liger_kernel=True)
+    plan = hf_dist.plan(tiny_llama_config(), hardware=hardware, global_batch_size=16, use_liger_kernel=True,
+                        verify=True)  # fmt: skip
+    assert plan.use_liger_kernel and plan.trace is not None and plan.trace.setup.use_liger_kernel
+    assert plan.verification.startswith(f"traced {plan.strategy}") and "liger" in plan.verification
 
 
 def test_a_candidate_whose_trace_does_not_fit_is_replaced(monkeypatch):
@@ -51,7 +89,8 @@ def test_a_candidate_whose_trace_does_not_fit_is_replaced(monkeypatch):
     assert not first.fits and first.reason.startswith("traced: 500.00 GiB of tensors")
     assert (plan.strategy, plan.micro_batch_size) != (plain.strategy, plain.micro_batch_size) or \
         plan.activation_checkpointing != plain.activation_checkpointing  # fmt: skip
-    assert plan.verification.startswith(f"traced and rejected {traced[0]}")
+    assert plan.verification.startswith(f"traced and rejected {traced[0]} (50")
+    assert " traced with allocator and context); traced " in plan.verification and "\n" not in plan.verification
     assert plan.gradient_accumulation_steps * plan.micro_batch_size * plan.layout.dp_size == 16
     assert len(traced) == 2
 
