@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from hf_dist import recipe_utils as ru
+from hf_dist.planning.features import LibraryFeatures, installed_features
 from hf_dist.testing import REPO_ROOT, tiny_llama_config
 
 REAL = {"output_dir": "out/real"}
@@ -205,8 +206,12 @@ def test_a_recipe_default_micro_batch_becomes_the_global_batch_under_cpu_sp(monk
     assert plan_kwargs(set())["global_batch_size"] == 16 and "micro_batch_size" not in plan_kwargs(set())
     assert plan_kwargs({"per_device_train_batch_size"})["micro_batch_size"] == 16  # the user's: pinned
     assert plan_kwargs({"gradient_accumulation_steps"})["micro_batch_size"] == 16  # so is a split with theirs
-    kwargs = hf_dist.auto_args(
-        tiny_llama_config(), gpus=2, engine_on_cpu=True, **{**plan_kwargs(set()), "seq_len": 64}
-    )
-    split = (kwargs["per_device_train_batch_size"], kwargs["gradient_accumulation_steps"])
-    assert split == (1, 16)  # x data parallel 1 = global batch 16
+    recipe = {**plan_kwargs(set()), "seq_len": 64}
+    p = hf_dist.plan(tiny_llama_config(), gpus=2, features=LibraryFeatures(), **recipe)
+    assert (p.micro_batch_size, p.gradient_accumulation_steps) == (1, 16)  # x data parallel 1 = global batch 16
+    if not installed_features().sequence_parallel:  # the lowest set has no Ulysses: the recipe refuses, saying why
+        with pytest.raises(ValueError, match="sp_size 2 cannot run here: needs accelerate >= 1.12"):
+            hf_dist.auto_args(tiny_llama_config(), gpus=2, engine_on_cpu=True, **recipe)
+        return
+    kwargs = hf_dist.auto_args(tiny_llama_config(), gpus=2, engine_on_cpu=True, **recipe)
+    assert (kwargs["per_device_train_batch_size"], kwargs["gradient_accumulation_steps"]) == (1, 16)

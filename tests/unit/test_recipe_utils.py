@@ -271,6 +271,8 @@ def test_model_parallel_flags_reach_the_plan_and_the_loader(monkeypatch):
 
     from accelerate.parallelism_config import ParallelismConfig
 
+    from hf_dist.planning.features import installed_features
+
     for key in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(ValueError, match="--tp_size must be a positive int"):
@@ -282,7 +284,10 @@ def test_model_parallel_flags_reach_the_plan_and_the_loader(monkeypatch):
     planned = __import__("hf_dist").auto_args(tiny_llama_config(), gpus=2, **{"tp_size": 2, "strategy": "ddp"})
     assert planned["parallelism_config"].tp_size == 2 and planned["save_only_model"] is True
     args = SimpleNamespace(parallelism_config=ParallelismConfig(tp_size=2), deepspeed=None)
-    assert ru.parallel_load_kwargs(args) == {"distributed_config": {"tp_plan": "auto"}}  # transformers 5.24's form
+    newer = installed_features().tp_distributed_config  # transformers 5.24's form; below it the older keyword
+    assert ru.parallel_load_kwargs(args) == (
+        {"distributed_config": {"tp_plan": "auto"}} if newer else {"tp_plan": "auto"}
+    )
     assert ru.parallel_load_kwargs(SimpleNamespace(parallelism_config=None, deepspeed=None)) == {}
     args = SimpleNamespace(
         parallelism_config=ParallelismConfig(tp_size=2), world_size=2, per_device_train_batch_size=4,

@@ -9,7 +9,7 @@ import re
 import pytest
 from transformers import GPT2Config
 
-from hf_dist.planning.features import LibraryFeatures
+from hf_dist.planning.features import LibraryFeatures, installed_features
 from hf_dist.planning.hardware import detect_hardware
 from hf_dist.planning.layout import Layout
 from hf_dist.planning.memory import GIB, estimate_memory
@@ -269,7 +269,7 @@ def test_sp_on_cpu_ranks_runs_at_micro_batch_1_and_accumulation_keeps_the_global
     from hf_dist.testing import tiny_llama_config
 
     tiny = tiny_llama_config()
-    split = plan(tiny, gpus=2, sp_size=2, strategy="zero2", seq_len=64, global_batch_size=16)
+    split = plan(tiny, gpus=2, sp_size=2, strategy="zero2", seq_len=64, global_batch_size=16, features=ALL)
     assert (split.micro_batch_size, split.gradient_accumulation_steps, split.global_batch_size) == (1, 16, 16)
     refusal = (
         r"micro_batch_size 16 \(per_device_train_batch_size\) cannot run: Ulysses sequence parallelism "
@@ -278,10 +278,15 @@ def test_sp_on_cpu_ranks_runs_at_micro_batch_1_and_accumulation_keeps_the_global
         r"gradient_accumulation_steps 16, or global_batch_size 16 alone"
     )
     with pytest.raises(PlanError, match=refusal):
-        plan(tiny, gpus=2, sp_size=2, strategy="zero2", seq_len=64, micro_batch_size=16)
-    with pytest.raises(ValueError, match=refusal):  # the same through auto_args' per_device_train_batch_size
+        plan(tiny, gpus=2, sp_size=2, strategy="zero2", seq_len=64, micro_batch_size=16, features=ALL)
+    # the same through auto_args' per_device_train_batch_size, where the installed libraries have SP at all
+    installed = (
+        "sp_size 2 cannot run here: needs accelerate" if not installed_features().sequence_parallel else refusal
+    )
+    with pytest.raises(ValueError, match=installed):
         hf_dist.auto_args(tiny, gpus=2, sp_size=2, strategy="zero2", seq_len=64, per_device_train_batch_size=16)
     # unpinned, a CPU SP layout is planned at micro-batch 1 only; GPUs copy each rank's slice: any micro-batch runs
-    assert plan(tiny, gpus=2, sp_size=2, seq_len=64).micro_batch_size == 1
-    gpus = plan(tiny, gpus=8, gpu_memory_gib=80, sp_size=2, strategy="zero2", seq_len=64, micro_batch_size=4)
+    assert plan(tiny, gpus=2, sp_size=2, seq_len=64, features=ALL).micro_batch_size == 1
+    gpus = plan(tiny, gpus=8, gpu_memory_gib=80, sp_size=2, strategy="zero2", seq_len=64, micro_batch_size=4,
+                features=ALL)  # fmt: skip
     assert gpus.micro_batch_size == 4
