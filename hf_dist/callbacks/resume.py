@@ -347,8 +347,9 @@ class ZeroInfinityResumeCallback(TrainerCallback):
     """On resume of a ZeRO-Infinity run (ZeRO-3, optimizer offloaded to NVMe), restore what DeepSpeed's NVMe load
     drops: it copies only the swap files back, so the sub-groups it keeps in memory (under 1 MiB per rank, e.g. the
     norms) would restart from the initial weights, and every Adam moment and step count from zero
-    (:mod:`hf_dist.checkpoint.lifecycle.zero_infinity`). A no-op for every other run. ``resume_from``: the checkpoint resumed
-    when it is not ``output_dir/checkpoint-<global step>``."""
+    (:mod:`hf_dist.checkpoint.lifecycle.zero_infinity`). A no-op for every other run, and where
+    :func:`hf_dist.callbacks.attach`'s guarded DeepSpeed load already repaired it. ``resume_from``: the checkpoint
+    resumed when it is not ``output_dir/checkpoint-<global step>``."""
 
     def __init__(self, *, resume_from: str | None = None, trust_pickles: bool = False) -> None:
         self.resume_from = resume_from
@@ -357,6 +358,8 @@ class ZeroInfinityResumeCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         deepspeed_optimizer = zero_infinity.zero_infinity_optimizer(optimizer)
         if state.global_step == 0 or deepspeed_optimizer is None:
+            return
+        if zero_infinity.restored_from(deepspeed_optimizer) is not None:  # attach's guarded DeepSpeed load did it
             return
         checkpoint = Path(self.resume_from or Path(args.output_dir) / f"checkpoint-{state.global_step}")
         restored = zero_infinity.restore_resident_subgroups(

@@ -20,7 +20,7 @@ from typing import Any
 from hf_dist.checkpoint.formats.layout import optim_file, read_layout
 from hf_dist.checkpoint.safety.loading import safe_load
 
-__all__ = ["restore_resident_subgroups", "zero_infinity_optimizer"]
+__all__ = ["restore_resident_subgroups", "restored_from", "zero_infinity_optimizer"]
 
 # what the repair reads and calls on DeepSpeed's DeepSpeedZeroOptimizer_Stage3 (deepspeed 0.19)
 _INTERNALS = (
@@ -32,7 +32,7 @@ _INTERNALS = (
 def zero_infinity_optimizer(optimizer: Any) -> Any | None:
     """DeepSpeed's ZeRO-3 optimizer behind accelerate's wrapper when it swaps to NVMe, else None."""
     for _ in range(3):  # accelerate's DeepSpeedOptimizerWrapper -> DeepSpeedZeroOptimizer_Stage3
-        if getattr(optimizer, "swap_optimizer", False):
+        if getattr(optimizer, "swap_optimizer", False) is True:
             return optimizer
         optimizer = getattr(optimizer, "optimizer", None)
     return None
@@ -85,7 +85,14 @@ def restore_resident_subgroups(
         optimizer.optimizer.state[fp32].update({k: _clone(v) for k, v in saved.items()})
         restored += 1
     optimizer.checkpoint_event_epilogue()  # re-gathers the params DeepSpeed keeps whole, from the restored partitions
+    # attach's guarded DeepSpeed load repairs first; ZeroInfinityResumeCallback then sees this and does not redo it
+    optimizer._hf_dist_restored_from = str(checkpoint_dir)
     return restored
+
+
+def restored_from(optimizer: Any) -> str | None:
+    """The checkpoint :func:`restore_resident_subgroups` already restored ``optimizer`` from, or None."""
+    return getattr(optimizer, "_hf_dist_restored_from", None)
 
 
 def _register_swapped_state(optimizer: Any, i: int, saved: dict) -> None:

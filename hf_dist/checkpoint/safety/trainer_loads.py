@@ -83,9 +83,30 @@ def _guard_deepspeed_load() -> None:
         raise RuntimeError(_missing("transformers.trainer.deepspeed_load_checkpoint"))
     if getattr(load, "_hf_dist_guarded", False):
         return
-    guarded = _guarded(load, lambda args, kwargs: args[1] if len(args) > 1 else kwargs.get("checkpoint_path"))
+
+    @functools.wraps(load)
+    def load_and_repair(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        result = load(engine, *args, **kwargs)
+        _repair_zero_infinity(engine, args[0] if args else kwargs.get("checkpoint_path"))
+        return result
+
+    guarded = _guarded(
+        load_and_repair, lambda args, kwargs: args[1] if len(args) > 1 else kwargs.get("checkpoint_path")
+    )
     guarded._hf_dist_guarded = True
     trainer_module.deepspeed_load_checkpoint = guarded
+
+
+def _repair_zero_infinity(engine: Any, checkpoint: Any) -> None:
+    """A ZeRO-Infinity resume (optimizer swapped to NVMe): DeepSpeed's load never opens the ``*_optim_states.pt``
+    files (it copies only the swap files back), so they would go unread, planted or not, and the optimizer state they
+    hold lost. They are read here, still under the guard, by hf_dist's repair
+    (:func:`hf_dist.checkpoint.lifecycle.zero_infinity.restore_resident_subgroups`)."""
+    from hf_dist.checkpoint.lifecycle.zero_infinity import restore_resident_subgroups, zero_infinity_optimizer
+
+    optimizer = zero_infinity_optimizer(getattr(engine, "optimizer", None))
+    if optimizer is not None and checkpoint:
+        restore_resident_subgroups(optimizer, checkpoint)
 
 
 def _missing(what: str) -> str:

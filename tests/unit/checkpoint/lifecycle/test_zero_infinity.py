@@ -48,3 +48,36 @@ def test_a_deepspeed_without_the_internals_is_refused_not_half_repaired(tmp_path
     other_version = SimpleNamespace(swap_optimizer=True, fp32_partitioned_groups_flat=[])
     with pytest.raises(RuntimeError, match="cannot repair this ZeRO-Infinity resume: .*'optimizer_swapper'"):
         restore_resident_subgroups(other_version, tmp_path)
+
+
+def test_the_guarded_deepspeed_load_repairs_a_zero_infinity_resume_under_its_guard(tmp_path, monkeypatch):
+    """DeepSpeed's NVMe load never opens ``*_optim_states.pt``: attach's guarded load reads them itself, inside the
+    guard (so a planted file is refused there, never skipped), and the callback then leaves the optimizer alone."""
+    import transformers.trainer as trainer_module
+
+    from hf_dist.checkpoint.lifecycle import zero_infinity
+    from hf_dist.checkpoint.safety import loading, trainer_loads
+
+    calls = []
+
+    def load(engine, path, load_module_strict=True):
+        calls.append(("deepspeed", path))
+
+    def repair(optimizer, checkpoint, *, trust_pickles=False):
+        calls.append(("repair", str(checkpoint), loading.active_root()))
+        optimizer._hf_dist_restored_from = str(checkpoint)
+        return 0
+
+    monkeypatch.setattr(trainer_module, "deepspeed_load_checkpoint", load)
+    monkeypatch.setattr(zero_infinity, "restore_resident_subgroups", repair)
+    trainer_loads._guard_deepspeed_load()
+    nvme = SimpleNamespace(swap_optimizer=True)
+    trainer_module.deepspeed_load_checkpoint(SimpleNamespace(optimizer=nvme), str(tmp_path))
+    assert calls == [("deepspeed", str(tmp_path)), ("repair", str(tmp_path), tmp_path)]
+    ZeroInfinityResumeCallback().on_train_begin(
+        SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(global_step=2), None, optimizer=nvme
+    )
+    assert len(calls) == 2  # not repaired twice
+    cpu_offload = SimpleNamespace(swap_optimizer=False)
+    trainer_module.deepspeed_load_checkpoint(SimpleNamespace(optimizer=cpu_offload), str(tmp_path))
+    assert calls[2:] == [("deepspeed", str(tmp_path))]
