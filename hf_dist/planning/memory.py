@@ -15,7 +15,9 @@ The model follows what the libraries allocate, tensor by tensor, and names its s
 - **Buffers**: autocast weight copies, gathered FSDP2 / ZeRO-3 units, DDP and DeepSpeed buckets.
 - **Step**: transients of the optimizer step (torch AdamW's foreach ``sqrt`` list; DeepSpeed's fp32
   gradient partition), which coexist with gradients, not with activations.
-- **Allocator**: what torch's caching allocator reserves beyond the peak allocated (:func:`allocator_bytes`).
+- **Allocator**: what torch's caching allocator reserves beyond the peak allocated: the compute stream's free blocks
+  (:func:`~hf_dist.planning.transients.compute_stream_reserve_bytes`, an estimate; a trace replays the allocations
+  through :mod:`hf_dist.planning.allocator` instead) and the collectives' streams' (``comm_reserve``).
 - **Overhead**: the CUDA context, library workspaces and NCCL communicators, outside torch's allocator.
 
 ``MemoryEstimate.total`` predicts the device memory in use at the peak (``total - free`` from

@@ -107,21 +107,10 @@ def buffer_bytes(
 # ---------------------------------------------------------------- allocator and overhead
 
 
-def allocator_bytes(
-    spec, s: Strategy, degree, trainable, lay: Dtypes, largest_transient: int, grads: int, ckpt: bool
-) -> int:
-    """Reserved beyond the peak allocated: torch's caching allocator never moves or returns blocks.
-
-    The compute stream's part (:func:`compute_stream_reserve_bytes`) plus the collectives' streams'
-    (:func:`comm_stream_reserve_bytes`). A trace replays the run's own allocations through the allocator instead of the
-    first (:mod:`hf_dist.tracing.allocations`)."""
-    return compute_stream_reserve_bytes(largest_transient, grads, ckpt) + comm_stream_reserve_bytes(
-        spec, s, degree, trainable, lay
-    )
-
-
 def compute_stream_reserve_bytes(largest_transient: int, grads: int, ckpt: bool) -> int:
-    """The compute stream's free blocks at the peak, estimated without the allocation sequence.
+    """The compute stream's free blocks at the peak, estimated without the allocation sequence (reserved beyond the
+    peak allocated: torch's caching allocator never moves or returns blocks; with the sequence, a trace replays it
+    instead: :mod:`hf_dist.tracing.allocations`).
 
     c10/cuda/CUDACachingAllocator.cpp serves a request from the smallest cached block that holds it and splits it, and
     never merges blocks of different segments (:mod:`hf_dist.planning.allocator`), so free space ends up scattered
