@@ -127,6 +127,13 @@ CATALOG: dict[str, Entry] = {
         "tests/unit/planning/test_gpu_ground_truth.py::test_every_case_meets_the_memory_targets",
         "the benchmark's own table, computed from the recorded H100 runs in benchmarks/data/gpu/",
     ),
+    "python benchmarks/gpu_ground_truth.py --trace": CannotRun(
+        "a benchmark: traces every GPU run the tracer runs, 11 minutes on 2 busy cores",
+        output=(
+            "docs/planner.md",
+            "| llama-3-8b lora ddp seq2048 mb8 liger load=bfloat16 | H200 | 101.49 | 107.30 | 107.32 | 1.000 | 4.50 | 4.47 | 0.88 |",
+        ),
+    ),
     "python benchmarks/planner_accuracy.py": CannotRun(
         "a benchmark: one 2-4 rank launch per model and layout, 14 min 55 s on 2 cores",
         output=("docs/planner.md", "14 min 55 s on 2 busy CPU cores on 2026-11-25"),

@@ -15,7 +15,9 @@ The model follows what the libraries allocate, tensor by tensor, and names its s
 - **Buffers**: autocast weight copies, gathered FSDP2 / ZeRO-3 units, DDP and DeepSpeed buckets.
 - **Step**: transients of the optimizer step (torch AdamW's foreach ``sqrt`` list; DeepSpeed's fp32
   gradient partition), which coexist with gradients, not with activations.
-- **Allocator**: what torch's caching allocator reserves beyond the peak allocated (:func:`allocator_bytes`).
+- **Allocator**: what torch's caching allocator reserves beyond the peak allocated: the compute stream's free blocks
+  (:func:`~hf_dist.planning.transients.compute_stream_reserve_bytes`, an estimate; a trace replays the allocations
+  through :mod:`hf_dist.planning.allocator` instead) and the collectives' streams' (``comm_reserve``).
 - **Overhead**: the CUDA context, library workspaces and NCCL communicators, outside torch's allocator.
 
 ``MemoryEstimate.total`` predicts the device memory in use at the peak (``total - free`` from
@@ -54,7 +56,14 @@ from hf_dist.planning.model_states import (
     swap_bytes_per_rank,
     trainable_params,
 )
-from hf_dist.planning.transients import allocator_bytes, buffer_bytes, overhead_bytes, step_bytes_per_rank
+from hf_dist.planning.transients import (
+    buffer_bytes,
+    comm_stream_reserve_bytes,
+    compute_stream_reserve_bytes,
+    lora_input_cast_bytes,
+    overhead_bytes,
+    step_bytes_per_rank,
+)
 from hf_dist.validation import check_choice, check_positive_int
 
 METHODS = ("full", "lora", "qlora")
@@ -100,6 +109,7 @@ class MemoryEstimate:
     last_layer: int = 0
     layer_grads: int = 0
     swap: int = 0  # ZeRO-Infinity's swap files under nvme_path (offload_device="nvme"), not memory
+    comm_reserve: int = 0  # the part of ``allocator`` the collectives' streams cache (transients.comm_stream_...)
 
     @property
     def model_states(self) -> int:
@@ -306,10 +316,14 @@ def _estimate(r: _Run, overhead: int | None) -> MemoryEstimate:
     nvme = r.layout.offload_device == "nvme"
     states = (r.spec, r.degree, r.trainable, r.method, r.offload, r.optimizer, r.lay, r.param_bytes)
     on_gpu = r.device == "cuda"
-    allocator = 0
+    allocator = comm_reserve = 0
     if on_gpu:
-        largest = largest_transient_bytes(r.spec, r.seq_len, r.mb, r.lay, r.liger, r.fused_lm_head)
-        allocator = allocator_bytes(r.spec, r.s, r.degree, r.trainable, r.lay, largest, grads, r.ckpt)
+        largest = max(
+            largest_transient_bytes(r.spec, r.seq_len, r.mb, r.lay, r.liger, r.fused_lm_head),
+            lora_input_cast_bytes(r.seq_len * r.mb, _adapter_inputs(r), _adapters_cast(r)),
+        )
+        comm_reserve = comm_stream_reserve_bytes(r.spec, r.s, r.degree, r.trainable, r.lay)
+        allocator = compute_stream_reserve_bytes(largest, grads, r.ckpt) + comm_reserve
     fixed = int(overhead) if overhead is not None else (overhead_bytes(r.s, r.layout.world_size) if on_gpu else 0)
     layer_grads = layer_gradient_bytes(r.spec, r.seq_len, r.mb, r.lay, liger=r.liger) if r.spec.has_shape else 0
     return MemoryEstimate(
@@ -319,7 +333,7 @@ def _estimate(r: _Run, overhead: int | None) -> MemoryEstimate:
         _head_bytes(r),
         step_bytes_per_rank(r.spec, r.s, r.degree, r.trainable, r.offload, r.lay),
         allocator, recompute, units, last_layer, layer_grads,
-        swap_bytes_per_rank(*states, r.device) if nvme else 0,
+        swap_bytes_per_rank(*states, r.device) if nvme else 0, comm_reserve,
     )  # fmt: skip
 
 
@@ -353,10 +367,19 @@ def _activation_kwargs(r: _Run) -> dict[str, Any]:
     return act_kw
 
 
+def _adapters_cast(r: _Run) -> bool:
+    """fp32 adapters under DDP's autocast: PEFT casts every adapter's 16-bit input to fp32 (a copy)."""
+    return r.lora is not None and r.s.is_ddp and r.lay.weights == FP32 and r.lay.compute < FP32
+
+
+def _adapter_inputs(r: _Run) -> tuple[int, ...]:
+    return tuple(a.in_features for a in r.lora.adapters) if r.lora is not None else ()
+
+
 def lora_layers(r: _Run) -> tuple[Lora, ...]:
     """Each decoder layer's adapters as :class:`~hf_dist.planning.activations.Lora`: fp32 adapters under DDP's
     autocast cast their input to fp32 and back (a copy each)."""
-    cast = r.s.is_ddp and r.lay.weights == FP32 and r.lay.compute < FP32
+    cast = _adapters_cast(r)
     dropout = r.lora.lora.dropout > 0
     first = r.lora.idle_layers if _inputs_frozen(r) else -1  # the first layer that trains sees no input gradient
     return tuple(
@@ -377,7 +400,7 @@ def outer_adapter_bytes(r: _Run) -> int:
     """What the adapters outside the decoder layers save (LoRA on ``lm_head``), for the step's tokens."""
     if r.lora is None or not r.lora.outer:
         return 0
-    cast = r.s.is_ddp and r.lay.weights == FP32 and r.lay.compute < FP32
+    cast = _adapters_cast(r)
     adapters = tuple((a.name, a.in_features, a.rank) for a in r.lora.outer)
     return lora_bytes(r.lay, Lora(adapters, r.lora.lora.dropout > 0, cast), attention=r.attention) * r.seq_len * r.mb
 

@@ -107,43 +107,55 @@ def buffer_bytes(
 # ---------------------------------------------------------------- allocator and overhead
 
 
-def allocator_bytes(
-    spec, s: Strategy, degree, trainable, lay: Dtypes, largest_transient: int, grads: int, ckpt: bool
-) -> int:
-    """Reserved beyond the peak allocated: torch's caching allocator never moves or returns blocks.
+def compute_stream_reserve_bytes(largest_transient: int, grads: int, ckpt: bool) -> int:
+    """The compute stream's free blocks at the peak, estimated without the allocation sequence (reserved beyond the
+    peak allocated: torch's caching allocator never moves or returns blocks; with the sequence, a trace replays it
+    instead: :mod:`hf_dist.tracing.allocations`).
 
-    c10/cuda/CUDACachingAllocator.cpp caches freed blocks per stream (``get_free_block`` only returns
-    a block of the requesting stream) and splits cached blocks to serve smaller requests, so free space
-    ends up scattered between live tensors. Counted:
-    - one block of the largest transient tensor (the fp32 logits, or an MLP activation): a request
-      that size needs one contiguous free block, which the earlier phases' scattered frees rarely are;
-    - with activation checkpointing, the gradients allocated layer by layer in backward between the
-      recomputed activations pin the blocks those activations freed;
-    - blocks cached by communication streams, which the compute stream never reuses: FSDP2's sharded
-      fp32 gradients come from reduce-scatter outputs on its reduce-scatter stream
-      (``_fsdp_collectives.foreach_reduce``); ZeRO-2 builds its fp32 gradient partition, the bucket
-      flatten and the per-parameter upcasts on the reduction stream (stage_1_and_2.py ``average_tensor``);
-      ZeRO-3 flattens buckets and upcasts partitions there (stage3.py, ``reduce_scatter_coalesced``) and
-      records the bf16 gradients in flight (up to the two overlapped buckets) on it before freeing them.
+    c10/cuda/CUDACachingAllocator.cpp serves a request from the smallest cached block that holds it and splits it, and
+    never merges blocks of different segments (:mod:`hf_dist.planning.allocator`), so free space ends up scattered
+    between live tensors. Counted:
+    - one block of the largest transient tensor (the fp32 logits, or an MLP activation): a request that size needs
+      one contiguous free block, which the earlier phases' scattered frees rarely are;
+    - with activation checkpointing, the gradients allocated layer by layer in backward between the recomputed
+      activations pin the blocks those activations freed.
+    How far this is from the replayed sequence, run by run: docs/planner.md, "The caching allocator's reserve".
     """
-    out = largest_transient
-    if ckpt:
-        out += grads
+    return largest_transient + (grads if ckpt else 0)
+
+
+def lora_input_cast_bytes(tokens: int, in_features: tuple[int, ...], cast: bool) -> int:
+    """The largest tensor LoRA's adapters make and free: with fp32 adapters under autocast (DDP) PEFT's
+    ``_cast_input_dtype`` copies each adapter's input to the adapter's fp32 (peft ``tuners/lora/layer.py``
+    ``Linear.forward``), ``4 * tokens * in_features`` bytes, freed once the adapter's output is added -- down_proj's,
+    whose input is the MLP's width, is twice the 16-bit MLP activation. 0 without the cast."""
+    return FP32 * tokens * max(in_features, default=0) if cast else 0
+
+
+def comm_stream_reserve_bytes(spec, s: Strategy, degree, trainable, lay: Dtypes) -> int:
+    """Blocks cached by communication streams, which the compute stream never reuses (``get_free_block`` only returns
+    a block of the requesting stream, CUDACachingAllocator.cpp):
+    - FSDP2's sharded fp32 gradients come from reduce-scatter outputs on its reduce-scatter stream
+      (``_fsdp_collectives.foreach_reduce``);
+    - ZeRO-2 builds its fp32 gradient partition, the bucket flatten and the per-parameter upcasts on the reduction
+      stream (stage_1_and_2.py ``average_tensor``);
+    - ZeRO-3 flattens buckets and upcasts partitions there (stage3.py, ``reduce_scatter_coalesced``) and records the
+      bf16 gradients in flight (up to the two overlapped buckets) on it before freeing them.
+    """
     bucket = min(DS_REDUCE_BUCKET_ELEMENTS, trainable)  # what a flatten of the gradients in it holds
     largest = min(max(spec.layer_params, spec.embedding_params), trainable) if spec.has_shape else 0
     if s.is_fsdp:
-        out += shard_bytes(trainable * lay.grads, True, degree)
-    elif s.zero_stage == 2:
-        out += (
+        return shard_bytes(trainable * lay.grads, True, degree)
+    if s.zero_stage == 2:
+        return (
             shard_bytes(trainable * lay.grads, True, degree)
             + bucket * lay.compute
             + shard_bytes(largest * FP32, True, degree)
         )
-    elif s.zero_stage == 3:
-        out += (
-            bucket * lay.compute + shard_bytes(bucket * FP32, True, degree) + min(trainable, 2 * bucket) * lay.compute
-        )
-    return out
+    if s.zero_stage == 3:
+        in_flight = min(trainable, 2 * bucket) * lay.compute
+        return bucket * lay.compute + shard_bytes(bucket * FP32, True, degree) + in_flight
+    return 0
 
 
 def overhead_bytes(s: Strategy, world_size: int) -> int:

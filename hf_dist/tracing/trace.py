@@ -7,8 +7,9 @@ the labels (the model's own loss), ``backward`` of the loss over the accumulatio
 or freed under ``FakeTensorMode``; the peak and its breakdown are rank 0's. Collectives go to torch's fake process
 group of the plan's world size, so 512 ranks cost what 8 do.
 
-What it measures is ``torch.cuda.max_memory_allocated`` of the run: live tensors. The caching allocator's reserve
-and the CUDA context are not tensors; :meth:`TraceResult.device_total` adds the memory model's terms for them.
+What it measures is ``torch.cuda.max_memory_allocated`` of the run: live tensors. Every storage made and freed is
+also logged in order and replayed through torch's caching allocator (:mod:`hf_dist.tracing.allocations`): what the run
+reserves (``max_memory_reserved``); :meth:`TraceResult.device_total` adds the CUDA context.
 A CPU build of torch cannot fake CUDA tensors, so the trace runs CPU kernels' shapes (autocast on CPU; sdpa's CPU
 flash kernel saves what the CUDA one does for these shapes).
 """
@@ -20,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hf_dist.tracing.allocations import AllocationLog
 from hf_dist.tracing.setup import TraceSetup, check_traceable
 
 # the trackers' categories as the memory model names its terms (hf_dist.planning.memory.MemoryEstimate)
@@ -56,7 +58,8 @@ class TraceResult:
     ``terms``: that peak by memory-model term (params, grads, optimizer, activations, temporaries — gradients of
     activations and other backward/step intermediates —, buffers — gathered FSDP units, communication buffers,
     module buffers —, inputs); ``categories``: the tracker's own names; ``states``: params and optimizer state
-    after the step, the model states at rest. ``complete`` is False when the time limit stopped the trace: the
+    after the step, the model states at rest; ``reserved_bytes``: what the caching allocator reserves for the traced
+    allocations over the run's steps (``max_memory_reserved``; 0 when the trace was cut short). ``complete`` is False when the time limit stopped the trace: the
     peak is then of what ran.
     """
 
@@ -69,16 +72,24 @@ class TraceResult:
     complete: bool = True
     peak_phase: str = ""
     notes: list[str] = field(default_factory=list)
+    reserved_bytes: int = 0
 
     def device_total(self, estimate: Any) -> int:
-        """The traced peak plus what the memory model adds outside tensors (caching allocator, CUDA context)."""
-        return self.peak_bytes + estimate.total - estimate.allocated
+        """Device memory in use at the peak: what the caching allocator reserves for the traced allocations, replayed
+        over the run's steps (``reserved_bytes``, :mod:`hf_dist.tracing.allocations`), plus what the memory model adds
+        outside it (the CUDA context, and the blocks the collectives' streams cache:
+        :func:`~hf_dist.planning.transients.comm_stream_reserve_bytes`). A trace cut short has no replay: its peak
+        plus the model's reserve."""
+        if not self.reserved_bytes:
+            return self.peak_bytes + estimate.total - estimate.allocated
+        return self.reserved_bytes + estimate.comm_reserve + estimate.overhead
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "setup": self.setup.to_dict(), "peak_bytes": self.peak_bytes, "terms": self.terms,
             "categories": self.categories, "states": self.states, "seconds": self.seconds,
             "complete": self.complete, "peak_phase": self.peak_phase, "notes": list(self.notes),
+            "reserved_bytes": self.reserved_bytes,
         }  # fmt: skip
 
     @classmethod
@@ -141,8 +152,9 @@ def fake_world(setup: TraceSetup):
 # ---------------------------------------------------------------- trackers
 
 
-def _tracker(model: Any, optimizer: Any, deadline: float) -> Any:
-    """The tracker for the model, stopping at ``deadline`` (checked at every operator, so a trace never hangs)."""
+def _tracker(model: Any, optimizer: Any, deadline: float, log: AllocationLog | None = None) -> Any:
+    """The tracker for the model, stopping at ``deadline`` (checked at every operator, so a trace never hangs),
+    writing every storage it sees made or freed to ``log`` in order."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
     from torch.distributed.fsdp import FSDPModule
@@ -187,6 +199,11 @@ def _tracker(model: Any, optimizer: Any, deadline: float) -> Any:
                 if self._peak_mem.get(device, 0) < snap["Total"]:
                     self._peak_mem[device] = snap["Total"]
                     self._peak_mem_snap[device] = dict(snap)
+
+        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+            if log is not None:
+                log.record(u_type, winfo, getattr(winfo.reftype, "value", None) in ("Optstate", "OptState"))
+            super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
 
         def _grad_hook(self, grad):
             self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
@@ -396,7 +413,7 @@ class _Run:
         self.setup, self.complete, self.phase, self.peak_phase, self.peak_seen = setup, True, "", "", 0
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.vocab_size = text.vocab_size
-        self.tracker = None
+        self.tracker, self.log = None, AllocationLog()
         model = prepare.build_model(config, setup, trust_remote_code=trust_remote_code)
         model = apply_liger(model) if apply_liger else model  # the Trainer's __init__, before accelerate's prepare
         model = prepare.enable_checkpointing(model, setup)
@@ -409,7 +426,7 @@ class _Run:
             self.optimizer = cls([p for p in self.model.parameters() if p.requires_grad], **kwargs)
             if not WARM_UP_BY_STEP:
                 create_optimizer_state(self.model, self.optimizer)
-            self.tracker = _tracker(self.model, self.optimizer, deadline)
+            self.tracker = _tracker(self.model, self.optimizer, deadline, self.log)
             if self.buckets:
                 self.tracker.track_external(*self.buckets)
 
@@ -428,15 +445,18 @@ class _Run:
         if total > self.peak_seen:
             self.peak_phase, self.peak_seen = self.phase, total
         self.phase = name
+        self.log.phase(name)
 
     def result(self, seconds: float) -> TraceResult:
         if self.tracker is None:  # stopped before anything ran
             peak, rest = {}, dict.fromkeys(TERM_ORDER, 0)
         else:
             peak, rest = _snapshot(self.tracker, "peak"), _terms(_snapshot(self.tracker, "current"))
+        reserved = self.log.reserved_bytes()[0] if self.tracker is not None and self.complete else 0
         return TraceResult(
             setup=self.setup, peak_bytes=peak.get("Total", 0), terms=_terms(peak),
             categories={k: v for k, v in peak.items() if k != "Total" and v},
             states={"params": rest["params"], "optimizer": rest["optimizer"]}, seconds=round(seconds, 2),
             complete=self.complete, peak_phase=self.peak_phase, notes=[_DDP_NOTE] if self.buckets else [],
+            reserved_bytes=reserved,
         )  # fmt: skip

@@ -4,8 +4,8 @@
 ``verify=True``, :func:`verify_plan`.
 
 The analytic plan stands where a layout cannot be traced (DeepSpeed, offload, CP; the plan says why in one line). A
-traced layout fits when its traced peak plus the memory model's non-tensor terms (caching allocator, CUDA context)
-stays within the usable memory; otherwise the candidate is marked as not fitting, with the traced figure as its
+traced layout fits when its traced device total (its allocations replayed through the caching allocator, plus the CUDA
+context: :meth:`~hf_dist.tracing.trace.TraceResult.device_total`) stays within the usable memory; otherwise the candidate is marked as not fitting, with the traced figure as its
 reason, and the next best candidate is traced in turn (at most :data:`MAX_TRACED` of them).
 """
 

@@ -14,6 +14,8 @@ from hf_dist.planning.transients import (
     DS_PREFETCH_BUCKET_ELEMENTS,
     DS_REDUCE_BUCKET_ELEMENTS,
     NCCL_BYTES,
+    compute_stream_reserve_bytes,
+    lora_input_cast_bytes,
 )
 from hf_dist.testing import tiny_llama_config
 
@@ -319,3 +321,23 @@ def test_sync_each_batch_holds_sharded_gradients_and_reduce_scatters_every_micro
         z3, "none", count, P, 8, 1, 4, 2, 2, hw, True)  # fmt: skip
     with pytest.raises(ValueError, match=r"sync_each_batch with ddp: only FSDP2 keeps unsharded gradients"):
         estimate_memory(spec, "ddp", 2, sync_each_batch=True)
+
+
+def test_the_reserve_is_the_compute_streams_and_the_collectives_streams():
+    # FSDP2 full shard of 1B on 8 ranks: the compute stream keeps one block of the largest transient (a bare count has
+    # none), the reduce-scatter stream the rank's fp32 gradient shard, 4 * P / 8 bytes
+    m = est("fsdp_full_shard", 8)
+    assert m.comm_reserve == 4 * P // 8 == m.allocator
+    assert est("ddp", 8).comm_reserve == 0
+    assert compute_stream_reserve_bytes(3 * GIB, 2 * GIB, ckpt=False) == 3 * GIB
+    assert compute_stream_reserve_bytes(3 * GIB, 2 * GIB, ckpt=True) == 5 * GIB  # + the gradients between recomputes
+
+
+def test_lora_fp32_adapters_under_autocast_copy_their_input_to_fp32():
+    # PEFT's _cast_input_dtype: 4 bytes per input feature per token, the widest input (down_proj's: the MLP's width)
+    assert lora_input_cast_bytes(16_384, (4096, 4096, 14_336), cast=True) == 4 * 16_384 * 14_336  # 896 MiB
+    assert lora_input_cast_bytes(16_384, (4096, 14_336), cast=False) == 0
+    spec = model_spec(tiny_llama_config())
+    lora = estimate_memory(spec, "ddp", 1, method="lora", seq_len=64, micro_batch_size=4, use_liger_kernel=True)
+    mlp = 2 * spec.intermediate_size * 64 * 4  # Liger drops the logits: the largest 16-bit transient is an MLP one
+    assert lora.allocator == 4 * spec.intermediate_size * 64 * 4 == 2 * mlp
