@@ -401,11 +401,13 @@ def fsdp_row_padding(spec, degree: int) -> tuple[int, int]:
     shard to ``ceil(rows / degree)`` rows (torch ``_fsdp_param.py``), and the all-gather returns the padded whole.
     Dense weights have thousands of rows, so only transformers' stacked routed experts, ``(experts, out, in)``
     tensors, are padded measurably: with more ranks than experts every rank holds a whole expert's rows (8 experts
-    over 64 ranks: 8x their share). Found by tracing Mixtral 8x7B on 64 ranks.
+    over 64 ranks: 8x their share). Found by tracing Mixtral 8x7B on 64 ranks. Only MoE layers hold stacked experts
+    (DeepSeek's first ``first_k_dense_replace`` layers are dense).
     """
     if not spec.experts or degree <= spec.experts and spec.experts % degree == 0:
         return 0, 0
     per_layer = 3 * spec.hidden_size * spec.intermediate_size  # one expert: gate, up, down
     rows = math.ceil(spec.experts / degree)
-    per_rank = spec.num_layers * rows * per_layer - math.ceil(spec.num_layers * spec.experts * per_layer / degree)
+    layers = spec.num_layers - (spec.moe.dense_layers if spec.moe else 0)
+    per_rank = layers * rows * per_layer - math.ceil(layers * spec.experts * per_layer / degree)
     return max(per_rank, 0), (rows * degree - spec.experts) * per_layer
