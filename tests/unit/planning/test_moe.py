@@ -120,6 +120,20 @@ def test_dense_layers_and_router_logits_add_up():
     assert router_logits_bytes(spec("qwen2_moe"), T, 2, BF16) == 0
 
 
+def test_fsdp2_forward_copy_out_holds_three_padded_layers():
+    """The last layer's forward copy-out (torch ``FSDPParamGroup.wait_for_unshard``): the earlier layers' activations
+    and three gathered bf16 layers, each with FSDP2's padded expert rows and the layer's LoRA adapters."""
+    from hf_dist.planning.memory import estimate_memory
+
+    mixtral = spec("mixtral", num_hidden_layers=2)  # 8 experts over 16 ranks: each rank pads to one whole expert
+    m = estimate_memory(mixtral, "fsdp_full_shard", 16, method="lora", seq_len=T, micro_batch_size=1)
+    padded = (16 - 8) * 3 * H * 48
+    adapters = 16 * ((32 + 32) + (32 + 16) + (32 + 16) + (32 + 32))  # rank 16 on q, k, v, o
+    assert m.forward_gather == m.activations - m.last_layer + 3 * 2 * (mixtral.layer_params + padded + adapters)
+    assert m.allocated >= m.params + m.optimizer + m.buffers - m.unit_buffers + m.forward_gather
+    assert estimate_memory(mixtral, "ddp", 16, method="lora").forward_gather == 0
+
+
 def _saved_bytes(kind: str, frozen: bool, part: str) -> int:
     """Bytes autograd saves in the tiny ``kind`` model's last layer's ``part`` (``mlp`` or ``self_attn``), built and
     run on fake bf16 tensors (FSDP2's gathered units; the tracer's grouped_mm path and CUDA attention): every saved
