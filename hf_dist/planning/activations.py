@@ -193,17 +193,51 @@ def router_logits_bytes(spec, seq_len: int, micro_batch_size: int, lay: Dtypes) 
     return layers * lay.compute * spec.experts * seq_len * micro_batch_size
 
 
-def layer_gradient_bytes(spec, seq_len: int, micro_batch_size: int, lay: Dtypes, *, liger: bool = False) -> int:
+def layer_gradient_bytes(
+    spec, seq_len: int, micro_batch_size: int, lay: Dtypes, *, liger: bool = False, frozen: bool = False
+) -> int:
     """Gradients a decoder layer's backward holds at once beyond what the layer saved: the feed-forward block's, its
     largest. Backward of ``down_proj(silu(gate(x)) * up(x))`` makes down_proj's input gradient, then from the product
-    the gradients of ``silu(gate(x))`` and of ``up(x)``: three I-sized tensors in the compute dtype per token (per
-    routed copy of a token in a mixture of experts), next to the residual stream's gradient (h, residual dtype).
-    Liger's ``LigerSiLUMulFunction`` writes both product gradients into the tensors it saved: one I-sized tensor.
-    Found by tracing Mistral 7B under FSDP2 on 64 ranks, whose peak is the last layer's backward (0.83 GiB at 8k).
+    the gradients of ``silu(gate(x))`` and of ``up(x)``: three I-sized tensors in the compute dtype per token, next to
+    the residual stream's gradient (h, residual dtype). Liger's ``LigerSiLUMulFunction`` writes both product gradients
+    into the tensors it saved: one I-sized tensor. Found by tracing Mistral 7B under FSDP2 on 64 ranks, whose peak is
+    the last layer's backward (0.83 GiB at 8k). A mixture of experts: :func:`moe_gradient_bytes` (``frozen``: LoRA).
     """
-    copies = spec.experts_per_token if spec.experts else 1
-    per_token = (1 if liger else 3) * lay.compute * spec.intermediate_size * copies + lay.residual * spec.hidden_size
-    return per_token * seq_len * micro_batch_size
+    if spec.experts:
+        per_token = moe_gradient_bytes(spec, lay, frozen)
+    else:
+        per_token = (1 if liger else 3) * lay.compute * spec.intermediate_size
+    return (per_token + lay.residual * spec.hidden_size) * seq_len * micro_batch_size
+
+
+def moe_gradient_bytes(spec, lay: Dtypes, frozen: bool) -> int:
+    """Per token, the most a mixture-of-experts block's backward holds beyond what it saved (the layer's input
+    gradient aside), walking ``grouped_mm_experts_forward`` backwards (integrations/moe.py) per routed copy:
+
+    - un-permuting (``weighted_out[inv_perm]``, ``.view(...).sum(dim=1)``): the expanded gradient's reshaped copy, the
+      ``new_zeros`` and the ``index_put`` result (torch ``index_backward``), all in ``weighted_out``'s dtype, fp32 where
+      the routing weights are (``proj_out * sample_weights_g`` promotes: 3 * 4h); the multiply's backward then holds
+      its two fp32 products and the cast of the down output's gradient (ch) while ``inv_perm`` (8) is freed;
+    - the experts' SwiGLU: the down ``grouped_mm``'s input gradient and the product's two (3cI), once the down output
+      (ch), ``inv_perm`` and, when the experts train, the saved product (cI) are freed.
+    Shared experts: DeepSeek adds them after the routed experts (``DeepseekV2Moe.forward``), so autograd runs their
+    backward first: their own SwiGLU backward (3cI_s, less the freed product when they train), after which their
+    saved tensors are gone and their input gradient (ch) stays. Qwen2-MoE's sigmoid gate runs first: the shared
+    output's gradient and the gate's input gradient stay (2ch) while its saved sigmoid and shared output go (ch + c).
+    Each moment checked against the live tensors of a tiny block's backward on fake tensors (tests/unit/planning).
+    """
+    moe = spec.moe or MoeLayout()
+    c, h, inter = lay.compute, spec.hidden_size, spec.intermediate_size
+    p = FP32 if moe.weights_fp32 else c
+    unpermute = 3 * p * h + (c * h - INDEX if p != c else 0)
+    experts = 3 * c * inter - c * h - INDEX - (0 if frozen else c * inter)
+    routed = spec.experts_per_token * max(unpermute, experts)
+    if not moe.shared_size:
+        return routed
+    if moe.shared_gate:
+        return routed + c * h - c
+    shared_first = 3 * c * moe.shared_size - (0 if frozen else c * moe.shared_size)
+    return max(shared_first, routed - swiglu_bytes(moe.shared_size, lay, frozen=frozen) + c * h)
 
 
 def layer_activation_bytes(

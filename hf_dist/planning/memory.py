@@ -313,7 +313,10 @@ def _estimate(r: _Run, overhead: int | None) -> MemoryEstimate:
         largest = largest_transient_bytes(r.spec, r.seq_len, r.mb, r.lay, r.liger, r.fused_lm_head)
         allocator = allocator_bytes(r.spec, r.s, r.degree, r.trainable, r.lay, largest, grads, r.ckpt)
     fixed = int(overhead) if overhead is not None else (overhead_bytes(r.s, r.layout.world_size) if on_gpu else 0)
-    layer_grads = layer_gradient_bytes(r.spec, r.seq_len, r.mb, r.lay, liger=r.liger) if r.spec.has_shape else 0
+    frozen = r.method != "full"
+    layer_grads = (
+        layer_gradient_bytes(r.spec, r.seq_len, r.mb, r.lay, liger=r.liger, frozen=frozen) if r.spec.has_shape else 0
+    )
     forward_gather = forward_gather_bytes(r, acts - recompute - (0 if r.ckpt else last_layer), padded_unit)
     return MemoryEstimate(
         params, grads, optim, acts, buffers, fixed,

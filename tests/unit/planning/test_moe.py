@@ -12,6 +12,7 @@ from hf_dist.planning.activations import (
     layer_activation_bytes,
     mla_attention_bytes,
     moe_block_bytes,
+    moe_gradient_bytes,
     moe_layer_constant_bytes,
     routed_copy_bytes,
     router_bytes,
@@ -182,3 +183,73 @@ def test_latent_attention_saves_what_the_model_says(frozen):
     philox = 2 * 8  # the efficient kernel's 0-d seed and offset, saved for backward
     modelled = mla_attention_bytes(spec("deepseek_v2"), BF16, frozen) * T + philox
     assert _saved_bytes("deepseek_v2", frozen, "self_attn") == modelled
+
+
+def test_moe_gradient_bytes_by_hand():
+    # Mixtral (fp32 routing weights): un-permuting holds 3 fp32 S x h tensors and the down gradient's cast, less inv_perm
+    assert moe_gradient_bytes(spec("mixtral"), BF16, frozen=True) == 2 * (3 * 4 * H + 2 * H - 8)
+    # Qwen2-MoE (bf16 weights), frozen: the experts' SwiGLU moment 3cI - ch - 8 is larger; its gate adds ch - c
+    assert moe_gradient_bytes(spec("qwen2_moe"), BF16, frozen=True) == 4 * (3 * 2 * 48 - 2 * H - 8) + 2 * H - 2
+    # DeepSeek: the shared experts' backward runs first and frees their saved tensors, keeping their input gradient
+    routed = 6 * (3 * 4 * H + 2 * H - 8)
+    assert moe_gradient_bytes(spec("deepseek_v2"), BF16, frozen=False) == routed - 4 * 2 * 96 + 2 * H
+
+
+class _Live:
+    """Live bytes of every storage the ops under it create (parameters and their gradients left out), and the peak."""
+
+    def __init__(self, skip_shapes):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        live = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                live.add(out)
+                return out
+
+        self.mode, self.skip, self.refs, self.peak, self.tracking = Mode(), skip_shapes, {}, 0, False
+
+    def add(self, out):
+        from torch.multiprocessing.reductions import StorageWeakRef
+        from torch.utils._pytree import tree_flatten
+
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and tuple(t.shape) not in self.skip:
+                storage = t.untyped_storage()
+                self.refs.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
+        if self.tracking:
+            self.peak = max(self.peak, self.now())
+
+    def now(self) -> int:
+        self.refs = {k: v for k, v in self.refs.items() if not v[0].expired()}
+        return sum(n for _, n in self.refs.values())
+
+
+@pytest.mark.parametrize("inter", [48, 160])  # the un-permuting moment is the larger at 48, the experts' at 160
+@pytest.mark.parametrize("frozen", [False, True])
+@pytest.mark.parametrize("kind", sorted(TINY))
+def test_each_moe_backward_peaks_where_the_model_says(kind, frozen, inter):
+    """A tiny MoE block's backward on fake bf16 tensors: the most it holds above what was live when backward began
+    (its saved tensors, input, output and incoming gradient) is :func:`moe_gradient_bytes`, to the byte."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    width = "intermediate_size" if kind == "mixtral" else "moe_intermediate_size"
+    config = config_from_dict({**TINY[kind], width: inter})
+    with FakeTensorMode():
+        model = AutoModelForCausalLM.from_config(config)
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16)
+        model.requires_grad_(not frozen)
+        block = model.model.layers[-1].mlp
+        shapes = {tuple(p.shape) for p in block.parameters()}
+        live = _Live(shapes | {s[:-2] + (s[-1], s[-2]) for s in shapes if len(s) > 1})  # weight gradients too
+        x = torch.randn(1, T, H, dtype=torch.bfloat16, requires_grad=True)
+        with live.mode:
+            out = block(x)
+            grad = torch.randn_like(out)
+            start, live.tracking = live.now(), True
+            out.backward(grad)
+    assert live.peak - start == moe_gradient_bytes(model_spec(config), BF16, frozen) * T
