@@ -135,6 +135,22 @@ def test_fsdp2_forward_copy_out_holds_three_padded_layers():
     assert estimate_memory(mixtral, "ddp", 16, method="lora").forward_gather == 0
 
 
+def test_lora_that_peft_moves_onto_the_experts_is_refused_by_name():
+    """PEFT (``_convert_peft_config_moe``) turns DeepSeek-V2's gate/up/down_proj targets, and Mixtral's "all-linear",
+    into LoRA on the stacked expert parameters, which hf_dist does not plan: refused, naming what moves."""
+    from hf_dist.planning.lora import LoraSpec
+    from hf_dist.planning.memory import estimate_memory
+
+    pytest.importorskip("peft.utils.transformers_weight_conversion")
+    with pytest.raises(ValueError, match=r"deepseek_v2 model: PEFT moves \['down_proj', 'gate_proj', 'up_proj'\]"):
+        estimate_memory(spec("deepseek_v2"), "fsdp_full_shard", 2, method="lora")
+    with pytest.raises(ValueError, match=r"mixtral model: PEFT moves \['gate', 'w1', 'w2', 'w3'\]"):
+        estimate_memory(spec("mixtral"), "fsdp_full_shard", 2, method="lora", lora=LoraSpec(targets="all-linear"))
+    attention = LoraSpec(targets=("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"))
+    assert estimate_memory(spec("deepseek_v2"), "fsdp_full_shard", 2, method="lora", lora=attention).activations
+    assert estimate_memory(spec("mixtral"), "fsdp_full_shard", 2, method="lora").activations  # q/k/v/o: kept
+
+
 def _saved_bytes(kind: str, frozen: bool, part: str) -> int:
     """Bytes autograd saves in the tiny ``kind`` model's last layer's ``part`` (``mlp`` or ``self_attn``), built and
     run on fake bf16 tensors (FSDP2's gathered units; the tracer's grouped_mm path and CUDA attention): every saved
