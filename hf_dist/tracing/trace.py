@@ -431,9 +431,10 @@ class _Run:
                 self.tracker.track_external(*self.buckets)
 
     def steps(self) -> None:
+        from hf_dist.tracing.cuda_attention import cuda_attention
         from hf_dist.tracing.prepare import cuda_dropout
 
-        with self.fake, self.tracker, cuda_dropout():
+        with self.fake, self.tracker, cuda_dropout(), cuda_attention():
             try:
                 _train_steps(self.model, self.optimizer, self.setup, self.vocab_size, self.on_phase, self.tracker)
             except TraceTimeout:
