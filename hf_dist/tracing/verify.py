@@ -3,7 +3,7 @@
 :func:`plan` is ``hf_dist.plan``: the planner's search (:func:`hf_dist.planning.planner.plan`), then, with
 ``verify=True``, :func:`verify_plan`.
 
-The analytic plan stands where a layout cannot be traced (DeepSpeed, Liger, offload, CP; the plan says why). A
+The analytic plan stands where a layout cannot be traced (Liger, offload, CP, AutoTP; the plan says why). A
 traced layout fits when its traced peak plus the memory model's non-tensor terms (caching allocator, CUDA context)
 stays within the usable memory; otherwise the candidate is marked as not fitting, with the traced figure as its
 reason, and the next best candidate is traced in turn (at most :data:`MAX_TRACED` of them).
@@ -89,7 +89,8 @@ def _with_choice(plan: Plan, c: Any, reason: str, *, trace: Any = None, note: st
     dp = _layout(plan, c).dp_size
     moved = [f"traced and rejected {r}" for r in rejected]
     if trace is not None:
-        note = f"traced {c.label}: {format_bytes(trace.peak_bytes)} allocated (modelled {format_bytes(c.memory.allocated)})"
+        note = (f"traced {c.label} ({trace.checked()}): {format_bytes(trace.peak_bytes)} allocated (modelled "
+                f"{format_bytes(c.memory.allocated)})")  # fmt: skip
     return dataclasses.replace(
         plan, strategy=c.strategy, offload=c.offload, activation_checkpointing=c.activation_checkpointing,
         micro_batch_size=c.micro_batch_size, gradient_accumulation_steps=plan.global_batch_size // (c.micro_batch_size * dp),

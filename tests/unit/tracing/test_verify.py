@@ -23,10 +23,25 @@ def test_verified_plan_carries_the_trace_of_its_choice():
     assert plan.to_dict()["trace"]["peak_bytes"] == plan.trace.peak_bytes
 
 
+def test_a_zero3_pick_is_traced_and_says_in_one_line_what_ran():
+    pytest.importorskip("deepspeed")
+    plan = hf_dist.plan(tiny_llama_config(), gpus=8, gpu_memory_gib=80, strategy="zero3", global_batch_size=16,
+                        verify=True)  # fmt: skip
+    assert plan.strategy == "zero3" and plan.trace is not None and plan.trace.setup.strategy == "zero3"
+    line = plan.verification
+    assert "\n" not in line and line.startswith("traced zero3")
+    assert "rank 0 of 8 ranks, DeepSpeed 0.19" in line and "engine under fake tensors" in line
+    assert "allocated (modelled" in line
+    note = " ".join(plan.trace.notes)
+    assert "is_invalid_grad_norm" in note and "no overflow" in note  # what the shims answered
+    assert "note: DeepSpeed's engine ran unchanged" in plan.explain()
+
+
 def test_untraceable_choice_keeps_the_analytic_plan_and_says_why():
-    plan = hf_dist.plan(tiny_llama_config(), gpus=8, gpu_memory_gib=80, strategy="zero2", verify=True)
+    plan = hf_dist.plan(tiny_llama_config(), gpus=8, gpu_memory_gib=80, strategy="zero2", offload="optimizer",
+                        verify=True)  # fmt: skip
     assert plan.strategy == "zero2" and plan.trace is None
-    assert "not traced: cannot trace zero2" in plan.verification and "DeepSpeed ZeRO" in plan.verification
+    assert "not traced: cannot trace zero2" in plan.verification and "CPU offload" in plan.verification
     bare = hf_dist.plan(7.5e9, gpus=8, gpu_memory_gib=80, verify=True)
     assert bare.trace is None and "bare parameter count" in bare.verification
 
