@@ -52,7 +52,13 @@ from hf_dist.planning.model_states import (
     swap_bytes_per_rank,
     trainable_params,
 )
-from hf_dist.planning.transients import allocator_bytes, buffer_bytes, overhead_bytes, step_bytes_per_rank
+from hf_dist.planning.transients import (
+    allocator_bytes,
+    buffer_bytes,
+    overhead_bytes,
+    step_bytes_per_rank,
+    zero3_gathered_bytes,
+)
 from hf_dist.validation import check_choice, check_positive_int
 
 METHODS = ("full", "lora", "qlora")
@@ -98,6 +104,7 @@ class MemoryEstimate:
     unit_buffers: int = 0
     last_layer: int = 0
     layer_grads: int = 0
+    released_at_step: int = 0  # part of ``buffers`` freed before the optimizer step (ZeRO-3's gathered parameters)
     swap: int = 0  # ZeRO-Infinity's swap files under nvme_path (offload_device="nvme"), not memory
 
     @property
@@ -112,9 +119,9 @@ class MemoryEstimate:
             # the first decoder layer's backward, the last one run: every other gradient exists, and only that
             # layer's activations, gathered units and gradients in flight are still alive
             end_of_backward = self.grads + self.last_layer + self.unit_buffers + self.layer_grads
-            transient = max(forward_backward, end_of_backward, self.grads + self.step)
+            transient = max(forward_backward, end_of_backward, self.grads + self.step - self.released_at_step)
         else:
-            transient = max(forward_backward + self.grads, self.grads + self.step)
+            transient = max(forward_backward + self.grads, self.grads + self.step - self.released_at_step)
         return self.params + self.optimizer + self.buffers - self.unit_buffers + transient
 
     @property
@@ -295,6 +302,7 @@ def _estimate(r: _Run, overhead: int | None) -> MemoryEstimate:
         _head_bytes(r),
         step_bytes_per_rank(r.spec, r.s, r.degree, r.trainable, r.offload, r.lay),
         allocator, recompute, units, last_layer, layer_grads,
+        zero3_gathered_bytes(r.spec, r.s, r.layout.world_size // r.layout.tp_size, r.lay),
         swap_bytes_per_rank(*states, r.device) if nvme else 0,
     )  # fmt: skip
 

@@ -11,7 +11,7 @@ from hf_dist.planning.model_states import QLORA_BASE_BYTES_PER_PARAM, lora_train
 from hf_dist.planning.modelinfo import model_spec
 from hf_dist.planning.transients import (
     CUDA_CONTEXT_BYTES,
-    DS_PREFETCH_BUCKET_ELEMENTS,
+    DS_MAX_LIVE_PARAMETERS,
     DS_REDUCE_BUCKET_ELEMENTS,
     NCCL_BYTES,
 )
@@ -53,16 +53,21 @@ def test_ddp_mixed_is_4_4_8_bytes_per_param_and_pure_bf16_2_2_4():
 
 def test_zero_stages():
     z1, z2, z3 = est("zero1"), est("zero2"), est("zero3")
-    # ZeRO-1 in bf16 with fp32 accumulation is BF16_Optimizer: full fp32 grad buffer + bf16 grads, kept
-    assert (z1.params, z1.grads, z1.optimizer) == (2 * P, 6 * P, 12 * P // 8)
+    # ZeRO-1 in bf16 with fp32 accumulation is BF16_Optimizer: a full fp32 grad buffer, kept; its bf16 grads live
+    # from backward to the step, next to the bf16 copy the fp32 grads are all-reduced in (one group: a bare count)
+    assert (z1.params, z1.grads, z1.optimizer) == (2 * P, 4 * P, 12 * P // 8)
     assert not z1.grads_overlap_activations
+    assert z1.step == 2 * P + 2 * P
     # ZeRO-2: fp32 gradient partition, freed after the step; buckets only in backward
     assert (z2.params, z2.grads, z2.optimizer, z2.buffers) == (2 * P, 4 * P // 8, 12 * P // 8, 0)
     assert z2.step == 2 * B * 2  # two bf16 buckets (overlap_comm); a bare count has no largest parameter
     assert z2.grads_overlap_activations
     # ZeRO-3: everything partitioned; the fp32 grad partition and the bf16 reduce bucket live from init
     assert (z3.params, z3.grads, z3.optimizer) == (2 * P // 8, 4 * P // 8, 12 * P // 8)
-    assert z3.buffers == B * 2 + DS_PREFETCH_BUCKET_ELEMENTS * 2  # + prefetch bucket (world > 1)
+    # + up to stage3_max_live_parameters gathered (world > 1), with the logits too, released before the step
+    assert z3.buffers == B * 2 + DS_MAX_LIVE_PARAMETERS * 2 and z3.unit_buffers == 0
+    assert z3.released_at_step == DS_MAX_LIVE_PARAMETERS * 2
+    assert est("zero3", 1).buffers == B * 2  # one rank gathers nothing
     assert not z3.grads_overlap_activations
     assert z3.step == P // 8 * 4  # flattened fp32 gradient of the (one) sub-group
     # in fp32 (CPU ranks), ZeRO-1 keeps only the reduced partition without accumulation
