@@ -142,11 +142,13 @@ def fake_world(setup: TraceSetup):
             mesh = init_device_mesh("cpu", (setup.world_size,), mesh_dim_names=("dp_shard",))
         yield mesh
     finally:
-        if layout.strategy.is_deepspeed:
-            from hf_dist.tracing.zero import release_groups
+        try:
+            if layout.strategy.is_deepspeed:
+                from hf_dist.tracing.zero import release_groups
 
-            release_groups()
-        dist.destroy_process_group()
+                release_groups()
+        finally:
+            dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- trackers

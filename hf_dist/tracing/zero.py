@@ -17,8 +17,8 @@ import tempfile
 import warnings
 from typing import Any
 
-from hf_dist.tracing.setup import TraceSetup
-from hf_dist.tracing.zero_shims import fake_module_to
+from hf_dist.tracing.setup import TraceSetup, TraceUnsupported
+from hf_dist.tracing.zero_shims import fake_module_to, version_reason
 
 _RANK_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
@@ -121,10 +121,13 @@ def process_functions_restored():
 
 
 def release_groups() -> None:
-    """Drop DeepSpeed's references to the fake process groups (before the fake world is destroyed)."""
+    """Drop DeepSpeed's references to the fake process groups (before the fake world is destroyed), as
+    ``deepspeed.comm.destroy_process_group`` does (DeepSpeed 0.19.8, ``utils/groups.py``)."""
     from deepspeed.utils import groups
 
-    groups._release_process_group_references(group=None)
+    release = getattr(groups, "_release_process_group_references", None)
+    if release is not None:
+        release(group=None)
 
 
 def start_engine(model: Any, optimizer: Any, setup: TraceSetup) -> Any:
@@ -132,6 +135,9 @@ def start_engine(model: Any, optimizer: Any, setup: TraceSetup) -> Any:
     and the filled config (:func:`engine_config`); the engine it returns."""
     import deepspeed
 
+    reason = version_reason(deepspeed.__version__)  # the module imported, whatever the package metadata says
+    if reason:
+        raise TraceUnsupported(f"cannot trace {setup.layout.describe()}: {reason}")
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config_params=engine_config(setup, model))
     return engine
 

@@ -42,9 +42,13 @@ def parse_version(text: str) -> tuple[int, int, int]:
 
 
 def installed_version() -> str | None:
-    """The installed DeepSpeed's version, read from its metadata (importing DeepSpeed takes seconds)."""
+    """The DeepSpeed this process runs: the imported module's version, else the installed package's metadata
+    (importing DeepSpeed takes seconds)."""
     from importlib.metadata import PackageNotFoundError, version
 
+    module = sys.modules.get("deepspeed")
+    if module is not None and getattr(module, "__version__", None):
+        return module.__version__
     try:
         return version("deepspeed")
     except PackageNotFoundError:
