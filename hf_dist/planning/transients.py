@@ -130,10 +130,19 @@ def zero3_gathered_bytes(spec, s: Strategy, world_size: int, lay: Dtypes) -> int
     release keeps every parameter it will use again within ``stage3_max_reuse_distance`` elements of the trace
     (``__params_to_release``; with checkpointing the last layers run again right after the loss). So up to
     ``stage3_max_live_parameters`` elements stay gathered, 16-bit: traced 0.96e9 (Llama 3 8B) and 1.01e9 (Llama 3.2
-    1B) elements at the loss on 64 ranks; a smaller model keeps all of its parameters gathered."""
+    1B) elements at the loss on 64 ranks; a smaller model keeps all of its parameters gathered. The module being run
+    is fetched whole whatever the limit: transformers' stacked experts are one module (Mixtral: 1.41e9 elements per
+    layer; traced 1.66e9 gathered in its backward)."""
     if not (s.is_deepspeed and s.shards.params) or world_size == 1:
         return 0
-    return min(spec.num_params, DS_MAX_LIVE_PARAMETERS) * lay.compute
+    return min(spec.num_params, max(DS_MAX_LIVE_PARAMETERS, largest_module_params(spec))) * lay.compute
+
+
+def largest_module_params(spec) -> int:
+    """The most parameters one module holds directly (what ZeRO-3 fetches at once): the embedding or LM head, or a
+    mixture-of-experts layer's stacked experts (gate/up and down projections of every expert)."""
+    experts = spec.experts * 3 * spec.hidden_size * spec.intermediate_size if spec.experts else 0
+    return max(spec.embedding_params, spec.lm_head_params, experts)
 
 
 # ---------------------------------------------------------------- allocator and overhead

@@ -292,3 +292,18 @@ def test_a_layers_backward_holds_its_feed_forward_gradients():
     assert bf16.layer_grads == tokens * (3 * 2 * inter + 2 * hidden)
     liger = estimate_memory(spec, "fsdp_full_shard", 2, use_liger_kernel=True, **kw)
     assert liger.layer_grads == tokens * (2 * inter + 2 * hidden)
+
+
+def test_zero3_gathers_its_largest_module_whole_past_the_live_limit():
+    """ZeRO-3 fetches the module it runs whole: Mixtral's stacked experts (8 x 3 x 4096 x 14336) exceed
+    stage3_max_live_parameters; Llama 3 8B's largest module, its 128k x 4096 head, does not."""
+    from hf_dist.planning.layout import strategy
+    from hf_dist.planning.transients import largest_module_params, zero3_gathered_bytes
+    from hf_dist.testing import public_config
+
+    mixtral, llama = model_spec(public_config("mixtral-8x7b")), model_spec(public_config("llama-3-8b"))
+    assert largest_module_params(mixtral) == 8 * 3 * 4096 * 14336
+    lay = engine_dtypes("zero3", 2, True, "full")
+    zero3 = strategy("zero3")
+    assert zero3_gathered_bytes(mixtral, zero3, 64, lay) == 8 * 3 * 4096 * 14336 * 2
+    assert zero3_gathered_bytes(llama, zero3, 64, lay) == DS_MAX_LIVE_PARAMETERS * 2
