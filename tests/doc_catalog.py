@@ -392,6 +392,14 @@ CATALOG: dict[str, Entry] = {
             "| llama-3.2-3b ddp w1 full ga2 seq4096 mb4 liger | H200 | 108.50 | 108.42 | 0.999 | 110.94 |",
         ),
     ),
+    "python benchmarks/trace_accuracy.py --deepspeed-only --skip-gpu --only llama-3.2-1b llama-3-8b qwen2.5-7b "
+    "mixtral-8x7b --out ds.json": CannotRun(
+        "a benchmark: 24 traces of DeepSpeed's engine on 8 and 64 ranks, 3895 s on 2 busy cores",
+        output=(
+            "docs/planner.md",
+            "| llama-3-8b | zero3 w64 full+ckpt seq8192 mb1 | 18.99 | 0.896 | 0.994 | yes | 264 |",
+        ),
+    ),
     "python benchmarks/trace_accuracy.py --skip-models --gpu-only llama-3-8b": CannotRun(
         "a benchmark: one 8B trace, 48 s on 2 idle cores, 250 s on busy ones",
         output=("docs/planner.md", "# traced 80.49 GiB"),

@@ -63,6 +63,7 @@ from hf_dist.planning.transients import (
     lora_input_cast_bytes,
     overhead_bytes,
     step_bytes_per_rank,
+    zero3_gathered_bytes,
 )
 from hf_dist.validation import check_choice, check_positive_int
 
@@ -110,6 +111,7 @@ class MemoryEstimate:
     last_layer: int = 0
     layer_grads: int = 0
     forward_gather: int = 0  # FSDP2's last forward copy-out: earlier layers' activations + 3 gathered layers
+    released_at_step: int = 0  # part of ``buffers`` freed before the optimizer step (ZeRO-3's gathered parameters)
     swap: int = 0  # ZeRO-Infinity's swap files under nvme_path (offload_device="nvme"), not memory
     comm_reserve: int = 0  # the part of ``allocator`` the collectives' streams cache (transients.comm_stream_...)
 
@@ -125,9 +127,15 @@ class MemoryEstimate:
             # the first decoder layer's backward, the last one run: every other gradient exists, and only that
             # layer's activations, gathered units and gradients in flight are still alive
             end_of_backward = self.grads + self.last_layer + self.unit_buffers + self.layer_grads
-            transient = max(forward_backward, end_of_backward, self.grads + self.step, self.forward_gather)
+            transient = max(
+                forward_backward, end_of_backward, self.grads + self.step - self.released_at_step, self.forward_gather
+            )
         else:
-            transient = max(forward_backward + self.grads, self.grads + self.step, self.forward_gather + self.grads)
+            transient = max(
+                forward_backward + self.grads,
+                self.grads + self.step - self.released_at_step,
+                self.forward_gather + self.grads,
+            )
         return self.params + self.optimizer + self.buffers - self.unit_buffers + transient
 
     @property
@@ -333,13 +341,15 @@ def _estimate(r: _Run, overhead: int | None) -> MemoryEstimate:
     )
     forward_gather = forward_gather_bytes(r, acts - recompute - (0 if r.ckpt else last_layer), padded_unit)
     return MemoryEstimate(
-        params, grads, optim, acts, buffers, fixed,
-        cpu_bytes_per_rank(*states, nvme, r.device),
-        not grads_persist(r.s, r.lay, r.accumulation),
-        _head_bytes(r),
-        step_bytes_per_rank(r.spec, r.s, r.degree, r.trainable, r.offload, r.lay),
-        allocator, recompute, units, last_layer, layer_grads,
-        forward_gather, swap_bytes_per_rank(*states, r.device) if nvme else 0, comm_reserve,
+        params=params, grads=grads, optimizer=optim, activations=acts, buffers=buffers, overhead=fixed,
+        cpu=cpu_bytes_per_rank(*states, nvme, r.device),
+        grads_overlap_activations=not grads_persist(r.s, r.lay, r.accumulation),
+        logits=_head_bytes(r),
+        step=step_bytes_per_rank(r.spec, r.s, r.degree, r.trainable, r.offload, r.lay),
+        allocator=allocator, recompute=recompute, unit_buffers=units, last_layer=last_layer, layer_grads=layer_grads,
+        forward_gather=forward_gather,
+        released_at_step=zero3_gathered_bytes(r.spec, r.s, r.layout.world_size // r.layout.tp_size, r.lay),
+        swap=swap_bytes_per_rank(*states, r.device) if nvme else 0, comm_reserve=comm_reserve,
     )  # fmt: skip
 
 

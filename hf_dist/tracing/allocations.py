@@ -44,6 +44,15 @@ class AllocationLog:
             else:
                 self._add(event)
 
+    def restart(self, live: Any) -> None:
+        """Forget what was logged: the storages ``live`` names (the tracker's records of those alive now) are the
+        set-up, made in that order, and the steps start afresh (the DeepSpeed engine's start,
+        :mod:`hf_dist.tracing.zero`, whose transients on the fake module a GPU does not hold)."""
+        self.setup, self.state, self.step, self.optimizer_at = [], [], [], None
+        self._started = False
+        for winfo in live:
+            self.record("ADD", winfo, False)
+
     def phase(self, name: str) -> None:
         self._started = self._started or bool(name)
         if name == OPTIMIZER_PHASE and self.optimizer_at is None:

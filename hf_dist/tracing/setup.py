@@ -118,7 +118,9 @@ class TraceSetup:
         layout = self.layout
         s = layout.strategy
         if s.engine is Engine.DEEPSPEED:
-            return _DEEPSPEED_REASON
+            reason = _deepspeed_reason(self)
+            if reason:
+                return reason
         if self.method == "qlora":
             return "QLoRA: bitsandbytes' 4-bit weights and kernels are CUDA-only and have no fake-tensor kernels"
         if self.optimizer == "adamw_8bit":
@@ -198,11 +200,21 @@ def _transformers_distributes_meta_models() -> bool:
     return hasattr(PreTrainedModel, "maybe_distribute_model") and hasattr(PreTrainedModel, "prepare_distribute_model")
 
 
-# Found by trying (deepspeed 0.19.8, torch 2.13, a fake process group and FakeTensorMode): engine.py
-# _configure_distributed_model calls module.to(device), which a fake-materialised module refuses (torch swaps the
-# parameters, and FakeTensorMode holds weak references to them), and the optimizer step branches on tensor values in
-# Python (stage_1_and_2.py has_overflow and stage3.py is_invalid_grad_norm call .item()); docs/planner.md, "Tracing".
-_DEEPSPEED_REASON = (
-    "DeepSpeed ZeRO: its engine cannot run on fake tensors (module.to(device) on fake parameters, .item() in its "
-    "overflow checks)"
-)
+def _deepspeed_reason(setup: TraceSetup) -> str | None:
+    """Why this DeepSpeed layout cannot be traced (the engine itself runs under :mod:`hf_dist.tracing.zero`)."""
+    from hf_dist.tracing.zero_shims import installed_version, version_reason
+
+    reason = version_reason(installed_version())
+    if reason:
+        return reason
+    if setup.tp_size > 1 or setup.sp_size > 1:
+        return (
+            "DeepSpeed AutoTP and Ulysses sequence parallelism: their process groups and sharded layers are not "
+            "traced (only ZeRO-1/2/3 over the data-parallel ranks is)"
+        )
+    if setup.mixed_precision == "fp16":
+        return (
+            "DeepSpeed fp16: its loss scaler skips steps on overflow, which the tracing shims do not cover (they "
+            "answer bf16 and fp32 steps), and DeepSpeed's CPU accelerator refuses fp16 on most CPUs"
+        )
+    return None

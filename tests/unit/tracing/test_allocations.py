@@ -53,6 +53,31 @@ def test_a_resized_storage_is_freed_and_made_again():
     assert [n for _, n in log.step] == [40 * MIB, None, 0]
 
 
+def test_a_restart_keeps_what_is_alive_as_the_set_up():
+    """DeepSpeed's start (hf_dist.tracing.trace._Run._start_deepspeed): the storages alive after it are the replay's
+    set-up, its transients are forgotten, and a storage freed later is freed under its new key."""
+    log = AllocationLog()
+    module, transient, flat = storage(30 * MIB), storage(60 * MIB), storage(30 * MIB)
+    for made in (module, transient, flat):
+        log.record(update("ADD"), made, False)
+    log.record(update("DEL"), transient, False)
+    log.restart([module, flat])
+    assert [n for _, n in log.setup] == [30 * MIB, 30 * MIB] and not log.step and not log.state
+    log.phase("forward")
+    log.record(update("DEL"), module, False)  # ZeRO frees the module's own copy once it is flattened
+    assert log.step == [(module._hf_dist_key, None)] and module._hf_dist_key == log.setup[0][0]
+
+
+def test_a_zero_trace_replays_its_reserve_and_names_its_engine():
+    pytest.importorskip("deepspeed")
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)  # fmt: skip
+    result = trace_memory(config, isolate=False, strategy="zero3", world_size=8, seq_len=64, micro_batch_size=2)
+    assert result.reserved_bytes >= result.peak_bytes > 0 and result.engine.startswith("DeepSpeed 0.")
+    again = type(result).from_dict(result.to_dict())
+    assert (again.reserved_bytes, again.engine) == (result.reserved_bytes, result.engine)
+
+
 def test_a_trace_reports_the_replayed_reserve_and_its_device_total_uses_it():
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)  # fmt: skip
