@@ -3,7 +3,7 @@
     python benchmarks/trace_accuracy.py                 # every row (about 15 minutes on 2 cores)
     python benchmarks/trace_accuracy.py --only llama-3-8b --out trace.json
     python benchmarks/trace_accuracy.py --skip-models --gpu-only llama-3-8b   # part 2: the H200 LoRA run (~1 min)
-    python benchmarks/trace_accuracy.py --moe --skip-gpu   # the mixture-of-experts matrix alone (about 20 minutes)
+    python benchmarks/trace_accuracy.py --moe --skip-gpu   # the mixture-of-experts matrix alone (about 5 minutes)
     python benchmarks/trace_accuracy.py --deepspeed-only --skip-gpu   # the ZeRO-1/2/3 rows
     python benchmarks/trace_accuracy.py --deepspeed-only --rescore trace.json   # saved traces, the model as it is now
 

@@ -400,6 +400,13 @@ CATALOG: dict[str, Entry] = {
             "| llama-3-8b | zero3 w64 full+ckpt seq8192 mb1 | 18.99 | 0.896 | 0.994 | yes | 264 |",
         ),
     ),
+    "python benchmarks/trace_accuracy.py --moe --skip-gpu --out moe.json": CannotRun(
+        "a benchmark: 24 traces of three mixtures of experts on 8 and 64 ranks, 282 s on 2 busy cores",
+        output=(
+            "docs/planner.md",
+            "| qwen1.5-moe-a2.7b | fsdp_full_shard w64 lora+ckpt seq8192 mb1 | 15.82 | 15.81 |",
+        ),
+    ),
     "python benchmarks/trace_accuracy.py --skip-models --gpu-only llama-3-8b": CannotRun(
         "a benchmark: one 8B trace, 48 s on 2 idle cores, 250 s on busy ones",
         output=("docs/planner.md", "# traced 80.49 GiB"),
