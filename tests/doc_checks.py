@@ -69,7 +69,8 @@ class Refusal:
             raise _fail(f"refusal {found!r}, the doc expects it to start {self.first_line!r}", ran.outcome)
 
 
-EXCEPTION = re.compile(r"^[\w.]*(Error|Exception): ")
+# an exception's type, or the prefix a recipe prints its refusal behind (hf_dist.recipe_utils.refusal)
+EXCEPTION = re.compile(r"^([\w.]*(Error|Exception)|\[hf_dist\] refused): ")
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,7 @@ class Restarts:
         said = f"resuming from {self.out}/checkpoint-{self.resumes_from}"
         if restart.code != 0 or said not in restart.out:
             raise _fail(f"the restart did not exit 0 saying {said!r}", restart)
-        if rerun.code != 0 or "the run is finished, nothing to train" not in rerun.out:
+        if rerun.code != 0 or "[hf_dist] nothing to train: " not in rerun.out:
             raise _fail("the rerun of a finished run did not exit 0 saying it is finished", rerun)
         if "[hf_dist] running" in rerun.out:
             raise _fail("the rerun of a finished run trained", rerun)
