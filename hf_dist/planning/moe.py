@@ -106,3 +106,18 @@ def mla_shape(text: Any) -> MlaShape | None:
         qk_rope=int(text.qk_rope_head_dim),
         v_head_dim=int(text.v_head_dim),
     )
+
+
+def experts_code_as_modelled() -> bool:
+    """Whether the installed transformers runs its experts as the 5.24 code the MoE terms were read from: one sort of
+    the routed copies, each copy gathering its token's row (``integrations/moe.py grouped_mm_experts_forward``).
+    Earlier 5.x argsort the copies, keep the inverse permutation and gather every token's rows first, and their
+    model files route differently (DeepSeek-V2, Qwen2-MoE): there the MoE activation terms are an approximation
+    (docs/planner.md, "Mixtures of experts")."""
+    import inspect
+
+    try:
+        from transformers.integrations.moe import grouped_mm_experts_forward
+    except ImportError:
+        return False
+    return "torch.sort(expert_ids)" in inspect.getsource(grouped_mm_experts_forward)

@@ -115,12 +115,19 @@ class TraceSetup:
     def untraceable_reason(self) -> str | None:
         """Why this layout cannot be traced on this machine, or None. Each reason was found by trying
         (docs/planner.md, "Tracing"); the analytic estimate stands for these layouts."""
-        layout = self.layout
-        s = layout.strategy
-        if s.engine is Engine.DEEPSPEED:
-            reason = _deepspeed_reason(self)
-            if reason:
-                return reason
+        deepspeed = self.layout.strategy.engine is Engine.DEEPSPEED
+        reason = _deepspeed_layout_reason(self) if deepspeed else None
+        if reason:
+            return reason
+        reason = self._layout_reason()
+        if reason or not deepspeed:
+            return reason
+        from hf_dist.tracing.zero_shims import installed_version, version_reason
+
+        return version_reason(installed_version())  # last: a layout no DeepSpeed version traces says so first
+
+    def _layout_reason(self) -> str | None:
+        """Why no installed library version traces this layout, or None."""
         if self.method == "qlora":
             return "QLoRA: bitsandbytes' 4-bit weights and kernels are CUDA-only and have no fake-tensor kernels"
         if self.optimizer == "adamw_8bit":
@@ -200,13 +207,9 @@ def _transformers_distributes_meta_models() -> bool:
     return hasattr(PreTrainedModel, "maybe_distribute_model") and hasattr(PreTrainedModel, "prepare_distribute_model")
 
 
-def _deepspeed_reason(setup: TraceSetup) -> str | None:
-    """Why this DeepSpeed layout cannot be traced (the engine itself runs under :mod:`hf_dist.tracing.zero`)."""
-    from hf_dist.tracing.zero_shims import installed_version, version_reason
-
-    reason = version_reason(installed_version())
-    if reason:
-        return reason
+def _deepspeed_layout_reason(setup: TraceSetup) -> str | None:
+    """Why this DeepSpeed layout cannot be traced by any DeepSpeed version (the engine itself runs under
+    :mod:`hf_dist.tracing.zero`; the installed version is checked after every layout reason)."""
     if setup.tp_size > 1 or setup.sp_size > 1:
         return (
             "DeepSpeed AutoTP and Ulysses sequence parallelism: their process groups and sharded layers are not "

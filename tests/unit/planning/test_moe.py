@@ -22,7 +22,14 @@ from hf_dist.planning.activations import (
 from hf_dist.planning.dtypes import Dtypes
 from hf_dist.planning.memory import fsdp_row_padding
 from hf_dist.planning.modelinfo import config_from_dict, model_spec
-from hf_dist.planning.moe import MlaShape, MoeLayout
+from hf_dist.planning.moe import MlaShape, MoeLayout, experts_code_as_modelled
+
+# the MoE terms are read from transformers 5.24's experts and routers; earlier 5.x differ (docs/planner.md)
+moe_code_as_modelled = pytest.mark.skipif(
+    not experts_code_as_modelled(),
+    reason="this transformers' experts are not the 5.24 code the MoE terms were read from",
+)
+
 
 H, T = 32, 64
 # FSDP2's bf16 units: weights gathered in bf16, compute and residual bf16, no autocast
@@ -183,6 +190,7 @@ def _saved_bytes(kind: str, frozen: bool, part: str) -> int:
     return sum(n for key, n in saved.items() if key not in left_out)
 
 
+@moe_code_as_modelled
 @pytest.mark.parametrize("frozen", [False, True])
 @pytest.mark.parametrize("kind", sorted(TINY))
 def test_each_moe_block_saves_what_the_model_says(kind, frozen):
@@ -243,6 +251,7 @@ class _Live:
         return sum(n for _, n in self.refs.values())
 
 
+@moe_code_as_modelled
 @pytest.mark.parametrize("inter", [48, 160])  # the un-permuting moment is the larger at 48, the experts' at 160
 @pytest.mark.parametrize("frozen", [False, True])
 @pytest.mark.parametrize("kind", sorted(TINY))

@@ -10,6 +10,7 @@ from transformers import LlamaConfig
 from hf_dist.planning.memory import estimate_memory
 from hf_dist.tracing import trace_memory
 from hf_dist.tracing.allocations import AllocationLog
+from tests.unit.tracing.marks import needs_traced_deepspeed
 
 MIB = 1024**2
 
@@ -68,6 +69,7 @@ def test_a_restart_keeps_what_is_alive_as_the_set_up():
     assert log.step == [(module._hf_dist_key, None)] and module._hf_dist_key == log.setup[0][0]
 
 
+@needs_traced_deepspeed
 def test_a_zero_trace_replays_its_reserve_and_names_its_engine():
     pytest.importorskip("deepspeed")
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -11,6 +11,7 @@ from hf_dist.cli.main import main
 from hf_dist.planning.memory import GIB
 from hf_dist.testing import public_config, tiny_llama_config
 from hf_dist.tracing import TraceResult, TraceSetup
+from tests.unit.tracing.marks import needs_traced_deepspeed
 
 
 def test_verified_plan_carries_the_trace_of_its_choice():
@@ -23,6 +24,7 @@ def test_verified_plan_carries_the_trace_of_its_choice():
     assert plan.to_dict()["trace"]["peak_bytes"] == plan.trace.peak_bytes
 
 
+@needs_traced_deepspeed
 def test_a_zero3_pick_is_traced_and_says_in_one_line_what_ran():
     pytest.importorskip("deepspeed")
     plan = hf_dist.plan(tiny_llama_config(), gpus=8, gpu_memory_gib=80, strategy="zero3", global_batch_size=16,

@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from hf_dist.testing import tiny_llama_config
 from hf_dist.tracing import TraceSetup, TraceUnsupported, trace_memory, zero_shims
 from hf_dist.tracing.zero_shims import UnknownScalarRead, fake_module_to, healthy_scalar_reads, version_reason
+from tests.unit.tracing.marks import needs_traced_deepspeed
 
 pytest.importorskip("deepspeed")
 
@@ -68,6 +69,7 @@ def test_fake_module_to_keeps_a_module_on_its_device_and_converts_in_place():
 # ---------------------------------------------------------------- 2. values read in Python
 
 
+@needs_traced_deepspeed
 def test_grad_norm_check_takes_the_healthy_branch_and_still_computes_the_norm():
     from deepspeed.runtime.utils import clip_tensors_by_global_norm, is_invalid_grad_norm
 
@@ -99,6 +101,7 @@ def test_overflow_check_reduces_the_flag_and_reads_no_overflow(fake_world):
             assert DeepSpeedZeroOptimizer.has_overflow(stub) is False
 
 
+@needs_traced_deepspeed
 def test_rank_agreement_checks_read_this_ranks_own_list(fake_world):
     from deepspeed.runtime.zero.utils import assert_ints_same_as_other_ranks
 
@@ -176,6 +179,7 @@ def _partition(numel: int, world: int) -> int:
     return math.ceil(numel / world)
 
 
+@needs_traced_deepspeed
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stages_traced_hold_their_partitions(stage):
     """Full fine-tuning of the tiny Llama on 8 ranks, bf16: the fp32 master partition and AdamW's two moments are
