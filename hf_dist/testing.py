@@ -70,6 +70,26 @@ PUBLIC_CONFIGS: dict[str, dict] = {
     "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, num_local_experts=8,
                          num_experts_per_tok=2, rope_theta=1000000.0, max_position_embeddings=32768),
+    # Qwen/Qwen1.5-MoE-A2.7B: 60 routed experts (top-4) and one shared expert behind a sigmoid gate in every layer
+    "qwen1.5-moe-a2.7b": dict(model_type="qwen2_moe", hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+                              num_attention_heads=16, num_key_value_heads=16, vocab_size=151936,
+                              max_position_embeddings=8192, rope_theta=1000000.0, tie_word_embeddings=False,
+                              use_sliding_window=False, sliding_window=32768, max_window_layers=21, rms_norm_eps=1e-6,
+                              decoder_sparse_step=1, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+                              num_experts=60, num_experts_per_tok=4, norm_topk_prob=False, output_router_logits=False,
+                              router_aux_loss_coef=0.001),
+    # deepseek-ai/DeepSeek-V2-Lite: multi-head latent attention, 64 routed experts (top-6) and 2 shared experts in
+    # every layer but the first (dense)
+    "deepseek-v2-lite": dict(model_type="deepseek_v2", hidden_size=2048, intermediate_size=10944, num_hidden_layers=27,
+                             num_attention_heads=16, num_key_value_heads=16, vocab_size=102400,
+                             max_position_embeddings=163840, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                             qk_rope_head_dim=64, v_head_dim=128, moe_intermediate_size=1408, n_routed_experts=64,
+                             n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, n_group=1,
+                             topk_group=1, topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0,
+                             rope_theta=10000, rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32,
+                             "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707,
+                             "original_max_position_embeddings": 4096},
+                             tie_word_embeddings=False, rms_norm_eps=1e-6, attention_bias=False),
 }  # fmt: skip
 
 

@@ -127,6 +127,13 @@ CATALOG: dict[str, Entry] = {
         "tests/unit/planning/test_gpu_ground_truth.py::test_every_case_meets_the_memory_targets",
         "the benchmark's own table, computed from the recorded H100 runs in benchmarks/data/gpu/",
     ),
+    "python benchmarks/gpu_ground_truth.py --trace": CannotRun(
+        "a benchmark: traces every GPU run the tracer runs, 11 minutes on 2 busy cores",
+        output=(
+            "docs/planner.md",
+            "| llama-3-8b lora ddp seq2048 mb8 liger load=bfloat16 | H200 | 101.49 | 107.30 | 107.32 | 1.000 | 4.50 | 4.47 | 0.88 |",
+        ),
+    ),
     "python benchmarks/planner_accuracy.py": CannotRun(
         "a benchmark: one 2-4 rank launch per model and layout, 14 min 55 s on 2 cores",
         output=("docs/planner.md", "14 min 55 s on 2 busy CPU cores on 2026-11-25"),
@@ -383,6 +390,21 @@ CATALOG: dict[str, Entry] = {
         output=(
             "docs/planner.md",
             "| llama-3.2-3b ddp w1 full ga2 seq4096 mb4 liger | H200 | 108.50 | 108.42 | 0.999 | 110.94 |",
+        ),
+    ),
+    "python benchmarks/trace_accuracy.py --deepspeed-only --skip-gpu --only llama-3.2-1b llama-3-8b qwen2.5-7b "
+    "mixtral-8x7b --out ds.json": CannotRun(
+        "a benchmark: 24 traces of DeepSpeed's engine on 8 and 64 ranks, 3895 s on 2 busy cores",
+        output=(
+            "docs/planner.md",
+            "| llama-3-8b | zero3 w64 full+ckpt seq8192 mb1 | 18.99 | 0.896 | 0.994 | yes | 264 |",
+        ),
+    ),
+    "python benchmarks/trace_accuracy.py --moe --skip-gpu --out moe.json": CannotRun(
+        "a benchmark: 24 traces of three mixtures of experts on 8 and 64 ranks, 282 s on 2 busy cores",
+        output=(
+            "docs/planner.md",
+            "| qwen1.5-moe-a2.7b | fsdp_full_shard w64 lora+ckpt seq8192 mb1 | 15.82 | 15.81 |",
         ),
     ),
     "python benchmarks/trace_accuracy.py --skip-models --gpu-only llama-3-8b": CannotRun(

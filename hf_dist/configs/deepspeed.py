@@ -25,6 +25,7 @@ from hf_dist.planning.nvme import (
     NVME_SUB_GROUP_SIZE,
 )
 from hf_dist.planning.transients import (
+    DS_MAX_LIVE_PARAMETERS,
     DS_PREFETCH_BUCKET_ELEMENTS,
     DS_REDUCE_BUCKET_ELEMENTS,
     DS_SUB_GROUP_ELEMENTS,
@@ -221,7 +222,7 @@ def _zero_section(
             {
                 "stage3_prefetch_bucket_size": DS_PREFETCH_BUCKET_ELEMENTS,
                 "stage3_param_persistence_threshold": "auto",  # 10 * hidden_size: tiny params stay gathered
-                "stage3_max_live_parameters": 1_000_000_000,
+                "stage3_max_live_parameters": DS_MAX_LIVE_PARAMETERS,  # the gathered elements the plan counts
                 "stage3_max_reuse_distance": 1_000_000_000,
                 "sub_group_size": NVME_SUB_GROUP_SIZE if offload_device == "nvme" else DS_SUB_GROUP_ELEMENTS,
                 # save_model() writes a consolidated 16-bit model instead of only ZeRO shards

@@ -68,3 +68,35 @@ def scaling_efficiency(throughput_n: float, world_size: int, throughput_1: float
     if world_size < 1 or throughput_1 <= 0:
         raise ValueError(f"need world_size >= 1 and throughput_1 > 0, got {world_size} and {throughput_1}")
     return throughput_n / (world_size * throughput_1)
+
+
+# ---------------------------------------------------------------- what a training step really computes
+# (the step-time model, hf_dist.planning.throughput; MFU above keeps PaLM's convention)
+
+
+def matmul_flops_per_token(
+    *, matmul_params: int, trainable_matmul_params: int, recomputed_matmul_params: int = 0
+) -> int:
+    """FLOPs of the linear layers for one token: 2 per weight in forward, 2 per weight for the input gradient in
+    backward, 2 per *trainable* weight for the weight gradient (autograd computes no gradient for a frozen weight:
+    a LoRA base pays 4 of the 6), and 2 per weight run forward again under activation checkpointing
+    (``recomputed_matmul_params``: the decoder layers', frozen or not; the LM head is never recomputed). Kaplan et al.
+    2020 sec. 2.1 for the 2-per-weight forward and the 2x backward."""
+    return 4 * matmul_params + 2 * trainable_matmul_params + 2 * recomputed_matmul_params
+
+
+def attention_flops_per_token(
+    *, num_layers: int, query_width: int, keys: int, flash: bool = True, recomputed: bool = False
+) -> int:
+    """FLOPs of the attention matmuls (``QK^T`` and ``AV``) for one query token over ``keys`` keys, all layers.
+
+    A matmul of a query against one key costs 2 FLOPs per element of ``query_width`` (heads x head_dim), so forward
+    is ``2 * 2 * query_width`` per attended key. Flash attention (sdpa's flash / memory-efficient kernels, causal) skips
+    the masked half: ``(keys + 1) / 2`` keys per query on average; its backward recomputes ``QK^T`` and runs ``dV``,
+    ``dP``, ``dQ`` and ``dK``: five matmuls to forward's two, 2.5x (Dao 2023, "FlashAttention-2", Algorithm 2).
+    Eager attention multiplies the full ``[queries, keys]`` matrix and masks it afterwards, and its backward is four
+    matmuls (2x). ``recomputed``: activation checkpointing runs the forward once more."""
+    attended = (keys + 1) / 2 if flash else keys
+    forward = 4 * query_width * attended * num_layers
+    backward = forward * (2.5 if flash else 2.0)
+    return int(forward * (2 if recomputed else 1) + backward)

@@ -340,6 +340,7 @@ def place(spec: Any, lora: LoraSpec) -> Placement:
     if not spec.has_shape:
         raise ValueError("LoRA/QLoRA estimates need the model's shape; pass a config, folder or model, not a count")
     lora = _with_default_targets(lora, spec)
+    _refuse_expert_parameters(lora, spec)
     layer_modules = spec.layer_modules or _llama_modules(spec)
     keys = [(f"{spec.layer_prefix or 'model.layers'}.{i}.{m.name}", m, i) for i in range(spec.num_layers)
             for m in layer_modules] + [(m.name, m, None) for m in spec.outer_modules]  # fmt: skip
@@ -390,6 +391,39 @@ def _with_default_targets(lora: LoraSpec, spec: Any) -> LoraSpec:
         )
     default = DEFAULTS[spec.model_type]
     return replace(lora, targets=default if isinstance(default, str) else tuple(default))
+
+
+def _refuse_expert_parameters(lora: LoraSpec, spec: Any) -> None:
+    """Refuse targets PEFT moves onto an MoE model's stacked expert parameters. For model types whose experts
+    transformers 5 fuses into ``(experts, out, in)`` parameters, PEFT (``utils/transformers_weight_conversion.py
+    _convert_peft_config_moe``: DeepSeek-V2/V3, Qwen3-MoE, OLMoE, ... through ``_MODEL_TO_CONVERSION_PATTERN``, and
+    Mixtral) turns every target named like a v4 expert projection (``gate_proj``, ``up_proj``, ``down_proj``; Mixtral
+    ``w1``, ``w2``, ``w3``, ``gate``), and ``"all-linear"``'s, into ``target_parameters`` on the experts
+    (``lora.ParamWrapper``, which refuses ``lora_dropout`` > 0) and drops it from ``target_modules``, so the shared
+    experts' linears of that name are not adapted either. hf_dist plans LoRA on linears: the run would differ."""
+    mapping = _peft_expert_targets(spec.model_type)
+    if not mapping or (isinstance(lora.targets, str) and not lora.all_linear):
+        return
+    moved = sorted(mapping) if lora.all_linear else sorted(t for t in lora.targets if _listed(tuple(mapping), t))
+    if moved:
+        raise ValueError(
+            f"LoRA target_modules={lora.targets!r} ({_SOURCE_TEXT[lora.source]}) on a {spec.model_type} model: PEFT "
+            f"moves {moved} onto the stacked expert parameters ({sorted(set(mapping[m] for m in moved))}; "
+            "peft/utils/transformers_weight_conversion.py _convert_peft_config_moe), which hf_dist does not plan "
+            "(and PEFT's lora.ParamWrapper refuses lora_dropout > 0); target the attention linears by name instead"
+        )
+
+
+def _peft_expert_targets(model_type: str | None) -> dict[str, str]:
+    """{v4 target name: the expert parameter PEFT adapts instead} for ``model_type``, from the installed PEFT (empty
+    when it has no such conversion)."""
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+    except ImportError:
+        return {}
+    base = getattr(conversion, "_MODEL_TO_CONVERSION_PATTERN", {}).get(model_type)
+    fused = getattr(conversion, "_MOE_FUSED_TARGETS", {}).get(base)
+    return dict(getattr(conversion, "_MOE_TARGET_MODULE_MAPPING", {}).get(base, {})) if fused else {}
 
 
 def _llama_modules(spec: Any) -> tuple:

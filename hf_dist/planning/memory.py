@@ -15,7 +15,9 @@ The model follows what the libraries allocate, tensor by tensor, and names its s
 - **Buffers**: autocast weight copies, gathered FSDP2 / ZeRO-3 units, DDP and DeepSpeed buckets.
 - **Step**: transients of the optimizer step (torch AdamW's foreach ``sqrt`` list; DeepSpeed's fp32
   gradient partition), which coexist with gradients, not with activations.
-- **Allocator**: what torch's caching allocator reserves beyond the peak allocated (:func:`allocator_bytes`).
+- **Allocator**: what torch's caching allocator reserves beyond the peak allocated: the compute stream's free blocks
+  (:func:`~hf_dist.planning.transients.compute_stream_reserve_bytes`, an estimate; a trace replays the allocations
+  through :mod:`hf_dist.planning.allocator` instead) and the collectives' streams' (``comm_reserve``).
 - **Overhead**: the CUDA context, library workspaces and NCCL communicators, outside torch's allocator.
 
 ``MemoryEstimate.total`` predicts the device memory in use at the peak (``total - free`` from
@@ -54,7 +56,15 @@ from hf_dist.planning.model_states import (
     swap_bytes_per_rank,
     trainable_params,
 )
-from hf_dist.planning.transients import allocator_bytes, buffer_bytes, overhead_bytes, step_bytes_per_rank
+from hf_dist.planning.transients import (
+    buffer_bytes,
+    comm_stream_reserve_bytes,
+    compute_stream_reserve_bytes,
+    lora_input_cast_bytes,
+    overhead_bytes,
+    step_bytes_per_rank,
+    zero3_gathered_bytes,
+)
 from hf_dist.validation import check_choice, check_positive_int
 
 METHODS = ("full", "lora", "qlora")
@@ -80,8 +90,9 @@ class MemoryEstimate:
     gradients and activations never coexist in full: their largest overlap is the backward of the first decoder
     layer, the last one run, when every other gradient exists next to that layer's activations (``last_layer``:
     recomputed under checkpointing, else saved) and gathered units; with gradient accumulation the gradients
-    persist through the next forward. ``activations`` includes ``recompute`` and ``buffers`` includes
-    ``unit_buffers``.
+    persist through the next forward. Under FSDP2 a fourth moment is the last decoder layer's all-gather copy-out in
+    forward (``forward_gather``, :func:`forward_gather_bytes`). ``activations`` includes ``recompute`` and ``buffers``
+    includes ``unit_buffers``.
     """
 
     params: int
@@ -99,7 +110,10 @@ class MemoryEstimate:
     unit_buffers: int = 0
     last_layer: int = 0
     layer_grads: int = 0
+    forward_gather: int = 0  # FSDP2's last forward copy-out: earlier layers' activations + 3 gathered layers
+    released_at_step: int = 0  # part of ``buffers`` freed before the optimizer step (ZeRO-3's gathered parameters)
     swap: int = 0  # ZeRO-Infinity's swap files under nvme_path (offload_device="nvme"), not memory
+    comm_reserve: int = 0  # the part of ``allocator`` the collectives' streams cache (transients.comm_stream_...)
 
     @property
     def model_states(self) -> int:
@@ -113,9 +127,15 @@ class MemoryEstimate:
             # the first decoder layer's backward, the last one run: every other gradient exists, and only that
             # layer's activations, gathered units and gradients in flight are still alive
             end_of_backward = self.grads + self.last_layer + self.unit_buffers + self.layer_grads
-            transient = max(forward_backward, end_of_backward, self.grads + self.step)
+            transient = max(
+                forward_backward, end_of_backward, self.grads + self.step - self.released_at_step, self.forward_gather
+            )
         else:
-            transient = max(forward_backward + self.grads, self.grads + self.step)
+            transient = max(
+                forward_backward + self.grads,
+                self.grads + self.step - self.released_at_step,
+                self.forward_gather + self.grads,
+            )
         return self.params + self.optimizer + self.buffers - self.unit_buffers + transient
 
     @property
@@ -306,21 +326,49 @@ def _estimate(r: _Run, overhead: int | None) -> MemoryEstimate:
     nvme = r.layout.offload_device == "nvme"
     states = (r.spec, r.degree, r.trainable, r.method, r.offload, r.optimizer, r.lay, r.param_bytes)
     on_gpu = r.device == "cuda"
-    allocator = 0
+    allocator = comm_reserve = 0
     if on_gpu:
-        largest = largest_transient_bytes(r.spec, r.seq_len, r.mb, r.lay, r.liger, r.fused_lm_head)
-        allocator = allocator_bytes(r.spec, r.s, r.degree, r.trainable, r.lay, largest, grads, r.ckpt)
+        largest = max(
+            largest_transient_bytes(r.spec, r.seq_len, r.mb, r.lay, r.liger, r.fused_lm_head),
+            lora_input_cast_bytes(r.seq_len * r.mb, _adapter_inputs(r), _adapters_cast(r)),
+        )
+        comm_reserve = comm_stream_reserve_bytes(r.spec, r.s, r.degree, r.trainable, r.lay)
+        allocator = compute_stream_reserve_bytes(largest, grads, r.ckpt) + comm_reserve
     fixed = int(overhead) if overhead is not None else (overhead_bytes(r.s, r.layout.world_size) if on_gpu else 0)
-    layer_grads = layer_gradient_bytes(r.spec, r.seq_len, r.mb, r.lay, liger=r.liger) if r.spec.has_shape else 0
+    frozen = r.method != "full"
+    layer_grads = (
+        layer_gradient_bytes(r.spec, r.seq_len, r.mb, r.lay, liger=r.liger, frozen=frozen) if r.spec.has_shape else 0
+    )
+    forward_gather = forward_gather_bytes(r, acts - recompute - (0 if r.ckpt else last_layer), padded_unit)
     return MemoryEstimate(
-        params, grads, optim, acts, buffers, fixed,
-        cpu_bytes_per_rank(*states, nvme, r.device),
-        not grads_persist(r.s, r.lay, r.accumulation),
-        _head_bytes(r),
-        step_bytes_per_rank(r.spec, r.s, r.degree, r.trainable, r.offload, r.lay),
-        allocator, recompute, units, last_layer, layer_grads,
-        swap_bytes_per_rank(*states, r.device) if nvme else 0,
+        params=params, grads=grads, optimizer=optim, activations=acts, buffers=buffers, overhead=fixed,
+        cpu=cpu_bytes_per_rank(*states, nvme, r.device),
+        grads_overlap_activations=not grads_persist(r.s, r.lay, r.accumulation),
+        logits=_head_bytes(r),
+        step=step_bytes_per_rank(r.spec, r.s, r.degree, r.trainable, r.offload, r.lay),
+        allocator=allocator, recompute=recompute, unit_buffers=units, last_layer=last_layer, layer_grads=layer_grads,
+        forward_gather=forward_gather,
+        released_at_step=zero3_gathered_bytes(r.spec, r.s, r.layout.world_size // r.layout.tp_size, r.lay),
+        swap=swap_bytes_per_rank(*states, r.device) if nvme else 0, comm_reserve=comm_reserve,
     )  # fmt: skip
+
+
+def forward_gather_bytes(r: _Run, earlier_activations: int, padded_unit: int) -> int:
+    """FSDP2 in forward, at the last decoder layer's all-gather copy-out: ``earlier_activations`` (every layer's but
+    the last one's) next to three gathered layers. With implicit prefetching (torch ``_fsdp_param_group.py
+    FSDPParamGroup.wait_for_unshard``) the previous layer's all-gather output is dropped from
+    ``comm_ctx.all_gather_state`` before this layer's copy-out, but the local ``prev_all_gather_state`` holds it until
+    the function returns, so the copy-out into this layer's unsharded parameters runs next to both all-gather
+    outputs. A gathered layer is its parameters in the compute dtype, FSDP2's padded expert rows
+    (:func:`fsdp_row_padding`) and its LoRA adapters included. Found by tracing LoRA under FSDP2, whose peak this is
+    where no loss logits outweigh it: Mixtral 8x7B on 64 ranks gathers three 21 GiB padded layers."""
+    s = r.s
+    resharded = s.is_fsdp and s.shards.params and not s.gathers_params and r.offload == "none"
+    if not resharded or r.degree == 1 or r.layout.tp_size > 1 or not r.spec.has_shape:
+        return 0
+    last = r.lora.layers[-1] if r.lora is not None and r.lora.layers else ()
+    adapters = sum(a.rank * (a.in_features + a.out_features) for a in last)
+    return earlier_activations + 3 * (r.spec.layer_params + padded_unit + adapters) * r.lay.compute
 
 
 def _model_states(r: _Run) -> tuple[int, int, int, int]:
@@ -353,10 +401,19 @@ def _activation_kwargs(r: _Run) -> dict[str, Any]:
     return act_kw
 
 
+def _adapters_cast(r: _Run) -> bool:
+    """fp32 adapters under DDP's autocast: PEFT casts every adapter's 16-bit input to fp32 (a copy)."""
+    return r.lora is not None and r.s.is_ddp and r.lay.weights == FP32 and r.lay.compute < FP32
+
+
+def _adapter_inputs(r: _Run) -> tuple[int, ...]:
+    return tuple(a.in_features for a in r.lora.adapters) if r.lora is not None else ()
+
+
 def lora_layers(r: _Run) -> tuple[Lora, ...]:
     """Each decoder layer's adapters as :class:`~hf_dist.planning.activations.Lora`: fp32 adapters under DDP's
     autocast cast their input to fp32 and back (a copy each)."""
-    cast = r.s.is_ddp and r.lay.weights == FP32 and r.lay.compute < FP32
+    cast = _adapters_cast(r)
     dropout = r.lora.lora.dropout > 0
     first = r.lora.idle_layers if _inputs_frozen(r) else -1  # the first layer that trains sees no input gradient
     return tuple(
@@ -377,7 +434,7 @@ def outer_adapter_bytes(r: _Run) -> int:
     """What the adapters outside the decoder layers save (LoRA on ``lm_head``), for the step's tokens."""
     if r.lora is None or not r.lora.outer:
         return 0
-    cast = r.s.is_ddp and r.lay.weights == FP32 and r.lay.compute < FP32
+    cast = _adapters_cast(r)
     adapters = tuple((a.name, a.in_features, a.rank) for a in r.lora.outer)
     return lora_bytes(r.lay, Lora(adapters, r.lora.lora.dropout > 0, cast), attention=r.attention) * r.seq_len * r.mb
 
@@ -401,11 +458,13 @@ def fsdp_row_padding(spec, degree: int) -> tuple[int, int]:
     shard to ``ceil(rows / degree)`` rows (torch ``_fsdp_param.py``), and the all-gather returns the padded whole.
     Dense weights have thousands of rows, so only transformers' stacked routed experts, ``(experts, out, in)``
     tensors, are padded measurably: with more ranks than experts every rank holds a whole expert's rows (8 experts
-    over 64 ranks: 8x their share). Found by tracing Mixtral 8x7B on 64 ranks.
+    over 64 ranks: 8x their share). Found by tracing Mixtral 8x7B on 64 ranks. Only MoE layers hold stacked experts
+    (DeepSeek's first ``first_k_dense_replace`` layers are dense).
     """
     if not spec.experts or degree <= spec.experts and spec.experts % degree == 0:
         return 0, 0
     per_layer = 3 * spec.hidden_size * spec.intermediate_size  # one expert: gate, up, down
     rows = math.ceil(spec.experts / degree)
-    per_rank = spec.num_layers * rows * per_layer - math.ceil(spec.num_layers * spec.experts * per_layer / degree)
+    layers = spec.num_layers - (spec.moe.dense_layers if spec.moe else 0)
+    per_rank = layers * rows * per_layer - math.ceil(layers * spec.experts * per_layer / degree)
     return max(per_rank, 0), (rows * degree - spec.experts) * per_layer

@@ -81,8 +81,9 @@ def grad_bytes_per_rank(
     - DDP / FSDP2: ``param.grad`` in the weights' dtype (FSDP2: views into fp32 reduce-scatter outputs).
     - ZeRO-1 with 16-bit compute and fp32 accumulation (hf_dist's JSON) runs DeepSpeed's
       ``BF16_Optimizer`` (engine.py ``_do_optimizer_sanity_check``): a full, unpartitioned fp32 gradient
-      buffer from init plus the bf16 autograd gradients, which it zeroes but never frees
-      (bf16_optimizer.py ``_setup_for_real_optimizer``, ``clear_lp_grads``).
+      buffer from init (bf16_optimizer.py ``_setup_for_real_optimizer``). Its bf16 autograd gradients live from
+      backward to the step, when the engine's ``zero_grad`` frees them: a step transient
+      (:func:`hf_dist.planning.transients.step_bytes_per_rank`); found by tracing DeepSpeed 0.19.8.
     - ZeRO-1 in fp32 (stage_1_and_2.py) reduces into gradient partitions at the end of backward, so with
       one micro-batch per step only the partition survives; with accumulation it keeps full gradients.
     - ZeRO-2: the fp32 partition (stage_1_and_2.py ``_build_compact_grad_partition_buffer``), freed
@@ -98,7 +99,7 @@ def grad_bytes_per_rank(
     if s.is_fsdp and accumulation > 1 and not sync_each_batch:
         return trainable * lay.grads
     if bf16_optimizer(s, lay):
-        return trainable * (FP32 + lay.compute)
+        return trainable * FP32
     sharded = s.shards.grads or (s.zero_stage == 1 and accumulation == 1)
     # ZeRO-Offload keeps gradient partitions in pinned host memory (stage 2/3); FSDP2 offload too
     if offload != "none" and sharded:

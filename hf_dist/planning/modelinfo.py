@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
+from hf_dist.planning.moe import MlaShape, MoeLayout, mla_shape, moe_layout
 from hf_dist.planning.precision import is_module
 from hf_dist.planning.remote_code import check_config_class, check_trust_flag, uses_folder_class
 
@@ -44,7 +45,7 @@ class ModelSpec:
     vocab_size: int = 0
     max_position_embeddings: int | None = None
     tie_word_embeddings: bool = False
-    layer_params: int = 0  # params in one decoder layer (= one FSDP unit)
+    layer_params: int = 0  # params in the largest decoder layer (= one FSDP unit; an MoE layer, not a dense one)
     embedding_params: int = 0  # input embedding only; an untied lm_head has as many again
     model_type: str | None = None
     name: str | None = None
@@ -58,6 +59,8 @@ class ModelSpec:
     lora_linears: tuple[tuple[str, int, int], ...] = ()
     experts: int = 0  # routed experts per MoE layer (0: a dense feed-forward block)
     experts_per_token: int = 0  # experts each token is routed to (top-k)
+    moe: MoeLayout | None = None  # an MoE model's shared experts, dense layers and router (hf_dist.planning.moe)
+    mla: MlaShape | None = None  # DeepSeek's multi-head latent attention (hf_dist.planning.moe.MlaShape)
     attention: str = (
         "sdpa"  # the attention transformers runs by default: "eager" where the model refuses sdpa (Gemma 2)
     )
@@ -454,15 +457,19 @@ def _module_counts(model: Any) -> _Counts:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     total = sum(p.numel() for n, p in base.named_parameters() if not any(m in n for m in _ADAPTER_MARKERS))
     layers = _decoder_layers(base)
-    layer, norms, linears = 0, 2, ()
+    layer, norms, linears, index = 0, 2, (), 0
     if layers is not None and len(layers):
-        layer = sum(p.numel() for n, p in layers[0].named_parameters() if not any(m in n for m in _ADAPTER_MARKERS))
-        norms = sum(1 for m in layers[0].modules() if "norm" in type(m).__name__.lower()) or 2
-        linears = _lora_linears(layers[0])
+        # the largest layer describes them all: DeepSeek's first layers are dense, the rest mixtures of experts
+        sizes = [sum(p.numel() for n, p in m.named_parameters() if not any(a in n for a in _ADAPTER_MARKERS))
+                 for m in layers]  # fmt: skip
+        index = max(range(len(sizes)), key=sizes.__getitem__)
+        layer = sizes[index]
+        norms = sum(1 for m in layers[index].modules() if "norm" in type(m).__name__.lower()) or 2
+        linears = _lora_linears(layers[index])
     embed = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
     embedding = embed.weight.numel() if embed is not None and hasattr(embed, "weight") else 0
     attention = "sdpa" if getattr(type(base), "_supports_sdpa", True) else "eager"
-    return _Counts(total, layer, embedding, norms, linears, attention, _inventory(base, layers))
+    return _Counts(total, layer, embedding, norms, linears, attention, _inventory(base, layers, index))
 
 
 class _Inventory(NamedTuple):
@@ -474,13 +481,14 @@ class _Inventory(NamedTuple):
     bias_params: int
 
 
-def _inventory(base: Any, layers: Any) -> _Inventory:
+def _inventory(base: Any, layers: Any, index: int = 0) -> _Inventory:
     """Every module PEFT could adapt or save, named as PEFT's matching sees them (:class:`Module`): one decoder
-    layer's (relative names; the layers share one class) and those outside the layers. A PEFT-wrapped module is
-    described by what it wraps (a LoRA layer's ``base_layer``, a ``ModulesToSaveWrapper``'s ``original_module``)."""
+    layer's (relative names; the layers share one class; layer ``index``, the largest) and those outside the layers.
+    A PEFT-wrapped module is described by what it wraps (a LoRA layer's ``base_layer``, a ``ModulesToSaveWrapper``'s
+    ``original_module``)."""
     names = {id(m): n for n, m in base.named_modules()}
     prefix = names.get(id(layers), "") if layers is not None and len(layers) else ""
-    first = f"{prefix}.0." if prefix else None
+    first = f"{prefix}.{index}." if prefix else None
     in_layer, outer, skipping = [], [], None
     for name, module in base.named_modules():
         if not name or (skipping and name.startswith(skipping)):
@@ -595,6 +603,10 @@ def _spec(config: Any, counts: _Counts, *, name: str | None) -> ModelSpec:
         attention=counts.attention,
         experts=int(experts),
         experts_per_token=per_token,
+        moe=moe_layout(text, getattr(config, "model_type", None), int(getattr(text, "num_hidden_layers", 0) or 0))
+        if experts
+        else None,
+        mla=mla_shape(text),
         checkpoint_bytes=_dtype_bytes(getattr(config, "dtype", None) or getattr(text, "dtype", None)),
         **counts.inventory._asdict(),
     )

@@ -1,12 +1,16 @@
 """Time per optimizer step of a candidate layout: pure arithmetic, used to rank what fits.
 
-A micro-step costs its matrix FLOPs at a fraction of the device's dense peak, the element-wise
+A micro-step costs its matrix FLOPs at a fraction of the device's dense peak (the linear layers' at the GEMMs',
+the attention matmuls' at the flash kernels': :func:`compute_seconds_per_token`), the element-wise
 traffic around the saved activations at memory bandwidth, and eager PyTorch's per-op CPU dispatch;
-an optimizer step adds the optimizer's memory traffic, the collectives (:func:`comm_seconds`) and the
-PCIe traffic of offload. What this captures, and what the planner needs from it:
+an optimizer step adds the optimizer's and the gradient clipping's memory traffic (:func:`optimizer_step_bytes`),
+the collectives (:func:`comm_seconds`) and the PCIe traffic of offload. What this captures, and what the planner
+needs from it:
 
-- recompute: activation checkpointing runs every layer's forward again (+2 of 6 FLOPs per param per
-  token, and the forward's traffic and ops again);
+- recompute: activation checkpointing runs every decoder layer's forward again: 2 FLOPs per layer weight per token,
+  frozen or not (a LoRA base, which skips its weight gradients, pays half as much again, full fine-tuning a third),
+  the attention forward, and the forward's traffic and ops;
+- attention: causal flash attention computes half the score matrix, and its backward five matmuls to forward's two;
 - micro-batch size: the per-op dispatch and the optimizer step are paid per micro-step / per step,
   whatever the tokens, so small micro-batches leave the GPU idle (measured on an H100: 28.1 us per
   token at 4096 tokens per micro-step, 24.9 at 8192; ../shared/gpu);
@@ -20,13 +24,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hf_dist.planning.flops import flops_per_token_from_spec
+from hf_dist.planning.flops import attention_flops_per_token, matmul_flops_per_token
 from hf_dist.planning.hardware import Hardware, memory_gbps_for, peak_tflops_for
 from hf_dist.planning.layout import Strategy, strategy
 
 # Dense bf16 GEMMs of transformer shapes reach about half of the datasheet peak in eager PyTorch
 # training (MFU of well-tuned dense training on H100/A100 is 40-55%).
 GEMM_EFFICIENCY = 0.5
+# Flash attention (sdpa's FlashAttention-2 kernels) forward + backward: 35 % of an H100's dense bf16 peak, which its
+# kernels do not reach for want of Hopper's asynchronous tensor-core instructions (Shah et al. 2024, "FlashAttention-3",
+# sec. 1); 50-73 % of an A100's (Dao 2023, "FlashAttention-2", sec. 4.1: the low end taken).
+FLASH_EFFICIENCY_HOPPER = 0.35
+FLASH_EFFICIENCY_OTHER = 0.5
+HOPPER = ("H100", "H200", "H800", "H20", "GH200")
+# A decoder layer's forward is about a third of its ops (backward runs about two per forward op): checkpointing's
+# recompute dispatches that third again.
+RECOMPUTED_OPS_FRACTION = 1 / 3
 # Each saved activation is written in forward and read back in backward, and the element-wise ops
 # around it read and write it about once more each way: ~4 bytes of traffic per byte saved.
 TRAFFIC_PER_SAVED_BYTE = 4.0
@@ -207,6 +220,53 @@ def _engine_hooks_s(s: Strategy, spec) -> float:
     return 0.0
 
 
+def flash_efficiency(hw: Hardware) -> float:
+    """The fraction of the dense peak flash attention reaches on ``hw`` (:data:`FLASH_EFFICIENCY_HOPPER`); on a CPU
+    rank the GEMMs' (its sdpa kernel is a blocked matmul like any other)."""
+    if hw.device == "cpu":
+        return GEMM_EFFICIENCY
+    name = hw.gpu_name or ""
+    return FLASH_EFFICIENCY_HOPPER if any(h in name for h in HOPPER) else FLASH_EFFICIENCY_OTHER
+
+
+def compute_seconds_per_token(spec, trainable: int, seq_len: int, ckpt: bool, hw: Hardware) -> float:
+    """Seconds of matrix work one token costs one rank: the linear layers at :data:`GEMM_EFFICIENCY` and the
+    attention matmuls at the flash kernels' efficiency (:func:`flash_efficiency`; eager attention's batched matmuls at
+    the GEMMs'), each counted as the step runs them (:func:`~hf_dist.planning.flops.matmul_flops_per_token`,
+    :func:`~hf_dist.planning.flops.attention_flops_per_token`): a frozen base computes no weight gradients, and
+    checkpointing recomputes every decoder layer's forward -- the whole of it, frozen or not, and not the LM head.
+    A LoRA model's ``trainable`` are its adapters, which run on top of the base's linears."""
+    flops_s = device_rates(hw)[0]
+    if not spec.has_shape:  # a bare parameter count: 6 FLOPs per parameter per token
+        return 6 * spec.num_params / (flops_s * GEMM_EFFICIENCY)
+    base = spec.num_params - (spec.embedding_params if spec.lm_head_params else 0)  # the embedding is a lookup
+    adapters = trainable if trainable < spec.num_params else 0
+    layers = spec.layer_params * spec.num_layers + adapters
+    matmul = matmul_flops_per_token(
+        matmul_params=base + adapters, trainable_matmul_params=adapters or base,
+        recomputed_matmul_params=layers if ckpt else 0,
+    )  # fmt: skip
+    flash = spec.attention != "eager"
+    attention = attention_flops_per_token(
+        num_layers=spec.num_layers, query_width=(spec.num_attention_heads * spec.head_dim) or spec.hidden_size,
+        keys=seq_len, flash=flash, recomputed=ckpt,
+    )  # fmt: skip
+    attention_efficiency = flash_efficiency(hw) if flash else GEMM_EFFICIENCY
+    return matmul / (flops_s * GEMM_EFFICIENCY) + attention / (flops_s * attention_efficiency)
+
+
+def optimizer_step_bytes(param_bytes: int, grad_bytes: int, state_bytes: int) -> int:
+    """Device memory traffic of one optimizer step on a rank's states (``_bytes``: what the rank holds of each).
+
+    The Trainer's ``adamw_torch_fused`` is one kernel per parameter group that reads the weights, the gradients and
+    both moments and writes the weights and the moments back (torch ``_fused_adamw_``); before it, the Trainer clips
+    the gradients to ``max_grad_norm`` (1.0 by default): ``clip_grad_norm_`` reads every gradient for the norm and
+    scales it in place (``_foreach_norm``, ``_foreach_mul_``: one read, one read and one write)."""
+    adam = 2 * param_bytes + grad_bytes + 2 * state_bytes
+    clipping = 3 * grad_bytes
+    return adam + clipping
+
+
 def step_time(
     spec, hw: Hardware, memory, *, strategy: Strategy, offload: str, trainable: int, micro_batch_size: int,
     accumulation: int, seq_len: int, activation_checkpointing: bool, use_liger_kernel: bool, comm: float,
@@ -224,20 +284,15 @@ def step_time(
     flops_s, bytes_s = device_rates(hw)
     dp_size = hw.world_size if dp_size is None else dp_size
     tokens = seq_len * micro_batch_size // seq_shards
-    per_token = flops_per_token_from_spec(spec, seq_len) if spec.has_shape else 6 * spec.num_params
-    if trainable < spec.num_params:  # frozen weights: no weight gradients (2 of the 6 FLOPs per param)
-        per_token -= 2 * (spec.num_params - trainable)
-    recompute = 1 + (1 / 3 if activation_checkpointing else 0)
-    compute = per_token * tokens * recompute / (flops_s * GEMM_EFFICIENCY)
+    compute = tokens * compute_seconds_per_token(spec, trainable, seq_len, activation_checkpointing, hw)
     saved = memory.activations + memory.logits
     traffic = saved * TRAFFIC_PER_SAVED_BYTE * (1.25 if activation_checkpointing else 1.0)
     per_layer = OPS_PER_LAYER_LIGER if use_liger_kernel else OPS_PER_LAYER
     per_layer += lora_adapters * (OPS_PER_LORA_ADAPTER + (OPS_PER_LORA_DROPOUT if lora_dropout else 0))
-    ops = per_layer * max(spec.num_layers, 1) * recompute
+    ops = per_layer * max(spec.num_layers, 1) * (1 + (RECOMPUTED_OPS_FRACTION if activation_checkpointing else 0))
     dispatch = ops * DISPATCH_S + _engine_hooks_s(strategy, spec)
     if offload == "none":
-        # AdamW reads weights, gradients and both moments and writes weights and moments back
-        optimizer = (memory.params + memory.grads + 2 * memory.optimizer) / bytes_s
+        optimizer = optimizer_step_bytes(memory.params, memory.grads, memory.optimizer) / bytes_s
     else:
         # each node's CPUs step the node's share of all trainable parameters (every TP rank's slice)
         optimizer = trainable * tp_size / hw.nodes / CPU_ADAM_PARAMS_PER_S

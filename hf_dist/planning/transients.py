@@ -17,6 +17,11 @@ from hf_dist.planning.model_states import bf16_optimizer, shard_bytes
 DS_REDUCE_BUCKET_ELEMENTS = int(5e8)
 DS_PREFETCH_BUCKET_ELEMENTS = int(5e7)
 DS_SUB_GROUP_ELEMENTS = int(1e9)
+# stage3_max_live_parameters (DeepSpeed's default, written out by hf_dist's JSON): ZeRO-3 prefetches while fewer
+# elements than this are gathered, and keeps gathered what it will reuse within stage3_max_reuse_distance (also 1e9)
+DS_MAX_LIVE_PARAMETERS = int(1e9)
+# engine.py MEMORY_OPT_ALLREDUCE_SIZE: the elements per flat bucket of buffered_allreduce_fallback
+DS_ALLREDUCE_BUCKET_ELEMENTS = int(5e8)
 # Outside torch's allocator, measured as device_used - max_memory_reserved on an H100 (torch 2.11,
 # CUDA 13; ../shared/gpu): 1.30 GiB in every single-process case (CUDA context, cuBLAS/cuBLASLt
 # workspaces, loaded kernel images), 0.38 GiB more once NCCL communicators exist (the DeepSpeed cases,
@@ -30,8 +35,10 @@ def step_bytes_per_rank(spec, s: Strategy, degree, trainable, offload, lay: Dtyp
 
     The Trainer's default optimizer on CUDA is ``adamw_torch_fused``: no state-sized temporaries.
     DeepSpeed (bf16, fp32 accumulation):
-    - ZeRO-1 (``BF16_Optimizer``): the bf16 cast of the gradients all-reduced at the accumulation
-      boundary (engine.py ``allreduce_bucket``) and one fp32 upcast of the largest parameter;
+    - ZeRO-1 (``BF16_Optimizer``): the bf16 autograd gradients, from backward until the engine's
+      ``zero_grad`` after the step sets them to None (engine.py ``_take_model_step`` -> bf16_optimizer.py
+      ``zero_grad(set_to_none=True)``), and the larger of the fp32 upcast of the largest one (``_update_hp_grad``)
+      and the all-reduce at the accumulation boundary (:func:`bf16_allreduce_bytes`);
     - ZeRO-1/2 in stage_1_and_2.py: the contiguous-gradient buckets (reduce_bucket_size elements, two
       with overlap_comm), allocated at the first gradient hook of each backward and freed at its end;
       fp64 norm temporaries of the largest parameter's partition (``get_grad_norm_direct``);
@@ -43,11 +50,23 @@ def step_bytes_per_rank(spec, s: Strategy, degree, trainable, offload, lay: Dtyp
     largest = min(max(spec.layer_params, spec.embedding_params), trainable) if spec.has_shape else 0
     norm = shard_bytes(largest * 8, True, degree)
     if bf16_optimizer(s, lay):
-        return trainable * lay.compute + largest * FP32
+        return trainable * lay.compute + max(largest * FP32, bf16_allreduce_bytes(spec, trainable, lay))
     if s.zero_stage in (1, 2):
         buckets = 2 if s.zero_stage == 2 and lay.compute < FP32 else 1  # overlap_comm (hf_dist: stage >= 2)
         return buckets * DS_REDUCE_BUCKET_ELEMENTS * lay.compute + norm
     return min(DS_SUB_GROUP_ELEMENTS, shard_bytes(trainable, True, degree)) * FP32 + norm
+
+
+def bf16_allreduce_bytes(spec, trainable: int, lay: Dtypes) -> int:
+    """``BF16_Optimizer``'s all-reduce of its fp32 gradients (engine.py ``buffered_allreduce_fallback`` ->
+    ``allreduce_no_retain`` -> ``allreduce_bucket``): the flat fp32 gradient of each parameter group, grouped into
+    buckets that close once they pass ``MEMORY_OPT_ALLREDUCE_SIZE`` elements, each flattened (a bucket of several
+    groups is concatenated, one group is a view) and cast to the communication dtype. The Trainer's two groups
+    (weight decay, and the norms without it) share a bucket only when the model is smaller than one: full
+    fine-tuning below 5e8 parameters; LoRA has no norm group."""
+    full = trainable == spec.num_params
+    concatenated = trainable * FP32 if full and trainable <= DS_ALLREDUCE_BUCKET_ELEMENTS else 0
+    return concatenated + trainable * lay.compute
 
 
 # ---------------------------------------------------------------- buffers
@@ -71,8 +90,8 @@ def buffer_bytes(
     - DDP at world > 1: the Reducer's flat buckets hold a second copy of the gradients in the weights'
       dtype, from construction (``gradient_as_bucket_view=False``; torch reducer.cpp ``initialize_buckets``).
     - ZeRO-3: the contiguous-gradient bucket (reduce_bucket_size elements, kept from init, stage3.py)
-      and, at world > 1, the gathered module plus the prefetch bucket. ZeRO-1/2 buckets exist only in
-      backward (:func:`step_bytes_per_rank`).
+      and, at world > 1, its gathered parameters (:func:`zero3_gathered_bytes`), which are not a unit released
+      around the loss as FSDP2's are. ZeRO-1/2 buckets exist only in backward (:func:`step_bytes_per_rank`).
     - FSDP2: the unsharded compute-dtype copy of the tail unit (final norm and lm_head, or the tied embedding:
       ``reshard_after_forward=False``; an untied input embedding is a unit of its own, resharded after its forward,
       with ``embedding_unit`` (accelerate >= 1.15), else it stays in the root unit), of the current and the prefetched
@@ -88,9 +107,7 @@ def buffer_bytes(
     if s.is_deepspeed and not s.shards.params:  # ZeRO-1/2
         return out, 0
     if s.is_deepspeed:  # ZeRO-3
-        out += DS_REDUCE_BUCKET_ELEMENTS * c
-        gathered = (max(unit, spec.embedding_params) + min(DS_PREFETCH_BUCKET_ELEMENTS, spec.num_params)) * c
-        return (out + gathered, gathered) if world_size > 1 else (out, 0)
+        return out + DS_REDUCE_BUCKET_ELEMENTS * c + zero3_gathered_bytes(spec, s, world_size, lay), 0
     unit += padded  # FSDP2 gathers the padded rows too (fsdp_row_padding)
     reduce_input = unit * lay.grads if trainable == spec.num_params else 0
     if s.gathers_params:
@@ -104,46 +121,82 @@ def buffer_bytes(
     return out + root * c + units, units
 
 
+def zero3_gathered_bytes(spec, s: Strategy, world_size: int, lay: Dtypes) -> int:
+    """ZeRO-3's gathered parameters, alive through forward and backward (the loss's logits included) and released
+    before the optimizer step (stage3.py ``step`` -> ``_partition_all_parameters``).
+
+    partitioned_param_coordinator.py: after its first step (the recorded trace) ZeRO-3 prefetches upcoming parameters
+    while fewer than ``stage3_max_live_parameters`` elements are gathered (``fetch_sub_module``), and a module's
+    release keeps every parameter it will use again within ``stage3_max_reuse_distance`` elements of the trace
+    (``__params_to_release``; with checkpointing the last layers run again right after the loss). So up to
+    ``stage3_max_live_parameters`` elements stay gathered, 16-bit: traced 0.96e9 (Llama 3 8B) and 1.01e9 (Llama 3.2
+    1B) elements at the loss on 64 ranks; a smaller model keeps all of its parameters gathered. The module being run
+    is fetched whole whatever the limit: transformers' stacked experts are one module (Mixtral: 1.41e9 elements per
+    layer; traced 1.66e9 gathered in its backward)."""
+    if not (s.is_deepspeed and s.shards.params) or world_size == 1:
+        return 0
+    return min(spec.num_params, max(DS_MAX_LIVE_PARAMETERS, largest_module_params(spec))) * lay.compute
+
+
+def largest_module_params(spec) -> int:
+    """The most parameters one module holds directly (what ZeRO-3 fetches at once): the embedding or LM head, or a
+    mixture-of-experts layer's stacked experts (gate/up and down projections of every expert)."""
+    experts = spec.experts * 3 * spec.hidden_size * spec.intermediate_size if spec.experts else 0
+    return max(spec.embedding_params, spec.lm_head_params, experts)
+
+
 # ---------------------------------------------------------------- allocator and overhead
 
 
-def allocator_bytes(
-    spec, s: Strategy, degree, trainable, lay: Dtypes, largest_transient: int, grads: int, ckpt: bool
-) -> int:
-    """Reserved beyond the peak allocated: torch's caching allocator never moves or returns blocks.
+def compute_stream_reserve_bytes(largest_transient: int, grads: int, ckpt: bool) -> int:
+    """The compute stream's free blocks at the peak, estimated without the allocation sequence (reserved beyond the
+    peak allocated: torch's caching allocator never moves or returns blocks; with the sequence, a trace replays it
+    instead: :mod:`hf_dist.tracing.allocations`).
 
-    c10/cuda/CUDACachingAllocator.cpp caches freed blocks per stream (``get_free_block`` only returns
-    a block of the requesting stream) and splits cached blocks to serve smaller requests, so free space
-    ends up scattered between live tensors. Counted:
-    - one block of the largest transient tensor (the fp32 logits, or an MLP activation): a request
-      that size needs one contiguous free block, which the earlier phases' scattered frees rarely are;
-    - with activation checkpointing, the gradients allocated layer by layer in backward between the
-      recomputed activations pin the blocks those activations freed;
-    - blocks cached by communication streams, which the compute stream never reuses: FSDP2's sharded
-      fp32 gradients come from reduce-scatter outputs on its reduce-scatter stream
-      (``_fsdp_collectives.foreach_reduce``); ZeRO-2 builds its fp32 gradient partition, the bucket
-      flatten and the per-parameter upcasts on the reduction stream (stage_1_and_2.py ``average_tensor``);
-      ZeRO-3 flattens buckets and upcasts partitions there (stage3.py, ``reduce_scatter_coalesced``) and
-      records the bf16 gradients in flight (up to the two overlapped buckets) on it before freeing them.
+    c10/cuda/CUDACachingAllocator.cpp serves a request from the smallest cached block that holds it and splits it, and
+    never merges blocks of different segments (:mod:`hf_dist.planning.allocator`), so free space ends up scattered
+    between live tensors. Counted:
+    - one block of the largest transient tensor (the fp32 logits, or an MLP activation): a request that size needs
+      one contiguous free block, which the earlier phases' scattered frees rarely are;
+    - with activation checkpointing, the gradients allocated layer by layer in backward between the recomputed
+      activations pin the blocks those activations freed.
+    How far this is from the replayed sequence, run by run: docs/planner.md, "The caching allocator's reserve".
     """
-    out = largest_transient
-    if ckpt:
-        out += grads
+    return largest_transient + (grads if ckpt else 0)
+
+
+def lora_input_cast_bytes(tokens: int, in_features: tuple[int, ...], cast: bool) -> int:
+    """The largest tensor LoRA's adapters make and free: with fp32 adapters under autocast (DDP) PEFT's
+    ``_cast_input_dtype`` copies each adapter's input to the adapter's fp32 (peft ``tuners/lora/layer.py``
+    ``Linear.forward``), ``4 * tokens * in_features`` bytes, freed once the adapter's output is added -- down_proj's,
+    whose input is the MLP's width, is twice the 16-bit MLP activation. 0 without the cast."""
+    return FP32 * tokens * max(in_features, default=0) if cast else 0
+
+
+def comm_stream_reserve_bytes(spec, s: Strategy, degree, trainable, lay: Dtypes) -> int:
+    """Blocks cached by communication streams, which the compute stream never reuses (``get_free_block`` only returns
+    a block of the requesting stream, CUDACachingAllocator.cpp):
+    - FSDP2's sharded fp32 gradients come from reduce-scatter outputs on its reduce-scatter stream
+      (``_fsdp_collectives.foreach_reduce``);
+    - ZeRO-2 builds its fp32 gradient partition, the bucket flatten and the per-parameter upcasts on the reduction
+      stream (stage_1_and_2.py ``average_tensor``);
+    - ZeRO-3 flattens buckets and upcasts partitions there (stage3.py, ``reduce_scatter_coalesced``) and records the
+      bf16 gradients in flight (up to the two overlapped buckets) on it before freeing them.
+    """
     bucket = min(DS_REDUCE_BUCKET_ELEMENTS, trainable)  # what a flatten of the gradients in it holds
     largest = min(max(spec.layer_params, spec.embedding_params), trainable) if spec.has_shape else 0
     if s.is_fsdp:
-        out += shard_bytes(trainable * lay.grads, True, degree)
-    elif s.zero_stage == 2:
-        out += (
+        return shard_bytes(trainable * lay.grads, True, degree)
+    if s.zero_stage == 2:
+        return (
             shard_bytes(trainable * lay.grads, True, degree)
             + bucket * lay.compute
             + shard_bytes(largest * FP32, True, degree)
         )
-    elif s.zero_stage == 3:
-        out += (
-            bucket * lay.compute + shard_bytes(bucket * FP32, True, degree) + min(trainable, 2 * bucket) * lay.compute
-        )
-    return out
+    if s.zero_stage == 3:
+        in_flight = min(trainable, 2 * bucket) * lay.compute
+        return bucket * lay.compute + shard_bytes(bucket * FP32, True, degree) + in_flight
+    return 0
 
 
 def overhead_bytes(s: Strategy, world_size: int) -> int:

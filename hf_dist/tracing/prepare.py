@@ -40,8 +40,10 @@ def trainable_dtype(setup: TraceSetup) -> Any:
 
 def native_amp(setup: TraceSetup) -> bool:
     """Whether accelerate wraps the forward in autocast: mixed precision on, except pure bf16 FSDP2, which
-    hf_dist runs with mixed precision "no" (``hf_dist.configs.training_args.trainer_mixed_precision``)."""
-    return setup.mixed_precision != "no" and not (setup.pure_bf16 and setup.layout.strategy.is_fsdp)
+    hf_dist runs with mixed precision "no" (``hf_dist.configs.training_args.trainer_mixed_precision``), and DeepSpeed,
+    whose engine casts the module to the 16-bit dtype instead (accelerate's ``native_amp`` is off for it)."""
+    strategy = setup.layout.strategy
+    return setup.mixed_precision != "no" and not (setup.pure_bf16 and strategy.is_fsdp) and not strategy.is_deepspeed
 
 
 def build_model(config: Any, setup: TraceSetup, *, trust_remote_code: bool = False) -> Any:

@@ -115,10 +115,19 @@ class TraceSetup:
     def untraceable_reason(self) -> str | None:
         """Why this layout cannot be traced on this machine, or None. Each reason was found by trying
         (docs/planner.md, "Tracing"); the analytic estimate stands for these layouts."""
-        layout = self.layout
-        s = layout.strategy
-        if s.engine is Engine.DEEPSPEED:
-            return _DEEPSPEED_REASON
+        deepspeed = self.layout.strategy.engine is Engine.DEEPSPEED
+        reason = _deepspeed_layout_reason(self) if deepspeed else None
+        if reason:
+            return reason
+        reason = self._layout_reason()
+        if reason or not deepspeed:
+            return reason
+        from hf_dist.tracing.zero_shims import installed_version, version_reason
+
+        return version_reason(installed_version())  # last: a layout no DeepSpeed version traces says so first
+
+    def _layout_reason(self) -> str | None:
+        """Why no installed library version traces this layout, or None."""
         if self.method == "qlora":
             return "QLoRA: bitsandbytes' 4-bit weights and kernels are CUDA-only and have no fake-tensor kernels"
         if self.optimizer == "adamw_8bit":
@@ -198,11 +207,17 @@ def _transformers_distributes_meta_models() -> bool:
     return hasattr(PreTrainedModel, "maybe_distribute_model") and hasattr(PreTrainedModel, "prepare_distribute_model")
 
 
-# Found by trying (deepspeed 0.19.8, torch 2.13, a fake process group and FakeTensorMode): engine.py
-# _configure_distributed_model calls module.to(device), which a fake-materialised module refuses (torch swaps the
-# parameters, and FakeTensorMode holds weak references to them), and the optimizer step branches on tensor values in
-# Python (stage_1_and_2.py has_overflow and stage3.py is_invalid_grad_norm call .item()); docs/planner.md, "Tracing".
-_DEEPSPEED_REASON = (
-    "DeepSpeed ZeRO: its engine cannot run on fake tensors (module.to(device) on fake parameters, .item() in its "
-    "overflow checks)"
-)
+def _deepspeed_layout_reason(setup: TraceSetup) -> str | None:
+    """Why this DeepSpeed layout cannot be traced by any DeepSpeed version (the engine itself runs under
+    :mod:`hf_dist.tracing.zero`; the installed version is checked after every layout reason)."""
+    if setup.tp_size > 1 or setup.sp_size > 1:
+        return (
+            "DeepSpeed AutoTP and Ulysses sequence parallelism: their process groups and sharded layers are not "
+            "traced (only ZeRO-1/2/3 over the data-parallel ranks is)"
+        )
+    if setup.mixed_precision == "fp16":
+        return (
+            "DeepSpeed fp16: its loss scaler skips steps on overflow, which the tracing shims do not cover (they "
+            "answer bf16 and fp32 steps), and DeepSpeed's CPU accelerator refuses fp16 on most CPUs"
+        )
+    return None

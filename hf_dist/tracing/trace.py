@@ -7,8 +7,9 @@ the labels (the model's own loss), ``backward`` of the loss over the accumulatio
 or freed under ``FakeTensorMode``; the peak and its breakdown are rank 0's. Collectives go to torch's fake process
 group of the plan's world size, so 512 ranks cost what 8 do.
 
-What it measures is ``torch.cuda.max_memory_allocated`` of the run: live tensors. The caching allocator's reserve
-and the CUDA context are not tensors; :meth:`TraceResult.device_total` adds the memory model's terms for them.
+What it measures is ``torch.cuda.max_memory_allocated`` of the run: live tensors. Every storage made and freed is
+also logged in order and replayed through torch's caching allocator (:mod:`hf_dist.tracing.allocations`): what the run
+reserves (``max_memory_reserved``); :meth:`TraceResult.device_total` adds the CUDA context.
 A CPU build of torch cannot fake CUDA tensors, so the trace runs CPU kernels' shapes (autocast on CPU; sdpa's CPU
 flash kernel saves what the CUDA one does for these shapes).
 """
@@ -20,7 +21,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_dist.tracing.setup import TraceSetup, check_traceable
+from hf_dist.tracing.allocations import AllocationLog
+from hf_dist.tracing.setup import TraceSetup, TraceUnsupported, check_traceable
+from hf_dist.tracing.zero_shims import UnknownScalarRead
 
 # the trackers' categories as the memory model names its terms (hf_dist.planning.memory.MemoryEstimate)
 TERMS = {
@@ -56,7 +59,8 @@ class TraceResult:
     ``terms``: that peak by memory-model term (params, grads, optimizer, activations, temporaries — gradients of
     activations and other backward/step intermediates —, buffers — gathered FSDP units, communication buffers,
     module buffers —, inputs); ``categories``: the tracker's own names; ``states``: params and optimizer state
-    after the step, the model states at rest. ``complete`` is False when the time limit stopped the trace: the
+    after the step, the model states at rest; ``reserved_bytes``: what the caching allocator reserves for the traced
+    allocations over the run's steps (``max_memory_reserved``; 0 when the trace was cut short). ``complete`` is False when the time limit stopped the trace: the
     peak is then of what ran.
     """
 
@@ -69,16 +73,30 @@ class TraceResult:
     complete: bool = True
     peak_phase: str = ""
     notes: list[str] = field(default_factory=list)
+    reserved_bytes: int = 0
+    engine: str = ""  # what ran besides torch: "DeepSpeed 0.19.8" for ZeRO layouts
+
+    def checked(self) -> str:
+        """What the trace ran, in a few words: ``rank 0 of 64 ranks, DeepSpeed 0.19.8's engine``."""
+        what = f"rank 0 of {self.setup.world_size} ranks"
+        return what + (f", {self.engine}'s engine" if self.engine else "") + " under fake tensors"
 
     def device_total(self, estimate: Any) -> int:
-        """The traced peak plus what the memory model adds outside tensors (caching allocator, CUDA context)."""
-        return self.peak_bytes + estimate.total - estimate.allocated
+        """Device memory in use at the peak: what the caching allocator reserves for the traced allocations, replayed
+        over the run's steps (``reserved_bytes``, :mod:`hf_dist.tracing.allocations`), plus what the memory model adds
+        outside it (the CUDA context, and the blocks the collectives' streams cache:
+        :func:`~hf_dist.planning.transients.comm_stream_reserve_bytes`). A trace cut short has no replay: its peak
+        plus the model's reserve."""
+        if not self.reserved_bytes:
+            return self.peak_bytes + estimate.total - estimate.allocated
+        return self.reserved_bytes + estimate.comm_reserve + estimate.overhead
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "setup": self.setup.to_dict(), "peak_bytes": self.peak_bytes, "terms": self.terms,
             "categories": self.categories, "states": self.states, "seconds": self.seconds,
             "complete": self.complete, "peak_phase": self.peak_phase, "notes": list(self.notes),
+            "reserved_bytes": self.reserved_bytes, "engine": self.engine,
         }  # fmt: skip
 
     @classmethod
@@ -126,7 +144,7 @@ def fake_world(setup: TraceSetup):
     layout = setup.layout
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=setup.world_size)
     try:
-        if setup.tp_size > 1:  # transformers builds its own (fsdp, tp) mesh (prepare.distribute_tensor_parallel)
+        if setup.tp_size > 1 or layout.strategy.is_deepspeed:  # transformers / DeepSpeed make their own groups
             mesh = None
         elif layout.strategy.replicates_across_nodes:
             mesh = init_device_mesh("cpu", (layout.dp_replicate_size, layout.dp_shard_size),
@@ -135,16 +153,27 @@ def fake_world(setup: TraceSetup):
             mesh = init_device_mesh("cpu", (setup.world_size,), mesh_dim_names=("dp_shard",))
         yield mesh
     finally:
-        dist.destroy_process_group()
+        try:
+            if layout.strategy.is_deepspeed:
+                from hf_dist.tracing.zero import release_groups
+
+                release_groups()
+        finally:
+            dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- trackers
 
 
-def _tracker(model: Any, optimizer: Any, deadline: float) -> Any:
-    """The tracker for the model, stopping at ``deadline`` (checked at every operator, so a trace never hangs)."""
+def _tracker(
+    model: Any, optimizer: Any, deadline: float, log: AllocationLog | None = None, grad_hooks: bool = True
+) -> Any:
+    """The tracker for the model, stopping at ``deadline`` (checked at every operator, so a trace never hangs),
+    writing every storage it sees made or freed to ``log`` in order. ``grad_hooks=False``: a parameter's ``.grad``
+    is not counted as a gradient (DeepSpeed copies each into its reduce bucket and points ``.grad`` into it; the
+    engine's own gradient buffers are labelled instead)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
     from torch.distributed.fsdp import FSDPModule
 
     fsdp = isinstance(model, FSDPModule)
@@ -169,7 +198,8 @@ def _tracker(model: Any, optimizer: Any, deadline: float) -> Any:
                 params += sum(w.mem_consumed for w in self._update_and_maybe_create_winfos(param, _MemRefType.PARAM))
                 if param.grad is not None:
                     self._update_and_maybe_create_winfos(param.grad, _MemRefType.GRAD)
-                if install_grad_hooks and param.requires_grad and param not in self._param_to_grad_hook_handles:
+                hook = install_grad_hooks and grad_hooks and param.requires_grad
+                if hook and param not in self._param_to_grad_hook_handles:
                     self._param_to_grad_hook_handles[param] = (
                         param.register_hook(self._grad_hook),
                         param.register_post_accumulate_grad_hook(lambda p: self._grad_hook(p.grad)),
@@ -188,6 +218,11 @@ def _tracker(model: Any, optimizer: Any, deadline: float) -> Any:
                     self._peak_mem[device] = snap["Total"]
                     self._peak_mem_snap[device] = dict(snap)
 
+        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+            if log is not None:
+                log.record(u_type, winfo, getattr(winfo.reftype, "value", None) in ("Optstate", "OptState"))
+            super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+
         def _grad_hook(self, grad):
             self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
@@ -196,6 +231,25 @@ def _tracker(model: Any, optimizer: Any, deadline: float) -> Any:
 
         def _fsdp_param_group_post_backward(self, fsdp_mod, orig):
             return _with_stats(self, fsdp_mod, super()._fsdp_param_group_post_backward(fsdp_mod, orig))
+
+        def label(self, tensors, category: str) -> None:
+            """Count the storages of ``tensors`` under ``category`` (a ``_MemRefType`` name) from now on."""
+            reftype = _MemRefType[category]
+            for tensor in tensors:
+                if tensor.untyped_storage().nbytes():
+                    self._update_and_maybe_create_winfos(tensor, reftype)
+
+        def relabel(self, old: str, new: str) -> None:
+            """Every storage counted under ``old`` counts under ``new`` from now on."""
+            old_type, new_type = _MemRefType[old], _MemRefType[new]
+            for winfo, _ in list(self._WINFO.values()):
+                if winfo.reftype == old_type:
+                    winfo.reftype = new_type
+                    self._update_snap(_UpdateType.REF, winfo, old_reftype=old_type)
+
+        def live(self) -> list:
+            """The tracker's record of every storage alive now."""
+            return [winfo for winfo, _ in list(self._WINFO.values())]
 
     tracker = Tracker(model, optimizer) if fsdp else Tracker()
     if not fsdp:
@@ -361,11 +415,17 @@ def trace_here(
     optimizer = prepare.trainer_optimizer(setup)  # before the fake group: no launch warnings
     run = None
     try:
-        with fake_world(setup) as mesh, liger_applied(setup.use_liger_kernel, config) as apply_liger:
+        with (
+            fake_world(setup) as mesh,
+            liger_applied(setup.use_liger_kernel, config) as apply_liger,
+            _engine_process(setup),
+        ):
             run = _Run(config, setup, mesh, optimizer, deadline, trust_remote_code, apply_liger)
             run.steps()
-    except TraceError:
+    except (TraceError, TraceUnsupported):
         raise
+    except UnknownScalarRead as exc:  # a DeepSpeed version whose checks moved: refused, never traced down a guess
+        raise TraceUnsupported(f"cannot trace {setup.layout.describe()}: {exc}; the analytic estimate stands") from exc
     except Exception as exc:  # the model or a library failed under this layout
         if time.monotonic() > deadline and run is not None:  # a library re-raised the time limit as its own error
             run.complete = False
@@ -384,6 +444,39 @@ def trace_here(
     return result
 
 
+def _engine_process(setup: TraceSetup) -> Any:
+    """What the engine's process has: rank 0's launcher variables and DeepSpeed's log level for DeepSpeed."""
+    if not setup.layout.strategy.is_deepspeed:
+        return contextlib.nullcontext()
+    from hf_dist.tracing.zero import rank_zero
+
+    return rank_zero(setup)
+
+
+def _engine_name(setup: TraceSetup) -> str:
+    if not setup.layout.strategy.is_deepspeed:
+        return ""
+    from hf_dist.tracing.zero_shims import installed_version
+
+    return f"DeepSpeed {installed_version()}"
+
+
+def _deepspeed_note(answered: dict[str, int]) -> str:
+    reads = ", ".join(f"{name} x{count}" for name, count in sorted(answered.items())) or "none"
+    return (
+        "DeepSpeed's engine ran unchanged but for its module.to, which kept the fake module in place, and its reads "
+        f"of tensor values ({reads}), answered as a healthy step reads them: no overflow, a finite gradient norm, "
+        "every rank agreeing"
+    )
+
+
+def _engine_states(engine: Any) -> tuple[list, list, list]:
+    from hf_dist.tracing.zero import state_tensors
+
+    states = state_tensors(engine)
+    return states["params"], states["optimizer"], states["grads"]
+
+
 class _Run:
     """One traced run: the model prepared and materialised, its optimizer, the tracker, the peak's phase."""
 
@@ -394,49 +487,98 @@ class _Run:
         from hf_dist.tracing import prepare
 
         self.setup, self.complete, self.phase, self.peak_phase, self.peak_seen = setup, True, "", "", 0
+        self.notes: list[str] = []
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.vocab_size = text.vocab_size
-        self.tracker = None
+        self.tracker, self.log = None, AllocationLog()
         model = prepare.build_model(config, setup, trust_remote_code=trust_remote_code)
         model = apply_liger(model) if apply_liger else model  # the Trainer's __init__, before accelerate's prepare
         model = prepare.enable_checkpointing(model, setup)
         model = prepare.shard(model, setup, mesh)
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+        self.engine = None
         with self.fake:
             self.model = prepare.autocast_forward(prepare.materialize(model), setup)
+            if setup.layout.strategy.is_deepspeed:
+                self._start_deepspeed(optimizer, deadline)
+                return
             self.buckets = prepare.ddp_buckets(self.model, setup)
             cls, kwargs = optimizer
             self.optimizer = cls([p for p in self.model.parameters() if p.requires_grad], **kwargs)
             if not WARM_UP_BY_STEP:
                 create_optimizer_state(self.model, self.optimizer)
-            self.tracker = _tracker(self.model, self.optimizer, deadline)
+            self.tracker = _tracker(self.model, self.optimizer, deadline, self.log)
             if self.buckets:
                 self.tracker.track_external(*self.buckets)
 
+    def _start_deepspeed(self, optimizer: tuple, deadline: float) -> None:
+        """The DeepSpeed engine started on the fake-materialised model under the tracker, so every buffer it makes
+        at start is counted (as buffers, unless it holds parameters, gradients or optimizer state); the peak is
+        taken from the first step on (the tracker restarts it when the steps enter it), as on a GPU, where DeepSpeed
+        builds its flat buffers after moving the module's parameters to the host. The allocation log restarts there
+        too: the storages alive after the start are the replay's set-up, and the start's own transients (the fake
+        module kept in place beside the flat buffers) are not replayed."""
+        from hf_dist.tracing import zero
+        from hf_dist.tracing.zero_shims import healthy_scalar_reads
+
+        self.buckets = []
+        self.optimizer = zero.trainer_optimizer(self.model, optimizer)
+        self.tracker = _tracker(self.model, self.optimizer, deadline, self.log, grad_hooks=False)
+        with self.tracker, healthy_scalar_reads():
+            self.engine = zero.initialize(self.model, self.optimizer, self.setup)
+        self.tracker.relabel("ACT", "OTH")
+        self._label_engine_states()
+        self.log.restart(self.tracker.live())
+
+    def _label_engine_states(self) -> None:
+        for category, tensors in zip(("PARAM", "OPT", "GRAD"), _engine_states(self.engine), strict=True):
+            self.tracker.label(tensors, category)
+
     def steps(self) -> None:
+        from hf_dist.tracing.cuda_attention import cuda_attention
         from hf_dist.tracing.prepare import cuda_dropout
 
-        with self.fake, self.tracker, cuda_dropout():
+        with self.fake, self.tracker, cuda_dropout(), cuda_attention():
             try:
-                _train_steps(self.model, self.optimizer, self.setup, self.vocab_size, self.on_phase, self.tracker)
+                if self.engine is None:
+                    _train_steps(self.model, self.optimizer, self.setup, self.vocab_size, self.on_phase, self.tracker)
+                else:
+                    self._deepspeed_steps()
             except TraceTimeout:
                 self.complete = False
         self.on_phase("")
+
+    def _deepspeed_steps(self) -> None:
+        from hf_dist.tracing import zero
+        from hf_dist.tracing.zero_shims import healthy_scalar_reads
+
+        def after_backward() -> None:
+            self.tracker.reset_mod_stats()
+            self._label_engine_states()  # gradient partitions DeepSpeed creates in the first backward
+
+        reads = healthy_scalar_reads()
+        with reads:
+            zero.train_steps(self.engine, self.setup, self.vocab_size, self.on_phase, after_backward)
+        self.notes.append(_deepspeed_note(reads.answered))
 
     def on_phase(self, name: str) -> None:
         total = _snapshot(self.tracker, "peak").get("Total", 0)
         if total > self.peak_seen:
             self.peak_phase, self.peak_seen = self.phase, total
         self.phase = name
+        self.log.phase(name)
 
     def result(self, seconds: float) -> TraceResult:
         if self.tracker is None:  # stopped before anything ran
             peak, rest = {}, dict.fromkeys(TERM_ORDER, 0)
         else:
             peak, rest = _snapshot(self.tracker, "peak"), _terms(_snapshot(self.tracker, "current"))
+        reserved = self.log.reserved_bytes()[0] if self.tracker is not None and self.complete else 0
         return TraceResult(
             setup=self.setup, peak_bytes=peak.get("Total", 0), terms=_terms(peak),
             categories={k: v for k, v in peak.items() if k != "Total" and v},
             states={"params": rest["params"], "optimizer": rest["optimizer"]}, seconds=round(seconds, 2),
-            complete=self.complete, peak_phase=self.peak_phase, notes=[_DDP_NOTE] if self.buckets else [],
+            complete=self.complete, peak_phase=self.peak_phase,
+            notes=([_DDP_NOTE] if self.buckets else []) + self.notes, engine=_engine_name(self.setup),
+            reserved_bytes=reserved,
         )  # fmt: skip

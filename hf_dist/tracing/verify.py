@@ -3,9 +3,10 @@
 :func:`plan` is ``hf_dist.plan``: the planner's search (:func:`hf_dist.planning.planner.plan`), then, with
 ``verify=True``, :func:`verify_plan`.
 
-The analytic plan stands where a layout cannot be traced (DeepSpeed, offload, CP; the plan says why in one line). A
-traced layout fits when its traced peak plus the memory model's non-tensor terms (caching allocator, CUDA context)
-stays within the usable memory; otherwise the candidate is marked as not fitting, with the traced figure as its
+The analytic plan stands where a layout cannot be traced (offload, CP, DeepSpeed AutoTP or fp16; the plan says why in
+one line). A traced layout fits when its traced device total (its allocations replayed through the caching allocator,
+plus the CUDA context: :meth:`~hf_dist.tracing.trace.TraceResult.device_total`) stays within the usable memory;
+otherwise the candidate is marked as not fitting, with the traced figure as its
 reason, and the next best candidate is traced in turn (at most :data:`MAX_TRACED` of them).
 """
 
@@ -88,9 +89,10 @@ def verify_plan(plan: Plan, *, time_limit_s: float, isolate: bool = True, trust_
 
 
 def _traced_line(plan: Plan, c: Any, trace: Any, need: int) -> str:
-    """What the trace checked, in one line: the layout, the rank, traced against modelled, and that it fits."""
+    """What the trace checked, in one line: the layout, the rank (and the engine, DeepSpeed's, that ran on it:
+    :meth:`~hf_dist.tracing.trace.TraceResult.checked`), traced against modelled, and that it fits."""
     return (
-        f"traced {c.label} on rank 0 of {plan.world_size} in {trace.seconds:.1f} s: {format_bytes(trace.peak_bytes)} "
+        f"traced {c.label} on {trace.checked()} in {trace.seconds:.1f} s: {format_bytes(trace.peak_bytes)} "
         f"allocated (modelled {format_bytes(c.memory.allocated)}); {format_bytes(need)} with the allocator and CUDA "
         f"context fits the usable {format_bytes(plan.usable_gib * GIB)}"
     )

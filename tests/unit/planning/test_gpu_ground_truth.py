@@ -1,4 +1,5 @@
-"""The memory model and the planner against the H100 measurements in benchmarks/data/gpu (issue 10's targets).
+"""The memory model, the throughput model and the planner against the H100 and H200 measurements in
+benchmarks/data/gpu (issue 10's targets on the H100, issue 33's on the H200).
 
 Pure arithmetic on recorded data: no GPU is needed. ``benchmarks/gpu_ground_truth.py`` prints the table.
 """
@@ -31,6 +32,21 @@ def test_every_case_meets_the_memory_targets():
     fp32_masters = [r for r in rows if r["precision"] == "fp32 masters" and not r["oom"]]
     assert len(fp32_masters) >= 10 and all(0.95 <= r["ratio"] <= 1.15 for r in fp32_masters)
     assert all(r["predicted_gib"] > r["capacity_gib"] for r in rows if r["oom"])
+
+
+def test_every_h200_run_within_issue_33s_targets():
+    bench = _bench()
+    cases = bench.load(FILES)
+    memory = [r for r in bench.memory_rows(cases)[0] if r["gpu"] == "H200"]
+    assert len(memory) == 4 and all(0.97 <= r["ratio"] <= 1.10 for r in memory), [r["ratio"] for r in memory]
+    speed, failures = bench.throughput_rows(cases)
+    h200 = [r for r in speed if r["gpu"] == "H200"]
+    assert not failures and len(h200) == 4 and all(0.85 <= r["ratio"] <= 1.15 for r in h200)
+
+
+def test_the_planners_estimate_of_every_run_is_within_a_third():
+    speed, _ = _bench().throughput_rows(_bench().load(FILES))
+    assert len(speed) == 19 and all(0.75 <= r["ratio"] <= 1.33 for r in speed), [round(r["ratio"], 3) for r in speed]
 
 
 def test_planner_picks_run_and_are_fast():

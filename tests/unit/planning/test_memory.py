@@ -11,9 +11,11 @@ from hf_dist.planning.model_states import QLORA_BASE_BYTES_PER_PARAM, lora_train
 from hf_dist.planning.modelinfo import model_spec
 from hf_dist.planning.transients import (
     CUDA_CONTEXT_BYTES,
-    DS_PREFETCH_BUCKET_ELEMENTS,
+    DS_MAX_LIVE_PARAMETERS,
     DS_REDUCE_BUCKET_ELEMENTS,
     NCCL_BYTES,
+    compute_stream_reserve_bytes,
+    lora_input_cast_bytes,
 )
 from hf_dist.testing import tiny_llama_config
 
@@ -53,16 +55,21 @@ def test_ddp_mixed_is_4_4_8_bytes_per_param_and_pure_bf16_2_2_4():
 
 def test_zero_stages():
     z1, z2, z3 = est("zero1"), est("zero2"), est("zero3")
-    # ZeRO-1 in bf16 with fp32 accumulation is BF16_Optimizer: full fp32 grad buffer + bf16 grads, kept
-    assert (z1.params, z1.grads, z1.optimizer) == (2 * P, 6 * P, 12 * P // 8)
+    # ZeRO-1 in bf16 with fp32 accumulation is BF16_Optimizer: a full fp32 grad buffer, kept; its bf16 grads live
+    # from backward to the step, next to the bf16 copy the fp32 grads are all-reduced in (one group: a bare count)
+    assert (z1.params, z1.grads, z1.optimizer) == (2 * P, 4 * P, 12 * P // 8)
     assert not z1.grads_overlap_activations
+    assert z1.step == 2 * P + 2 * P
     # ZeRO-2: fp32 gradient partition, freed after the step; buckets only in backward
     assert (z2.params, z2.grads, z2.optimizer, z2.buffers) == (2 * P, 4 * P // 8, 12 * P // 8, 0)
     assert z2.step == 2 * B * 2  # two bf16 buckets (overlap_comm); a bare count has no largest parameter
     assert z2.grads_overlap_activations
     # ZeRO-3: everything partitioned; the fp32 grad partition and the bf16 reduce bucket live from init
     assert (z3.params, z3.grads, z3.optimizer) == (2 * P // 8, 4 * P // 8, 12 * P // 8)
-    assert z3.buffers == B * 2 + DS_PREFETCH_BUCKET_ELEMENTS * 2  # + prefetch bucket (world > 1)
+    # + up to stage3_max_live_parameters gathered (world > 1), with the logits too, released before the step
+    assert z3.buffers == B * 2 + DS_MAX_LIVE_PARAMETERS * 2 and z3.unit_buffers == 0
+    assert z3.released_at_step == DS_MAX_LIVE_PARAMETERS * 2
+    assert est("zero3", 1).buffers == B * 2  # one rank gathers nothing
     assert not z3.grads_overlap_activations
     assert z3.step == P // 8 * 4  # flattened fp32 gradient of the (one) sub-group
     # in fp32 (CPU ranks), ZeRO-1 keeps only the reduced partition without accumulation
@@ -319,3 +326,38 @@ def test_sync_each_batch_holds_sharded_gradients_and_reduce_scatters_every_micro
         z3, "none", count, P, 8, 1, 4, 2, 2, hw, True)  # fmt: skip
     with pytest.raises(ValueError, match=r"sync_each_batch with ddp: only FSDP2 keeps unsharded gradients"):
         estimate_memory(spec, "ddp", 2, sync_each_batch=True)
+
+
+def test_the_reserve_is_the_compute_streams_and_the_collectives_streams():
+    # FSDP2 full shard of 1B on 8 ranks: the compute stream keeps one block of the largest transient (a bare count has
+    # none), the reduce-scatter stream the rank's fp32 gradient shard, 4 * P / 8 bytes
+    m = est("fsdp_full_shard", 8)
+    assert m.comm_reserve == 4 * P // 8 == m.allocator
+    assert est("ddp", 8).comm_reserve == 0
+    assert compute_stream_reserve_bytes(3 * GIB, 2 * GIB, ckpt=False) == 3 * GIB
+    assert compute_stream_reserve_bytes(3 * GIB, 2 * GIB, ckpt=True) == 5 * GIB  # + the gradients between recomputes
+
+
+def test_lora_fp32_adapters_under_autocast_copy_their_input_to_fp32():
+    # PEFT's _cast_input_dtype: 4 bytes per input feature per token, the widest input (down_proj's: the MLP's width)
+    assert lora_input_cast_bytes(16_384, (4096, 4096, 14_336), cast=True) == 4 * 16_384 * 14_336  # 896 MiB
+    assert lora_input_cast_bytes(16_384, (4096, 14_336), cast=False) == 0
+    spec = model_spec(tiny_llama_config())
+    lora = estimate_memory(spec, "ddp", 1, method="lora", seq_len=64, micro_batch_size=4, use_liger_kernel=True)
+    mlp = 2 * spec.intermediate_size * 64 * 4  # Liger drops the logits: the largest 16-bit transient is an MLP one
+    assert lora.allocator == 4 * spec.intermediate_size * 64 * 4 == 2 * mlp
+
+
+def test_zero3_gathers_its_largest_module_whole_past_the_live_limit():
+    """ZeRO-3 fetches the module it runs whole: Mixtral's stacked experts (8 x 3 x 4096 x 14336) exceed
+    stage3_max_live_parameters; Llama 3 8B's largest module, its 128k x 4096 head, does not."""
+    from hf_dist.planning.layout import strategy
+    from hf_dist.planning.transients import largest_module_params, zero3_gathered_bytes
+    from hf_dist.testing import public_config
+
+    mixtral, llama = model_spec(public_config("mixtral-8x7b")), model_spec(public_config("llama-3-8b"))
+    assert largest_module_params(mixtral) == 8 * 3 * 4096 * 14336
+    lay = engine_dtypes("zero3", 2, True, "full")
+    zero3 = strategy("zero3")
+    assert zero3_gathered_bytes(mixtral, zero3, 64, lay) == 8 * 3 * 4096 * 14336 * 2
+    assert zero3_gathered_bytes(llama, zero3, 64, lay) == DS_MAX_LIVE_PARAMETERS * 2

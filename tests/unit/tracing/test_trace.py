@@ -249,10 +249,11 @@ def test_isolated_trace_equals_the_in_process_one():
 
 
 @pytest.mark.parametrize(("setup", "named"), [
-    ({"strategy": "zero3", "world_size": 8}, "DeepSpeed ZeRO: its engine cannot run on fake tensors"),
+    ({"strategy": "zero3", "world_size": 8, "mixed_precision": "fp16"}, "DeepSpeed fp16: its loss scaler"),
+    ({"strategy": "zero2", "world_size": 8, "tp_size": 2}, "DeepSpeed AutoTP"),
     ({"strategy": "ddp", "world_size": 2, "tp_size": 2, "use_liger_kernel": True}, "Liger kernels with tensor"),
     ({"strategy": "ddp", "method": "qlora"}, "bitsandbytes"),
-    ({"strategy": "zero2", "world_size": 8, "offload": "optimizer"}, "DeepSpeed"),
+    ({"strategy": "zero2", "world_size": 8, "offload": "optimizer"}, "CPU offload"),
     ({"strategy": "fsdp_full_shard", "world_size": 8, "offload": "optimizer+params"}, "CPU offload"),
     ({"strategy": "fsdp_full_shard", "world_size": 8, "cp_size": 2}, "context parallelism"),
 ])  # fmt: skip

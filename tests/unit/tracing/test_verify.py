@@ -11,6 +11,7 @@ from hf_dist.cli.main import main
 from hf_dist.planning.memory import GIB
 from hf_dist.testing import public_config, tiny_llama_config
 from hf_dist.tracing import TraceResult, TraceSetup
+from tests.unit.tracing.marks import needs_traced_deepspeed
 
 
 def test_verified_plan_carries_the_trace_of_its_choice():
@@ -23,13 +24,28 @@ def test_verified_plan_carries_the_trace_of_its_choice():
     assert plan.to_dict()["trace"]["peak_bytes"] == plan.trace.peak_bytes
 
 
+@needs_traced_deepspeed
+def test_a_zero3_pick_is_traced_and_says_in_one_line_what_ran():
+    pytest.importorskip("deepspeed")
+    plan = hf_dist.plan(tiny_llama_config(), gpus=8, gpu_memory_gib=80, strategy="zero3", global_batch_size=16,
+                        verify=True)  # fmt: skip
+    assert plan.strategy == "zero3" and plan.trace is not None and plan.trace.setup.strategy == "zero3"
+    line = plan.verification
+    assert "\n" not in line and line.startswith("traced zero3")
+    assert "rank 0 of 8 ranks, DeepSpeed 0.19" in line and "engine under fake tensors" in line
+    assert "allocated (modelled" in line
+    note = " ".join(plan.trace.notes)
+    assert "is_invalid_grad_norm" in note and "no overflow" in note  # what the shims answered
+    assert "note: DeepSpeed's engine ran unchanged" in plan.explain()
+
+
 def test_untraceable_choice_keeps_the_analytic_plan_and_says_why_in_one_line():
-    plan = hf_dist.plan(tiny_llama_config(), gpus=8, gpu_memory_gib=80, strategy="zero2", verify=True)
+    plan = hf_dist.plan(tiny_llama_config(), gpus=8, gpu_memory_gib=80, strategy="zero2", offload="optimizer",
+                        verify=True)  # fmt: skip
     assert plan.strategy == "zero2" and plan.trace is None
-    assert plan.verification == (
-        "not traced zero2/none: DeepSpeed ZeRO: its engine cannot run on fake tensors (module.to(device) on fake "
-        "parameters, .item() in its overflow checks); the analytic estimate stands"
-    )
+    assert plan.verification.startswith("not traced zero2")
+    assert "\n" not in plan.verification and "CPU offload" in plan.verification
+    assert plan.verification.endswith("; the analytic estimate stands")
     bare = hf_dist.plan(7.5e9, gpus=8, gpu_memory_gib=80, verify=True)
     assert bare.trace is None and "bare parameter count" in bare.verification
 
@@ -43,7 +59,7 @@ def test_what_was_checked_is_one_line(monkeypatch):
     from hf_dist.tracing.verify import why_not
 
     traced = hf_dist.plan(tiny_llama_config(), gpus=8, gpu_memory_gib=80, global_batch_size=16, verify=True)
-    assert traced.verification.startswith(f"traced {traced.strategy}/none on rank 0 of 8 in ")
+    assert traced.verification.startswith(f"traced {traced.strategy}/none on rank 0 of 8 ranks under fake tensors in ")
     assert " allocated (modelled " in traced.verification and "fits the usable 72.00 GiB" in traced.verification
     monkeypatch.setattr(version, "installed_liger_version", lambda: "0.9.1")
     hardware = detect_hardware(gpus=1, gpu_memory_gib=80, liger_kernel=True)
