@@ -385,6 +385,7 @@ def _redirected_load(f: Any, map_location: Any = None, pickle_module: Any = None
     load = _original_load()
     if guard is None:
         return load(f, map_location, pickle_module, **kwargs)
+    map_location = _without_cpu_index(map_location)
     with _recorded(guard):
         source = _source_of(f, guard)
         if guard.trust_pickles:
@@ -392,6 +393,16 @@ def _redirected_load(f: Any, map_location: Any = None, pickle_module: Any = None
         kwargs["weights_only"] = True  # pickle_module is dropped: torch refuses one beside weights_only
         with _translated_errors(source), torch.serialization.safe_globals(allowlist(library=True)):
             return load(f, map_location, **kwargs)
+
+
+def _without_cpu_index(map_location: Any) -> Any:
+    """``cpu:0`` as ``cpu``: transformers 5.0 loads a multi-rank resume's ``optimizer.pt`` to ``args.device``, which is
+    ``cpu:0`` on CPU ranks launched without ``use_cpu``, and torch cannot restore storages there ("don't know how to
+    restore data location"); the CPU has one memory."""
+    import torch
+
+    plain = isinstance(map_location, (str, torch.device)) and str(map_location).startswith("cpu:")
+    return "cpu" if plain else map_location
 
 
 def _source_of(f: Any, guard: _Guard) -> str:

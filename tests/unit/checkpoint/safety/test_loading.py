@@ -52,6 +52,18 @@ def test_a_library_load_under_the_guard_is_the_same_load(fmt, tmp_path):
     assert not (tmp_path / "RAN").exists()
 
 
+def test_a_guarded_load_to_cpu_0_lands_on_the_cpu(tmp_path):
+    """transformers 5.0 loads a multi-rank resume's optimizer.pt with map_location=args.device, cpu:0 on CPU ranks
+    launched without use_cpu, which torch's own load cannot place; the guarded load reads it onto the CPU."""
+    path = tmp_path / "optimizer.pt"
+    torch.save({"exp_avg": torch.ones(2)}, path)
+    with pytest.raises(RuntimeError, match="don't know how to restore data location"):
+        torch.load(path, map_location=torch.device("cpu", 0), weights_only=True)
+    with guarded_loads(tmp_path):
+        for where in (torch.device("cpu", 0), "cpu:0"):
+            assert torch.equal(torch.load(path, map_location=where, weights_only=True)["exp_avg"], torch.ones(2))
+
+
 def test_the_guard_confines_library_loads_and_nests(tmp_path):
     inside, outside = tmp_path / "ckpt", tmp_path / "other"
     inside.mkdir(), outside.mkdir()
