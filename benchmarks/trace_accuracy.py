@@ -57,7 +57,7 @@ SMALL_ONLY = {"llama-3.2-1b", "llama-3.2-3b"}  # and these also DDP full fine-tu
 EXTRA = [("ddp", 8, 1, 1, "full", False, 2048, 4, 1), ("ddp", 8, 1, 1, "full", True, 4096, 2, 2)]
 # mixtures of experts: FSDP2 full-shard (the layout of issue 33's 0.88x) across ranks, tokens, checkpointing and method;
 # the 8k rows without checkpointing on 8 ranks and 2k rows with it are left out (the one over 80 GiB everywhere, the
-# other between rows that are run), to keep the matrix near 20 minutes on 2 busy cores
+# other between rows that are run); the matrix takes about 5 minutes on 2 busy cores
 MOE_MODELS = ("mixtral-8x7b", "qwen1.5-moe-a2.7b", "deepseek-v2-lite")
 MOE_LAYOUTS = [
     ("fsdp_full_shard", 8, 1, 1, "full", False, 2048, 1, 1),

@@ -22,14 +22,8 @@ from hf_dist.planning.activations import (
 from hf_dist.planning.dtypes import Dtypes
 from hf_dist.planning.memory import fsdp_row_padding
 from hf_dist.planning.modelinfo import config_from_dict, model_spec
-from hf_dist.planning.moe import MlaShape, MoeLayout, experts_code_as_modelled
-
-# the MoE terms are read from transformers 5.24's experts and routers; earlier 5.x differ (docs/planner.md)
-moe_code_as_modelled = pytest.mark.skipif(
-    not experts_code_as_modelled(),
-    reason="this transformers' experts are not the 5.24 code the MoE terms were read from",
-)
-
+from hf_dist.planning.moe import MlaShape, MoeLayout
+from tests.unit.marks import moe_code_as_modelled
 
 H, T = 32, 64
 # FSDP2's bf16 units: weights gathered in bf16, compute and residual bf16, no autocast

@@ -10,7 +10,7 @@ from transformers import LlamaConfig
 from hf_dist.planning.memory import estimate_memory
 from hf_dist.tracing import trace_memory
 from hf_dist.tracing.allocations import AllocationLog
-from tests.unit.tracing.marks import needs_traced_deepspeed
+from tests.unit.marks import needs_traced_deepspeed
 
 MIB = 1024**2
 

@@ -10,16 +10,9 @@ import torch
 from hf_dist.planning.lora import LoraSpec
 from hf_dist.planning.memory import estimate_memory
 from hf_dist.planning.modelinfo import config_from_dict
-from hf_dist.planning.moe import experts_code_as_modelled
 from hf_dist.tracing import trace_memory
 from hf_dist.tracing.cuda_attention import cuda_takes_efficient
-
-# the MoE terms are read from transformers 5.24's experts and routers; earlier 5.x differ (docs/planner.md)
-moe_code_as_modelled = pytest.mark.skipif(
-    not experts_code_as_modelled(),
-    reason="this transformers' experts are not the 5.24 code the MoE terms were read from",
-)
-
+from tests.unit.marks import moe_code_as_modelled
 
 H, SEQ, MB = 64, 256, 2
 DEEPSEEK = dict(

@@ -11,7 +11,7 @@ from hf_dist.cli.main import main
 from hf_dist.planning.memory import GIB
 from hf_dist.testing import public_config, tiny_llama_config
 from hf_dist.tracing import TraceResult, TraceSetup
-from tests.unit.tracing.marks import needs_traced_deepspeed
+from tests.unit.marks import needs_traced_deepspeed
 
 
 def test_verified_plan_carries_the_trace_of_its_choice():

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from hf_dist.testing import tiny_llama_config
 from hf_dist.tracing import TraceSetup, TraceUnsupported, trace_memory, zero_shims
 from hf_dist.tracing.zero_shims import UnknownScalarRead, fake_module_to, healthy_scalar_reads, version_reason
-from tests.unit.tracing.marks import needs_traced_deepspeed
+from tests.unit.marks import needs_traced_deepspeed
 
 pytest.importorskip("deepspeed")
 
