@@ -63,6 +63,11 @@ def _add_model_and_hardware(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_switch(parser: argparse.ArgumentParser, flag: str, help: str) -> None:
+    """An ``auto``/``on``/``off`` flag: pinned on or off, or left to the planner (``_SWITCH_VALUES``)."""
+    parser.add_argument(flag, choices=tuple(_SWITCH_VALUES), default="auto", help=help)
+
+
 def _add_layout_pins(parser: argparse.ArgumentParser) -> None:
     """Parts of the layout the user fixes instead of the search (auto_args' and the recipes' pins)."""
     parser.add_argument(
@@ -76,20 +81,16 @@ def _add_layout_pins(parser: argparse.ArgumentParser) -> None:
         help="pin what is offloaded to host RAM (auto_args(offload=...)); default: searched, offload only when "
         "nothing fits without it",
     )
-    parser.add_argument(
+    _add_switch(
+        parser,
         "--activation-checkpointing",
-        choices=("auto", "on", "off"),
-        default="auto",
-        dest="activation_checkpointing",
-        help="pin activation checkpointing (auto_args(activation_checkpointing=...)); auto = chosen by the estimated "
+        "pin activation checkpointing (auto_args(activation_checkpointing=...)); auto = chosen by the estimated "
         "tokens/s",
     )
-    parser.add_argument(
+    _add_switch(
+        parser,
         "--sync-each-batch",
-        choices=("auto", "on", "off"),
-        default="auto",
-        dest="sync_each_batch",
-        help="FSDP2 with gradient accumulation: reduce-scatter each micro-batch (auto_args(sync_each_batch=...)) "
+        "FSDP2 with gradient accumulation: reduce-scatter each micro-batch (auto_args(sync_each_batch=...)) "
         "instead of holding every unsharded gradient until the last one; auto = chosen by memory and tokens/s",
     )
     parser.add_argument(
@@ -121,11 +122,10 @@ def _add_workload(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, dest="micro_batch", help="sequences per rank per forward")
     parser.add_argument("--optimizer", choices=("adamw", "adamw_8bit", "sgd"), default="adamw")
     _add_lora(parser)
-    parser.add_argument(
+    _add_switch(
+        parser,
         "--liger",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="Liger kernels (use_liger_kernel): auto = considered on CUDA when liger-kernel is installed",
+        "Liger kernels (use_liger_kernel): auto = considered on CUDA when liger-kernel is installed",
     )
 
 
