@@ -42,6 +42,7 @@ from hf_dist.planning.activations import (
     logits_bytes,
     lora_bytes,
     trl_head_bytes,
+    zero3_leaf_gradient_bytes,
 )
 from hf_dist.planning.dtypes import FP32, GIB, Dtypes, engine_dtypes
 from hf_dist.planning.layout import Layout, Strategy
@@ -56,6 +57,7 @@ from hf_dist.planning.model_states import (
     swap_bytes_per_rank,
     trainable_params,
 )
+from hf_dist.planning.moe import zero3_leaf_block_params
 from hf_dist.planning.transients import (
     buffer_bytes,
     comm_stream_reserve_bytes,
@@ -339,6 +341,9 @@ def _estimate(r: _Run, overhead: int | None) -> MemoryEstimate:
     layer_grads = (
         layer_gradient_bytes(r.spec, r.seq_len, r.mb, r.lay, liger=r.liger, frozen=frozen) if r.spec.has_shape else 0
     )
+    if r.s.is_deepspeed and r.s.shards.params and not frozen and zero3_leaf_block_params(r.spec):
+        # ZeRO-3 reduces a leaf MoE block's gradients only after its whole backward
+        layer_grads = max(layer_grads, zero3_leaf_gradient_bytes(r.spec, r.seq_len, r.mb, r.lay))
     forward_gather = forward_gather_bytes(r, acts - recompute - (0 if r.ckpt else last_layer), padded_unit)
     return MemoryEstimate(
         params=params, grads=grads, optimizer=optim, activations=acts, buffers=buffers, overhead=fixed,
@@ -348,7 +353,7 @@ def _estimate(r: _Run, overhead: int | None) -> MemoryEstimate:
         step=step_bytes_per_rank(r.spec, r.s, r.degree, r.trainable, r.offload, r.lay),
         allocator=allocator, recompute=recompute, unit_buffers=units, last_layer=last_layer, layer_grads=layer_grads,
         forward_gather=forward_gather,
-        released_at_step=zero3_gathered_bytes(r.spec, r.s, r.layout.world_size // r.layout.tp_size, r.lay),
+        released_at_step=zero3_gathered_bytes(r.spec, r.s, r.layout.world_size // r.layout.tp_size, r.lay, r.ckpt),
         swap=swap_bytes_per_rank(*states, r.device) if nvme else 0, comm_reserve=comm_reserve,
     )  # fmt: skip
 

@@ -19,6 +19,10 @@ _FP32_WEIGHTS = ("mixtral", "deepseek_v2")
 _ALWAYS_RENORMALISE = ("mixtral",)
 # routers whose linear runs on an fp32 copy of its input and weight
 _FP32_ROUTER = ("deepseek_v2",)
+# DeepSpeed 0.19.8's default ZeRO-3 leaf modules (runtime/zero/leaf_module_config.py DEFAULT_LEAF_MODULE_CLASSES, applied
+# unless the config's zero_optimization.leaf_module says otherwise; hf_dist's JSON does not): transformers'
+# MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock and Qwen3MoeSparseMoeBlock, by the model types that build them
+ZERO3_LEAF_BLOCKS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,20 @@ class MlaShape:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope + self.qk_rope
+
+
+def zero3_leaf_block_params(spec) -> int:
+    """Parameters of one MoE block that DeepSpeed's ZeRO-3 runs as a leaf module (0 for a model whose block is not
+    one): its router (E x h), its routed experts (gate, up and down: 3 x E x h x I) and its shared expert with its
+    sigmoid gate (Qwen2-MoE), all fetched, released and reduced as one module
+    (``partitioned_param_coordinator.py`` ``iter_params(module, recurse=z3_leaf_module(module))``; ``stage3.py``
+    ``create_reduce_and_remove_grad_hooks``)."""
+    if not spec.experts or spec.model_type not in ZERO3_LEAF_BLOCKS:
+        return 0
+    moe = spec.moe or MoeLayout()
+    h = spec.hidden_size
+    shared = 3 * h * moe.shared_size + (h if moe.shared_gate else 0)
+    return spec.experts * h + 3 * spec.experts * h * spec.intermediate_size + shared
 
 
 def moe_layout(text: Any, model_type: str | None, num_layers: int) -> MoeLayout:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from hf_dist.planning.dtypes import FP32, GIB, Dtypes
 from hf_dist.planning.layout import Strategy
 from hf_dist.planning.model_states import bf16_optimizer, shard_bytes
+from hf_dist.planning.moe import zero3_leaf_block_params
 
 # deepspeed/runtime/zero/config.py defaults, which hf_dist's DeepSpeed JSON writes out explicitly
 # (hf_dist/configs/deepspeed.py) so that plan and config agree: reduce_bucket_size 5e8 elements,
@@ -20,6 +21,7 @@ DS_SUB_GROUP_ELEMENTS = int(1e9)
 # stage3_max_live_parameters (DeepSpeed's default, written out by hf_dist's JSON): ZeRO-3 prefetches while fewer
 # elements than this are gathered, and keeps gathered what it will reuse within stage3_max_reuse_distance (also 1e9)
 DS_MAX_LIVE_PARAMETERS = int(1e9)
+DS_MAX_REUSE_DISTANCE = int(1e9)  # stage3_max_reuse_distance (DeepSpeed's default, written out by hf_dist's JSON)
 # engine.py MEMORY_OPT_ALLREDUCE_SIZE: the elements per flat bucket of buffered_allreduce_fallback
 DS_ALLREDUCE_BUCKET_ELEMENTS = int(5e8)
 # Outside torch's allocator, measured as device_used - max_memory_reserved on an H100 (torch 2.11,
@@ -107,7 +109,7 @@ def buffer_bytes(
     if s.is_deepspeed and not s.shards.params:  # ZeRO-1/2
         return out, 0
     if s.is_deepspeed:  # ZeRO-3
-        return out + DS_REDUCE_BUCKET_ELEMENTS * c + zero3_gathered_bytes(spec, s, world_size, lay), 0
+        return out + DS_REDUCE_BUCKET_ELEMENTS * c + zero3_gathered_bytes(spec, s, world_size, lay, ckpt), 0
     unit += padded  # FSDP2 gathers the padded rows too (fsdp_row_padding)
     reduce_input = unit * lay.grads if trainable == spec.num_params else 0
     if s.gathers_params:
@@ -121,7 +123,7 @@ def buffer_bytes(
     return out + root * c + units, units
 
 
-def zero3_gathered_bytes(spec, s: Strategy, world_size: int, lay: Dtypes) -> int:
+def zero3_gathered_bytes(spec, s: Strategy, world_size: int, lay: Dtypes, ckpt: bool = False) -> int:
     """ZeRO-3's gathered parameters, alive through forward and backward (the loss's logits included) and released
     before the optimizer step (stage3.py ``step`` -> ``_partition_all_parameters``).
 
@@ -132,10 +134,35 @@ def zero3_gathered_bytes(spec, s: Strategy, world_size: int, lay: Dtypes) -> int
     ``stage3_max_live_parameters`` elements stay gathered, 16-bit: traced 0.96e9 (Llama 3 8B) and 1.01e9 (Llama 3.2
     1B) elements at the loss on 64 ranks; a smaller model keeps all of its parameters gathered. The module being run
     is fetched whole whatever the limit: transformers' stacked experts are one module (Mixtral: 1.41e9 elements per
-    layer; traced 1.66e9 gathered in its backward)."""
+    layer). Where the MoE block is a ZeRO-3 leaf (:func:`~hf_dist.planning.moe.zero3_leaf_block_params`) the last
+    layer's block stays gathered across the loss, and so do the other parameters of the last
+    :func:`zero3_reused_layers` layers: traced at the peak of Mixtral on 64 ranks, layer 31's block (1.409e9) and the
+    attention of layers 26-31 (6 x 4.19e7), 1.66e9 elements."""
     if not (s.is_deepspeed and s.shards.params) or world_size == 1:
         return 0
-    return min(spec.num_params, max(DS_MAX_LIVE_PARAMETERS, largest_module_params(spec))) * lay.compute
+    leaf = zero3_leaf_block_params(spec)
+    kept = leaf + zero3_reused_layers(spec, ckpt) * (spec.layer_params - leaf) if leaf else 0
+    return min(spec.num_params, max(DS_MAX_LIVE_PARAMETERS, largest_module_params(spec), kept)) * lay.compute
+
+
+def zero3_reused_layers(spec, ckpt: bool) -> int:
+    """How many of the last decoder layers keep their parameters outside the leaf MoE block gathered from their forward
+    to their backward (0 where the block is not a ZeRO-3 leaf).
+
+    ``partitioned_param_coordinator.py __params_to_release`` keeps a released module's parameters when they occur again
+    within ``stage3_max_reuse_distance`` elements of the module trace, counting each later module's
+    ``iter_params(module, recurse=z3_leaf_module(submodule_to_release))``: for a module that is not a leaf (attention,
+    norms) only each module's own parameters, so a leaf MoE block, whose parameters are its children's, counts 0. From
+    a layer's forward to its next use -- its recompute in backward under checkpointing, else its backward -- the scan
+    passes the later layers' forward, the LM head twice (forward, then backward) and the later layers' recompute and
+    backward: ``j`` layers from the end are reused within the distance while ``j * (2 or 3) * other + 2 * head`` is
+    below it. Mixtral 8x7B with checkpointing: (1e9 - 2 x 1.31e8) / (3 x 4.19e7) -> layers 26-31 (traced)."""
+    leaf = zero3_leaf_block_params(spec)
+    other = spec.layer_params - leaf  # a layer's parameters the scan counts: attention and norms
+    budget = DS_MAX_REUSE_DISTANCE - 2 * (spec.lm_head_params or spec.embedding_params)
+    if not leaf or other <= 0 or budget <= 0:
+        return 0
+    return min(spec.num_layers, (budget - 1) // ((3 if ckpt else 2) * other) + 1)
 
 
 def largest_module_params(spec) -> int:
