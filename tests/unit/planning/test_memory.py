@@ -350,14 +350,82 @@ def test_lora_fp32_adapters_under_autocast_copy_their_input_to_fp32():
 
 def test_zero3_gathers_its_largest_module_whole_past_the_live_limit():
     """ZeRO-3 fetches the module it runs whole: Mixtral's stacked experts (8 x 3 x 4096 x 14336) exceed
-    stage3_max_live_parameters; Llama 3 8B's largest module, its 128k x 4096 head, does not."""
+    stage3_max_live_parameters; Llama 3 8B's largest module, its 128k x 4096 head, does not. Mixtral's MoE block is a
+    ZeRO-3 leaf (router and experts fetched as one), kept across the loss with the attention of its last layers."""
     from hf_dist.planning.layout import strategy
-    from hf_dist.planning.transients import largest_module_params, zero3_gathered_bytes
+    from hf_dist.planning.moe import zero3_leaf_block_params
+    from hf_dist.planning.transients import largest_module_params, zero3_gathered_bytes, zero3_reused_layers
     from hf_dist.testing import public_config
 
     mixtral, llama = model_spec(public_config("mixtral-8x7b")), model_spec(public_config("llama-3-8b"))
     assert largest_module_params(mixtral) == 8 * 3 * 4096 * 14336
     lay = engine_dtypes("zero3", 2, True, "full")
     zero3 = strategy("zero3")
-    assert zero3_gathered_bytes(mixtral, zero3, 64, lay) == 8 * 3 * 4096 * 14336 * 2
+    block = 8 * 4096 + 8 * 3 * 4096 * 14336  # router + experts
+    assert zero3_leaf_block_params(mixtral) == block
+    attention = mixtral.layer_params - block  # q, k, v, o and the two norms
+    assert attention == 2 * 4096 * 4096 + 2 * 4096 * 1024 + 2 * 4096
+    for ckpt in (True, False):
+        kept = zero3_reused_layers(mixtral, ckpt)
+        assert zero3_gathered_bytes(mixtral, zero3, 64, lay, ckpt) == (block + kept * attention) * 2
+    assert zero3_reused_layers(mixtral, True) == 6  # traced: layers 26-31's attention at the peak
     assert zero3_gathered_bytes(llama, zero3, 64, lay) == DS_MAX_LIVE_PARAMETERS * 2
+    assert zero3_leaf_block_params(llama) == 0 and zero3_reused_layers(llama, True) == 0
+
+
+def _reuse_scan_keeps(spec, ckpt: bool) -> int:
+    """DeepSpeed 0.19.8's ``__params_to_release`` walked over the module trace of a step, as recorded for Mixtral
+    (``model.layers.N``, its norms, ``self_attn``, q/k/v/o, then the leaf ``mlp``; final norm, ``lm_head``; in
+    backward ``lm_head``, norm and, per layer from the last, its recompute then its backward): how many layers' q_proj,
+    released after its forward, occurs again within ``stage3_max_reuse_distance`` elements. A leaf block's own
+    parameters are its children's, so a scan for a module that is not a leaf counts it 0."""
+    from hf_dist.planning.transients import DS_MAX_REUSE_DISTANCE
+
+    h, kv = spec.hidden_size, spec.num_key_value_heads * spec.head_dim
+    layer = [("norm", h), ("q", h * h), ("k", h * kv), ("v", h * kv), ("o", h * h), ("norm", h), ("mlp", 0)]
+    head = [("final_norm", h), ("lm_head", spec.lm_head_params)]
+    trace = [((i, name), n) for i in range(spec.num_layers) for name, n in layer] + head + head[::-1]
+    for i in reversed(range(spec.num_layers)):
+        trace += [((i, name), n) for name, n in layer] * (2 if ckpt else 1)
+    kept = 0
+    for i in range(spec.num_layers):
+        step = trace.index(((i, "q"), h * h)) + 1
+        walked = 0
+        for key, n in trace[step:]:
+            if walked >= DS_MAX_REUSE_DISTANCE:
+                break
+            if key == (i, "q"):
+                kept += 1
+                break
+            walked += n
+    return kept
+
+
+@pytest.mark.parametrize("ckpt", [True, False])
+def test_zero3_reused_layers_follow_deepspeeds_reuse_scan(ckpt):
+    from hf_dist.planning.transients import zero3_reused_layers
+    from hf_dist.testing import public_config
+
+    mixtral = model_spec(public_config("mixtral-8x7b"))
+    assert zero3_reused_layers(mixtral, ckpt) == _reuse_scan_keeps(mixtral, ckpt)
+
+
+def test_zero3_leaf_block_holds_its_expert_gradients_until_its_backward_ends():
+    """stage3.py reduces a leaf module's gradients in its full backward hook: at the gate/up grouped_mm's backward
+    every expert weight's gradient exists (traced on Mixtral 8x7B, 64 ranks, 8k tokens: gate/up 1.75 GiB, down
+    0.875 GiB), with the gate/up output's gradient (0.875 GiB) and the input's (0.125 GiB) and the residual's."""
+    from hf_dist.planning.activations import zero3_leaf_gradient_bytes
+    from hf_dist.testing import public_config
+
+    mixtral = model_spec(public_config("mixtral-8x7b"))
+    lay = engine_dtypes("zero3", 2, True, "full")
+    tokens, c, h, inter, k = 8192, 2, 4096, 14336, 2
+    held = 3 * 8 * h * inter * c + k * (2 * c * inter + c * h) * tokens + c * h * tokens  # 3.6875 GiB traced
+    freed = k * (4 * c * inter + c * h + 4 + 8) * tokens  # what the routed copies saved, gone by then
+    assert zero3_leaf_gradient_bytes(mixtral, 8192, 1, lay) == held - freed
+    assert held == int(3.6875 * GIB)
+    kwargs = dict(seq_len=8192, activation_checkpointing=True)
+    full = estimate_memory(mixtral, "zero3", 64, **kwargs)
+    assert full.layer_grads == held - freed
+    assert estimate_memory(mixtral, "zero3", 64, method="lora", **kwargs).layer_grads < held - freed  # frozen experts
+    assert estimate_memory(mixtral, "fsdp_full_shard", 64, **kwargs).layer_grads < held - freed  # no leaf modules
