@@ -277,6 +277,7 @@ def layer_activation_bytes(
     keys: int | None = None,
     lora: Lora | None = None,
     dense: bool = False,
+    zero3_linear: bool = False,
 ) -> int:
     """Saved-for-backward bytes of one Llama-style decoder layer (transformers' modeling_llama.py).
 
@@ -288,7 +289,8 @@ def layer_activation_bytes(
         log-sum-exp per head (4a). Eager attention instead keeps the fp32 softmax and its 16-bit copy per key
         ((4 + c)*a*s);
       the feed-forward block (:func:`_mlp_bytes`; ``dense``: an MoE model's dense layer); with LoRA, the adapters
-      (:func:`lora_bytes`). DeepSeek's latent attention: :func:`mla_attention_bytes`.
+      (:func:`lora_bytes`). DeepSeek's latent attention: :func:`mla_attention_bytes`. ``zero3_linear``: ZeRO-3's linear
+      saves the frozen linears' inputs too (:func:`zero3_frozen_linear_bytes`).
     Korthikanti et al. eq. 1 gives 34h for a GPT block in 16-bit; this block with I = 4h is larger
     because SwiGLU keeps four I-sized tensors where GELU keeps two.
     ``seq_len`` is the tokens this rank holds; ``keys`` the length each query attends over (the whole sequence
@@ -312,8 +314,36 @@ def layer_activation_bytes(
     attn += per_key * a * keys if attention == "eager" else FP32 * a
     adapters = lora_bytes(lay, lora, attention=attention) if lora is not None else 0
     per_token = norms + attn + _mlp_bytes(spec, lay, liger, frozen, dense) + adapters
+    if zero3_linear and lora is not None and not mla:
+        per_token += zero3_frozen_linear_bytes(spec, lay, lora, dense)
     constant = moe_layer_constant_bytes(spec, lay) if spec.experts and not dense else 0
     return per_token * seq_len * micro_batch_size + constant
+
+
+def zero3_frozen_linear_bytes(spec, lay: Dtypes, lora: Lora, dense: bool = False) -> int:
+    """Per token, what ZeRO-3's linear saves of a LoRA layer's frozen linears beyond what torch's would.
+
+    ZeRO-3 replaces ``torch.nn.functional.linear`` with ``zero3_linear_wrap`` (``partition_parameters.py
+    _enable_mem_efficient_linear``, on with ``memory_efficient_linear``, DeepSpeed's default; the Trainer builds the
+    model under ``zero.Init``), whose ``LinearFunctionForZeroStage3.setup_context`` saves its input whether or not the
+    weight needs a gradient (``runtime/zero/linear.py``); torch's linear with a frozen weight saves only the weight. So
+    each tensor a frozen base linear reads is kept: the first norm's output (q/k/v), the second's (gate/up, or an MoE
+    block's router) and the dense MLP's product (down_proj; a shared expert's), each once (16-bit), unless an adapter
+    already saves that same tensor (no dropout, no cast: :func:`lora_bytes` shares it). o_proj's input is the attention
+    output sdpa saved (a view). Traced on Mixtral 8x7B LoRA under ZeRO-3: the two norms' outputs, 64 MiB each at 8k
+    tokens, in the recomputed layer."""
+    moe = spec.moe or MoeLayout()
+    saved = (
+        set()
+        if lora.dropout or lora.cast
+        else {_LORA_INPUTS.get(n.rsplit(".", 1)[-1], n) for n, _, _ in lora.adapters}
+    )
+    widths = {"attn_in": spec.hidden_size, "mlp_in": spec.hidden_size}
+    if dense or not spec.experts:
+        widths["mlp_out"] = moe.dense_size if dense else spec.intermediate_size
+    elif moe.shared_size:
+        widths["mlp_out"] = moe.shared_size
+    return lay.compute * sum(width for group, width in widths.items() if group not in saved)
 
 
 def mla_attention_bytes(spec, lay: Dtypes, frozen: bool) -> int:

@@ -403,6 +403,9 @@ def _activation_kwargs(r: _Run) -> dict[str, Any]:
     if r.lora is not None:
         act_kw["lora_layers"] = lora_layers(r)
         act_kw["idle_layers"] = r.lora.idle_layers if _inputs_frozen(r) else 0
+        # ZeRO-3's linear saves the frozen base linears' inputs (activations.zero3_frozen_linear_bytes); QLoRA's 4-bit
+        # base runs bitsandbytes' matmul instead
+        act_kw["zero3_linear"] = r.s.is_deepspeed and r.s.shards.params and r.method == "lora"
     return act_kw
 
 

@@ -429,3 +429,23 @@ def test_zero3_leaf_block_holds_its_expert_gradients_until_its_backward_ends():
     assert full.layer_grads == held - freed
     assert estimate_memory(mixtral, "zero3", 64, method="lora", **kwargs).layer_grads < held - freed  # frozen experts
     assert estimate_memory(mixtral, "fsdp_full_shard", 64, **kwargs).layer_grads < held - freed  # no leaf modules
+
+
+def test_zero3_linear_saves_the_frozen_linears_inputs():
+    """ZeRO-3's LinearFunctionForZeroStage3 saves its input whether or not the weight trains: a LoRA layer keeps the
+    tensors its frozen linears read (traced on Mixtral LoRA: both norms' 16-bit outputs), unless an adapter without
+    dropout already saves them."""
+    from hf_dist.planning.activations import Lora, zero3_frozen_linear_bytes
+    from hf_dist.testing import public_config
+
+    mixtral, llama = model_spec(public_config("mixtral-8x7b")), model_spec(public_config("llama-3-8b"))
+    lay = engine_dtypes("zero3", 2, True, "lora")
+    adapters = (("q_proj", 4096, 16), ("k_proj", 4096, 16), ("v_proj", 4096, 16), ("o_proj", 4096, 16))
+    assert zero3_frozen_linear_bytes(mixtral, lay, Lora(adapters, dropout=True)) == 2 * 2 * 4096  # router's input too
+    assert zero3_frozen_linear_bytes(llama, lay, Lora(adapters, dropout=True)) == 2 * (2 * 4096 + 14336)
+    # without dropout q/k/v's adapters save the first norm's output themselves
+    assert zero3_frozen_linear_bytes(mixtral, lay, Lora(adapters, dropout=False)) == 2 * 4096
+    kwargs = dict(method="lora", seq_len=4096, micro_batch_size=2, activation_checkpointing=True)
+    zero3 = estimate_memory(mixtral, "zero3", 64, **kwargs)
+    fsdp = estimate_memory(mixtral, "fsdp_full_shard", 64, **kwargs)
+    assert zero3.recompute - fsdp.recompute == 2 * 2 * 4096 * 4096 * 2  # 128 MiB, the two traced tensors
