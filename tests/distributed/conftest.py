@@ -26,6 +26,7 @@ NPROC = 2
 TRAIN_STEPS = 6  # optimizer steps per Trainer run (strategies_train.py)
 # Generous per launch: a cold DeepSpeed start JIT-builds its shared-memory comm op once (~20 s).
 LAUNCH_TIMEOUT_S = 300
+RUN_TIMEOUT_S = 120  # each further run of a shared launch (scripts/runs.py): seconds of the tiny model on 2 ranks
 
 
 # Extra environment for CPU ranks of each engine (on top of hf_dist.testing.cpu_env).
@@ -45,16 +46,28 @@ def launch_env(strategy_name: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class StrategyCase:
-    """One Trainer run of tests/distributed/scripts/strategies_train.py."""
+    """One Trainer run of tests/distributed/scripts/strategies_train.py (or, ``script=``, another script's)."""
 
     name: str
     strategy: str  # "none" = single process, no distributed wrapper
     offload: str = "none"
     extra: tuple[str, ...] = ()  # more flags of strategies_train.py (micro-batch, accumulation, sync_each_batch)
+    script: str = "strategies_train"
 
     @property
     def nproc(self) -> int:
         return 1 if self.strategy == "none" else NPROC
+
+    @property
+    def group(self) -> str:
+        """The launch this run shares: one per engine (scripts/runs.py), the single process alone."""
+        return "none" if self.strategy == "none" else strategy(self.strategy).engine.value
+
+    def argv(self, workdir: Path, out: Path) -> list[str]:
+        args = ["--strategy", self.strategy, "--output-dir", workdir / "run", "--out", out]
+        if self.script == "strategies_train":
+            args += ["--offload", self.offload, "--steps", TRAIN_STEPS, *self.extra]
+        return [self.script, *map(str, args)]
 
 
 BASELINE = StrategyCase("baseline", "none")
@@ -79,52 +92,96 @@ CASES = {
         ),  # fmt: skip
     )
 }
+# test_precision.py's runs (scripts/precision_train.py: a bf16-loaded model, default and pure bf16), in the same
+# launches as the strategies of their engine
+PRECISION_STRATEGIES = ("ddp", "fsdp_full_shard", "zero1", "zero2", "zero3")
+CASES.update(
+    {f"precision_{s}": StrategyCase(f"precision_{s}", s, script="precision_train") for s in PRECISION_STRATEGIES}
+)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run of a launch: its name, and its own folder where its report goes."""
+
+    key: str
+    workdir: Path
+
+    @property
+    def out(self) -> Path:
+        return self.workdir / "report.json"
 
 
 class LaunchCache:
-    """Runs each keyed launch at most once per session and returns its JSON report."""
+    """Runs each keyed run at most once per session and returns its JSON report.
 
-    def __init__(self, root: Path, launch: Callable[[str, Path, Path], None]) -> None:
+    ``group(key)`` names the launch a run shares with others (scripts/runs.py runs them one after another in the same
+    ranks): the first ``get`` of any of them launches them all. A failed launch is cached for every run in it, so the
+    dependent tests fail fast with the launcher's output instead of relaunching.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        launch: Callable[[list[Run]], None],
+        members: Callable[[str], tuple[str, ...]] = lambda key: (key,),
+    ) -> None:
         self.root = root
         self._launch = launch
+        self._members = members
         self._results: dict[str, dict | BaseException] = {}
 
     def get(self, key: str) -> dict:
         if key not in self._results:
+            keys = self._members(key)
             try:
-                self._results[key] = retry_gloo_abort(lambda attempt: self._run(key, attempt))
+                self._results.update(retry_gloo_abort(lambda attempt: self._run(keys, attempt)))
             except Exception as exc:  # cached so dependent tests fail fast with the same output
-                self._results[key] = exc
+                self._results.update(dict.fromkeys(keys, exc))
         result = self._results[key]
         if isinstance(result, BaseException):
-            raise RuntimeError(f"launch {key!r} failed (cached): {result}") from result
+            raise RuntimeError(f"launch of {key!r} failed (cached): {result}") from result
         return result
 
-    def _run(self, key: str, attempt: int) -> dict:
-        workdir = self.root / (key if attempt == 0 else f"{key}-retry{attempt}")  # a retry starts afresh
-        workdir.mkdir(parents=True)
-        out = workdir / "report.json"
+    def _run(self, keys: tuple[str, ...], attempt: int) -> dict[str, dict]:
+        runs = [Run(key, self.root / (key if attempt == 0 else f"{key}-retry{attempt}")) for key in keys]
+        for run in runs:  # a retry starts afresh
+            run.workdir.mkdir(parents=True)
         start = time.perf_counter()
-        self._launch(key, workdir, out)
-        report = json.loads(out.read_text())
-        report["launch_seconds"] = round(time.perf_counter() - start, 1)
-        report["workdir"] = str(workdir)
-        return report
+        self._launch(runs)
+        seconds = round(time.perf_counter() - start, 1)
+        return {run.key: {**json.loads(run.out.read_text()), "launch_seconds": seconds, "workdir": str(run.workdir)}
+                for run in runs}  # fmt: skip
 
 
-def launch_strategy(case: StrategyCase, workdir: Path, out: Path) -> None:
-    script = SCRIPTS / "strategies_train.py"
-    args = ["--strategy", case.strategy, "--offload", case.offload, "--steps", TRAIN_STEPS, *case.extra]
-    args += ["--output-dir", workdir / "run", "--out", out]
-    if case.nproc == 1:
+def launch_strategies(runs: list[Run]) -> None:
+    """The runs of one group: the single-process baseline as a plain process, the others in one 2-rank launch."""
+    cases = [CASES[run.key] for run in runs]
+    if cases == [BASELINE]:
         # One process, accumulation 2 == two ranks, accumulation 1 (same samples per optimizer step).
-        cmd = [sys.executable, str(script), *map(str, args), "--grad-accum", "2"]
+        (run,) = runs
+        script, *args = BASELINE.argv(run.workdir, run.out)
+        cmd = [sys.executable, str(SCRIPTS / f"{script}.py"), *args, "--grad-accum", "2"]
         run_checked(cmd, env=cpu_env(), timeout=LAUNCH_TIMEOUT_S)
         return
-    env = launch_env(case.strategy)
-    if case.strategy == "ddp":  # plain torchrun, no ACCELERATE_USE_CPU: auto_args' use_cpu makes it one 2-rank job
+    env = launch_env(cases[0].strategy)
+    if (
+        cases[0].group == Engine.DDP.value
+    ):  # plain torchrun, no ACCELERATE_USE_CPU: auto_args' use_cpu makes it one job
         env = {**env, "ACCELERATE_USE_CPU": "0"}
-    torchrun(script, args, nproc=case.nproc, env=env, timeout=LAUNCH_TIMEOUT_S, outputs=[workdir / "run", out])
+    torchrun_runs([case.argv(run.workdir, run.out) for case, run in zip(cases, runs, strict=True)],
+                  runs[0].workdir / "runs.json", env=env, outputs=[run.workdir for run in runs])  # fmt: skip
+
+
+def torchrun_runs(runs: list[list[str]], spec: Path, *, env: dict[str, str], outputs: list[Path], nproc: int = NPROC):
+    """One 2-rank launch of scripts/runs.py running each ``[script, *argv]`` in turn; its limit grows with the runs."""
+    spec.write_text(json.dumps(runs))
+    timeout = LAUNCH_TIMEOUT_S + RUN_TIMEOUT_S * (len(runs) - 1)
+    torchrun(SCRIPTS / "runs.py", [str(spec)], nproc=nproc, env=env, timeout=timeout, outputs=[spec, *outputs])
+
+
+def members_of_group(key: str) -> tuple[str, ...]:
+    return tuple(name for name, case in CASES.items() if case.group == CASES[key].group)
 
 
 def launch_accelerate_config(config: str, out: Path) -> None:
@@ -165,14 +222,23 @@ def _config_engine(config: str) -> Engine:
 
 @pytest.fixture(scope="session")
 def strategy_runs(tmp_path_factory: pytest.TempPathFactory) -> LaunchCache:
-    return LaunchCache(
-        tmp_path_factory.mktemp("strategies"), lambda key, wd, out: launch_strategy(CASES[key], wd, out)
-    )
+    """test_strategies.py's and test_precision.py's runs, one launch per engine."""
+    return LaunchCache(tmp_path_factory.mktemp("strategies"), launch_strategies, members_of_group)
+
+
+def _single(launch: Callable[[str, Path, Path], None]) -> Callable[[list[Run]], None]:
+    def run_one(runs: list[Run]) -> None:
+        (run,) = runs
+        launch(run.key, run.workdir, run.out)
+
+    return run_one
 
 
 @pytest.fixture(scope="session")
 def accelerate_runs(tmp_path_factory: pytest.TempPathFactory) -> LaunchCache:
-    return LaunchCache(tmp_path_factory.mktemp("accelerate"), lambda key, wd, out: launch_accelerate_config(key, out))
+    return LaunchCache(
+        tmp_path_factory.mktemp("accelerate"), _single(lambda key, wd, out: launch_accelerate_config(key, out))
+    )
 
 
 def launch_user_script(strategy_name: str, workdir: Path, out: Path) -> None:
@@ -185,4 +251,4 @@ def launch_user_script(strategy_name: str, workdir: Path, out: Path) -> None:
 
 @pytest.fixture(scope="session")
 def user_script_runs(tmp_path_factory: pytest.TempPathFactory) -> LaunchCache:
-    return LaunchCache(tmp_path_factory.mktemp("user_script"), launch_user_script)
+    return LaunchCache(tmp_path_factory.mktemp("user_script"), _single(launch_user_script))

@@ -6,6 +6,7 @@ the full module every rank holds)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,20 +14,26 @@ from safetensors.torch import load_file
 
 import hf_dist
 from hf_dist.checkpoint.formats.layout import MARKER_NAME, read_layout
-from hf_dist.testing import REPO_ROOT, torchrun
 
 pytestmark = pytest.mark.distributed
 
-SCRIPT = REPO_ROOT / "tests/distributed/scripts/lifecycle_train.py"
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """ZeRO-2 and ZeRO-3 runs of lifecycle_train.py, in one 2-rank launch (scripts/runs.py)."""
+    from tests.distributed.conftest import torchrun_runs
+
+    outs = {stage: tmp_path_factory.mktemp(stage) for stage in ("zero2", "zero3")}
+    runs = [["lifecycle_train", "--output-dir", str(out), "--max-steps", "4", "--save-steps", "2", "--deepspeed", stage,
+             "--export"] for stage, out in outs.items()]  # fmt: skip
+    spec = tmp_path_factory.mktemp("deepspeed") / "runs.json"
+    torchrun_runs(runs, spec, env={"ACCELERATE_USE_CPU": "0"}, outputs=list(outs.values()))
+    return outs
 
 
-@pytest.fixture(scope="module", params=["zero2", "zero3"])
-def run(request, tmp_path_factory):
-    stage = request.param
-    out = tmp_path_factory.mktemp(stage)
-    args = ["--output-dir", out, "--max-steps", "4", "--save-steps", "2", "--deepspeed", stage, "--export"]
-    torchrun(SCRIPT, args, env={"ACCELERATE_USE_CPU": "0"}, timeout=300, outputs=[out])
-    return stage, out
+@pytest.fixture(params=["zero2", "zero3"])
+def run(request, runs):
+    return request.param, runs[request.param]
 
 
 def test_deepspeed_really_ran_and_checkpoints_are_marked(run):

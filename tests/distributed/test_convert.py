@@ -45,12 +45,23 @@ def ds_runs(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="session", params=["zero1", "zero2", "zero3"])
-def trainer_zero(request, tmp_path_factory) -> Path:
-    """A Trainer-written bf16 checkpoint-2 for each ZeRO stage (one 2-rank launch per stage)."""
-    out = tmp_path_factory.mktemp(f"trainer_{request.param}")
-    torchrun(SCRIPTS / "convert_trainer.py", [out, "--mode", request.param, "--bf16"], timeout=600, outputs=[out])
-    return out
+ZERO_STAGES = ("zero1", "zero2", "zero3")
+
+
+@pytest.fixture(scope="session")
+def trainer_zero_runs(tmp_path_factory) -> dict[str, Path]:
+    """A Trainer-written bf16 checkpoint-2 for each ZeRO stage, the three runs in one 2-rank launch."""
+    from tests.distributed.conftest import torchrun_runs
+
+    outs = {stage: tmp_path_factory.mktemp(f"trainer_{stage}") for stage in ZERO_STAGES}
+    runs = [["convert_trainer", str(out), "--mode", stage, "--bf16"] for stage, out in outs.items()]
+    torchrun_runs(runs, tmp_path_factory.mktemp("trainer_zero") / "runs.json", env={}, outputs=list(outs.values()))
+    return outs
+
+
+@pytest.fixture(params=ZERO_STAGES)
+def trainer_zero(request, trainer_zero_runs) -> Path:
+    return trainer_zero_runs[request.param]
 
 
 @pytest.fixture(scope="session")

@@ -9,12 +9,13 @@ The model is the tiny Llama with an 8192-token vocabulary: DeepSpeed keeps any t
 a swap file (``hf_dist.planning.nvme.MIN_SWAP_BYTES``), so the embedded model's 256-token vocabulary would swap
 nothing. Its norms' sub-group (160 elements per rank) stays in memory for that reason; everything else swaps.
 
-Three launches, 4 optimizer steps each, checkpoints at steps 2 and 4:
+Two launches of two runs each (scripts/runs.py), 4 optimizer steps each, checkpoints at steps 2 and 4:
 * ``nvme``: what ran (offload devices, master partitions and Adam moments absent from host memory after every step,
   swap files of the sizes the plan counts), the checkpoint (``offloaded_tensors/``, converted bit-equal);
 * ``cpu``: the same layout offloaded to CPU memory; the losses must match (measured: bit-identical, the swap is a
   byte copy and the step is the same torch AdamW on the same fp32 partitions);
-* ``resume``: the nvme run's checkpoint-2 alone, resumed with ``hf_dist.auto_resume``: steps 3-4 must repeat.
+* ``resume``: the nvme run's checkpoint-2 alone, resumed with ``hf_dist.auto_resume``: steps 3-4 must repeat;
+* ``planted``: the same checkpoint with a payload in every rank's optimizer file, resumed under ``attach``: refused.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_dist.testing import cpu_env, torchrun
-from tests.distributed.conftest import SCRIPTS, launch_env
+from hf_dist.testing import cpu_env
+from tests.distributed.conftest import launch_env
 
 # the async_io op's build (about 3.5 min idle, several times that on a loaded 2-core machine) runs in the first test's
 # fixture, whose time counts toward that test's limit: the module gets a limit that fits it
@@ -55,41 +56,71 @@ def async_io_op():
     subprocess.run([sys.executable, "-c", build], env=cpu_env(), check=True, timeout=BUILD_TIMEOUT_S)
 
 
+# the launches' runs (scripts/runs.py): the two offload devices in one, then both resumes of the nvme run's
+# checkpoint-2 in one
+GROUPS = (("nvme", "cpu"), ("resume", "planted"))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, async_io_op):
-    """name -> the launch's report, each launched once in a fresh folder; a failed launch is cached and re-raised by
-    every test that needs it (never relaunched into the folder it left behind)."""
+    """name -> the run's report, each launch once; a failed launch is cached and re-raised by every test that needs
+    one of its runs (never relaunched into the folder it left behind)."""
     done: dict[str, dict | BaseException] = {}
 
     def get(name: str) -> dict:
         if name not in done:
+            (group,) = [g for g in GROUPS if name in g]
             try:
-                done[name] = launch(tmp_path_factory.mktemp(name), name, done)
+                done.update(launch({n: tmp_path_factory.mktemp(n) for n in group}, done))
             except Exception as exc:  # cached: the dependent tests fail with it instead of cascading
-                done[name] = exc
+                done.update(dict.fromkeys(group, exc))
         result = done[name]
         if isinstance(result, BaseException):
-            raise RuntimeError(f"launch {name!r} failed (cached): {result}") from result
+            raise RuntimeError(f"launch of {name!r} failed (cached): {result}") from result
         return result
 
     return get
 
 
-def launch(workdir, name: str, done: dict) -> dict:
-    device = "cpu" if name == "cpu" else "nvme"
-    nvme, run, out = workdir / "nvme", workdir / "run", workdir / "report.json"
-    nvme.mkdir(parents=True)
-    args = ["--strategy", "zero3", "--offload", "optimizer+params", "--offload-device", device, "--nvme-path", nvme]
-    args += ["--vocab-size", VOCAB, "--steps", STEPS, "--save-steps", SAVE_STEPS, "--output-dir", run, "--out", out]
-    if name == "resume":  # the nvme run's first checkpoint alone, as if the job had died after it
-        source = done["nvme"]
-        if isinstance(source, BaseException):
-            raise RuntimeError("the nvme launch this resume starts from failed") from source
-        shutil.copytree(source["output_dir"] + f"/checkpoint-{SAVE_STEPS}", run / f"checkpoint-{SAVE_STEPS}")
-        args.append("--resume")
-    script = SCRIPTS / "strategies_train.py"
-    torchrun(script, list(map(str, args)), env=launch_env("zero3"), timeout=LAUNCH_TIMEOUT_S, outputs=[run, nvme, out])
-    return {**json.loads(out.read_text()), "output_dir": str(run), "nvme_path": str(nvme)}
+def launch(workdirs: dict, done: dict) -> dict:
+    from tests.distributed.conftest import torchrun_runs
+
+    runs, outputs = [], []
+    for name, workdir in workdirs.items():
+        device = "cpu" if name == "cpu" else "nvme"
+        nvme, run, out = workdir / "nvme", workdir / "run", workdir / "report.json"
+        nvme.mkdir(parents=True)
+        args = ["--strategy", "zero3", "--offload", "optimizer+params", "--offload-device", device]
+        args += ["--nvme-path", nvme, "--vocab-size", VOCAB, "--steps", STEPS, "--save-steps", SAVE_STEPS]
+        args += ["--output-dir", run, "--out", out]
+        if name in ("resume", "planted"):  # the nvme run's first checkpoint alone, as if the job had died after it
+            source = done["nvme"]
+            if isinstance(source, BaseException):
+                raise RuntimeError("the nvme launch these resumes start from failed") from source
+            # resume: auto_resume finds it in its output folder; planted: a payload in it, resumed as given
+            into = run if name == "resume" else workdir / "source"
+            shutil.copytree(source["output_dir"] + f"/checkpoint-{SAVE_STEPS}", into / f"checkpoint-{SAVE_STEPS}")
+            args += ["--resume"] if name == "resume" else ["--resume-from", plant_every_rank(into, workdir)]
+        runs.append(["strategies_train", *map(str, args)])
+        outputs += [run, nvme]
+    spec = next(iter(workdirs.values())) / "runs.json"
+    torchrun_runs(runs, spec, env=launch_env("zero3"), outputs=outputs)
+    return {
+        name: {**json.loads((wd / "report.json").read_text()), "output_dir": str(wd / "run"), "nvme_path": str(wd / "nvme"),
+               "workdir": str(wd)}
+        for name, wd in workdirs.items()
+    }  # fmt: skip
+
+
+def plant_every_rank(folder: Path, workdir: Path) -> Path:
+    """A payload in every rank's optimizer file of the copied checkpoint, in the zip that torch and Python's zipfile
+    read differently; the run resumes it under attach alone, with no early check."""
+    from tests.unit.checkpoint.safety.payloads import plant
+
+    checkpoint = folder / f"checkpoint-{SAVE_STEPS}"
+    for file in sorted(checkpoint.glob("global_step*/*optim_states.pt")):
+        plant(file, workdir / "PAYLOAD_RAN", "two directories")
+    return checkpoint
 
 
 def modelled():
@@ -216,26 +247,11 @@ def test_a_truncated_or_altered_swap_file_never_reaches_deepspeed(runs, tmp_path
     assert not (tmp_path / "hf").exists()
 
 
-def test_a_zero_infinity_resume_refuses_a_planted_checkpoint(runs, tmp_path):
+def test_a_zero_infinity_resume_refuses_a_planted_checkpoint(runs):
     """ZeRO-Infinity's resume (DeepSpeed's NVMe load, then hf_dist's repair of what it drops) under attach, with no
-    early check: a payload in every rank's optimizer file, in the zip that torch and Python's zipfile read
-    differently, is refused on every rank, naming the file; it never runs."""
-    from tests.unit.checkpoint.safety.payloads import plant
-
-    source = Path(runs("nvme")["output_dir"]) / f"checkpoint-{SAVE_STEPS}"
-    checkpoint = tmp_path / "run" / source.name
-    shutil.copytree(source, checkpoint)
-    marker = tmp_path / "PAYLOAD_RAN"
-    for file in sorted(checkpoint.glob("global_step*/*optim_states.pt")):
-        plant(file, marker, "two directories")
-    nvme, out = tmp_path / "nvme", tmp_path / "report.json"
-    nvme.mkdir()
-    args = ["--strategy", "zero3", "--offload", "optimizer+params", "--offload-device", "nvme", "--nvme-path", nvme,
-            "--vocab-size", VOCAB, "--steps", STEPS, "--save-steps", SAVE_STEPS, "--output-dir", tmp_path / "run2",
-            "--out", out, "--resume-from", checkpoint]  # fmt: skip
-    torchrun(SCRIPTS / "strategies_train.py", list(map(str, args)), env=launch_env("zero3"), timeout=LAUNCH_TIMEOUT_S,
-             outputs=[out])  # fmt: skip
-    report = json.loads(out.read_text())
+    early check: a payload in every rank's optimizer file (``plant_every_rank``) is refused on every rank, naming the
+    file; it never runs."""
+    report = runs("planted")
     assert report["refused"] == "UnsafePickleError", report
     assert "optim_states.pt: it names the global posix.mkdir" in report["message"]
-    assert not marker.exists()
+    assert not (Path(report["workdir"]) / "PAYLOAD_RAN").exists()

@@ -1,8 +1,9 @@
 """A real Trainer resumed under ``attach`` on 2 CPU ranks refuses a planted checkpoint, with no early check at all.
 
 Each strategy's checkpoint comes from its session launch (conftest ``strategy_runs``, shared with
-test_strategies.py); a copy gets an attack planted, and one launch per strategy resumes it with
-``trainer.train(resume_from_checkpoint=PATH)`` after ``attach(trainer)``, without ``auto_resume``: only the guarded
+test_strategies.py); a copy gets an attack planted, and one run per strategy resumes it with
+``trainer.train(resume_from_checkpoint=PATH)`` after ``attach(trainer)`` (the runs of one engine, planted copies first,
+then the clean controls, in one launch: scripts/runs.py), without ``auto_resume``: only the guarded
 loads stand between the files and the libraries (DeepSpeed's ``load_checkpoint`` unpickles with
 ``weights_only=False``, accelerate's FSDP optimizer load is DCP, whose byte values are ``torch.load(weights_only=
 False)``, the Trainer follows links). Every rank must refuse, naming the file; the payload never runs.
@@ -11,6 +12,7 @@ False)``, the Trainer follows links). Every rank must refuse, naming the file; t
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -75,47 +77,67 @@ def _plant_zero2(ckpt: Path, marker: Path) -> str:
 
 
 ATTACKS = {"ddp": _plant_ddp, "fsdp_full_shard": _plant_fsdp, "zero3": _plant_zero3, "zero2": _plant_zero2}
+CLEAN = ("ddp", "fsdp_full_shard", "zero3")
+
+
+@pytest.fixture(scope="module")
+def resumes(strategy_runs, tmp_path_factory):
+    """(planted|clean, strategy) -> (report, expected refusal, payload marker): every resume of one engine in one
+    launch (scripts/runs.py), each from its own copy of the strategy's session checkpoint."""
+    from hf_dist.testing import retry_gloo_abort
+
+    done: dict[tuple[str, str], tuple] = {}
+
+    def get(kind: str, name: str) -> tuple:
+        if (kind, name) not in done:
+            group = CASES[name].group
+            keys = [(k, n) for k, names in (("planted", sorted(ATTACKS)), ("clean", CLEAN)) for n in names
+                    if CASES[n].group == group]  # fmt: skip
+            try:
+                done.update(retry_gloo_abort(lambda _: _launch(keys, strategy_runs, tmp_path_factory)))
+            except Exception as exc:  # cached: each test of the launch fails with it
+                done.update(dict.fromkeys(keys, exc))
+        result = done[kind, name]
+        if isinstance(result, BaseException):
+            raise RuntimeError(f"the resume launch failed (cached): {result}") from result
+        return result
+
+    return get
+
+
+def _launch(keys, strategy_runs, tmp_path_factory) -> dict:
+    from tests.distributed.conftest import torchrun_runs
+
+    runs, facts = [], {}
+    for kind, name in keys:
+        tmp = tmp_path_factory.mktemp(f"{kind}_{name}")
+        ckpt = _copy(strategy_runs, name, tmp)
+        marker = tmp / "PAYLOAD_RAN"
+        expected = ATTACKS[name](ckpt, marker) if kind == "planted" else None
+        out = tmp / "report.json"
+        case = CASES[name]
+        runs.append(["strategies_train", "--strategy", case.strategy, *map(str, SCRIPT_ARGS),
+                     "--output-dir", str(tmp / "run2"), "--out", str(out), "--resume-from", str(ckpt)])  # fmt: skip
+        facts[kind, name] = (out, expected, marker)
+    env = launch_env(CASES[keys[0][1]].strategy)
+    if CASES[keys[0][1]].strategy == "ddp":
+        env = {**env, "ACCELERATE_USE_CPU": "0"}
+    torchrun_runs(runs, tmp_path_factory.mktemp("resumes") / "runs.json", env=env, outputs=[])
+    return {key: (json.loads(out.read_text()), expected, marker) for key, (out, expected, marker) in facts.items()}
 
 
 @pytest.mark.parametrize("name", sorted(ATTACKS))
-def test_a_trainer_resume_under_attach_refuses_on_every_rank(name, strategy_runs, tmp_path):
-    from hf_dist.testing import torchrun
-    from tests.distributed.conftest import SCRIPTS
-
-    marker = tmp_path / "PAYLOAD_RAN"
-    ckpt = _copy(strategy_runs, name, tmp_path)
-    expected = ATTACKS[name](ckpt, marker)
-    out = tmp_path / "report.json"
-    case = CASES[name]
-    env = launch_env(case.strategy)
-    if case.strategy == "ddp":
-        env = {**env, "ACCELERATE_USE_CPU": "0"}
-    args = ["--strategy", case.strategy, *SCRIPT_ARGS, "--output-dir", tmp_path / "run2", "--out", out]
-    torchrun(SCRIPTS / "strategies_train.py", [*args, "--resume-from", ckpt], nproc=case.nproc, env=env,
-             timeout=300, outputs=[out])  # fmt: skip
-    report = json.loads(out.read_text())
+def test_a_trainer_resume_under_attach_refuses_on_every_rank(name, resumes):
+    report, expected, marker = resumes("planted", name)
     assert report["refused"] in ("UnsafePickleError", "PathEscapeError"), report
-    import re
-
     assert re.search(expected, report["message"]), report["message"]
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp_full_shard", "zero3"])
-def test_a_clean_copy_resumes_under_attach(name, strategy_runs, tmp_path):
-    """The control, and the allowlist against real files: the same launch on an untouched copy resumes and trains
-    on (numpy's RNG state; accelerate's DCP optimizer; DeepSpeed's real ZeRO stage and loss scaler classes).
+@pytest.mark.parametrize("name", CLEAN)
+def test_a_clean_copy_resumes_under_attach(name, resumes):
+    """The control, and the allowlist against real files: the same resume, in the same launch, of an untouched copy
+    trains on (numpy's RNG state; accelerate's DCP optimizer; DeepSpeed's real ZeRO stage and loss scaler classes).
     ``make test-min`` runs it on the lowest supported versions too."""
-    from hf_dist.testing import torchrun
-    from tests.distributed.conftest import SCRIPTS
-
-    ckpt = _copy(strategy_runs, name, tmp_path)
-    out = tmp_path / "report.json"
-    case = CASES[name]
-    env = launch_env(case.strategy)
-    if case.strategy == "ddp":
-        env = {**env, "ACCELERATE_USE_CPU": "0"}
-    args = ["--strategy", case.strategy, *SCRIPT_ARGS, "--output-dir", tmp_path / "run2", "--out", out]
-    torchrun(SCRIPTS / "strategies_train.py", [*args, "--resume-from", ckpt], nproc=case.nproc, env=env,
-             timeout=300, outputs=[out])  # fmt: skip
-    assert json.loads(out.read_text()) == {"refused": None, "global_step": TRAIN_STEPS + 1}
+    report, _, _ = resumes("clean", name)
+    assert report == {"refused": None, "global_step": TRAIN_STEPS + 1}

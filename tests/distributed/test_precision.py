@@ -1,6 +1,7 @@
 """A bf16-loaded model trained through ``auto_args()`` ends up with the optimizer-state dtype the plan states.
 
-One 2-rank launch per strategy (tests/distributed/scripts/precision_train.py) trains the same
+One 2-rank run per strategy (tests/distributed/scripts/precision_train.py, in the launch of its engine's
+runs in test_strategies.py: conftest ``strategy_runs``) trains the same
 bf16-loaded tiny Llama twice under the HF Trainer with bf16 mixed precision: by default and with
 ``pure_bf16=True``. The report holds what the real innermost torch optimizer holds after two steps: the
 dtype of the tensors it steps (the master weights) and of Adam's ``exp_avg`` / ``exp_avg_sq``.
@@ -19,34 +20,16 @@ import math
 
 import pytest
 
-from hf_dist.testing import torchrun
-from tests.distributed.conftest import LAUNCH_TIMEOUT_S, SCRIPTS, LaunchCache, launch_env
+from tests.distributed.conftest import PRECISION_STRATEGIES as STRATEGIES
 
 pytestmark = pytest.mark.distributed
 
-STRATEGIES = ("ddp", "fsdp_full_shard", "zero1", "zero2", "zero3")
 MODES = {"default": "float32", "pure_bf16": "bfloat16"}
 
 
-def launch(strategy: str, workdir, out) -> None:
-    args = ["--strategy", strategy, "--output-dir", workdir / "run", "--out", out]
-    torchrun(
-        SCRIPTS / "precision_train.py",
-        args,
-        env=launch_env(strategy),
-        timeout=LAUNCH_TIMEOUT_S,
-        outputs=[workdir / "run", out],
-    )
-
-
-@pytest.fixture(scope="module")
-def precision_runs(tmp_path_factory: pytest.TempPathFactory) -> LaunchCache:
-    return LaunchCache(tmp_path_factory.mktemp("precision"), lambda key, wd, out: launch(key, wd, out))
-
-
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_optimizer_state_dtype_is_what_the_plan_states(precision_runs, strategy):
-    report = precision_runs.get(strategy)
+def test_optimizer_state_dtype_is_what_the_plan_states(strategy_runs, strategy):
+    report = strategy_runs.get(f"precision_{strategy}")
     assert report["world_size"] == 2
     for mode, expected in MODES.items():
         run = report[mode]
@@ -60,8 +43,8 @@ def test_optimizer_state_dtype_is_what_the_plan_states(precision_runs, strategy)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_the_strategy_really_ran_with_the_planned_precision(precision_runs, strategy):
-    report = precision_runs.get(strategy)
+def test_the_strategy_really_ran_with_the_planned_precision(strategy_runs, strategy):
+    report = strategy_runs.get(f"precision_{strategy}")
     default, pure = report["default"], report["pure_bf16"]
     if strategy == "ddp":
         assert default["model_wrapped"] == pure["model_wrapped"] == "DistributedDataParallel"

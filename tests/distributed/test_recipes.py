@@ -34,11 +34,9 @@ LAUNCHES = {
     # and count one rank under DeepSpeed
     # ... and saves in the background (--async_save): the checkpoints are still marked, the losses still golden
     "fsdp_full_shard": ("fsdp_full_shard", ("sft", "pretrain", "lora"), {}, ("--fsdp_on_cpu", "--async_save")),
-    # accelerate takes its DeepSpeed branch only when not forced onto CPU; it also refuses a second
-    # Accelerator with a DeepSpeed plugin in one process, so each ZeRO-3 recipe gets its own launch
-    "zero3": ("zero3", ("sft",), {"ACCELERATE_USE_CPU": "false"}, ("--deepspeed_on_cpu",)),
-    "zero3_lora": ("zero3", ("lora",), {"ACCELERATE_USE_CPU": "false"}, ("--deepspeed_on_cpu",)),
-    "zero3_pretrain": ("zero3", ("pretrain",), {"ACCELERATE_USE_CPU": "false"}, ("--deepspeed_on_cpu",)),
+    # accelerate takes its DeepSpeed branch only when not forced onto CPU; a second Accelerator with a DeepSpeed
+    # plugin in one process needs accelerate's state reset first, which recipes_matrix.py does between recipes
+    "zero3": ("zero3", ("sft", "lora", "pretrain"), {"ACCELERATE_USE_CPU": "false"}, ("--deepspeed_on_cpu",)),
     # tensor parallelism: the TP group is one data-parallel replica (global batch halves: no golden loss)
     "ddp_tp2": ("ddp", ("sft",), {}, ("--tp_size", "2", "--model_parallel_on_cpu")),
     # DeepSpeed AutoTP (ZeRO-2): DeepSpeed shards the plain model when the engine starts

@@ -8,7 +8,8 @@ read 6, so a resume that restarted the optimizer fails.
 
 Resumes on 3 ranks go through ``hf_dist.auto_resume(out, training_args=...)`` on a copy of checkpoint-3 without
 any universal folder (what a user restarting the job on another GPU count does); resumes on 1 rank through
-``prepare_resume(checkpoint-3)``. ZeRO-1 and ZeRO-2 write the same files; ZeRO-1 is resumed on 3 ranks only.
+``prepare_resume(checkpoint-3)``. ZeRO-1 and ZeRO-2 write the same files; ZeRO-1 is resumed on 3 ranks only. The runs
+of one engine (FSDP2, DeepSpeed) at one world size share a launch (scripts/runs.py): 6 launches for the 11 runs.
 """
 
 from __future__ import annotations
@@ -20,9 +21,7 @@ from pathlib import Path
 import pytest
 
 from hf_dist.checkpoint.lifecycle.reshard import inspect_checkpoint
-from hf_dist.testing import torchrun
 
-SCRIPT = Path(__file__).parent / "scripts" / "reshard_train.py"
 RTOL = 1e-4
 # DeepSpeed takes its branch only when accelerate is not forced onto CPU; it falls back to gloo by itself
 LAUNCH_ENV = {"fsdp": {}, "zero1": {"ACCELERATE_USE_CPU": "0"}, "zero2": {"ACCELERATE_USE_CPU": "0"},
@@ -32,27 +31,86 @@ CASES = [("fsdp", 1), ("fsdp", 3), ("zero3", 1), ("zero3", 3), ("zero2", 1), ("z
 pytestmark = pytest.mark.distributed
 
 
-def train(backend: str, out: Path, nproc: int, resume: Path | None = None, auto: bool = False) -> dict:
-    loss_file = out / "result.json"
-    args = ["--backend", backend, "--out", out, "--loss-file", loss_file, "--max-steps", 6, "--save-steps", 3]
+def _argv(backend: str, out: Path, resume: Path | None = None, auto: bool = False) -> list[str]:
+    args = ["reshard_train", "--backend", backend, "--out", out, "--loss-file", out / "result.json"]
+    args += ["--max-steps", 6, "--save-steps", 3]
     if resume is not None:
         args += ["--resume", resume]
     if auto:
         args += ["--auto-resume"]
-    torchrun(SCRIPT, args, nproc=nproc, env=LAUNCH_ENV[backend], timeout=300, outputs=[out])
-    return json.loads(loss_file.read_text())
+    return list(map(str, args))
+
+
+def train(runs: dict[str, list[str]], nproc: int, spec: Path) -> None:
+    """Each backend's run (``backend -> argv``), all of one engine, in one launch of ``nproc`` ranks."""
+    from tests.distributed.conftest import torchrun_runs
+
+    env = LAUNCH_ENV[next(iter(runs))]
+    outputs = [Path(argv[argv.index("--out") + 1]) for argv in runs.values()]
+    torchrun_runs(list(runs.values()), spec, env=env, outputs=outputs, nproc=nproc)
+
+
+def _engine(backend: str) -> str:
+    return "fsdp" if backend == "fsdp" else "deepspeed"
+
+
+def _launched(cache: dict, key, keys: list, launch):
+    """``cache[key]``, filling the cache with ``launch()``'s results for ``keys`` (a failure cached for each)."""
+    if key not in cache:
+        try:
+            cache.update(launch())
+        except Exception as exc:
+            cache.update(dict.fromkeys(keys, exc))
+    result = cache[key]
+    if isinstance(result, BaseException):
+        raise RuntimeError(f"the launch of {key} failed (cached): {result}") from result
+    return result
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """backend -> (checkpoint-3 of a 6-step run on 2 ranks, its result); each trained once, on first use."""
-    cache: dict[str, tuple[Path, dict]] = {}
+    """backend -> (checkpoint-3 of a 6-step run on 2 ranks, its result); the runs of one engine in one launch."""
+    cache: dict = {}
 
     def get(backend: str) -> tuple[Path, dict]:
-        if backend not in cache:
-            out = tmp_path_factory.mktemp(f"{backend}_ws2")
-            cache[backend] = out / "checkpoint-3", train(backend, out, nproc=2)
-        return cache[backend]
+        backends = sorted({b for b, _ in CASES if _engine(b) == _engine(backend)})
+
+        def launch() -> dict:
+            outs = {b: tmp_path_factory.mktemp(f"{b}_ws2") for b in backends}
+            train({b: _argv(b, out) for b, out in outs.items()}, 2, tmp_path_factory.mktemp("refs") / "runs.json")
+            return {
+                b: (out / "checkpoint-3", json.loads((out / "result.json").read_text())) for b, out in outs.items()
+            }
+
+        return _launched(cache, backend, backends, launch)
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def resumed(references, tmp_path_factory):
+    """(backend, world) -> (the checkpoint it resumed, its result): the resumes of one engine at one world size in
+    one launch. On 3 ranks the job restarts in its own output folder holding a copy of checkpoint-3 without any
+    universal folder (``auto_resume``); on 1 rank it resumes checkpoint-3 itself (``prepare_resume``)."""
+    cache: dict = {}
+
+    def get(backend: str, world: int) -> tuple[Path, dict]:
+        keys = [(b, w) for b, w in CASES if w == world and _engine(b) == _engine(backend)]
+
+        def launch() -> dict:
+            runs, checkpoints, outs = {}, {}, {}
+            for b, _ in keys:
+                checkpoint, _ = references(b)
+                outs[b] = out = tmp_path_factory.mktemp(f"{b}_ws{world}")
+                if world == 3:
+                    shutil.copytree(checkpoint, out / checkpoint.name, ignore=shutil.ignore_patterns("*_universal"))
+                    runs[b], checkpoints[b] = _argv(b, out, auto=True), out / checkpoint.name
+                else:
+                    runs[b], checkpoints[b] = _argv(b, out, resume=checkpoint), checkpoint
+            train(runs, world, tmp_path_factory.mktemp("resumes") / "runs.json")
+            return {(b, world): (checkpoints[b], json.loads((outs[b] / "result.json").read_text())) for b, _ in keys}
+
+        return _launched(cache, (backend, world), keys, launch)
 
     return get
 
@@ -66,20 +124,14 @@ def check_strategy_ran(backend: str, result: dict) -> None:
 
 
 @pytest.mark.parametrize(("backend", "new_world"), CASES, ids=[f"{b}-ws{w}" for b, w in CASES])
-def test_resume_on_other_world_size(references, backend, new_world, tmp_path):
+def test_resume_on_other_world_size(references, resumed, backend, new_world):
     checkpoint, ref = references(backend)
     check_strategy_ran(backend, ref)
     saved = inspect_checkpoint(checkpoint)
     assert saved.world_size == 2
     assert saved.format == ("dcp" if backend == "fsdp" else "deepspeed")
 
-    if new_world == 3:  # the job restarted in its own output dir on another GPU count
-        shutil.copytree(checkpoint, tmp_path / checkpoint.name, ignore=shutil.ignore_patterns("*_universal"))
-        resumed = train(backend, tmp_path, nproc=new_world, auto=True)
-        checkpoint = tmp_path / checkpoint.name
-    else:
-        resumed = train(backend, tmp_path, nproc=new_world, resume=checkpoint)
-
+    checkpoint, resumed = resumed(backend, new_world)
     check_strategy_ran(backend, resumed)
     assert resumed["world_size"] == new_world
     assert sorted(resumed["losses"], key=int) == ["4", "5", "6"]

@@ -2,8 +2,8 @@
 
 One single-process baseline (micro-batch 2, gradient accumulation 2) and one 2-rank run per
 strategy (micro-batch 2, accumulation 1) see the same 4 samples per optimizer step in the same
-order, from bit-identical initial weights, in fp32. Each run is launched once per session
-(conftest.LaunchCache); the tests below check different facts of it:
+order, from bit-identical initial weights, in fp32. Each run runs once per session, the runs of one engine in
+one launch (conftest.LaunchCache, scripts/runs.py); the tests below check different facts of it:
 
 * the strategy really ran: the wrapper type, accelerate's distributed type, DTensor shards
   (FSDP2) or partitioned ZeRO-3 parameters -- never assumed from the config;
@@ -32,8 +32,9 @@ pytestmark = pytest.mark.distributed
 
 STEPS = TRAIN_STEPS
 LOSS_RTOL = 1e-5
-DISTRIBUTED = [name for name, case in CASES.items() if case.nproc > 1 and not case.extra]
-ACCUMULATING = [name for name, case in CASES.items() if case.extra]
+TRAINED = {name: case for name, case in CASES.items() if case.script == "strategies_train"}  # not test_precision's
+DISTRIBUTED = [name for name, case in TRAINED.items() if case.nproc > 1 and not case.extra]
+ACCUMULATING = [name for name, case in TRAINED.items() if case.extra]
 DEEPSPEED = {"zero1": (1, "none"), "zero2": (2, "none"), "zero3": (3, "none"), "zero3_offload": (3, "cpu")}
 
 

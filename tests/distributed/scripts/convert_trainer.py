@@ -44,13 +44,14 @@ def reference_state(trainer, mode: str) -> dict:
     return get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """One Trainer run; the process group stays up (scripts/runs.py runs several in one launch)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--mode", choices=("zero1", "zero2", "zero3", "fsdp2"), required=True)
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--steps", type=int, default=2)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     enable_fsdp_on_cpu_from_env()
 
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
@@ -104,8 +105,8 @@ def main() -> None:
         }
         with open(os.path.join(args.out, "facts.json"), "w") as handle:
             json.dump(facts, handle)
-    shutdown()
 
 
 if __name__ == "__main__":
     main()
+    shutdown()

@@ -113,7 +113,8 @@ def slow_background_writes(seconds: float) -> None:
     BackgroundWriter._submit = slow_submit
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """One Trainer run; the process group stays up (scripts/runs.py runs several in one launch)."""
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where a hung rank is
     parser = argparse.ArgumentParser()
     parser.add_argument("--output-dir", required=True)
@@ -144,7 +145,7 @@ def main() -> None:
         "--fsdp", action="store_true", help="FSDP2 full shard on CPU (hf_dist.runtime.cpu_fsdp), DCP checkpoints"
     )
     strategy.add_argument("--deepspeed", choices=["zero2", "zero3"], help="DeepSpeed ZeRO (fp32 on CPU)")
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
     out = Path(opts.output_dir)
     init_distributed_for_restarts()  # before TrainingArguments, which would initialize it
 
@@ -219,8 +220,8 @@ def main() -> None:
         if trainer.is_deepspeed_enabled:
             facts["zero_stage"] = trainer.model_wrapped.zero_optimization_stage()
         (out / "facts.json").write_text(json.dumps(facts))
-    shutdown()
 
 
 if __name__ == "__main__":
     main()
+    shutdown()

@@ -31,12 +31,12 @@ STEPS = 2
 MICRO_BATCH = 2
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategy", required=True, help="an hf_dist strategy (ddp, fsdp_full_shard, zero1...)")
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--out", required=True, help="JSON report written by rank 0")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def build_model():
@@ -150,30 +150,24 @@ def run(strategy: str, pure_bf16: bool, output_dir: str, world_size: int) -> dic
     }
 
 
-def reset_between_runs() -> None:
-    """Forget the first run's accelerate state and ZeRO-3 config so the second run builds its own."""
-    from accelerate.state import AcceleratorState, GradientState
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+def main(argv: list[str] | None = None) -> None:
+    """Both modes; the process group stays up (scripts/runs.py runs several scripts in one launch)."""
+    from runs import reset_between_runs
 
-    unset_hf_deepspeed_config()
-    AcceleratorState._reset_state(reset_partial_state=False)
-    GradientState._reset_state()
-
-
-def main() -> None:
-    args = parse_args()
+    args = parse_args(argv)
     enable_fsdp_on_cpu_from_env()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     report = {"strategy": args.strategy, "world_size": world_size}
+    environ = dict(os.environ)
     for mode, pure in (("default", False), ("pure_bf16", True)):
         report[mode] = run(args.strategy, pure, os.path.join(args.output_dir, mode), world_size)
-        reset_between_runs()
+        reset_between_runs(environ)
     if int(os.environ.get("RANK", "0")) == 0:
         tmp = Path(args.out).with_suffix(".tmp")
         tmp.write_text(json.dumps(report, indent=2))
         os.replace(tmp, args.out)
-    shutdown()
 
 
 if __name__ == "__main__":
     main()
+    shutdown()

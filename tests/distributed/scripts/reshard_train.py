@@ -7,6 +7,7 @@ same at every world size, so a resumed run sees the same samples per step as an 
     torchrun --nproc_per_node 3 reshard_train.py --backend fsdp --out OUT --max-steps 6 --resume OUT/checkpoint-3
     torchrun --nproc_per_node 3 reshard_train.py --backend zero2 --out OUT2 --max-steps 6 --auto-resume
 
+Several runs share a launch through scripts/runs.py (the test launches each engine's runs at one world size once).
 ``--resume`` goes through ``hf_dist.checkpoint.lifecycle.reshard.prepare_resume``; ``--auto-resume`` through
 ``hf_dist.auto_resume(OUT, training_args=...)``, which finds the newest complete checkpoint in OUT itself.
 """
@@ -39,7 +40,8 @@ def adam_step(optimizer) -> int:
     return max(steps, default=0)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """One Trainer run; the process group stays up (scripts/runs.py runs several in one launch)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", choices=["fsdp", "zero1", "zero2", "zero3"], required=True)
     parser.add_argument("--out", required=True)
@@ -49,7 +51,7 @@ def main() -> None:
     resume.add_argument("--resume", default=None)
     resume.add_argument("--auto-resume", action="store_true")
     parser.add_argument("--loss-file", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     import torch
     from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
@@ -118,7 +120,6 @@ def main() -> None:
             raise SystemExit(f"--auto-resume: no complete checkpoint in {args.out}")
     from hf_dist.callbacks import CompleteCheckpointCallback, attach
     from hf_dist.checkpoint.lifecycle.reshard import reshard_callback
-    from hf_dist.runtime.dist import shutdown
 
     trainer = Trainer(model=model, args=training_args, train_dataset=dataset)
     attach(trainer, [Record(), CompleteCheckpointCallback(), reshard_callback()])  # the resume's loads guarded
@@ -135,8 +136,10 @@ def main() -> None:
         }
         with open(args.loss_file, "w") as f:
             json.dump(info, f)
-    shutdown()
 
 
 if __name__ == "__main__":
+    from hf_dist.runtime.dist import shutdown
+
     main()
+    shutdown()

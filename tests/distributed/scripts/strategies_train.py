@@ -30,7 +30,7 @@ SEED = 1234
 SEQ_LEN = 32
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategy", required=True, help="'none' (single process) or an hf_dist strategy")
     parser.add_argument("--offload", default="none")
@@ -55,7 +55,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--out", required=True, help="JSON report written by rank 0")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def build_model(vocab_size: int):
@@ -293,11 +293,11 @@ def report_refusal(trainer, checkpoint: str, out: str) -> None:
         report = {"refused": type(exc).__name__, "message": str(exc)}
     if trainer.is_world_process_zero():
         Path(out).write_text(json.dumps(report))
-    shutdown()
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    """One Trainer run; the process group stays up (scripts/runs.py runs several in one launch)."""
+    args = parse_args(argv)
     enable_fsdp_on_cpu_from_env()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     model = build_model(args.vocab_size)
@@ -354,8 +354,8 @@ def main() -> None:
         tmp = Path(args.out).with_suffix(".tmp")
         tmp.write_text(json.dumps(report, indent=2))
         os.replace(tmp, args.out)
-    shutdown()
 
 
 if __name__ == "__main__":
     main()
+    shutdown()
