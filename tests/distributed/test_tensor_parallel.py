@@ -1,7 +1,7 @@
 """Tensor parallelism really runs under the HF Trainer on CPU ranks (gloo), and learns what DDP learns.
 
-Four launches of tests/distributed/scripts/tensor_parallel_train.py, each once per session, from the
-same saved tiny Llama, on the same 4 samples per optimizer step in dataset order, fp32:
+Four runs of tests/distributed/scripts/tensor_parallel_train.py, each once per session (a DDP and a TP run in one
+launch, through scripts/runs.py), from the same saved tiny Llama, on the same 4 samples per optimizer step in dataset order, fp32:
 
 * ``ddp``: 2 ranks x micro-batch 2 (the reference);
 * ``tp``: 2 ranks, ``from_pretrained(distributed_config={"tp_plan": "auto"})`` + ``ParallelismConfig(tp_size=2)``, micro-batch 4
@@ -17,7 +17,8 @@ FSDP2 x TP 1.7e-7. 1e-5 leaves ~40x room for another BLAS/ISA, while the curve s
 over the 4 steps, and a TP group that double-counts or drops a shard's contribution moves it by far more.
 
 Resume (hf_dist's ShardedResumeCallback; the Trainer alone cannot resume a model sharded at load): the ``tp``
-run also saves ``checkpoint-2``; three more launches resume from a copy of it, through ``auto_resume``, on the
+run also saves ``checkpoint-2``; three more runs (one launch; the FSDP2 x TP one with the fsdp_tp run) resume from a
+copy of it, through ``auto_resume``, on the
 same layout (``tp_resume``), on FSDP2 x TP over 4 ranks (``fsdp_tp_resume``) and on DDP (``ddp_resume``), and
 must log the straight run's step-3 and step-4 losses (LOSS_RTOL). The schedule is linear, so a scheduler that
 restarted would change them too; a control run without the optimizer state shows what a lost Adam state does.
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_dist.testing import cpu_env, retry_gloo_abort, run_checked, torchrun_command
+from hf_dist.testing import cpu_env, run_checked, torchrun_command
 
 pytestmark = pytest.mark.distributed
 
@@ -54,43 +55,59 @@ LAUNCHES = {
     "fsdp_tp_resume": ("fsdp_tp", 4, ["--resume", "auto"]),
     "ddp_resume": ("ddp", 2, ["--resume", "auto"]),
     "autotp": ("autotp", 2, ["--save", "--save-steps", STEPS]),
+    "ddp_fresh_optimizer": ("ddp", 2, []),  # resumes the tp checkpoint without its optimizer state (the control)
 }
 LINEAR_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 LINEAR_ROWWISE = ("o_proj", "down_proj")
 
 
+# the runs that share a launch (scripts/runs.py), each group of one layout family and rank count; the *_resume runs and
+# the fresh-optimizer control start from the tp run's checkpoint-2
+GROUPS = (
+    ("ddp", "tp"),
+    ("tp_resume", "ddp_resume", "ddp_fresh_optimizer"),
+    ("fsdp_tp", "fsdp_tp_resume"),
+    ("autotp",),
+)
+
+
 class Runs:
-    """Each launch at most once per session (a failure is cached and re-raised)."""
+    """Each run at most once per session, the runs of a group in one launch (a failure is cached and re-raised)."""
 
     def __init__(self, root: Path) -> None:
+        from tests.distributed.conftest import LaunchCache
+
         self.root = root
         self.model_dir = root / "model"
-        self._results: dict[str, dict | BaseException] = {}
+        members = {key: group for group in GROUPS for key in group}
+        self._cache = LaunchCache(root / "runs", self._launch_group, members.__getitem__)
+
+    def argv(self, layout: str, workdir: Path, extra: list) -> list[str]:
+        args = ["--layout", layout, "--model-dir", self.model_dir, "--output-dir", workdir, "--steps", STEPS]
+        return ["tensor_parallel_train", *map(str, [*args, "--out", workdir / "report.json", *extra])]
 
     def launch(self, layout: str, nproc: int, workdir: Path, extra: list) -> dict:
-        out = workdir / "report.json"
-        args = ["--layout", layout, "--model-dir", self.model_dir, "--output-dir", workdir, "--steps", STEPS]
-        cmd = torchrun_command(SCRIPT, [*args, "--out", out, *extra], nproc=nproc)
-        run_checked(cmd, env=cpu_env(), timeout=LAUNCH_TIMEOUT_S)
-        return {**json.loads(out.read_text()), "workdir": str(workdir)}
+        """One run in a launch of its own (a refusal: its launch fails)."""
+        _, *args = self.argv(layout, workdir, extra)
+        run_checked(torchrun_command(SCRIPT, args, nproc=nproc), env=cpu_env(), timeout=LAUNCH_TIMEOUT_S)
+        return {**json.loads((workdir / "report.json").read_text()), "workdir": str(workdir)}
 
     def get(self, name: str) -> dict:
-        if name not in self._results:
-            try:
-                self._results[name] = retry_gloo_abort(lambda attempt: self._run(name, attempt))
-            except Exception as exc:
-                self._results[name] = exc
-        result = self._results[name]
-        if isinstance(result, BaseException):
-            raise RuntimeError(f"launch {name!r} failed (cached): {result}") from result
-        return result
+        return self._cache.get(name)
 
-    def _run(self, name: str, attempt: int) -> dict:
-        layout, nproc, extra = LAUNCHES[name]
-        workdir = self.root / (name if attempt == 0 else f"{name}-retry{attempt}")  # a retry starts afresh
-        if name.endswith("_resume"):
-            shutil.copytree(self.checkpoint(), workdir / f"checkpoint-{RESUME_STEP}")
-        return self.launch(layout, nproc, workdir, extra)
+    def _launch_group(self, runs) -> None:
+        from tests.distributed.conftest import torchrun_runs
+
+        argvs = []
+        for run in runs:
+            layout, nproc, extra = LAUNCHES[run.key]
+            if run.key.endswith("_resume"):
+                shutil.copytree(self.checkpoint(), run.workdir / f"checkpoint-{RESUME_STEP}")
+            elif run.key == "ddp_fresh_optimizer":
+                extra = [*extra, "--resume", without_optimizer_state(self.checkpoint(), run.workdir / "source")]
+            argvs.append(self.argv(layout, run.workdir, extra))
+        spec = runs[0].workdir / "runs.json"
+        torchrun_runs(argvs, spec, env={}, outputs=[run.workdir for run in runs], nproc=nproc)
 
     def checkpoint(self) -> Path:
         """The tp run's checkpoint-2, which the resume launches start from."""
@@ -328,21 +345,18 @@ def test_tp_checkpoint_holds_the_optimizer_of_every_rank(tp_runs):
     assert "hf_dist_optimizer/__1_0.distcp" in marker["files"]  # the marker waited for every rank's shard
 
 
-def without_optimizer_state(tp_runs, tmp_path: Path) -> Path:
+def without_optimizer_state(checkpoint: Path, into: Path) -> Path:
     """The checkpoint without hf_dist's optimizer folder, and without its manifest (which would refuse the copy for
     what it lacks before the resume callback is reached): a TP checkpoint of a run without hf_dist's callbacks."""
-    copy = tmp_path / f"checkpoint-{RESUME_STEP}"
-    shutil.copytree(
-        tp_runs.checkpoint(), copy, ignore=shutil.ignore_patterns("hf_dist_optimizer", "hf_dist_complete.json")
-    )
+    copy = into / f"checkpoint-{RESUME_STEP}"
+    shutil.copytree(checkpoint, copy, ignore=shutil.ignore_patterns("hf_dist_optimizer", "hf_dist_complete.json"))
     return copy
 
 
 def test_losing_the_optimizer_state_changes_the_losses(tp_runs, tmp_path):
     """The control: DDP resumed from the same weights and schedule but a fresh Adam logs other losses, so the
     parity above really measures the restored optimizer state."""
-    checkpoint = without_optimizer_state(tp_runs, tmp_path)
-    fresh = tp_runs.launch("ddp", 2, tmp_path, ["--resume", checkpoint])
+    fresh = tp_runs.get("ddp_fresh_optimizer")
     diff = max_rel_diff(fresh["losses"], tp_runs.get("tp")["losses"][RESUME_STEP:])
     assert diff > 100 * LOSS_RTOL, f"a fresh optimizer moved the losses by only {diff:.2e}"
 
@@ -371,6 +385,6 @@ def test_tp_resume_with_a_planted_optimizer_value_is_refused(tp_runs, tmp_path):
 
 
 def test_tp_resume_without_optimizer_state_is_refused(tp_runs, tmp_path):
-    checkpoint = without_optimizer_state(tp_runs, tmp_path)
+    checkpoint = without_optimizer_state(tp_runs.checkpoint(), tmp_path)
     with pytest.raises(RuntimeError, match="holds no optimizer state"):
         tp_runs.launch("tp", 2, tmp_path, ["--resume", checkpoint])

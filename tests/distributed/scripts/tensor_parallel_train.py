@@ -50,7 +50,7 @@ GLOBAL_BATCH = 4
 NUM_SAMPLES = 64  # the first GLOBAL_BATCH * steps are used, in order
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layout", required=True, choices=["ddp", "tp", "fsdp_tp", "autotp"])
     parser.add_argument("--model-dir", required=True, help="the tiny Llama; rank 0 writes it if absent")
@@ -65,7 +65,7 @@ def parse_args() -> argparse.Namespace:
         "--resume", help="'auto' (the newest complete checkpoint in --output-dir) or a checkpoint path"
     )
     parser.add_argument("--out", required=True, help="JSON report written by rank 0")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def write_model(folder: Path) -> None:
@@ -151,8 +151,9 @@ def autotp_full_state_dict(module) -> dict:
     return full
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    """One Trainer run; the process group stays up (scripts/runs.py runs several in one launch)."""
+    args = parse_args(argv)
     import hashlib
 
     import torch
@@ -163,7 +164,6 @@ def main() -> None:
     from hf_dist.callbacks import CompleteCheckpointCallback, ShardedResumeCallback, attach
     from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
     from hf_dist.runtime.cpu_fsdp import allow_parallelism_config_on_cpu
-    from hf_dist.runtime.dist import shutdown
 
     allow_parallelism_config_on_cpu()
     if args.layout == "autotp":  # accelerate's DeepSpeed state over gloo, before any other state exists
@@ -261,8 +261,10 @@ def main() -> None:
         dist.barrier()
     if state.is_main_process:
         atomic_write_json(args.out, report)
-    shutdown()
 
 
 if __name__ == "__main__":
+    from hf_dist.runtime.dist import shutdown
+
     main()
+    shutdown()
