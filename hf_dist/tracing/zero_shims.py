@@ -155,11 +155,15 @@ ALLGATHER_STREAM = "ZeRO-3 all-gather"  # ZeRO-3's parameter coordinator's __all
 # default stream, as DeepSpeed passes ``default_stream()``)
 STREAM_SITES = {
     # stage_1_and_2.py DeepSpeedZeroOptimizer.__init__: reduction_stream = ... get_accelerator().Stream()
-    # (always a stream of its own; average_tensor, reduce_ipg_grads, allreduce_and_copy_with_multiple_ranks,
-    # _allreduce_noncontiguous_bucket_preserving_fp32 and allreduce_no_retain enter it when overlap_comm is set)
+    # (always a stream of its own; average_tensor, reduce_ipg_grads, allreduce_and_copy and
+    # _allreduce_noncontiguous_bucket_preserving_fp32 enter it when overlap_comm is set; allreduce_no_retain and
+    # allreduce_and_copy_with_multiple_ranks run inside average_tensor's)
     ("DeepSpeedZeroOptimizer", "reduction_stream"): lambda overlap: REDUCTION_STREAM,
     # stage3.py DeepSpeedZeroOptimizer_Stage3.__init__: reduce_and_partition_stream = Stream() if overlap_comm else
-    # default_stream() (entered by __add_grad_to_ipg_bucket, __reduce_and_partition_ipg_grads, has_overflow)
+    # default_stream() (entered by __add_grad_to_ipg_bucket, __reduce_and_partition_ipg_grads -- its
+    # __avg_scatter_grads and partition_grads --, has_overflow; stage3.py's allreduce_and_copy enters a
+    # self.reduction_stream that ZeRO-3 never sets: not called). record_stream (stage3.py, partition_parameters.py
+    # free_param, stage_1_and_2.py; GPU only) delays a freed block's return to its own stream's pool, nothing more
     ("DeepSpeedZeroOptimizer_Stage3", "reduce_and_partition_stream"): lambda overlap: REDUCTION_STREAM if overlap
     else None,
     # parameter_offload.py DeepSpeedZeRoOffload.__init__: __allgather_stream = Stream() if overlap_comm else
