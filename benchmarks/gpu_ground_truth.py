@@ -21,8 +21,9 @@ tokens/s within 10 % of the fastest configuration that ran.
 
 ``--trace`` also traces every case the tracer runs (DDP / FSDP2 / DeepSpeed ZeRO-2/3, Liger through its fakes) and
 replays its allocations through the caching allocator (``hf_dist.tracing.allocations``): the traced device total
-(replayed reserved + the collectives' streams' blocks + CUDA context) against the device memory used, and the replayed
-reserve (reserved + those blocks - allocated) against the measured one. About 3 minutes on 2 busy cores.
+(replayed reserved + the collectives' streams' blocks + CUDA context; a DeepSpeed trace replays its streams' blocks in
+pools of their own and adds none) against the device memory used, and the replayed reserve (reserved + those blocks -
+allocated) against the measured one. About 3 minutes on 2 busy cores.
 """
 
 from __future__ import annotations
@@ -259,11 +260,12 @@ def traced_rows(cases, time_limit_s: float = 600.0) -> list[dict]:
             continue
         m, est = case["measured"], predict(case, config_dir)
         total = trace.device_total(est) / GIB
+        comm = 0 if trace.streams else est.comm_reserve  # what device_total adds for the collectives' streams
         row = {
             "case": case_label(case), "gpu": gpu_of(env), "oom": bool(m["out_of_memory"]), "capacity_gib": capacity_gib(env),
             "traced_allocated_gib": trace.peak_bytes / GIB, "replayed_reserved_gib": trace.reserved_bytes / GIB,
             "traced_total_gib": total, "measured_gib": m["device_used_gib"],
-            "replayed_reserve_gib": (trace.reserved_bytes + est.comm_reserve - trace.peak_bytes) / GIB,
+            "replayed_reserve_gib": (trace.reserved_bytes + comm - trace.peak_bytes) / GIB,
             "measured_reserve_gib": m["max_memory_reserved_gib"] - m["max_memory_allocated_gib"],
             "modelled_reserve_gib": est.allocator / GIB, "seconds": trace.seconds,
         }  # fmt: skip

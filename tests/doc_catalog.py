@@ -128,7 +128,7 @@ CATALOG: dict[str, Entry] = {
         "the benchmark's own table, computed from the recorded H100 runs in benchmarks/data/gpu/",
     ),
     "python benchmarks/gpu_ground_truth.py --trace": CannotRun(
-        "a benchmark: traces every GPU run the tracer runs, 2 min 40 s on 2 busy cores (2026-11-27)",
+        "a benchmark: traces every GPU run the tracer runs, 3 min on 2 busy cores (2026-11-27)",
         output=(
             "docs/planner.md",
             "| llama-3-8b lora ddp seq2048 mb8 liger load=bfloat16 | H200 | 101.49 | 107.30 | 107.32 | 1.000 | 4.50 | 4.47 | 0.88 |",

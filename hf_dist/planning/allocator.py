@@ -2,7 +2,7 @@
 
 A pure model of ``c10/cuda/CUDACachingAllocator.cpp`` (``DeviceCachingAllocator``, torch 2.x with the default
 ``PYTORCH_CUDA_ALLOC_CONF``: no ``max_split_size_mb``, no ``roundup_power2_divisions``, no garbage collection, no
-expandable segments), one stream:
+expandable segments):
 
 - ``round_size``: every request is rounded up to a multiple of 512 B (``kMinBlockSize``);
 - ``get_pool``: requests of at most 1 MiB (``kSmallSize``) come from the small pool, the rest from the large pool;
@@ -16,6 +16,12 @@ expandable segments), one stream:
 - ``free_block`` / ``try_merge_blocks``: a freed block merges with its free neighbours of the same segment, never
   across segments: a segment is only returned to CUDA by ``empty_cache`` or an out-of-memory retry, so the reserved
   total never falls during training.
+
+- streams: a block belongs to the stream whose request made its segment (``Block::stream``, every block of a segment
+  the segment's stream); ``get_free_block`` looks up the pool by (stream, size, address) (``BlockComparatorSize``
+  compares the stream first) and takes a block only of the requesting stream, so a block freed by one stream's
+  tensor is cached for that stream's next requests and no other's. ``record_stream`` only delays when a freed block
+  returns to its own stream's pool (``insert_events``); a replay that has no timing returns it at the free.
 
 ``allocated`` counts blocks as the allocator does (``allocated_bytes`` adds ``block->size``: a request that leaves at
 most 1 MiB of its segment keeps the whole segment), which is ``torch.cuda.max_memory_allocated``'s unit.
@@ -63,6 +69,7 @@ class _Block:
     addr: int
     size: int
     small: bool
+    stream: object = None  # the stream the block's segment was cudaMalloc'd for (None: the default stream)
     free: bool = True
     prev: _Block | None = None
     next: _Block | None = None
@@ -70,25 +77,28 @@ class _Block:
 
 @dataclass
 class CachingAllocator:
-    """One device's caching allocator, one stream. ``malloc`` returns a handle for ``free``."""
+    """One device's caching allocator. ``malloc`` returns a handle for ``free``; ``stream`` names the stream a request
+    is made on (None: the default stream), whose pool alone serves it."""
 
     reserved: int = 0
     allocated: int = 0
     peak_reserved: int = 0
     peak_allocated: int = 0
-    _pools: dict[bool, list[tuple[int, int]]] = field(default_factory=lambda: {True: [], False: []})
+    _pools: dict[tuple[object, bool], list[tuple[int, int]]] = field(default_factory=dict)  # (stream, small)
+    by_stream: dict[object, int] = field(default_factory=dict)  # reserved per stream (segments are never returned)
     _by_addr: dict[int, _Block] = field(default_factory=dict)
     _next_addr: int = 0
 
-    def malloc(self, nbytes: int) -> _Block | None:
-        """Serve a request of ``nbytes`` (None for 0 bytes: torch allocates nothing for an empty storage)."""
+    def malloc(self, nbytes: int, stream: object = None) -> _Block | None:
+        """Serve a request of ``nbytes`` made on ``stream`` (None for 0 bytes: torch allocates nothing for an empty
+        storage)."""
         if nbytes <= 0:
             return None
         rounded = round_size_bytes(nbytes)
         small = rounded <= SMALL_REQUEST_BYTES
-        block = self._take_free(small, rounded) or self._new_segment(small, segment_bytes(rounded))
+        block = self._take_free(stream, small, rounded) or self._new_segment(stream, small, segment_bytes(rounded))
         if splits(block.size, rounded):
-            rest = _Block(block.addr + rounded, block.size - rounded, small, prev=block, next=block.next)
+            rest = _Block(block.addr + rounded, block.size - rounded, small, block.stream, prev=block, next=block.next)
             if block.next is not None:
                 block.next.prev = rest
             block.next, block.size = rest, rounded
@@ -122,15 +132,16 @@ class CachingAllocator:
         """Reserved beyond the peak allocated: ``max_memory_reserved - max_memory_allocated``."""
         return self.peak_reserved - self.peak_allocated
 
-    def _new_segment(self, small: bool, size: int) -> _Block:
-        block = _Block(self._next_addr, size, small)
+    def _new_segment(self, stream: object, small: bool, size: int) -> _Block:
+        block = _Block(self._next_addr, size, small, stream)
         self._next_addr += size
         self.reserved += size
+        self.by_stream[stream] = self.by_stream.get(stream, 0) + size
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         return block
 
-    def _take_free(self, small: bool, rounded: int) -> _Block | None:
-        pool = self._pools[small]
+    def _take_free(self, stream: object, small: bool, rounded: int) -> _Block | None:
+        pool = self._pools.setdefault((stream, small), [])
         i = bisect.bisect_left(pool, (rounded, -1))
         if i == len(pool):
             return None
@@ -138,25 +149,27 @@ class CachingAllocator:
         return self._by_addr.pop(addr)
 
     def _insert(self, block: _Block) -> None:
-        bisect.insort(self._pools[block.small], (block.size, block.addr))
+        bisect.insort(self._pools.setdefault((block.stream, block.small), []), (block.size, block.addr))
         self._by_addr[block.addr] = block
 
     def _remove(self, block: _Block) -> None:
-        pool = self._pools[block.small]
+        pool = self._pools[(block.stream, block.small)]
         del pool[bisect.bisect_left(pool, (block.size, block.addr))]
         del self._by_addr[block.addr]
 
 
-def replay(events, allocator: CachingAllocator | None = None) -> CachingAllocator:
+def replay(events, allocator: CachingAllocator | None = None, streams=None) -> CachingAllocator:
     """Run ``events`` -- ``(key, nbytes)`` to allocate a tensor's storage under ``key``, ``(key, None)`` to free it --
-    through ``allocator`` (a new one by default) and return it."""
+    through ``allocator`` (a new one by default) and return it. ``streams``: the stream each key is allocated on, for
+    the keys not allocated on the default stream."""
     allocator = allocator or CachingAllocator()
+    streams = streams or {}
     live: dict = {}
     for key, nbytes in events:
         if nbytes is None:
             allocator.free(live.pop(key, None))
         else:
-            live[key] = allocator.malloc(nbytes)
+            live[key] = allocator.malloc(nbytes, streams.get(key))
     return allocator
 
 
@@ -165,7 +178,9 @@ def replay(events, allocator: CachingAllocator | None = None) -> CachingAllocato
 MAX_STEPS = 8
 
 
-def replay_training(setup, step, *, first_step_extra=(), extra_at: int | None = None, max_steps: int = MAX_STEPS):
+def replay_training(
+    setup, step, *, first_step_extra=(), extra_at: int | None = None, max_steps: int = MAX_STEPS, streams=None
+):
     """The allocator after a training run: ``setup`` (the model's storages, made once), then ``step`` -- one training
     step's events, ``(key, nbytes)`` / ``(key, None)`` as in :func:`replay` -- over and over, until a step reserves
     nothing new (its free blocks then fit the next step's requests as they fitted this one's), at most ``max_steps``.
@@ -174,8 +189,10 @@ def replay_training(setup, step, *, first_step_extra=(), extra_at: int | None = 
     state, created by the first ``optimizer.step()`` in the blocks that step's activations freed). A key of ``step``
     names a new storage in every repetition; a key allocated in ``setup`` names the same storage throughout, and a
     step's storage still alive when the next step allocates its key again is freed first (what rebinding a Python
-    name to the next step's tensor does)."""
+    name to the next step's tensor does). ``streams``: the stream a key is allocated on, for the keys not allocated
+    on the default stream (each step allocates a key on the stream the traced step did)."""
     allocator = CachingAllocator()
+    streams = streams or {}
     live: dict = {}
 
     def play(events, scope):
@@ -184,7 +201,7 @@ def replay_training(setup, step, *, first_step_extra=(), extra_at: int | None = 
                 allocator.free(live.pop((scope, key), None) or live.pop((None, key), None))
             else:
                 allocator.free(live.pop((scope - 1, key), None) if scope else None)
-                live[(scope, key)] = allocator.malloc(nbytes)
+                live[(scope, key)] = allocator.malloc(nbytes, streams.get(key))
 
     play(setup, None)
     step = list(step)

@@ -75,6 +75,9 @@ class TraceResult:
     notes: list[str] = field(default_factory=list)
     reserved_bytes: int = 0
     engine: str = ""  # what ran besides torch: "DeepSpeed 0.19.8" for ZeRO layouts
+    # the engine's streams whose allocations the replay served from their own pools (DeepSpeed's reduction and
+    # all-gather streams, tracing/zero_shims.py); empty: one stream, the collectives' streams from the memory model
+    streams: list[str] = field(default_factory=list)
 
     def checked(self) -> str:
         """What the trace ran, in a few words: ``rank 0 of 64 ranks, DeepSpeed 0.19.8's engine``."""
@@ -85,18 +88,20 @@ class TraceResult:
         """Device memory in use at the peak: what the caching allocator reserves for the traced allocations, replayed
         over the run's steps (``reserved_bytes``, :mod:`hf_dist.tracing.allocations`), plus what the memory model adds
         outside it (the CUDA context, and the blocks the collectives' streams cache:
-        :func:`~hf_dist.planning.transients.comm_stream_reserve_bytes`). A trace cut short has no replay: its peak
+        :func:`~hf_dist.planning.transients.comm_stream_reserve_bytes`, unless the replay served the engine's
+        streams from pools of their own: ``streams``, a DeepSpeed trace). A trace cut short has no replay: its peak
         plus the model's reserve."""
         if not self.reserved_bytes:
             return self.peak_bytes + estimate.total - estimate.allocated
-        return self.reserved_bytes + estimate.comm_reserve + estimate.overhead
+        comm = 0 if self.streams else estimate.comm_reserve
+        return self.reserved_bytes + comm + estimate.overhead
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "setup": self.setup.to_dict(), "peak_bytes": self.peak_bytes, "terms": self.terms,
             "categories": self.categories, "states": self.states, "seconds": self.seconds,
             "complete": self.complete, "peak_phase": self.peak_phase, "notes": list(self.notes),
-            "reserved_bytes": self.reserved_bytes, "engine": self.engine,
+            "reserved_bytes": self.reserved_bytes, "engine": self.engine, "streams": list(self.streams),
         }  # fmt: skip
 
     @classmethod
@@ -491,6 +496,7 @@ class _Run:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.vocab_size = text.vocab_size
         self.tracker, self.log = None, AllocationLog()
+        self.streams: list[str] = []  # the engine's streams the replay separates (DeepSpeed's, zero_shims)
         model = prepare.build_model(config, setup, trust_remote_code=trust_remote_code)
         model = apply_liger(model) if apply_liger else model  # the Trainer's __init__, before accelerate's prepare
         model = prepare.enable_checkpointing(model, setup)
@@ -526,6 +532,7 @@ class _Run:
         self.tracker = _tracker(self.model, self.optimizer, deadline, self.log, grad_hooks=False)
         with self.tracker, healthy_scalar_reads():
             self.engine = zero.initialize(self.model, self.optimizer, self.setup)
+        self.streams = zero.name_streams(self.engine)
         self.tracker.relabel("ACT", "OTH")
         self._label_engine_states()
         self.log.restart(self.tracker.live())
@@ -550,14 +557,14 @@ class _Run:
 
     def _deepspeed_steps(self) -> None:
         from hf_dist.tracing import zero
-        from hf_dist.tracing.zero_shims import healthy_scalar_reads
+        from hf_dist.tracing.zero_shims import healthy_scalar_reads, traced_streams
 
         def after_backward() -> None:
             self.tracker.reset_mod_stats()
             self._label_engine_states()  # gradient partitions DeepSpeed creates in the first backward
 
         reads = healthy_scalar_reads()
-        with reads:
+        with reads, traced_streams():
             zero.train_steps(self.engine, self.setup, self.vocab_size, self.on_phase, after_backward)
         self.notes.append(_deepspeed_note(reads.answered))
 
@@ -580,5 +587,5 @@ class _Run:
             states={"params": rest["params"], "optimizer": rest["optimizer"]}, seconds=round(seconds, 2),
             complete=self.complete, peak_phase=self.peak_phase,
             notes=([_DDP_NOTE] if self.buckets else []) + self.notes, engine=_engine_name(self.setup),
-            reserved_bytes=reserved,
+            reserved_bytes=reserved, streams=list(self.streams) if reserved else [],
         )  # fmt: skip

@@ -5,7 +5,8 @@ transformers' ``HfTrainerDeepSpeedConfig`` from the run's ``TrainingArguments``;
 class and keywords, its weight-decay and no-decay parameter groups); ``deepspeed.initialize`` gets both, as
 accelerate's ``_prepare_deepspeed`` passes them, and the steps are accelerate's ``DeepSpeedEngineWrapper.backward``:
 ``engine.backward`` every micro-batch, ``engine.step`` at the accumulation boundary. The engine runs unchanged but for
-the two shims of :mod:`hf_dist.tracing.zero_shims`.
+the two shims of :mod:`hf_dist.tracing.zero_shims`, and with the streams a GPU rank's ZeRO objects have
+(:func:`name_streams`), whose allocations the replay serves from their own pools.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from hf_dist.tracing.setup import TraceSetup, TraceUnsupported
 from hf_dist.tracing.zero_shims import fake_module_to, version_reason
+from hf_dist.tracing.zero_shims import name_streams as _name_streams
 
 _RANK_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
@@ -149,6 +151,15 @@ def initialize(model: Any, optimizer: Any, setup: TraceSetup) -> Any:
         # ZeRO-1/2 assert the alignment of their flat buffers by data_ptr(): a fake tensor's is 0, which passes
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         return start_engine(model, optimizer, setup)
+
+
+def name_streams(engine: Any) -> list[str]:
+    """The started engine's ZeRO objects given the streams a GPU rank's hold (:func:`zero_shims.name_streams`); the
+    attributes named. A DeepSpeed whose streams moved is refused."""
+    try:
+        return _name_streams(engine)
+    except LookupError as error:
+        raise TraceUnsupported(str(error)) from error
 
 
 def train_steps(engine: Any, setup: TraceSetup, vocab_size: int, on_phase: Any, after_backward: Any) -> None:

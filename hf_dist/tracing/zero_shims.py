@@ -12,6 +12,12 @@
    tensor those checks build is still allocated and reduced. A read anywhere else in DeepSpeed stops the trace
    (:class:`UnknownScalarRead`): a version whose checks moved is refused, never traced down a guessed branch.
 
+And one that changes nothing DeepSpeed allocates, only which stream the trace says it allocates on
+(:func:`traced_streams`): on a GPU, ZeRO's optimizers reduce (and ZeRO-3 gathers) on streams of their own, whose
+allocations CUDA's caching allocator serves from those streams' own blocks; on the fake world's CPU accelerator the
+streams are None and ``stream()`` a no-op. The shim names the streams the GPU would make and tags what is allocated
+inside ``with get_accelerator().stream(...)``, for the per-stream replay (:mod:`hf_dist.tracing.allocations`).
+
 Derived from DeepSpeed 0.19.8's source (:data:`SHIMS_DERIVED_FROM`); :func:`version_reason` refuses other versions.
 """
 
@@ -112,6 +118,124 @@ def _to_in_place(module: Any, *args: Any, **kwargs: Any) -> Any:
                     else:
                         tensors[key] = moved
     return module
+
+
+# ---------------------------------------------------------------- streams
+
+
+class TracedStream:
+    """A stream the GPU would have (``name``; None: the default stream). DeepSpeed's ordering calls (``wait_stream``,
+    ``wait_event``, ``synchronize``, ``query``) do nothing: on one fake rank there is no work to order."""
+
+    def __init__(self, name: str | None) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"TracedStream({self.name!r})"
+
+    def wait_stream(self, *args: Any) -> None:
+        return None
+
+    def wait_event(self, *args: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+DEFAULT_STREAM = TracedStream(None)
+REDUCTION_STREAM = "ZeRO reduction"  # ZeRO-1/2's reduction_stream, ZeRO-3's reduce_and_partition_stream
+ALLGATHER_STREAM = "ZeRO-3 all-gather"  # ZeRO-3's parameter coordinator's __allgather_stream
+
+# Where DeepSpeed 0.19.8 makes its streams, on a device that is not synchronized (a GPU; on the CPU accelerator each is
+# None): (class, attribute) -> the stream, given the engine's ``overlap_comm`` (True: a stream of its own, False: the
+# default stream, as DeepSpeed passes ``default_stream()``)
+STREAM_SITES = {
+    # stage_1_and_2.py DeepSpeedZeroOptimizer.__init__: reduction_stream = ... get_accelerator().Stream()
+    # (always a stream of its own; average_tensor, reduce_ipg_grads, allreduce_and_copy and
+    # _allreduce_noncontiguous_bucket_preserving_fp32 enter it when overlap_comm is set; allreduce_no_retain and
+    # allreduce_and_copy_with_multiple_ranks run inside average_tensor's)
+    ("DeepSpeedZeroOptimizer", "reduction_stream"): lambda overlap: REDUCTION_STREAM,
+    # stage3.py DeepSpeedZeroOptimizer_Stage3.__init__: reduce_and_partition_stream = Stream() if overlap_comm else
+    # default_stream() (entered by __add_grad_to_ipg_bucket, __reduce_and_partition_ipg_grads -- its
+    # __avg_scatter_grads and partition_grads --, has_overflow; stage3.py's allreduce_and_copy enters a
+    # self.reduction_stream that ZeRO-3 never sets: not called). record_stream (stage3.py, partition_parameters.py
+    # free_param, stage_1_and_2.py; GPU only) delays a freed block's return to its own stream's pool, nothing more
+    ("DeepSpeedZeroOptimizer_Stage3", "reduce_and_partition_stream"): lambda overlap: REDUCTION_STREAM if overlap
+    else None,
+    # parameter_offload.py DeepSpeedZeRoOffload.__init__: __allgather_stream = Stream() if overlap_comm else
+    # default_stream(), handed to partitioned_param_coordinator.py PartitionedParameterCoordinator, whose fetch_sub_module
+    # enters it around all_gather_coalesced and the wait for the gathered parameters
+    ("DeepSpeedZeRoOffload", "_DeepSpeedZeRoOffload__allgather_stream"): lambda overlap: ALLGATHER_STREAM if overlap
+    else None,
+    ("PartitionedParameterCoordinator", "_PartitionedParameterCoordinator__allgather_stream"): lambda overlap:
+    ALLGATHER_STREAM if overlap else None,
+}  # fmt: skip
+
+
+def _stream_holders(engine: Any) -> list[Any]:
+    optimizer = engine.optimizer
+    offload = getattr(optimizer, "parameter_offload", None)
+    coordinator = getattr(offload, "param_coordinator", None)
+    return [o for o in (optimizer, offload, coordinator) if o is not None]
+
+
+def name_streams(engine: Any) -> list[str]:
+    """Give the started engine's ZeRO objects the streams a GPU rank's would have (:data:`STREAM_SITES`), in place of
+    the None the CPU accelerator left; the streams named. Raises ``LookupError`` when a ZeRO optimizer of a known class
+    lacks the attribute, or holds something other than None there (DeepSpeed moved its streams: the version check
+    should have refused it)."""
+    overlap = bool(engine.zero_overlap_comm())
+    named = []
+    for holder in _stream_holders(engine):
+        for (cls, attr), stream in STREAM_SITES.items():
+            if type(holder).__name__ != cls:
+                continue
+            if getattr(holder, attr, "missing") is not None:
+                raise LookupError(f"DeepSpeed's {cls}.{attr} is not the None the CPU accelerator gives: not traced")
+            setattr(holder, attr, TracedStream(stream(overlap)) if stream(overlap) else DEFAULT_STREAM)
+            named.append(f"{cls}.{attr}")
+    return named
+
+
+@contextlib.contextmanager
+def traced_streams():
+    """Within the block, DeepSpeed's accelerator (the CPU accelerator of the fake world, whose streams are None) keeps
+    the current stream: ``stream(s)`` makes ``s`` current for the block (:func:`hf_dist.tracing.allocations.on_stream`,
+    read where each storage is logged), ``current_stream()`` and ``default_stream()`` return the current and the
+    default :class:`TracedStream`. A device that is not synchronized (a GPU accelerator) is left alone."""
+    from deepspeed.accelerator import get_accelerator
+
+    from hf_dist.tracing.allocations import current_stream, on_stream
+
+    accelerator = get_accelerator()
+    if not accelerator.is_synchronized_device():
+        yield
+        return
+
+    def stream(s: Any) -> Any:
+        if isinstance(s, TracedStream):
+            return on_stream(s.name)
+        return contextlib.nullcontext()  # None: the CPU accelerator's own stream, no switch
+
+    def current(device_index: Any = None) -> TracedStream:
+        name = current_stream()
+        return DEFAULT_STREAM if name is None else TracedStream(name)
+
+    patched = {"stream": stream, "current_stream": current, "default_stream": lambda device_index=None: DEFAULT_STREAM}
+    saved = {name: accelerator.__dict__.get(name) for name in patched}
+    accelerator.__dict__.update(patched)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                accelerator.__dict__.pop(name, None)
+            else:
+                accelerator.__dict__[name] = value
 
 
 # ---------------------------------------------------------------- 2. values read in Python

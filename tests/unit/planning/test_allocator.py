@@ -95,3 +95,38 @@ def test_training_replay_state_made_in_the_first_step_displaces_the_next_steps_a
 def test_training_replay_setup_storages_live_throughout():
     a = replay_training([("w", 30 * MIB)], [("x", 40 * MIB), ("x", None)])
     assert (a.peak_reserved, a.peak_allocated, a.allocated) == (70 * MIB, 70 * MIB, 30 * MIB)
+
+
+def test_a_block_freed_on_one_stream_serves_only_that_streams_requests():
+    """``get_free_block`` takes a block only of the requesting stream (``BlockComparatorSize`` compares the stream
+    first): a block a side stream's tensor freed stays cached for that stream."""
+    allocator = CachingAllocator()
+    side = "reduction"
+    allocator.free(allocator.malloc(40 * MIB, side))  # a reduction-stream flatten, freed
+    assert allocator.reserved == 40 * MIB
+    compute = allocator.malloc(40 * MIB)  # the default stream cannot take it: a segment of its own
+    assert allocator.reserved == 80 * MIB and compute.stream is None
+    again = allocator.malloc(30 * MIB, side)  # the side stream reuses its own block (split: 10 MiB left)
+    assert allocator.reserved == 80 * MIB and again.stream == side
+    assert allocator.by_stream == {side: 40 * MIB, None: 40 * MIB}
+    allocator.free(compute)
+    assert allocator.malloc(10 * MIB, side).stream == side and allocator.reserved == 80 * MIB  # its 10 MiB remainder
+
+
+def test_a_freed_block_merges_only_with_its_own_streams_neighbours():
+    allocator = CachingAllocator()
+    a, b = allocator.malloc(3 * MIB, "s"), allocator.malloc(3 * MIB, "s")  # one 20 MiB segment of stream s
+    allocator.free(a)
+    allocator.free(b)
+    assert allocator.reserved == 20 * MIB
+    assert allocator.malloc(20 * MIB, "s") is not None and allocator.reserved == 20 * MIB  # the whole segment again
+    assert allocator.malloc(3 * MIB) is not None and allocator.reserved == 40 * MIB  # the default stream's own
+
+
+def test_replay_training_allocates_each_key_on_its_stream():
+    # a step: an activation, a flatten on the reduction stream (freed), then another activation of the flatten's size
+    step = [(1, 100 * MIB), (2, 40 * MIB), (2, None), (3, 40 * MIB), (1, None), (3, None)]
+    one = replay_training([], step)
+    two = replay_training([], step, streams={2: "reduction"})
+    assert one.peak_reserved == 140 * MIB  # one pool: the activation takes the flatten's block
+    assert two.peak_reserved == 180 * MIB and two.by_stream == {None: 140 * MIB, "reduction": 40 * MIB}

@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 
 from hf_dist.planning.memory import estimate_memory
 from hf_dist.tracing import trace_memory
-from hf_dist.tracing.allocations import AllocationLog
+from hf_dist.tracing.allocations import AllocationLog, on_stream
 from tests.unit.marks import needs_traced_deepspeed
 
 MIB = 1024**2
@@ -67,6 +67,52 @@ def test_a_restart_keeps_what_is_alive_as_the_set_up():
     log.phase("forward")
     log.record(update("DEL"), module, False)  # ZeRO frees the module's own copy once it is flattened
     assert log.step == [(module._hf_dist_key, None)] and module._hf_dist_key == log.setup[0][0]
+
+
+def test_a_storage_made_on_a_stream_is_logged_with_it_and_keeps_it_across_a_restart():
+    log = AllocationLog()
+    weight, bucket = storage(30 * MIB), storage(10 * MIB)
+    log.record(update("ADD"), weight, False)
+    with on_stream("reduction"):
+        log.record(update("ADD"), bucket, False)  # made at the engine's start, on the reduction stream
+    log.restart([weight, bucket])
+    assert log.streams == {bucket._hf_dist_key: "reduction"}
+    log.phase("forward")
+    with on_stream("reduction"):
+        flat = storage(40 * MIB)
+        log.record(update("ADD"), flat, False)
+    log.record(update("DEL"), flat, False)  # freed on whichever stream: its block goes back to the reduction pool
+    activation = storage(40 * MIB)
+    log.record(update("ADD"), activation, False)
+    assert log.streams[flat._hf_dist_key] == "reduction" and activation._hf_dist_key not in log.streams
+    allocator = log.replay()
+    # the activation cannot take the flatten's freed block: a segment of its own on the default stream
+    assert allocator.by_stream == {None: 30 * MIB + 40 * MIB, "reduction": 10 * MIB + 40 * MIB}
+
+
+@needs_traced_deepspeed
+def test_a_zero2_trace_tags_its_reduction_streams_storages_and_adds_no_comm_reserve(monkeypatch):
+    """DeepSpeed 0.19.8's ZeRO-2 builds its fp32 gradient partition, flattens its buckets and upcasts inside
+    ``with get_accelerator().stream(self.reduction_stream)`` (stage_1_and_2.py ``average_tensor``); the trace names
+    the stream (tracing/zero_shims.py) and logs those storages on it."""
+    pytest.importorskip("deepspeed")
+    logs = []
+    replay = AllocationLog.replay
+    monkeypatch.setattr(AllocationLog, "replay", lambda self: logs.append(self) or replay(self))
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)  # fmt: skip
+    result = trace_memory(config, isolate=False, strategy="zero2", world_size=8, seq_len=64, micro_batch_size=2)
+    assert result.streams == ["DeepSpeedZeroOptimizer.reduction_stream"]
+    (log,) = logs
+    tagged = {key for key, nbytes in log.step if nbytes is not None and key in log.streams}
+    assert tagged and set(log.streams.values()) == {"ZeRO reduction"}
+    freed = {key for key, nbytes in log.step if nbytes is None}
+    assert tagged <= freed  # flattens, upcasts and the gradient partition: all freed within the step
+    assert log.replay().by_stream["ZeRO reduction"] > 0
+    estimate = estimate_memory(config, "zero2", 8, seq_len=64, micro_batch_size=2)
+    assert estimate.comm_reserve > 0
+    assert result.device_total(estimate) == result.reserved_bytes + estimate.overhead
+    assert type(result).from_dict(result.to_dict()).streams == result.streams
 
 
 @needs_traced_deepspeed

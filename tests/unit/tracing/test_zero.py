@@ -198,3 +198,49 @@ def test_zero_stages_traced_hold_their_partitions(stage):
     params = 2 * n if stage < 3 else 2 * partitions
     assert result.states["params"] == pytest.approx(params, rel=0.1)  # ZeRO-3: + the persistent norms
     assert torch.nn.functional.linear is torch._C._nn.linear  # ZeRO-3's replacement does not outlive the trace
+
+
+def test_traced_streams_tag_what_deepspeed_allocates_inside_its_stream_contexts():
+    """On the CPU accelerator ``stream()`` is a no-op and every stream None; within ``traced_streams`` a named stream's
+    context makes it current for the allocation log, and the accelerator is restored after."""
+    from deepspeed.accelerator import get_accelerator
+
+    from hf_dist.tracing.allocations import current_stream
+
+    accelerator = get_accelerator()
+    reduction = zero_shims.TracedStream(zero_shims.REDUCTION_STREAM)
+    with zero_shims.traced_streams():
+        assert accelerator.current_stream() is zero_shims.DEFAULT_STREAM
+        with accelerator.stream(reduction):
+            assert current_stream() == zero_shims.REDUCTION_STREAM
+            with accelerator.stream(accelerator.current_stream()):  # average_tensor without overlap_comm
+                assert current_stream() == zero_shims.REDUCTION_STREAM
+            with accelerator.stream(None):  # a stream the CPU accelerator left None: no switch
+                assert current_stream() == zero_shims.REDUCTION_STREAM
+            with accelerator.stream(accelerator.default_stream()):
+                assert current_stream() is None
+        assert current_stream() is None
+    assert accelerator.current_stream() is None and "stream" not in accelerator.__dict__
+
+
+def test_name_streams_gives_zeros_objects_the_streams_a_gpu_rank_makes():
+    def engine(overlap, **holders):
+        optimizer = type("DeepSpeedZeroOptimizer_Stage3", (), {})()
+        optimizer.reduce_and_partition_stream = holders.get("stream")
+        optimizer.parameter_offload = type("DeepSpeedZeRoOffload", (), {})()
+        optimizer.parameter_offload._DeepSpeedZeRoOffload__allgather_stream = None
+        coordinator = type("PartitionedParameterCoordinator", (), {})()
+        coordinator._PartitionedParameterCoordinator__allgather_stream = None
+        optimizer.parameter_offload.param_coordinator = coordinator
+        return type("Engine", (), {"optimizer": optimizer, "zero_overlap_comm": lambda self: overlap})()
+
+    overlapped = engine(True)
+    assert len(zero_shims.name_streams(overlapped)) == 3
+    assert overlapped.optimizer.reduce_and_partition_stream.name == zero_shims.REDUCTION_STREAM
+    coordinator = overlapped.optimizer.parameter_offload.param_coordinator
+    assert coordinator._PartitionedParameterCoordinator__allgather_stream.name == zero_shims.ALLGATHER_STREAM
+    plain = engine(False)  # stage3.py: default_stream() without overlap_comm
+    zero_shims.name_streams(plain)
+    assert plain.optimizer.reduce_and_partition_stream is zero_shims.DEFAULT_STREAM
+    with pytest.raises(LookupError, match="reduce_and_partition_stream"):
+        zero_shims.name_streams(engine(True, stream=object()))  # a DeepSpeed whose streams moved is not traced
