@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> dict:
             deepspeed_on_cpu=run_args.deepspeed_on_cpu, sizes=model_args.sizes, offloading=model_args.offloading,
             async_save=run_args.async_save, trust_remote_code=model_args.trust_remote_code,
         )  # fmt: skip
+        if data_args.document_attention:  # refused where the layout or attention cannot keep documents apart
+            ru.check_packing(model_args.attn_implementation, args)
         resume = ru.resume_checkpoint(args)  # --resume_from_checkpoint: checked against this run, said in one line
     if ru.is_finished(resume, args):  # the checkpoint is at the last step: nothing to train, nothing to redo
         return ru.earlier_results(args)
@@ -79,7 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
                   trust_remote_code=model_args.trust_remote_code)  # fmt: skip
     before = ru.baseline_accuracy(model, tokenizer, task, mode="text", args=args)
 
-    trainer = ru.make_trainer(model, args, tokenizer, train_ds, eval_ds, packed=True)
+    rows = "packed" if data_args.document_attention else "blocks"  # per-document attention, or the whole block
+    trainer = ru.make_trainer(model, args, tokenizer, train_ds, eval_ds, rows=rows, seq_len=seq_len)
     ru.train(trainer, resume, async_save=run_args.async_save)
     return ru.finish_run(trainer, tokenizer, task=task, mode="text", adapter=False, before=before,
                          check_export=run_args.check_export,

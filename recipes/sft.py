@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None, *, method: str = "full") -> dict:
             offloading=model_args.offloading, async_save=run_args.async_save,
             trust_remote_code=model_args.trust_remote_code,
         )  # fmt: skip
+        # whole conversations packed into seq_len rows, each attending only to itself (--packing false: padded)
+        packing = ru.use_packing(data_args, args, attn_implementation=model_args.attn_implementation,
+                                 embedded=model_args.embedded)  # fmt: skip
         resume = ru.resume_checkpoint(args)  # --resume_from_checkpoint: checked against this run, said in one line
     if ru.is_finished(resume, args):  # the checkpoint is at the last step: nothing to train, nothing to redo
         return ru.earlier_results(args)
@@ -101,7 +104,8 @@ def main(argv: list[str] | None = None, *, method: str = "full") -> dict:
     # the tiny embedded model is built whole, outside DeepSpeed's zero.Init (see ru.build_model)
     model = ru.build_model(model_args, config, seed=args.seed) if model_args.embedded else None
     with args.main_process_first(desc="tokenizing"):
-        train_ds, eval_ds, task = ru.chat_datasets(data_args, tokenizer, seq_len=seq_len, seed=args.seed)
+        data = ru.chat_datasets(data_args, tokenizer, seq_len=seq_len, seed=args.seed, packing=packing,
+                                batch=ru.batch_shape(args))  # fmt: skip
 
     # the random base must be on disk for the adapter to load later, and to be reloaded sharded (TP) or quantized
     if (method != "full" or ru.shards_at_load(load)) and model is not None:
@@ -111,15 +115,17 @@ def main(argv: list[str] | None = None, *, method: str = "full") -> dict:
         quantization = ru.bnb_config(quant_args) if method == "qlora" else None
         model = ru.build_model(model_args, config, seed=args.seed, quantization_config=quantization, **load)
     ru.print_plan(config, method=method, seq_len=seq_len, args=args, strategy=model_args.strategy,
-                  trust_remote_code=model_args.trust_remote_code, peft_config=peft_config)  # fmt: skip
-    before = ru.baseline_accuracy(model, tokenizer, task, mode="chat", args=args)
+                  trust_remote_code=model_args.trust_remote_code, peft_config=peft_config,
+                  notes=data.lines)  # fmt: skip
+    before = ru.baseline_accuracy(model, tokenizer, data.task, mode="chat", args=args)
     if method != "full":
         model = ru.apply_lora(model, lora_args, quantized=method == "qlora")
 
-    trainer = ru.make_trainer(model, args, tokenizer, train_ds, eval_ds, packed=False, seq_len=seq_len)
+    rows = "packed" if packing else "padded"
+    trainer = ru.make_trainer(model, args, tokenizer, data.train, data.eval, rows=rows, seq_len=seq_len)
     ru.train(trainer, resume, async_save=run_args.async_save)
     return ru.finish_run(
-        trainer, tokenizer, task=task, mode="chat", adapter=method != "full", before=before,
+        trainer, tokenizer, task=data.task, mode="chat", adapter=method != "full", before=before,
         check_export=run_args.check_export, trust_remote_code=model_args.trust_remote_code,
     )  # fmt: skip
 

@@ -50,8 +50,9 @@ def assistant_char_spans(tokenizer: Any, messages: list[dict[str, str]]) -> tupl
     return text, spans
 
 
-def tokenize_chat(tokenizer: Any, messages: list[dict[str, str]], max_length: int) -> dict[str, list[int]]:
-    """``input_ids``/``attention_mask``/``labels`` for one conversation, truncated to ``max_length``.
+def tokenize_chat(tokenizer: Any, messages: list[dict[str, str]], max_length: int | None) -> dict[str, list[int]]:
+    """``input_ids``/``attention_mask``/``labels`` for one conversation, truncated to ``max_length`` (None: whole;
+    :func:`hf_dist.data.truncate` then cuts and counts).
 
     Labels are ``IGNORE_INDEX`` except on tokens that start inside an assistant turn (including the
     end-of-turn token the template appends, so the model learns to stop).
@@ -59,7 +60,11 @@ def tokenize_chat(tokenizer: Any, messages: list[dict[str, str]], max_length: in
     text, spans = assistant_char_spans(tokenizer, messages)
     # the template already inserted bos/eos, so the tokenizer must not add them again
     enc = tokenizer(
-        text, add_special_tokens=False, return_offsets_mapping=True, truncation=True, max_length=max_length
+        text,
+        add_special_tokens=False,
+        return_offsets_mapping=True,
+        truncation=max_length is not None,
+        max_length=max_length,
     )
     labels = [
         tok if any(start <= s < end for start, end in spans) else IGNORE_INDEX

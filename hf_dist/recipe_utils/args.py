@@ -184,6 +184,22 @@ class DataArguments:
     max_seq_length: int | None = field(
         default=None, metadata={"help": "Tokens per example/block; default 64 embedded, else min(2048, positions)."}
     )
+    packing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Chat data: pack whole conversations into --max_seq_length rows (best-fit-decreasing; each "
+            "attends only to itself, no label crosses a boundary) instead of padding each micro-batch to its "
+            "longest. Default: on for --dataset, where the layout allows it (rank 0 says why not), off for the "
+            "embedded task; true: refuse a layout or attention that cannot keep conversations apart; false: pad."
+        },
+    )
+    document_attention: bool = field(
+        default=False,
+        metadata={
+            "help": "Pretraining: each document packed into a block attends only to itself (position_ids restart "
+            "at each document) instead of to the whole block."
+        },
+    )
     num_train_examples: int = field(default=4000, metadata={"help": "Embedded task: training examples."})
     num_eval_examples: int = field(default=100, metadata={"help": "Embedded task: eval examples (accuracy)."})
 

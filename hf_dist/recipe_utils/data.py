@@ -2,26 +2,47 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from hf_dist.data import (
     IGNORE_INDEX,
+    PackedCollator,
+    Truncation,
+    check_packing,
+    fill,
     load_local_dataset,
     matching_columns,
+    pack,
     pack_batch,
     split_eval,
     to_messages,
     tokenize_chat,
+    truncate,
     validate_messages,
 )
 from hf_dist.embedded.task import train_eval_examples
 from hf_dist.recipe_utils.args import DataArguments
+from hf_dist.runtime.dist import deepspeed_config, parallel_sizes
 
 # ---------------------------------------------------------------- data
 
 
-def chat_datasets(data_args: DataArguments, tokenizer: Any, *, seq_len: int, seed: int):
-    """(train, eval, task eval examples | None) tokenized for SFT with labels on assistant tokens."""
+class ChatData(NamedTuple):
+    """The recipes' chat data: tokenized (and packed) splits, the embedded task's eval examples, and what rank 0
+    says about them (truncation, fill)."""
+
+    train: Any
+    eval: Any
+    task: Any
+    lines: list[str]
+
+
+def chat_datasets(
+    data_args: DataArguments, tokenizer: Any, *, seq_len: int, seed: int, packing: bool = False, batch: Any = None
+) -> ChatData:
+    """Chat data tokenized for SFT with labels on assistant tokens, cut to ``seq_len`` (counted), and packed into
+    rows of ``seq_len`` when ``packing``. ``batch`` (:class:`BatchShape`): the fill line's micro-batch and steps."""
     from datasets import Dataset
 
     if data_args.dataset is None:
@@ -34,14 +55,44 @@ def chat_datasets(data_args: DataArguments, tokenizer: Any, *, seq_len: int, see
         columns, task = matching_columns(train.column_names, "chat"), None
 
     def encode(example: dict[str, Any], idx: int) -> dict[str, list[int]]:
-        return tokenize_chat(tokenizer, validate_messages(to_messages(example, columns), idx), seq_len)
+        return tokenize_chat(tokenizer, validate_messages(to_messages(example, columns), idx), None)
 
-    def encode_all(ds: Any) -> Any:
+    def encode_all(ds: Any) -> tuple[Any, Truncation]:
         ds = ds.map(encode, with_indices=True, remove_columns=ds.column_names, desc="tokenizing")
-        # an example truncated before its first assistant token has nothing to learn from
-        return ds.filter(lambda ex: any(label != IGNORE_INDEX for label in ex["labels"]))
+        # an example truncated before its first assistant token has nothing to learn from: dropped, counted
+        return truncate(ds, seq_len)
 
-    return encode_all(train), encode_all(eval_), task
+    (train, cut), (eval_, _) = encode_all(train), encode_all(eval_)
+    lines = [cut.line()] if cut.cut or cut.dropped else []
+    if batch is not None:
+        lines.append(batch.fill_line([len(ids) for ids in train["input_ids"]], seq_len, packed=packing))
+    if packing:
+        train, eval_ = pack(train, seq_len), pack(eval_, seq_len)
+    return ChatData(train, eval_, task, lines)
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """How rows become optimizer steps: micro-batch per rank, accumulation, data-parallel ranks."""
+
+    micro_batch: int
+    accumulation: int
+    data_parallel: int
+
+    def steps(self, rows: int) -> int:
+        return -(-rows // (self.micro_batch * self.accumulation * self.data_parallel))
+
+    def fill_line(self, lengths: list[int], seq_len: int, *, packed: bool) -> str:
+        """Real / computed tokens and steps per epoch, padded per micro-batch and packed: one line."""
+        f = fill(lengths, seq_len, self.micro_batch)
+        padded_rows = len(lengths)
+        packed_rows = f["packed_batches"] * self.micro_batch  # an upper bound of the rows: whole micro-batches
+        return (
+            f"[hf_dist] data: {len(lengths):,} conversations, {f['real_tokens']:,} tokens; padded per micro-batch "
+            f"of {self.micro_batch}: {f['padded_fill']:.0%} real, {self.steps(padded_rows):,} steps/epoch; packed "
+            f"into {seq_len:,}-token rows: {f['packed_fill']:.0%} real, {self.steps(packed_rows):,} steps/epoch "
+            f"(training {'packed' if packed else 'padded: --packing false'})"
+        )
 
 
 def text_datasets(data_args: DataArguments, tokenizer: Any, *, seq_len: int, seed: int):
@@ -64,7 +115,11 @@ def text_datasets(data_args: DataArguments, tokenizer: Any, *, seq_len: int, see
             batched=True,
             batch_size=1000,
             remove_columns=ds.column_names,
-            fn_kwargs={"tokenizer": tokenizer, "block_size": seq_len},
+            fn_kwargs={
+                "tokenizer": tokenizer,
+                "block_size": seq_len,
+                "document_attention": data_args.document_attention,
+            },
             desc="packing",
         )
 
@@ -91,8 +146,34 @@ def _user_splits(data_args: DataArguments, *, kind: str, seed: int):
     return split_eval(train, data_args.eval_fraction, seed=seed)
 
 
-def collator(tokenizer: Any, *, packed: bool, sp_size: int = 1, seq_len: int | None = None) -> Any:
-    """Packed blocks are already equal length; chat examples are padded (labels with IGNORE_INDEX).
+def use_packing(data_args: DataArguments, args: Any, *, attn_implementation: str | None, embedded: bool) -> bool:
+    """Whether the chat recipe packs: ``--packing`` as given (``true`` refuses a layout or attention that cannot
+    keep conversations apart, naming it); unset, on for ``--dataset`` where the layout allows it (else rank 0 says
+    why not) and off for the embedded task, whose examples are uniformly short."""
+    if data_args.packing is False or (data_args.packing is None and embedded):
+        return False
+    sizes = parallel_sizes(getattr(args, "parallelism_config", None), deepspeed_config(args))
+    try:
+        check_packing(attn_implementation, cp_size=sizes["cp"], sp_size=sizes["sp"])
+    except ValueError as exc:
+        if data_args.packing:
+            raise
+        if args.process_index == 0:
+            print(f"[hf_dist] packing off: {exc}", flush=True)
+        return False
+    return True
+
+
+ROWS = ("padded", "blocks", "packed")  # what a recipe's dataset rows are: see collator()
+
+
+def collator(tokenizer: Any, *, rows: str, sp_size: int = 1, seq_len: int | None = None) -> Any:
+    """The batches of the recipes' datasets, by what their ``rows`` are:
+
+    - ``padded``: chat examples, padded to the longest of the micro-batch (labels with IGNORE_INDEX);
+    - ``blocks``: pretraining blocks of equal length (``default_data_collator``);
+    - ``packed``: rows with ``position_ids`` (packed chat, blocks with per-document attention), batched by
+      :class:`hf_dist.data.PackedCollator` into ``seq_len`` slots with each sequence attending only to itself.
 
     Under Ulysses sequence parallelism (``sp_size`` > 1) every batch also carries ``position_ids`` (accelerate's SP
     dataloader splits the sequence and needs each token's global position), and chat examples are padded to
@@ -101,7 +182,11 @@ def collator(tokenizer: Any, *, packed: bool, sp_size: int = 1, seq_len: int | N
     """
     from transformers import DataCollatorForSeq2Seq, default_data_collator
 
-    if packed:
+    if rows not in ROWS:
+        raise ValueError(f"rows={rows!r}: expected one of {ROWS}")
+    if rows == "packed":
+        return PackedCollator(seq_len, pad_token_id=tokenizer.pad_token_id or 0, sp_size=sp_size)
+    if rows == "blocks":
         base = default_data_collator
     elif sp_size > 1:
         if not seq_len or seq_len % sp_size:

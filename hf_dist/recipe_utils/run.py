@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.atomic_io import atomic_write_json
-from hf_dist.recipe_utils.data import collator
+from hf_dist.recipe_utils.data import BatchShape, collator
 from hf_dist.recipe_utils.export import export_model, reload_export
 from hf_dist.runtime.dist import deepspeed_config, live_strategy, parallel_sizes
 
@@ -39,10 +39,11 @@ def save_at_end_callback() -> Any:
 
 
 def make_trainer(
-    model: Any, args: Any, tokenizer: Any, train_ds: Any, eval_ds: Any, *, packed: bool, seq_len: int | None = None
+    model: Any, args: Any, tokenizer: Any, train_ds: Any, eval_ds: Any, *, rows: str, seq_len: int | None = None
 ) -> Any:
     """A ``Trainer`` that saves a checkpoint at its last step (resolve the checkpoint to resume with
-    :func:`resume_checkpoint` first: it may edit the DeepSpeed config)."""
+    :func:`resume_checkpoint` first: it may edit the DeepSpeed config). ``rows``: what the datasets' rows are
+    (:func:`hf_dist.recipe_utils.data.collator`)."""
     from transformers import Trainer
 
     return Trainer(
@@ -50,7 +51,7 @@ def make_trainer(
         args=args,
         train_dataset=train_ds,
         eval_dataset=eval_ds,
-        data_collator=collator(tokenizer, packed=packed, sp_size=_sp_size(args), seq_len=seq_len),
+        data_collator=collator(tokenizer, rows=rows, sp_size=_sp_size(args), seq_len=seq_len),
         processing_class=tokenizer,
         callbacks=[save_at_end_callback()],
     )
@@ -204,12 +205,28 @@ def _live_sizes(trainer: Any) -> dict[str, int]:
 
 
 def print_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy: str | None = None,
-               trust_remote_code: bool = False, peft_config: Any = None) -> None:  # fmt: skip
-    """Print :func:`describe_plan` on the main process."""
+               trust_remote_code: bool = False, peft_config: Any = None, notes: list[str] = ()) -> None:  # fmt: skip
+    """Print :func:`describe_plan` on the main process, then ``notes`` (the data's truncation and fill lines)."""
     if args.process_index == 0:
         text = describe_plan(config, method=method, seq_len=seq_len, args=args, strategy=strategy,
                              trust_remote_code=trust_remote_code, peft_config=peft_config)  # fmt: skip
-        print(text, flush=True)
+        print("\n".join([text, *notes]), flush=True)
+
+
+def batch_shape(args: Any) -> BatchShape:
+    """The :class:`~hf_dist.recipe_utils.data.BatchShape` of ``args``: micro-batch, accumulation and the
+    data-parallel ranks (the ranks of one tensor / context / sequence parallel group share each row)."""
+    sizes = parallel_sizes(getattr(args, "parallelism_config", None), deepspeed_config(args))
+    dp = args.world_size // (sizes["tp"] * sizes["cp"] * sizes["sp"])
+    return BatchShape(args.per_device_train_batch_size, args.gradient_accumulation_steps, dp)
+
+
+def check_packing(attn_implementation: str | None, args: Any) -> None:
+    """:func:`hf_dist.data.check_packing` for the layout of ``args``: refuse what cannot keep sequences apart."""
+    from hf_dist.data import check_packing as check
+
+    sizes = parallel_sizes(getattr(args, "parallelism_config", None), deepspeed_config(args))
+    check(attn_implementation, cp_size=sizes["cp"], sp_size=sizes["sp"])
 
 
 def describe_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy: str | None = None,

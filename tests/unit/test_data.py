@@ -145,8 +145,8 @@ def test_sequence_parallel_batches_have_positions_and_one_length():
 
     tokenizer = build_tokenizer(model_max_length=16)
     features = [{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8, 9], "labels": [8, 9]}]
-    batch = collator(tokenizer, packed=False, sp_size=2, seq_len=16)(features)
+    batch = collator(tokenizer, rows="padded", sp_size=2, seq_len=16)(features)
     assert batch["input_ids"].shape == (2, 16) and batch["position_ids"].tolist() == [list(range(16))] * 2
-    assert "position_ids" not in collator(tokenizer, packed=False)(features)
+    assert "position_ids" not in collator(tokenizer, rows="padded")(features)
     with pytest.raises(ValueError, match="sequence length divisible by it, got 15"):
-        collator(tokenizer, packed=False, sp_size=2, seq_len=15)
+        collator(tokenizer, rows="padded", sp_size=2, seq_len=15)
