@@ -60,8 +60,8 @@ class StrategyCase:
 
     @property
     def group(self) -> str:
-        """The launch this run shares: one per engine (scripts/runs.py), the single process alone."""
-        return "none" if self.strategy == "none" else strategy(self.strategy).engine.value
+        """The launch this run shares: one per engine (scripts/runs.py); a single process alone."""
+        return self.name if self.strategy == "none" else strategy(self.strategy).engine.value
 
     def argv(self, workdir: Path, out: Path) -> list[str]:
         args = ["--strategy", self.strategy, "--output-dir", workdir / "run", "--out", out]
@@ -92,6 +92,16 @@ CASES = {
         ),  # fmt: skip
     )
 }
+# test_packing.py's runs: variable-length sequences packed into one global batch of rows (every step sees them all,
+# so every layout's loss equals one process's), and the same sequences padded in one process
+PACKED_STRATEGIES = ("ddp", "fsdp_full_shard", "zero1", "zero2", "zero3")
+CASES.update(
+    {
+        "packed_baseline": StrategyCase("packed_baseline", "none", extra=("--data", "packed")),
+        "padded_baseline": StrategyCase("padded_baseline", "none", extra=("--data", "padded", "--micro-batch", "4")),
+        **{f"packed_{s}": StrategyCase(f"packed_{s}", s, extra=("--data", "packed")) for s in PACKED_STRATEGIES},
+    }
+)
 # test_precision.py's runs (scripts/precision_train.py: a bf16-loaded model, default and pure bf16), in the same
 # launches as the strategies of their engine
 PRECISION_STRATEGIES = ("ddp", "fsdp_full_shard", "zero1", "zero2", "zero3")
@@ -157,11 +167,12 @@ class LaunchCache:
 def launch_strategies(runs: list[Run]) -> None:
     """The runs of one group: the single-process baseline as a plain process, the others in one 2-rank launch."""
     cases = [CASES[run.key] for run in runs]
-    if cases == [BASELINE]:
+    if cases[0].nproc == 1:
         # One process, accumulation 2 == two ranks, accumulation 1 (same samples per optimizer step).
-        (run,) = runs
-        script, *args = BASELINE.argv(run.workdir, run.out)
-        cmd = [sys.executable, str(SCRIPTS / f"{script}.py"), *args, "--grad-accum", "2"]
+        ((run, case),) = zip(runs, cases, strict=True)
+        script, *args = case.argv(run.workdir, run.out)
+        accumulation = [] if "--grad-accum" in case.extra else ["--grad-accum", "2"]
+        cmd = [sys.executable, str(SCRIPTS / f"{script}.py"), *args, *accumulation]
         run_checked(cmd, env=cpu_env(), timeout=LAUNCH_TIMEOUT_S)
         return
     env = launch_env(cases[0].strategy)

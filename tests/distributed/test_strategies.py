@@ -32,7 +32,10 @@ pytestmark = pytest.mark.distributed
 
 STEPS = TRAIN_STEPS
 LOSS_RTOL = 1e-5
-TRAINED = {name: case for name, case in CASES.items() if case.script == "strategies_train"}  # not test_precision's
+# not test_precision's nor test_packing's runs
+TRAINED = {
+    name: case for name, case in CASES.items() if case.script == "strategies_train" and "--data" not in case.extra
+}
 DISTRIBUTED = [name for name, case in TRAINED.items() if case.nproc > 1 and not case.extra]
 ACCUMULATING = [name for name, case in TRAINED.items() if case.extra]
 DEEPSPEED = {"zero1": (1, "none"), "zero2": (2, "none"), "zero3": (3, "none"), "zero3_offload": (3, "cpu")}

@@ -28,6 +28,10 @@ from hf_dist.runtime.dist import shutdown
 
 SEED = 1234
 SEQ_LEN = 32
+DATA = ("fixed", "packed", "padded")
+# --data packed/padded: sequence lengths that best-fit-decreasing packs into 4 rows of SEQ_LEN, three with a padded
+# tail (29+2, 24+8, 20+10, 18+14): one global batch of 2 ranks x micro-batch 2 (or 1 process x 2 x accumulation 2)
+VARIABLE_LENGTHS = (24, 8, 20, 10, 18, 14, 29, 2)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,6 +55,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sync-each-batch",
         action="store_true",
         help="plan FSDP2 to reduce-scatter every micro-batch (hf_dist.auto_args(sync_each_batch=True))",
+    )
+    parser.add_argument(
+        "--data",
+        choices=DATA,
+        default="fixed",
+        help="fixed: full-length rows; packed: variable-length sequences packed (hf_dist.data.pack, PackedCollator) "
+        "into exactly one global batch of rows, so every step sees all of them whatever the layout; padded: the same "
+        "sequences padded per micro-batch (run it with micro-batch x accumulation = their number)",
     )
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--output-dir", required=True)
@@ -80,6 +92,53 @@ def build_dataset(num_samples: int, vocab_size: int):
     stride = torch.randint(1, 5, (num_samples, 1), generator=generator)
     ids = (start + stride * torch.arange(SEQ_LEN)) % vocab_size
     return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def variable_length_sequences(vocab_size: int) -> list[dict]:
+    """Arithmetic progressions of VARIABLE_LENGTHS (the conversations of --data packed / padded)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(SEED)
+    rows = []
+    for n in VARIABLE_LENGTHS:
+        start, stride = (
+            torch.randint(0, vocab_size, (1,), generator=generator),
+            torch.randint(1, 5, (1,), generator=generator),
+        )
+        ids = ((start + stride * torch.arange(n)) % vocab_size).tolist()
+        rows.append({"input_ids": ids, "labels": ids})
+    return rows
+
+
+def data_and_collator(mode: str, vocab_size: int, global_batch: int, steps: int):
+    """(train dataset, collator) of --data: fixed rows (default collator), packed rows, or padded sequences."""
+    if mode == "fixed":
+        return build_dataset(global_batch * steps, vocab_size), None
+    from datasets import Dataset
+
+    from hf_dist.data import PackedCollator, pack
+
+    sequences = Dataset.from_list(variable_length_sequences(vocab_size))
+    if mode == "padded":
+        return sequences, pad_collator
+    rows = pack(sequences, SEQ_LEN)
+    if rows.num_rows != global_batch:
+        raise SystemExit(f"--data packed makes {rows.num_rows} rows: run it with a global batch of {rows.num_rows}")
+    return rows, PackedCollator(SEQ_LEN)
+
+
+def pad_collator(features: list[dict]) -> dict:
+    """Sequences padded to the longest of the micro-batch: pad 0, label -100, attention mask 0."""
+    import torch
+
+    width = max(len(f["input_ids"]) for f in features)
+    batch = {"input_ids": [], "labels": [], "attention_mask": []}
+    for f in features:
+        pad = width - len(f["input_ids"])
+        batch["input_ids"].append(f["input_ids"] + [0] * pad)
+        batch["labels"].append(f["labels"] + [-100] * pad)
+        batch["attention_mask"].append([1] * len(f["input_ids"]) + [0] * pad)
+    return {k: torch.tensor(v) for k, v in batch.items()}
 
 
 def training_kwargs(model, args: argparse.Namespace, world_size: int) -> dict:
@@ -309,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
     kwargs.update(sampling)
     training_args = TrainingArguments(**kwargs)
     global_batch = args.micro_batch * args.grad_accum * world_size
-    dataset = build_dataset(global_batch * args.steps, model.config.vocab_size)
+    dataset, collator = data_and_collator(args.data, model.config.vocab_size, global_batch, args.steps)
     recorder = LossRecorder()
     callbacks = [recorder.callback]
     probe = NVMeProbe(args.nvme_path) if args.offload_device == "nvme" else None
@@ -322,7 +381,9 @@ def main(argv: list[str] | None = None) -> None:
         from hf_dist.callbacks import ZeroInfinityResumeCallback  # in hf_dist.callbacks.default(), as recipes use
 
         callbacks.append(ZeroInfinityResumeCallback())
-    trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=callbacks)
+    trainer = Trainer(
+        model=model, args=training_args, train_dataset=dataset, data_collator=collator, callbacks=callbacks
+    )
     no_sync = NoSyncCounter()
     if args.resume_from:
         report_refusal(trainer, args.resume_from, args.out)
@@ -341,6 +402,7 @@ def main(argv: list[str] | None = None) -> None:
         "distributed_type": str(state.distributed_type).split(".")[-1],
         "fsdp_version": getattr(getattr(state, "fsdp_plugin", None), "fsdp_version", None),
         "global_batch": global_batch,
+        "data": args.data,
         "training_args": {k: v for k, v in kwargs.items() if isinstance(v, str | int | float | bool)},
         "resumed_from": resume,
         "nvme": probe.steps if probe else None,
