@@ -11,8 +11,8 @@ inside a conversation is the batch itself, for every attention implementation, w
 - flash-attention: ``cu_seq_lens_q/k`` and ``max_length_q/k`` (what transformers' ``DataCollatorWithFlattening``
   emits), which select the varlen kernel over the flattened rows whatever the micro-batch;
 - Ulysses sequence parallelism: ``position_ids`` only (DeepSpeed all-gathers them and shards every ``[rows, seq]``
-  tensor, so the ``cu_seq_lens`` cannot travel); the attention it wraps must read them:
-  :func:`check_packing` says which.
+  tensor, so the ``cu_seq_lens`` cannot travel), read by the attention it wraps: hf_dist's document-aware sdpa
+  (:mod:`hf_dist.data.attention`; :func:`check_packing` returns it).
 
 Raw text for continued pretraining (:func:`pack_sequences`, :func:`pack_batch`) is concatenated and cut into
 blocks; ``document_attention=True`` restarts ``position_ids`` at each document (and each block) so documents keep
@@ -26,14 +26,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hf_dist.data.attention import DOCUMENT_SDPA, register_document_attention
 from hf_dist.data.chat import IGNORE_INDEX
 
 PACKED_COLUMNS = ("input_ids", "labels", "position_ids")
 # attention implementations that keep packed sequences apart from the batch above (transformers' own paths)
 SEPARATING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
-# under Ulysses SP DeepSpeed drops the mask and gives the wrapped attention the gathered position_ids: only
-# flash's varlen path reads them (at one row per micro-batch) and hf_dist's document-aware sdpa
-SP_SEPARATING_ATTENTION = ("hf_dist_sdpa",)
+# under Ulysses SP DeepSpeed drops the mask and gives the wrapped attention the gathered position_ids, which plain
+# sdpa ignores and flash reads only at one row per micro-batch: sdpa is replaced by the document-aware sdpa
+SP_SEPARATING_ATTENTION = ("sdpa", DOCUMENT_SDPA)
 
 
 # ---------------------------------------------------------------- chat: whole conversations, best-fit-decreasing
@@ -247,8 +248,10 @@ def real_tokens(batch: dict[str, Any]) -> Any:
 # ---------------------------------------------------------------- attention implementations and layouts
 
 
-def check_packing(attn_implementation: str | None, *, cp_size: int = 1, sp_size: int = 1) -> None:
-    """Refuse a combination that cannot keep packed conversations apart, naming it and what works."""
+def check_packing(attn_implementation: str | None, *, cp_size: int = 1, sp_size: int = 1) -> str | None:
+    """The attention a packed run uses, or a ValueError naming a combination that cannot keep packed sequences
+    apart and what works. Under Ulysses sequence parallelism sdpa becomes :data:`DOCUMENT_SDPA` (registered here:
+    load the model with it and give DeepSpeed's SP handler the same name); otherwise the attention as given."""
     impl = attn_implementation or "sdpa"
     if cp_size > 1:
         raise ValueError(
@@ -256,6 +259,8 @@ def check_packing(attn_implementation: str | None, *, cp_size: int = 1, sp_size:
             "torch's context-parallel attention runs causal sdpa without a mask. Use --packing false with cp, or "
             "sequence parallelism (--sp_size) with packing"
         )
+    if sp_size > 1 and impl in SP_SEPARATING_ATTENTION:
+        return register_document_attention()
     allowed = SP_SEPARATING_ATTENTION if sp_size > 1 else SEPARATING_ATTENTION
     if impl not in allowed:
         where = f"under sequence parallelism (sp_size={sp_size})" if sp_size > 1 else "in a packed row"
@@ -263,6 +268,7 @@ def check_packing(attn_implementation: str | None, *, cp_size: int = 1, sp_size:
             f"attention {impl!r} cannot keep packed conversations apart {where}; use one of {list(allowed)}, "
             "or --packing false"
         )
+    return attn_implementation
 
 
 # ---------------------------------------------------------------- raw text: documents concatenated into blocks

@@ -76,13 +76,19 @@ def resolve_seq_len(requested: int | None, config: Any, *, embedded: bool) -> in
 def parallel_load_kwargs(args: Any) -> dict[str, Any]:
     """What ``from_pretrained`` needs for the layout in ``args`` (``TrainingArguments``) with the installed
     transformers: the tensor-parallel plan when torch TP shards the model at load (:func:`shards_at_load`), the
-    attention Ulysses wraps under sequence parallelism (:func:`hf_dist.configs.training_args.load_kwargs`)."""
+    attention Ulysses wraps under sequence parallelism (:func:`hf_dist.configs.training_args.load_kwargs`; the SP
+    handler's when ``args`` has one: the packed recipes' document-aware sdpa)."""
     from hf_dist.configs.training_args import load_kwargs
     from hf_dist.planning.features import installed_features
     from hf_dist.runtime.dist import deepspeed_config, parallel_sizes
 
-    sizes = parallel_sizes(getattr(args, "parallelism_config", None), deepspeed_config(args))
-    return load_kwargs(sizes["tp"], sizes["sp"], deepspeed=bool(args.deepspeed), features=installed_features())
+    parallelism = getattr(args, "parallelism_config", None)
+    sizes = parallel_sizes(parallelism, deepspeed_config(args))
+    out = load_kwargs(sizes["tp"], sizes["sp"], deepspeed=bool(args.deepspeed), features=installed_features())
+    handler = getattr(parallelism, "sp_handler", None)
+    if sizes["sp"] > 1 and getattr(handler, "sp_attn_implementation", None):  # the attention Ulysses wraps
+        out["attn_implementation"] = handler.sp_attn_implementation
+    return out
 
 
 def build_model(

@@ -63,3 +63,25 @@ print("equal")
 """
     proc = run_checked([sys.executable, "-c", code], env=cpu_env(), timeout=120)
     assert proc.stdout.strip().endswith("equal")
+
+
+def test_packed_rows_split_over_sp_ranks_keep_their_sequences_apart(tmp_path):
+    """Packed rows (48 sequences of 3-20 tokens in 32-token rows) split over 2 SP ranks: each rank's slice is half a
+    row, and the attention Ulysses wraps sees the whole gathered row with its position_ids and no mask. With the
+    document-aware sdpa hf_dist.data.check_packing picks, the losses equal one process's, where transformers builds
+    the packed-sequence mask itself (tests/unit/test_packing.py proves that one against each sequence alone).
+    Measured: max rel diff 0.0; with plain sdpa under SP (the sequences of a row attend to each other) the losses
+    are 5.5929 / 5.5985 against 5.6105 / 5.6006, a relative difference of 3e-3."""
+    base_out, sp_out = tmp_path / "base.json", tmp_path / "sp.json"
+    run_checked(
+        [sys.executable, str(SCRIPT), "--packed", "--out", str(base_out), "--output-dir", str(tmp_path / "base")],
+        env=cpu_env(),
+        timeout=200,
+    )
+    args = ["--packed", "--sp", "--out", sp_out, "--output-dir", tmp_path / "sp"]
+    torchrun(SCRIPT, args, env={"ACCELERATE_USE_CPU": "false"}, timeout=400, outputs=[sp_out, tmp_path / "sp"])
+    base, sp = json.loads(base_out.read_text()), json.loads(sp_out.read_text())
+    assert sp["sp_size"] == 2 and sp["embedding_seq_lens"] == [16] and base["embedding_seq_lens"] == [32]
+    assert (base["attn_implementation"], sp["attn_implementation"]) == ("sdpa", "hf_dist_sdpa")
+    diff = max(abs(a - b) / abs(b) for a, b in zip(sp["losses"], base["losses"], strict=True))
+    assert diff <= LOSS_RTOL, f"packed SP losses {sp['losses']} vs one process {base['losses']}: max rel {diff:.2e}"

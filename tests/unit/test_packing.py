@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hf_dist.data import IGNORE_INDEX, PackedCollator, check_packing, fill, pack, real_tokens, truncate
+from hf_dist.data.attention import DOCUMENT_SDPA, document_mask, register_document_attention
 from hf_dist.data.packing import best_fit_decreasing, document_positions, pack_sequences
 
 VOCAB = 64
@@ -159,9 +160,10 @@ def _split(logits, batch):
     return out
 
 
-def _max_difference(model, rows, batch):
+def _max_difference(model, rows, batch, inputs=None):
+    """The largest difference of a sequence's logits in ``batch`` (fed as ``inputs``, default all of it) from alone."""
     with torch.no_grad():
-        packed = model(**batch).logits
+        packed = model(**(batch if inputs is None else inputs)).logits
     alone = {tuple(r["input_ids"]): logits for r, logits in zip(rows, _alone(model, rows), strict=True)}
     split = _split(packed, batch)
     assert len(split) == len(rows)
@@ -246,13 +248,35 @@ def test_loss_per_label_token_equals_the_unpacked_loss():
 
 def test_check_packing_refuses_what_cannot_keep_conversations_apart():
     for attn in ("sdpa", "eager", "flash_attention_2", None):
-        check_packing(attn)
+        assert check_packing(attn) == attn
     with pytest.raises(ValueError, match=r"context parallelism \(cp_size=2\).*--packing false"):
         check_packing("sdpa", cp_size=2)
-    with pytest.raises(ValueError, match=r"attention 'sdpa' cannot keep packed conversations apart under sequence"):
-        check_packing("sdpa", sp_size=2)
+    assert check_packing("sdpa", sp_size=2) == check_packing(None, sp_size=2) == DOCUMENT_SDPA
+    with pytest.raises(ValueError, match=r"'flash_attention_2' cannot keep packed conversations apart under sequence"):
+        check_packing("flash_attention_2", sp_size=2)
     with pytest.raises(ValueError, match=r"attention 'paged\|sdpa' cannot keep packed conversations apart in a"):
         check_packing("paged|sdpa")
+
+
+def test_document_sdpa_separates_sequences_from_position_ids_alone():
+    """What DeepSpeed's Ulysses hands the attention it wraps: no mask, the row's position_ids. Plain sdpa then attends
+    across the row (the control); the document-aware sdpa, registered and loaded by name, keeps each apart."""
+    register_document_attention()
+    model, rows = tiny_llama(DOCUMENT_SDPA), conversations(LENGTHS)
+    batch = PackedCollator(16)(list(pack(as_dataset(rows), 16)))
+    as_ulysses = {k: batch[k] for k in ("input_ids", "position_ids")}  # no use_cache=False, no varlen arguments
+    assert _max_difference(model, rows, batch, as_ulysses) < 1e-5
+    model.config._attn_implementation = "sdpa"
+    assert _max_difference(model, rows, batch, as_ulysses) > 1e-2
+
+
+def test_document_mask_is_causal_within_each_sequence():
+    mask = document_mask(torch.tensor([[0, 1, 0, 1, 2]]), 5)[0, 0]
+    expected = torch.tensor(
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]], dtype=torch.bool
+    )
+    assert torch.equal(mask, expected)
+    assert document_mask(torch.arange(5)[None], 5) is None  # one sequence: plain causal sdpa
 
 
 # ---------------------------------------------------------------- pretraining: per-document attention
