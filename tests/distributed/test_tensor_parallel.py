@@ -56,6 +56,10 @@ LAUNCHES = {
     "ddp_resume": ("ddp", 2, ["--resume", "auto"]),
     "autotp": ("autotp", 2, ["--save", "--save-steps", STEPS]),
     "ddp_fresh_optimizer": ("ddp", 2, []),  # resumes the tp checkpoint without its optimizer state (the control)
+    # packed rows (strategies_train.py --data packed): one global batch, so every layout sees all of them each step
+    "ddp_packed": ("ddp", 2, ["--data", "packed"]),
+    "tp_packed": ("tp", 2, ["--data", "packed"]),
+    "fsdp_tp_packed": ("fsdp_tp", 4, ["--data", "packed"]),
 }
 LINEAR_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 LINEAR_ROWWISE = ("o_proj", "down_proj")
@@ -64,9 +68,9 @@ LINEAR_ROWWISE = ("o_proj", "down_proj")
 # the runs that share a launch (scripts/runs.py), each group of one layout family and rank count; the *_resume runs and
 # the fresh-optimizer control start from the tp run's checkpoint-2
 GROUPS = (
-    ("ddp", "tp"),
+    ("ddp", "tp", "ddp_packed", "tp_packed"),
     ("tp_resume", "ddp_resume", "ddp_fresh_optimizer"),
-    ("fsdp_tp", "fsdp_tp_resume"),
+    ("fsdp_tp", "fsdp_tp_resume", "fsdp_tp_packed"),
     ("autotp",),
 )
 
@@ -388,3 +392,15 @@ def test_tp_resume_without_optimizer_state_is_refused(tp_runs, tmp_path):
     checkpoint = without_optimizer_state(tp_runs.checkpoint(), tmp_path)
     with pytest.raises(RuntimeError, match="holds no optimizer state"):
         tp_runs.launch("tp", 2, tmp_path, ["--resume", checkpoint])
+
+
+@pytest.mark.parametrize("name", ["tp_packed", "fsdp_tp_packed"])
+def test_packed_rows_train_under_tp_as_under_ddp(tp_runs, name):
+    """Packed rows under TP (heads sharded: each rank attends over its heads with the same per-sequence mask) and
+    FSDP2 x TP learn what DDP learns from the same rows (tests/distributed/test_packing.py: DDP as one process)."""
+    ddp, report = tp_runs.get("ddp_packed"), tp_runs.get(name)
+    assert report["tp_size"] == 2 and len(report["losses"]) == STEPS
+    assert report["total_train_batch_size"] == ddp["total_train_batch_size"] == 4
+    assert ddp["losses"][-1] < ddp["losses"][0]
+    diff = max_rel_diff(report["losses"], ddp["losses"])
+    assert diff <= LOSS_RTOL, f"{name}: {report['losses']} vs DDP {ddp['losses']} (max rel {diff:.1e})"

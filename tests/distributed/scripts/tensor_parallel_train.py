@@ -41,7 +41,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from strategies_train import build_dataset  # the same learnable sequences as the strategy runs (a sibling script)
+# the same learnable sequences as the strategy runs, and their packed rows (a sibling script)
+from strategies_train import DATA, build_dataset, data_and_collator
 
 from hf_dist.atomic_io import atomic_write_json
 
@@ -65,6 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--resume", help="'auto' (the newest complete checkpoint in --output-dir) or a checkpoint path"
     )
     parser.add_argument("--out", required=True, help="JSON report written by rank 0")
+    parser.add_argument(
+        "--data",
+        choices=DATA[:2],
+        default="fixed",
+        help="packed: strategies_train.py's packed rows (one global batch)",
+    )
     return parser.parse_args(argv)
 
 
@@ -216,9 +223,13 @@ def main(argv: list[str] | None = None) -> None:
         **cpu_kwargs,
         **extra,
     )
-    dataset = build_dataset(NUM_SAMPLES, model.config.vocab_size)
+    dataset, collator = build_dataset(NUM_SAMPLES, model.config.vocab_size), None
+    if args.data == "packed":
+        dataset, collator = data_and_collator("packed", model.config.vocab_size, GLOBAL_BATCH, args.steps)
     resume = auto_resume(args.output_dir, training_args=training_args) if args.resume == "auto" else args.resume
-    trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=[Recorder()])
+    trainer = Trainer(
+        model=model, args=training_args, train_dataset=dataset, data_collator=collator, callbacks=[Recorder()]
+    )
     attach(trainer, [ShardedResumeCallback(), CompleteCheckpointCallback()])
     trainer.train(resume_from_checkpoint=resume)
 
