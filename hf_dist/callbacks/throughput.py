@@ -10,19 +10,24 @@ from transformers import TrainerCallback
 from hf_dist.callbacks import phases
 from hf_dist.callbacks.memory import _add_to_logs
 from hf_dist.callbacks.stragglers import Arrivals, hostnames, report, stragglers
+from hf_dist.data.packing import real_tokens
 from hf_dist.planning.flops import mfu, scaling_efficiency, training_flops_per_token
 from hf_dist.runtime import dist as _dist
 
 
-def _count_tokens(args: tuple, kwargs: dict) -> tuple[int, int]:
-    """(tokens, sequence length) of one forward call's ``input_ids`` (or first tensor argument)."""
+def _count_tokens(args: tuple, kwargs: dict) -> tuple[Any, int, int]:
+    """(real tokens, computed token slots, sequence length) of one forward call: real tokens are the non-padding
+    ones (:func:`hf_dist.data.real_tokens`, a 0-d tensor: no host sync per step), slots every ``input_ids`` entry
+    (or of the first tensor argument)."""
     ids = kwargs.get("input_ids")
     if ids is None:
         ids = kwargs.get("inputs_embeds")
         ids = ids[..., 0] if ids is not None else (args[0] if args and hasattr(args[0], "numel") else None)
     if ids is None:
-        return 0, 0
-    return int(ids.numel()), int(ids.shape[-1]) if ids.dim() else 1
+        return 0, 0, 0
+    slots = int(ids.numel())
+    real = real_tokens({**kwargs, "input_ids": ids}) if ids.dim() == 2 else slots
+    return real, slots, int(ids.shape[-1]) if ids.dim() else 1
 
 
 def flops_per_token_of(model: Any, seq_len: int, plan: Any = None) -> int | None:
@@ -63,13 +68,17 @@ class ThroughputCallback(TrainerCallback):
     """Adds ``perf/*`` keys at every logging step.
 
     - ``perf/step_time_s``: wall time per optimizer step since the previous log.
-    - ``perf/tokens_per_s_rank_max|min`` and ``perf/tokens_per_s``: per rank and summed over ranks,
-      counted from the ``input_ids`` each rank's model really received (padding included).
-    - ``perf/mfu``: when ``peak_tflops`` (dense, per device) is given or known from ``plan.hardware``.
+    - ``perf/tokens_per_s_rank_max|min`` and ``perf/tokens_per_s``: per rank and summed over ranks, the real
+      (non-padding) tokens each rank's model received: the ones of a 2D ``attention_mask``, all but the padded
+      tails of packed rows (:func:`hf_dist.data.real_tokens`).
+    - ``perf/fill``: real tokens over the token slots computed (1.0 packed full, ~0.4 for padded chat data).
+    - ``perf/mfu``: of the real tokens, when ``peak_tflops`` (dense, per device) is given or known from
+      ``plan.hardware``.
     - ``perf/scaling_efficiency``: tokens/s / (world size * ``baseline_tokens_per_s``), the
       single-process figure measured on the same setup.
     - ``perf/eta_s``: seconds to ``max_steps`` at the speed measured since training began (the plan's estimate
-      corrected by what runs), and ``perf/tokens_per_s_vs_plan``: measured over the plan's estimated tokens/s.
+      corrected by what runs), and ``perf/tokens_per_s_vs_plan``: token slots computed per second over the plan's
+      estimate (which counts micro-batch x seq_len slots per step).
     - ``perf/straggler_rank_<r>_late_s``: a rank that arrives at its steps' forward later than the median rank by
       over 20 % of a step (:mod:`hf_dist.callbacks.stragglers`), in seconds per step, with one warning line naming
       rank and host. It rides on the same gather as the tokens/s: no extra collective per log. ``trainer``
@@ -91,7 +100,8 @@ class ThroughputCallback(TrainerCallback):
         self.plan = plan
         self.peak_tflops = peak_tflops or getattr(hardware, "peak_tflops", None)
         self.baseline_tokens_per_s = baseline_tokens_per_s
-        self._tokens = 0
+        self._tokens = 0  # real tokens since the last log (a tensor once counted)
+        self._slots = 0  # token slots computed since the last log
         self._seq_len = 0
         self._fpt: dict[int, int | None] = {}
         self._handle = None
@@ -108,8 +118,9 @@ class ThroughputCallback(TrainerCallback):
 
     def _hook(self, module, args, kwargs):
         if module.training:
-            tokens, seq_len = _count_tokens(args, kwargs)
+            tokens, slots, seq_len = _count_tokens(args, kwargs)
             self._tokens += tokens
+            self._slots += slots
             self._seq_len = seq_len or self._seq_len
 
     def _arrival_hook(self, module, args):
@@ -153,14 +164,16 @@ class ThroughputCallback(TrainerCallback):
         steps = max(state.global_step - self._last_step, 1)
         elapsed = max(now - self._last_time, 1e-9)
         arrival_sum, counted = self._arrivals.take()
-        ranks = _dist.gather_floats([self._tokens / elapsed, arrival_sum, counted])  # one collective
+        real, slots = float(self._tokens), float(self._slots)
+        ranks = _dist.gather_floats([real / elapsed, arrival_sum, counted, slots / elapsed])  # one collective
         per_rank = [r[0] for r in ranks]
-        total = sum(per_rank)
+        total, computed = sum(per_rank), sum(r[3] for r in ranks)
         metrics = {
             "perf/step_time_s": round(elapsed / steps, 6),
             "perf/tokens_per_s": round(total, 2),
             "perf/tokens_per_s_rank_max": round(max(per_rank), 2),
             "perf/tokens_per_s_rank_min": round(min(per_rank), 2),
+            "perf/fill": round(total / computed, 4) if computed else 0.0,
         }
         if self._seq_len and self._seq_len not in self._fpt:  # counting parameters is not free: once per length
             self._fpt[self._seq_len] = flops_per_token_of(self._model, self._seq_len, self.plan)
@@ -171,16 +184,17 @@ class ThroughputCallback(TrainerCallback):
             metrics["perf/scaling_efficiency"] = round(
                 scaling_efficiency(total, len(per_rank), self.baseline_tokens_per_s), 4
             )
-        metrics.update(self._eta(state, elapsed, steps, total))
+        metrics.update(self._eta(state, elapsed, steps, computed))
         late = stragglers([r[1] for r in ranks], _same_count([r[2] for r in ranks]), elapsed / steps)
         metrics.update(report(late, self._hosts, elapsed / steps, state.global_step))
         _add_to_logs(state, logs, metrics)
-        self._tokens = 0
+        self._tokens = self._slots = 0
         self._last_time = time.perf_counter()  # the gather above is not training time
         self._last_step = state.global_step
 
-    def _eta(self, state, elapsed: float, steps: int, tokens_per_s: float) -> dict[str, float]:
-        """Time to ``max_steps`` at the mean step time measured so far, and the speed against the plan's."""
+    def _eta(self, state, elapsed: float, steps: int, slots_per_s: float) -> dict[str, float]:
+        """Time to ``max_steps`` at the mean step time measured so far, and the speed against the plan's (token
+        slots computed: the plan's estimate counts micro-batch x seq_len per step)."""
         self._trained_s += elapsed
         self._trained_steps += steps
         out = {}
@@ -189,7 +203,7 @@ class ThroughputCallback(TrainerCallback):
             out["perf/eta_s"] = round(remaining * self._trained_s / self._trained_steps, 1)
         planned = getattr(self.plan, "tokens_per_s", None)
         if planned:
-            out["perf/tokens_per_s_vs_plan"] = round(tokens_per_s / planned, 4)
+            out["perf/tokens_per_s_vs_plan"] = round(slots_per_s / planned, 4)
         return out
 
 

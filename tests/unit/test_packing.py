@@ -287,3 +287,18 @@ def test_document_positions_restart_at_each_document_and_block():
     blocks = pack_sequences(docs, 4, eos_token_id=0)  # 1 2 3 0 | 4 5 6 7 | 8 0 9 0
     assert blocks == [[1, 2, 3, 0], [4, 5, 6, 7], [8, 0, 9, 0]]
     assert document_positions(docs, 4, eos_token_id=0) == [[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 0, 1]]
+
+
+def test_throughput_counts_real_tokens_and_the_slots_computed():
+    from hf_dist.callbacks.throughput import _count_tokens
+
+    packed = pack(as_dataset(conversations(LENGTHS)), 16)
+    batch = PackedCollator(16)(list(packed))
+    real, slots, seq_len = _count_tokens((), batch)
+    assert (int(real), slots, seq_len) == (sum(LENGTHS), batch["input_ids"].numel(), 16)
+    padded = {
+        "input_ids": torch.ones(2, 8, dtype=torch.long),
+        "attention_mask": torch.tensor([[1] * 8, [1] * 3 + [0] * 5]),
+    }
+    real, slots, _ = _count_tokens((), padded)
+    assert (int(real), slots) == (11, 16)

@@ -306,10 +306,10 @@ def test_eta_uses_the_mean_measured_step_time_and_compares_speed_with_the_plan()
 
     cb = ThroughputCallback(SimpleNamespace(tokens_per_s=1000.0, hardware=None))
     state = SimpleNamespace(max_steps=100, global_step=10)
-    assert cb._eta(state, elapsed=30.0, steps=10, tokens_per_s=500.0) == {
+    assert cb._eta(state, elapsed=30.0, steps=10, slots_per_s=500.0) == {
         "perf/eta_s": 270.0,  # 90 steps left at 3 s each
         "perf/tokens_per_s_vs_plan": 0.5,
     }
     state.global_step = 20
-    assert cb._eta(state, elapsed=10.0, steps=10, tokens_per_s=1000.0)["perf/eta_s"] == 160.0  # 80 x (40 s / 20)
+    assert cb._eta(state, elapsed=10.0, steps=10, slots_per_s=1000.0)["perf/eta_s"] == 160.0  # 80 x (40 s / 20)
     assert "perf/eta_s" not in cb._eta(SimpleNamespace(max_steps=-1, global_step=1), 1.0, 1, 1.0)
