@@ -282,3 +282,13 @@ def test_plan_help_examples_of_the_pins_run(tmp_path, capsys):
         data = json.loads(capsys.readouterr().out)
         assert data["strategy"] == "zero3", argv
     assert data["offload"] == "optimizer" and data["activation_checkpointing"] is True
+
+
+def test_plan_refuses_a_seq_len_beyond_the_positions_in_one_line(tmp_path, capsys):
+    tiny_llama_config().save_pretrained(tmp_path)  # 256 positions
+    assert main(["plan", str(tmp_path), "--gpus", "8", "--gpu-memory", "80", "--seq-len", "100000"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    refusal = "hf-dist plan: error: seq_len 100000 exceeds the model's max_position_embeddings=256"
+    assert captured.err.startswith(refusal)
+

@@ -20,6 +20,9 @@ from hf_dist.testing import llama3_config
 
 LLAMA_8B = llama3_config("Llama-3-8B")
 LLAMA_70B = llama3_config("Llama-3-70B")
+# the long-context shapes: Llama 3.1 scales RoPE to 131072 positions (Llama 3 has 8192, and longer is refused)
+LLAMA31_8B = llama3_config("Llama-3.1-8B")
+LLAMA31_70B = llama3_config("Llama-3.1-70B")
 ALL = LibraryFeatures()
 
 
@@ -115,7 +118,7 @@ def test_data_parallel_first():
 
 
 def test_long_context_splits_the_sequence():
-    p = plan(LLAMA_8B, gpus=8, gpu_memory_gib=80, seq_len=131072, global_batch_size=8, features=ALL)
+    p = plan(LLAMA31_8B, gpus=8, gpu_memory_gib=80, seq_len=131072, global_batch_size=8, features=ALL)
     assert p.cp_size * p.sp_size > 1 and p.memory.total <= p.usable_gib * GIB
     assert p.layout.seq_shards == p.cp_size * p.sp_size
     assert p.micro_batch_size * p.gradient_accumulation_steps * p.layout.dp_size == 8
@@ -131,7 +134,7 @@ def test_global_batch_smaller_than_the_gpus():
 
 
 def test_cpu_ranks_never_get_context_parallelism():
-    p = plan(LLAMA_8B, hardware=detect_hardware(gpus=8, gpu_memory_gib=80), seq_len=131072, global_batch_size=8,
+    p = plan(LLAMA31_8B, hardware=detect_hardware(gpus=8, gpu_memory_gib=80), seq_len=131072, global_batch_size=8,
              features=ALL)  # fmt: skip
     assert p.cp_size > 1 or p.sp_size > 1
     cpu = detect_hardware(gpus=2)
@@ -143,7 +146,7 @@ def test_versions_without_a_dimension_are_never_proposed():
     old = LibraryFeatures(sequence_parallel=False, parallelism_config=False)
     # 128k tokens need the sequence split (the fp32 logits alone are 192 GiB): without it nothing fits, and says why
     with pytest.raises(PlanError, match="(?s)sp: needs accelerate >= 1.12 .*searched nothing"):
-        plan(LLAMA_8B, gpus=8, gpu_memory_gib=80, seq_len=131072, global_batch_size=8, features=old)
+        plan(LLAMA31_8B, gpus=8, gpu_memory_gib=80, seq_len=131072, global_batch_size=8, features=old)
     p = plan(LLAMA_70B, gpus=64, nodes=8, gpu_memory_gib=80, global_batch_size=64, features=old)
     assert (p.tp_size, p.cp_size, p.sp_size) == (1, 1, 1)
     with pytest.raises(ValueError, match="sp_size 2 cannot run here: needs accelerate >= 1.12"):
@@ -190,7 +193,7 @@ def test_long_context_on_one_node_offloads_with_sequence_parallelism():
     from hf_dist.configs.training_args import strategy_args
 
     kw = dict(gpus=8, gpu_memory_gib=80, host_memory_gib=4096, seq_len=65536, global_batch_size=8, features=ALL)
-    p = plan(LLAMA_70B, **kw)
+    p = plan(LLAMA31_70B, **kw)
     assert (p.strategy, p.sp_size > 1, p.offload != "none", p.offload_device) == ("zero3", True, True, "cpu")
     assert not [c for c in p.candidates if c.fits and c.offload == "none"]
     assert not [c for c in p.candidates if c.fits and c.model_parallel == 1]  # DP + offload alone does not fit

@@ -229,3 +229,23 @@ def test_sync_each_batch_is_not_chosen_when_no_sync_fits_as_fast():
     once = plan(tiny_llama_config(), gpus=8, gpu_memory_gib=80, global_batch_size=8, strategy="fsdp_full_shard")
     assert once.gradient_accumulation_steps == 1 and not any(c.sync_each_batch for c in once.candidates)
     assert "sync" not in once.explain().splitlines()[6]  # no sync column without a sync candidate
+
+
+def test_seq_len_beyond_the_positions_is_refused_before_anything_is_planned(monkeypatch):
+    import hf_dist
+    from hf_dist.planning import search
+
+    def searched(*args, **kwargs):
+        raise AssertionError("the search ran")
+
+    monkeypatch.setattr(search.Search, "run", searched)
+    short = tiny_llama_config(max_position_embeddings=128)
+    message = r"^seq_len 4096 exceeds the model's max_position_embeddings=128 .*use seq_len <= 128"
+    with pytest.raises(ValueError, match=message):
+        plan(short, gpus=2, gpu_memory_gib=80, seq_len=4096)
+    with pytest.raises(ValueError, match=message):
+        hf_dist.auto_args(short, gpus=2, seq_len=4096)
+    with pytest.raises(ValueError, match="seq_len 100000 exceeds the model's max_position_embeddings=8192"):
+        plan(LLAMA_8B, gpus=8, gpu_memory_gib=80, seq_len=100000)
+    monkeypatch.undo()
+    assert plan(llama3_config("Llama-3.1-8B"), gpus=8, gpu_memory_gib=80, seq_len=16384).seq_len == 16384
