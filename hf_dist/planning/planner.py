@@ -82,7 +82,8 @@ def plan(
     Model parallelism: ``tp_size`` / ``cp_size`` / ``sp_size`` pin a size (1 turns the dimension off); left
     None, the sizes the model, hardware and installed libraries allow (:mod:`hf_dist.planning.model_parallel`)
     are searched when no data-parallel layout fits without offload or the global batch is smaller than the
-    GPUs. ``host_memory_gib`` (RAM per node) and ``nvme_gbps`` (the nodes' NVMe bandwidth; given, NVMe offload
+    GPUs; a global batch the GPUs do not divide is refused (with the nearest sizes they do) when a data-parallel
+    layout fits at one they divide, rather than split the model for it. ``host_memory_gib`` (RAM per node) and ``nvme_gbps`` (the nodes' NVMe bandwidth; given, NVMe offload
     is searched when nothing else fits) describe the hardware when ``hardware`` is not passed. ``offload_device``
     pins where offloaded states go: ``"nvme"`` plans ZeRO-Infinity (ZeRO-3 only, with offload ``optimizer`` or
     ``optimizer+params``; ``Plan.swap_bytes`` is the space its swap files need per node), ``"cpu"`` never
@@ -174,7 +175,8 @@ def _choose(setup: Setup, search: Search, candidates, dims, sizes_pinned: bool, 
         raise PlanError(nothing_fits_message(setup, search.dp_combos, candidates, dims))
     chosen = best(fitting)
     for c in candidates:
-        c.reason = reason_for(c, chosen, pinned=sizes_pinned, offload_pinned=offload_pinned, candidates=candidates)
+        c.reason = reason_for(c, chosen, pinned=sizes_pinned, offload_pinned=offload_pinned, candidates=candidates,
+                              split_reason=search.split_reason)  # fmt: skip
     return chosen
 
 

@@ -67,6 +67,8 @@ def test_plan_errors_exit_1_with_message(tmp_path, capsys):
     pinned = ["--tp-size", "1", "--cp-size", "1", "--sp-size", "1"]  # data parallelism only
     assert main(["plan", str(tmp_path), "--gpus", "8", "--gpu-memory", "80", "--global-batch", "12", *pinned]) == 1
     assert "not divisible by world size (8)" in capsys.readouterr().err
+    assert main(["plan", str(tmp_path), "--gpus", "8", "--gpu-memory", "80", "--global-batch", "12"]) == 1  # was cp=2
+    assert "use global_batch_size 8 or 16 (a multiple of 8)" in capsys.readouterr().err
     assert main(["plan", str(tmp_path), "--gpus", "8", "--gpu-memory", "80", "--tp-size", "3"]) == 1
     assert "no layout runs tp_size=3" in capsys.readouterr().err
 
