@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from hf_dist.cli.main import main
+from hf_dist.cli.main import PIPE_CLOSED_EXIT, main
 from hf_dist.testing import tiny_llama_config
 
 
@@ -294,3 +294,29 @@ def test_plan_refuses_a_seq_len_beyond_the_positions_in_one_line(tmp_path, capsy
     refusal = "hf-dist plan: error: seq_len 100000 exceeds the model's max_position_embeddings=256"
     assert captured.err.startswith(refusal)
 
+
+@pytest.mark.parametrize(
+    ("args", "status"),
+    [
+        (["plan", "{model}", "--gpus", "8", "--gpu-memory", "80"], PIPE_CLOSED_EXIT),
+        (["--help"], 0),  # argparse drops a failed write of its help itself
+    ],
+)
+def test_a_closed_pipe_ends_the_cli_quietly(tmp_path, args, status):
+    """`hf-dist plan ... | head` once head has gone: no `error: [Errno 32] Broken pipe`, no traceback, no
+    "Exception ignored" from the interpreter's last flush; the exit status a shell gives a tool SIGPIPE stopped."""
+    import os
+    import subprocess
+    import sys
+
+    from hf_dist.testing import REPO_ROOT
+
+    tiny_llama_config().save_pretrained(tmp_path)
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line is written
+    try:
+        command = [sys.executable, "-m", "hf_dist.cli.main", *(a.format(model=tmp_path) for a in args)]
+        done = subprocess.run(command, stdout=write, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, timeout=300)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (status, "")
