@@ -18,11 +18,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 EXAMPLES = (
-    ("Llama-3-8B at 128k-token context on 8 x 80 GB", "Llama-3-8B",
+    ("Llama-3.1-8B at 128k-token context on 8 x 80 GB", "Llama-3.1-8B",
      dict(gpus=8, gpu_memory_gib=80, seq_len=131072, global_batch_size=8)),
     ("Llama-3-70B full fine-tuning on 8 nodes x 8 x 80 GB at global batch 16", "Llama-3-70B",
      dict(gpus=64, nodes=8, gpu_memory_gib=80, seq_len=4096, global_batch_size=16)),
-    ("Llama-3-70B at 64k-token context on 8 x 80 GB with 2 TiB of host RAM", "Llama-3-70B",
+    ("Llama-3.1-70B at 64k-token context on 8 x 80 GB with 2 TiB of host RAM", "Llama-3.1-70B",
      dict(gpus=8, gpu_memory_gib=80, seq_len=65536, global_batch_size=8, host_memory_gib=2048)),
     ("Llama-3-70B full fine-tuning on 8 x 80 GB with 256 GiB of host RAM and NVMe (12 GB/s per node)",
      "Llama-3-70B", dict(gpus=8, gpu_memory_gib=80, seq_len=4096, global_batch_size=16, host_memory_gib=256,

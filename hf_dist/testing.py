@@ -27,18 +27,29 @@ T = TypeVar("T")
 LLAMA3_SHAPES = {
     "Llama-3-8B": (4096, 14336, 32, 32, 8),
     "Llama-3-70B": (8192, 28672, 80, 64, 8),
+    "Llama-3.1-8B": (4096, 14336, 32, 32, 8),
+    "Llama-3.1-70B": (8192, 28672, 80, 64, 8),
     "Llama-3.1-405B": (16384, 53248, 126, 128, 8),
 }
 
+# their positions: Llama 3 trained 8192; Llama 3.1 reaches 131072 by scaling RoPE (its config.json's rope_scaling)
+_LLAMA3_POSITIONS = dict(max_position_embeddings=8192)
+_LLAMA31_POSITIONS = dict(
+    max_position_embeddings=131072,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192, "rope_theta": 500000.0},
+)  # fmt: skip
+
 
 def llama3_config(name: str):
-    """A ``LlamaConfig`` with the shape of a public Llama 3 model (:data:`LLAMA3_SHAPES`)."""
+    """A ``LlamaConfig`` with the shape and positions of a public Llama 3 model (:data:`LLAMA3_SHAPES`)."""
     from transformers import LlamaConfig
 
     hidden, inter, layers, heads, kv = LLAMA3_SHAPES[name]
+    positions = _LLAMA31_POSITIONS if name.startswith("Llama-3.1") else _LLAMA3_POSITIONS
     return LlamaConfig(
         hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, vocab_size=128256,
+        num_key_value_heads=kv, vocab_size=128256, rope_theta=500000.0, **positions,
     )  # fmt: skip
 
 

@@ -319,7 +319,7 @@ CATALOG: dict[str, Entry] = {
         "tests/unit/test_cli_plan.py::test_plan_pinned_to_nvme_states_the_swap_files"
     ),
     "python benchmarks/parallelism_examples.py": Launch(
-        (Exits(), CopiedOutput("docs/parallelism.md", "## Llama-3-8B at 128k-token context on 8 x 80 GB"))
+        (Exits(), CopiedOutput("docs/parallelism.md", "## Llama-3.1-8B at 128k-token context on 8 x 80 GB"))
     ),
     "accelerate launch --config_file accelerate_configs/fsdp2_tp2.yaml train.py": CannotRun(
         f"{NO_GPU}: accelerate's TP needs CUDA; the same layout through TrainingArguments: "
@@ -363,6 +363,9 @@ CATALOG: dict[str, Entry] = {
         setup=(ModelConfig("llama-3.1-8b/config.json"),),
     ),
     "hf-dist plan ... --train-tokens 2e9": RanBy("tests/unit/test_cli_plan.py::test_plan_time_to_finish"),
+    "hf-dist plan --seq-len": RanBy(
+        "tests/unit/test_cli_plan.py::test_plan_refuses_a_seq_len_beyond_the_positions_in_one_line"
+    ),
     "hf-dist plan ./llama-3-70b --gpus 2 --gpu-memory 80": Run(
         (
             Refusal("hf-dist plan: error: nothing fits on 2 x 80 GiB:"),

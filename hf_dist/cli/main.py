@@ -1,13 +1,16 @@
 """`hf-dist` entry point. Registers one subcommand per module in ``hf_dist.cli``.
 
 Each subcommand module defines ``HELP``, ``DESCRIPTION``, ``EPILOG`` (examples), ``add_arguments(parser)``
-and ``run(args) -> int``, and keeps heavy imports inside ``run``, so ``hf-dist --help`` is instant.
+and ``run(args) -> int``, and keeps heavy imports inside ``run``, so ``hf-dist --help`` is instant. A bad input is one line on stderr and
+exit 1; a reader that closes the pipe early (``hf-dist plan ... | head``) ends the command quietly, with exit 141
+(:data:`PIPE_CLOSED_EXIT`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # subcommand name -> module under hf_dist.cli
@@ -55,7 +58,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# 128 + SIGPIPE: what a shell reports for a tool that a closed pipe stopped (`yes | head`)
+PIPE_CLOSED_EXIT = 141
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run ``hf-dist``; a closed stdout (``hf-dist plan ... | head``) ends it quietly with :data:`PIPE_CLOSED_EXIT`."""
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # what is still buffered meets a closed pipe here, not in the interpreter's exit
+    except BrokenPipeError:
+        return _closed_pipe()
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -63,9 +81,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:
+        raise  # the reader went away: no error of ours (main)
     except (ValueError, OSError, RuntimeError) as exc:  # OSError: FileNotFound/FileExists/Permission...
         print(f"hf-dist {args.command}: error: {exc}", file=sys.stderr)
         return 1
+
+
+def _closed_pipe() -> int:
+    """Stop without a word when the reader of stdout has gone: stdout now points at the null device, so the
+    interpreter's last flush of what is still buffered has nowhere to fail (the recipe of Python's ``signal`` docs,
+    "Note on SIGPIPE")."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return PIPE_CLOSED_EXIT
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ EPILOG = """examples:
   hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --seq-len 8192 --fused-lm-head   # TRL's SFTTrainer loss
   hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --global-batch 64 --train-tokens 2e9   # wall time, GPU-hours
   hf-dist plan ./my-model --gpus 8 --gpu-memory 80 --host-memory 512 --async-save   # count the staging copy
-  hf-dist plan ./llama-3-8b --gpus 8 --gpu-memory 80 --seq-len 131072 --global-batch 8   # long context: cp/sp
+  hf-dist plan ./llama-3.1-8b --gpus 8 --gpu-memory 80 --seq-len 131072 --global-batch 8   # long context: cp/sp
   hf-dist plan ./llama-3-70b --gpus 64 --nodes 8 --gpu-memory 80 --global-batch 16   # fewer sequences than GPUs
   hf-dist plan ./llama-3-70b --gpus 8 --gpu-memory 80 --host-memory 256 --nvme-gbps 12   # may offload to NVMe
   hf-dist plan ./llama-3-70b --gpus 8 --gpu-memory 80 --offload-device nvme   # ZeRO-Infinity: swap files per node
@@ -117,7 +117,13 @@ def _add_workload(parser: argparse.ArgumentParser) -> None:
         choices=("full", "lora", "qlora"),
         help="what trains (default: lora when a --lora-* flag is given, else full)",
     )
-    parser.add_argument("--seq-len", type=int, default=2048, dest="seq_len")
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        dest="seq_len",
+        help="tokens per sequence (default 2048, or the model's max_position_embeddings when fewer; more than those "
+        "is refused unless the config scales RoPE)",
+    )
     parser.add_argument("--global-batch", type=int, dest="global_batch", help="sequences per optimizer step")
     parser.add_argument("--micro-batch", type=int, dest="micro_batch", help="sequences per rank per forward")
     parser.add_argument("--optimizer", choices=("adamw", "adamw_8bit", "sgd"), default="adamw")

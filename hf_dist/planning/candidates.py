@@ -50,6 +50,22 @@ def micro_batch_options(global_batch, micro_batch, world, limit: tuple[int, str]
     return [m for m in range(min(per_rank, cap), 0, -1) if per_rank % m == 0]
 
 
+def batch_refusal(global_batch: int, micro_batch: int | None, world: int) -> str:
+    """Why ``global_batch`` cannot be split over ``world`` data-parallel ranks (at ``micro_batch`` when pinned), with
+    the arithmetic and the nearest global batches that can: one line."""
+    step = (micro_batch or 1) * world
+    ranks = f"micro_batch_size {micro_batch} x {world} data-parallel ranks = {step}" if micro_batch else (
+        f"the {world} data-parallel ranks")  # fmt: skip
+    below, above = global_batch // step * step, (global_batch // step + 1) * step
+    nearest = f"{below} or {above}" if below else f"{above}"
+    return (
+        f"global_batch_size {global_batch} is not divisible by {ranks} ({global_batch} = {global_batch // step} x "
+        f"{step} + {global_batch % step}), and a data-parallel layout fits without splitting the model; use "
+        f"global_batch_size {nearest} (a multiple of {step}), or pin tp_size / cp_size / sp_size to split the model "
+        "instead"
+    )
+
+
 def _over_limit(global_batch: int, micro_batch: int, world: int, limit: tuple[int, str]) -> str:
     """Why a pinned ``micro_batch`` above ``limit`` is refused, and the split that keeps ``global_batch``."""
     cap, why = limit

@@ -49,7 +49,9 @@ def sync_note(c: Candidate, candidates) -> str:
 
 
 def reason_for(c: Candidate, best: Candidate, pinned: bool = False, offload_pinned: bool = False,
-               candidates=()) -> str:  # fmt: skip
+               candidates=(), split_reason: str = "no data-parallel layout fits without offload") -> str:  # fmt: skip
+    """Why ``c`` was chosen or not; ``split_reason``: why model parallelism was searched
+    (:attr:`hf_dist.planning.search.Search.split_reason`)."""
     if c is best:
         notes = []
         if REGISTRY[c.strategy].is_deepspeed and c.offload == "optimizer":
@@ -62,8 +64,7 @@ def reason_for(c: Candidate, best: Candidate, pinned: bool = False, offload_pinn
             notes.append(f"{c.label.split(' ', 1)[1]} because no layout fits without offload and no data-parallel "
                          "layout fits with it")  # fmt: skip
         elif c.model_parallel > 1 and not pinned:
-            notes.append(f"{c.label.split(' ', 1)[1]} because no data-parallel layout fits without offload or splits "
-                         "the global batch")  # fmt: skip
+            notes.append(f"{c.label.split(' ', 1)[1]} because {split_reason}")
         elif c.model_parallel > 1:
             notes.append(f"{c.label.split(' ', 1)[1]} as asked")
         if c.activation_checkpointing:

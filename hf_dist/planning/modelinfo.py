@@ -345,6 +345,55 @@ def check_dimensions(config: Any, *, name: str | None = None) -> None:
         )
 
 
+def position_limit(config: Any) -> int | None:
+    """The longest sequence ``config`` (a transformers config, or anything with ``max_position_embeddings``) was
+    trained for: its ``max_position_embeddings``, None when unknown or when it scales RoPE (``rope_scaling`` /
+    ``rope_parameters`` with a ``rope_type`` other than ``default``: the scaling decides how far it reaches)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1 or _scales_rope(text):
+        return None
+    return limit
+
+
+def _scales_rope(text: Any) -> bool:
+    """Whether a text config scales RoPE; transformers 5 keeps ``rope_parameters`` (one dict, or one per layer type)
+    with ``rope_type: default`` when nothing is scaled, older ones ``rope_scaling`` (None then)."""
+    for key in ("rope_scaling", "rope_parameters"):
+        value = getattr(text, key, None)
+        per_layer_type = isinstance(value, dict) and all(isinstance(v, dict) for v in value.values())
+        params = value.values() if per_layer_type else [value]
+        if any(isinstance(p, dict) and p.get("rope_type", p.get("type", "default")) != "default" for p in params):
+            return True
+    return False
+
+
+DEFAULT_SEQ_LEN = 2048  # what a plan is for when no sequence length is given (the model's positions if fewer)
+
+
+def resolve_seq_len(seq_len: int | None, config: Any, *, default: int = DEFAULT_SEQ_LEN, name: str = "seq_len") -> int:
+    """The sequence length to plan or train with: ``seq_len`` checked against the model's positions
+    (:func:`check_seq_len`), or, when None, ``default`` capped at its ``max_position_embeddings``."""
+    if seq_len is not None:
+        check_seq_len(seq_len, config, name=name)
+        return seq_len
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    positions = getattr(text, "max_position_embeddings", None)
+    usable = isinstance(positions, int) and not isinstance(positions, bool) and positions >= 1
+    return min(default, positions) if usable else default
+
+
+def check_seq_len(seq_len: int, config: Any, *, name: str = "seq_len") -> None:
+    """Refuse a ``seq_len`` beyond the positions ``config`` has (:func:`position_limit`), in one line naming both
+    numbers and the fix; ``name``: the keyword or flag the user gave it under (the recipes' ``--max_seq_length``)."""
+    limit = position_limit(config)
+    if limit is not None and seq_len > limit:
+        raise ValueError(
+            f"{name} {seq_len} exceeds the model's max_position_embeddings={limit} (its config scales no RoPE); "
+            f"use {name} <= {limit}, or a model (or rope_scaling) with longer context"
+        )
+
+
 def spec_from_config(config: Any, *, name: str | None = None, trust_remote_code: bool = False) -> ModelSpec:
     """Count params by building the model on the meta device (no storage is allocated); the folder's own
     ``auto_map`` class only with ``trust_remote_code`` (:func:`check_causal_lm`)."""

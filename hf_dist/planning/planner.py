@@ -37,7 +37,7 @@ from hf_dist.planning.lora import place, resolve
 from hf_dist.planning.memory import METHODS
 from hf_dist.planning.model_parallel import pinned_sizes, size_options
 from hf_dist.planning.model_states import trainable_params
-from hf_dist.planning.modelinfo import model_spec
+from hf_dist.planning.modelinfo import model_spec, resolve_seq_len
 from hf_dist.planning.plan_result import Candidate, Combo, Plan, PlanError
 from hf_dist.planning.precision import check_pure_bf16_hardware, hardware_precision, loaded_dtype
 from hf_dist.planning.search import Search, search_space
@@ -48,7 +48,7 @@ __all__ = ["Plan", "PlanError", "Candidate", "Combo", "plan", "comm_seconds", "m
 
 def plan(
     model: Any, *, gpus: int | None = None, gpu_memory_gib: float | None = None, nodes: int | None = None,
-    method: str | None = None, seq_len: int = 2048, global_batch_size: int | None = None,
+    method: str | None = None, seq_len: int | None = None, global_batch_size: int | None = None,
     micro_batch_size: int | None = None, optimizer: str = "adamw", lora_rank: int | None = None,
     lora_dropout: float | None = None, lora_targets: Any = None, peft_config: Any = None, strategy: str | None = None,
     offload: str | None = None, activation_checkpointing: bool | None = None, use_liger_kernel: bool | None = None,
@@ -75,10 +75,15 @@ def plan(
     less accurate updates); by default mixed precision keeps fp32 masters. A module's loaded dtype is
     read (``Plan.model_dtype``); dtypes other than float32/bfloat16/float16 raise ValueError.
 
+    ``seq_len``: tokens per sequence (default 2048, or the model's ``max_position_embeddings`` when fewer); one
+    beyond the positions of a config that scales no RoPE is refused before anything is searched
+    (:func:`hf_dist.planning.modelinfo.resolve_seq_len`, the recipes' check of ``--max_seq_length`` too).
+
     Model parallelism: ``tp_size`` / ``cp_size`` / ``sp_size`` pin a size (1 turns the dimension off); left
     None, the sizes the model, hardware and installed libraries allow (:mod:`hf_dist.planning.model_parallel`)
     are searched when no data-parallel layout fits without offload or the global batch is smaller than the
-    GPUs. ``host_memory_gib`` (RAM per node) and ``nvme_gbps`` (the nodes' NVMe bandwidth; given, NVMe offload
+    GPUs; a global batch the GPUs do not divide is refused (with the nearest sizes they do) when a data-parallel
+    layout fits at one they divide, rather than split the model for it. ``host_memory_gib`` (RAM per node) and ``nvme_gbps`` (the nodes' NVMe bandwidth; given, NVMe offload
     is searched when nothing else fits) describe the hardware when ``hardware`` is not passed. ``offload_device``
     pins where offloaded states go: ``"nvme"`` plans ZeRO-Infinity (ZeRO-3 only, with offload ``optimizer`` or
     ``optimizer+params``; ``Plan.swap_bytes`` is the space its swap files need per node), ``"cpu"`` never
@@ -97,13 +102,14 @@ def plan(
     sizes = (tp_size, cp_size, sp_size)
     lora_keywords = dict(lora_rank=lora_rank, lora_dropout=lora_dropout, lora_targets=lora_targets)
     method, lora = resolve(model, method, peft_config, **lora_keywords)
-    _check_arguments(method, safety_margin, train_tokens, global_batch_size, micro_batch_size, *sizes)
+    _check_arguments(method, safety_margin, train_tokens, seq_len, global_batch_size, micro_batch_size, *sizes)
     hw = hardware or detect_hardware(gpus=gpus, gpu_memory_gib=gpu_memory_gib, nodes=nodes,
                                      host_memory_gib=host_memory_gib, nvme_gbps=nvme_gbps)  # fmt: skip
     space = search_space(hw, method, strategy, offload, offload_device, activation_checkpointing, use_liger_kernel,
                          sync_each_batch)  # fmt: skip
     check_pure_bf16_hardware(pure_bf16, hw)
     model_dtype, spec = loaded_dtype(model), model_spec(model, trust_remote_code=trust_remote_code)
+    seq_len = resolve_seq_len(seq_len, spec if spec.config is None else spec.config)
     features = installed_features() if features is None else features
     placement = place(spec, lora) if lora is not None else None
     setup = _setup(spec, hw, model_dtype, features, pure_bf16, safety_margin, method, optimizer, seq_len, placement,
@@ -135,8 +141,9 @@ def _setup(spec, hw, model_dtype, features, pure_bf16, safety_margin, method, op
     )  # fmt: skip
 
 
-def _check_arguments(method, safety_margin, train_tokens, global_batch_size, micro_batch_size, *sizes) -> None:
-    """Refuse a bad method, margin, token count, batch size or model-parallel size (``sizes``: tp, cp, sp)."""
+def _check_arguments(method, safety_margin, train_tokens, seq_len, global_batch, micro_batch, *sizes) -> None:
+    """Refuse a bad method, margin, token count, sequence length, batch size or model-parallel size (``sizes``: tp,
+    cp, sp)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
     if not 0 <= safety_margin < 1:
@@ -145,7 +152,7 @@ def _check_arguments(method, safety_margin, train_tokens, global_batch_size, mic
         isinstance(train_tokens, bool) or not isinstance(train_tokens, int | float) or not train_tokens >= 1
     ):
         raise ValueError(f"train_tokens must be a positive number of tokens (e.g. 2e9), got {train_tokens!r}")
-    for name, value in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size)):
+    for name, value in (("seq_len", seq_len), ("global_batch_size", global_batch), ("micro_batch_size", micro_batch)):
         if not _positive_int_or_none(value):
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     for name, value in zip(("tp_size", "cp_size", "sp_size"), sizes, strict=True):
@@ -168,7 +175,8 @@ def _choose(setup: Setup, search: Search, candidates, dims, sizes_pinned: bool, 
         raise PlanError(nothing_fits_message(setup, search.dp_combos, candidates, dims))
     chosen = best(fitting)
     for c in candidates:
-        c.reason = reason_for(c, chosen, pinned=sizes_pinned, offload_pinned=offload_pinned, candidates=candidates)
+        c.reason = reason_for(c, chosen, pinned=sizes_pinned, offload_pinned=offload_pinned, candidates=candidates,
+                              split_reason=search.split_reason)  # fmt: skip
     return chosen
 
 

@@ -4,7 +4,9 @@ NVMe offload; docs/parallelism.md)."""
 
 from __future__ import annotations
 
-from hf_dist.planning.candidates import Setup, accumulates, candidate, combos, refusal
+import dataclasses
+
+from hf_dist.planning.candidates import Setup, accumulates, batch_refusal, candidate, combos, refusal
 from hf_dist.planning.hardware import Hardware
 from hf_dist.planning.layout import OFFLOAD_DEVICES, OFFLOADS, REGISTRY, STRATEGIES
 from hf_dist.planning.plan_result import Candidate, Combo
@@ -82,10 +84,15 @@ def layouts(points: list[Combo]) -> int:
     return len({c._replace(sync=False) for c in points})
 
 
+MEMORY = "no data-parallel layout fits without offload"
+
+
 class Search:
     """The ladder: data parallelism (with CPU offload as a last resort), then model parallelism without offload
-    when no data-parallel layout fits without it or splits the global batch, then Ulysses SP with ZeRO CPU offload,
-    then NVMe offload when nothing fits."""
+    when no data-parallel layout fits without it or the global batch is smaller than the GPUs, then Ulysses SP with
+    ZeRO CPU offload, then NVMe offload when nothing fits. A global batch the data-parallel ranks do not divide is
+    refused (:func:`~hf_dist.planning.candidates.batch_refusal`) unless memory needs the model split.
+    ``split_reason``: why model parallelism was searched, once :meth:`run` searched it."""
 
     def __init__(
         self, setup: Setup, strategies, offloads, ckpts, ligers, syncs, pinned_strategy: bool, features, device
@@ -93,6 +100,7 @@ class Search:
         self.s, self.strategies, self.offloads, self.ckpts, self.ligers = setup, strategies, offloads, ckpts, ligers
         self.syncs, self.pinned_strategy, self.features, self.device = syncs, pinned_strategy, features, device
         self.dp_combos = self._combos(strategies, offloads, (1, 1, 1))
+        self.split_reason = MEMORY
 
     def _combos(self, strategies, offloads, *sizes) -> list[Combo]:
         """The combinations of ``sizes``; FSDP2 with ``sync_each_batch`` only where gradients accumulate."""
@@ -121,16 +129,17 @@ class Search:
         if "none" not in self.offloads:
             return candidates, dims + ["tp/cp/sp not searched: offload was asked for (model parallelism is searched "
                                        "without offload)"]  # fmt: skip
+        self.split_reason = self._why_split()
         triples = options.triples(hw.world_size)
         mp = self._combos(self.strategies, ("none",), *triples)
         candidates += self._evaluate(mp)
-        dims.append(f"searched {options.describe()} ({layouts(mp)} layouts) because no data-parallel layout fits "
-                    "without offload" + self._batch_note(candidates))  # fmt: skip
+        dims.append(f"searched {options.describe()} ({layouts(mp)} layouts) because {self.split_reason}")
         if any(c.fits for c in candidates):
             return candidates, dims
         if self.offloads == ("none",):
             return candidates, dims + ["offload with sp, nvme: not searched: offload is 'none' here (asked for, "
                                        "QLoRA or CPU ranks)"]  # fmt: skip
+        self._undivided(self.offloads)  # a batch the ranks do not divide is no reason to split the model either
         seq = [t for t in triples if t[0] == t[1] == 1]  # Ulysses SP alone
         offloads = [o for o in ("optimizer", "optimizer+params") if o in self.offloads]  # unless offload is pinned
         # ZeRO CPU offload with Ulysses SP: DeepSpeed ALST's recipe for long sequences on few GPUs
@@ -174,6 +183,37 @@ class Search:
             "divide the world size"
         )
 
-    def _batch_note(self, candidates: list[Candidate]) -> str:
-        split = [c for c in candidates if c.model_parallel == 1 and "global_batch" in c.reason]
-        return f" or splits the global batch ({split[0].reason.split(';')[0]})" if split else ""
+    def _why_split(self) -> str:
+        """Why model parallelism is searched once no data-parallel layout fits without offload: memory, or a global
+        batch smaller than the GPUs. A global batch the data-parallel ranks do not divide, where one they divide
+        would fit, is refused with the arithmetic (:meth:`_undivided`)."""
+        valid = self._undivided(("none",))
+        if valid is None:
+            return MEMORY
+        g, world = self.s.global_batch, self.s.hw.world_size
+        smaller = f"the global batch ({g}) is smaller than the {world} GPUs"
+        if valid is False:
+            undivided = smaller if g < world else f"{g} is not divisible by {(self.s.micro_batch or 1) * world}"
+            return f"{MEMORY}, even at global batch {self._nearest()}, and {undivided}"
+        return smaller
+
+    def _undivided(self, offloads) -> int | bool | None:
+        """For a global batch the data-parallel ranks do not divide: the nearest one they do when a data-parallel
+        layout with ``offloads`` fits there, False when none does; None when the ranks divide it (or no global batch
+        was given). Refused with the arithmetic (:func:`batch_refusal`) when it is at least the GPUs and a
+        data-parallel layout fits: splitting the model for it would be a choice the user never made."""
+        s, world = self.s, self.s.hw.world_size
+        if s.global_batch is None or s.global_batch % ((s.micro_batch or 1) * world) == 0:
+            return None
+        valid = self._nearest()
+        setup = dataclasses.replace(s, global_batch=valid)
+        if not any(candidate(setup, c).fits for c in self.dp_combos if c.offload in offloads):
+            return False
+        if s.global_batch >= world:
+            raise ValueError(batch_refusal(s.global_batch, s.micro_batch, world))
+        return valid
+
+    def _nearest(self) -> int:
+        """The largest global batch the data-parallel ranks divide up to the one asked for (else the smallest)."""
+        step = (self.s.micro_batch or 1) * self.s.hw.world_size
+        return self.s.global_batch // step * step or step

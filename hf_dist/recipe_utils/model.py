@@ -13,6 +13,7 @@ from hf_dist.data import (
     ensure_chat_template,
     ensure_pad_token,
 )
+from hf_dist.planning.modelinfo import resolve_seq_len as resolve_planned_seq_len
 from hf_dist.recipe_utils.args import LoraArguments, ModelArguments, QuantArguments
 
 # ---------------------------------------------------------------- model and tokenizer
@@ -60,17 +61,10 @@ def model_config(model_args: ModelArguments, tokenizer: Any) -> Any:
 
 
 def resolve_seq_len(requested: int | None, config: Any, *, embedded: bool) -> int:
-    """The sequence length to train with; a ValueError when it exceeds the model's positions."""
-    max_positions = getattr(config, "max_position_embeddings", None)
-    if requested is None:
-        default = 64 if embedded else 2048
-        return min(default, max_positions) if max_positions else default
-    if max_positions is not None and requested > max_positions:
-        raise ValueError(
-            f"--max_seq_length {requested} exceeds the model's max_position_embeddings={max_positions}; "
-            f"use --max_seq_length <= {max_positions} (or a model with longer context)"
-        )
-    return requested
+    """The sequence length to train with (default: 64 for the embedded model, else 2048, at most the model's
+    positions); a ValueError when it exceeds the model's positions, by the planner's own check
+    (:func:`hf_dist.planning.modelinfo.resolve_seq_len`)."""
+    return resolve_planned_seq_len(requested, config, default=64 if embedded else 2048, name="--max_seq_length")
 
 
 def parallel_load_kwargs(args: Any) -> dict[str, Any]:

@@ -73,28 +73,16 @@ def resume_checkpoint(args: Any) -> str | None:
     value = args.resume_from_checkpoint
     if not value:
         return None
-    if value == "auto":
-        from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
+    from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume, resume_line
+    from hf_dist.checkpoint.lifecycle.reshard import prepare_resume
 
-        found = auto_resume(args.output_dir, training_args=args)
+    if value == "auto":  # the line below says it, with the finished case (auto_resume alone would not)
+        found = auto_resume(args.output_dir, training_args=args, announce=False)
     else:
-        from hf_dist.checkpoint.lifecycle.reshard import prepare_resume
-
         found = prepare_resume(value, training_args=args)
     if args.process_index == 0:
-        print(_resume_line(found, args), flush=True)
+        print(resume_line(found, args, output_dir=args.output_dir), flush=True)
     return found
-
-
-def _resume_line(found: str | None, args: Any) -> str:
-    from hf_dist.checkpoint.lifecycle.finished import finished_at, finished_message
-
-    finished = finished_at(found, args)
-    if finished:
-        return finished_message(*finished, found)
-    if found:
-        return f"[hf_dist] resuming from {found}"
-    return f"[hf_dist] no complete checkpoint in {args.output_dir}: starting from scratch"
 
 
 def is_finished(resume: str | None, args: Any) -> bool:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from hf_dist.cli.main import main
+from hf_dist.cli.main import PIPE_CLOSED_EXIT, main
 from hf_dist.testing import tiny_llama_config
 
 
@@ -67,6 +67,8 @@ def test_plan_errors_exit_1_with_message(tmp_path, capsys):
     pinned = ["--tp-size", "1", "--cp-size", "1", "--sp-size", "1"]  # data parallelism only
     assert main(["plan", str(tmp_path), "--gpus", "8", "--gpu-memory", "80", "--global-batch", "12", *pinned]) == 1
     assert "not divisible by world size (8)" in capsys.readouterr().err
+    assert main(["plan", str(tmp_path), "--gpus", "8", "--gpu-memory", "80", "--global-batch", "12"]) == 1  # was cp=2
+    assert "use global_batch_size 8 or 16 (a multiple of 8)" in capsys.readouterr().err
     assert main(["plan", str(tmp_path), "--gpus", "8", "--gpu-memory", "80", "--tp-size", "3"]) == 1
     assert "no layout runs tp_size=3" in capsys.readouterr().err
 
@@ -282,3 +284,39 @@ def test_plan_help_examples_of_the_pins_run(tmp_path, capsys):
         data = json.loads(capsys.readouterr().out)
         assert data["strategy"] == "zero3", argv
     assert data["offload"] == "optimizer" and data["activation_checkpointing"] is True
+
+
+def test_plan_refuses_a_seq_len_beyond_the_positions_in_one_line(tmp_path, capsys):
+    tiny_llama_config().save_pretrained(tmp_path)  # 256 positions
+    assert main(["plan", str(tmp_path), "--gpus", "8", "--gpu-memory", "80", "--seq-len", "100000"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    refusal = "hf-dist plan: error: seq_len 100000 exceeds the model's max_position_embeddings=256"
+    assert captured.err.startswith(refusal)
+
+
+@pytest.mark.parametrize(
+    ("args", "status"),
+    [
+        (["plan", "{model}", "--gpus", "8", "--gpu-memory", "80"], PIPE_CLOSED_EXIT),
+        (["--help"], 0),  # argparse drops a failed write of its help itself
+    ],
+)
+def test_a_closed_pipe_ends_the_cli_quietly(tmp_path, args, status):
+    """`hf-dist plan ... | head` once head has gone: no `error: [Errno 32] Broken pipe`, no traceback, no
+    "Exception ignored" from the interpreter's last flush; the exit status a shell gives a tool SIGPIPE stopped."""
+    import os
+    import subprocess
+    import sys
+
+    from hf_dist.testing import REPO_ROOT
+
+    tiny_llama_config().save_pretrained(tmp_path)
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line is written
+    try:
+        command = [sys.executable, "-m", "hf_dist.cli.main", *(a.format(model=tmp_path) for a in args)]
+        done = subprocess.run(command, stdout=write, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, timeout=300)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (status, "")

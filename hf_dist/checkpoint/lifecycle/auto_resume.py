@@ -11,13 +11,21 @@ the one that strategy writes and reads, and that a ZeRO checkpoint matches the w
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.formats.layout import MARKER_NAME, is_checkpoint_dir, list_checkpoints
+from hf_dist.checkpoint.formats.layout import (
+    CHECKPOINT_DIR_RE,
+    MARKER_NAME,
+    TRAINER_STATE,
+    is_checkpoint_dir,
+    list_checkpoints,
+)
 from hf_dist.checkpoint.lifecycle import manifest, proof, runs
+from hf_dist.checkpoint.lifecycle.finished import finished_at, finished_message
 from hf_dist.checkpoint.lifecycle.output_lock import check_output_dir_free
 from hf_dist.checkpoint.lifecycle.reshard import prepare_resume
 from hf_dist.checkpoint.lifecycle.resume_checks import check_resume_compatible, gate_checkpoint, strategy_and_world
@@ -33,6 +41,7 @@ def auto_resume(
     training_args: Any = None,
     trust_pickles: bool = False,
     fresh_start: bool = False,
+    announce: bool = True,
 ) -> str | None:
     """The newest complete ``checkpoint-N`` in ``output_dir``; None only when there is none at all (or
     ``fresh_start=True``). Partial checkpoints are skipped, and if checkpoints exist but none can be proven
@@ -65,12 +74,14 @@ def auto_resume(
     weights for an FSDP run, raise), and every pickle in it passes the loading gate (:func:`gate_checkpoint`;
     a foreign type raises :class:`~hf_dist.checkpoint.safety.errors.UnsafePickleError` unless ``trust_pickles``).
     A malformed manifest makes a checkpoint "not complete", with the reason in the log.
+
+    Rank 0 prints one line (``announce=False``: the caller says it, as the recipes do with :func:`resume_line`):
+    ``[hf_dist] resuming from out/checkpoint-500 at step 500``, or why the run starts from scratch
+    (``[hf_dist] no checkpoint-N folder in out: starting from scratch``).
     """
     _check_output_dir(output_dir)
     check_output_dir_free(output_dir)  # never resume from a folder another live job is writing
     checkpoints = list_checkpoints(output_dir)
-    if not checkpoints:
-        logger.info("auto_resume: no checkpoint-N folder in %s; starting from scratch", output_dir)
     live_world = _live_world_size(world_size, training_args, strategy)
     journal = runs.read_run(output_dir)
     skipped = []
@@ -81,11 +92,59 @@ def auto_resume(
             skipped.append(f"  {Path(path).name}: {'; '.join(reasons)}")
             continue
         path = _prepare(path, strategy, world_size, training_args, trust_pickles)
-        logger.info("auto_resume: resuming from %s (step %d)", path, step)
+        if announce:
+            _say(resume_line(path), training_args or getattr(strategy, "args", None))
         return path
     if skipped and not fresh_start:
         _refuse_unproven(output_dir, skipped)
+    if announce:
+        _say(_fresh_line(output_dir, len(skipped)), training_args or getattr(strategy, "args", None))
     return None
+
+
+def resume_line(found: str | os.PathLike | None, training_args: Any = None, *, output_dir: Any = None) -> str:
+    """The one line a run says about what it resumes (:func:`auto_resume`, the recipes' ``--resume_from_checkpoint``):
+    ``found`` and its step; with ``training_args``, that there is nothing to train when ``found`` is at the run's
+    last step (:func:`~hf_dist.checkpoint.lifecycle.finished.finished_message`); ``found`` None: why ``output_dir``
+    starts from scratch."""
+    if found is None:
+        return _fresh_line(output_dir, 0)
+    finished = finished_at(found, training_args) if training_args is not None else None
+    if finished:
+        return finished_message(*finished, found)
+    return f"[hf_dist] resuming from {found} at step {_step_of(Path(found))}"
+
+
+def _fresh_line(output_dir: str | os.PathLike, unproven: int) -> str:
+    """Why a run starts from step 0: no checkpoint at all, or (``fresh_start=True``) none that is complete."""
+    if unproven:
+        why = f"none of the {unproven} checkpoint(s) in {output_dir} can be proven complete and fresh_start=True"
+    elif not Path(output_dir).exists():
+        why = f"{output_dir} does not exist yet"
+    else:
+        why = f"no checkpoint-N folder in {output_dir}"
+    return f"[hf_dist] {why}: starting from scratch"
+
+
+def _step_of(checkpoint: Path) -> int | str:
+    """The step a checkpoint was saved at: its ``trainer_state.json``'s ``global_step``, else its folder's N."""
+    try:
+        return int(json.loads((checkpoint / TRAINER_STATE).read_text())["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        match = CHECKPOINT_DIR_RE.match(checkpoint.name)
+        return int(match.group(1)) if match else "unknown"
+
+
+def _say(line: str, training_args: Any) -> None:
+    """Print ``line`` once, on rank 0 (the run's ``TrainingArguments``' ``process_index``, else the process group's
+    rank or the launcher's ``RANK``), where a user sees it without logging set up."""
+    rank = getattr(training_args, "process_index", None)
+    if rank is None:
+        from hf_dist.runtime import dist as _dist
+
+        rank = _dist.rank() if _dist.is_distributed() else int(os.environ.get("RANK", 0))
+    if rank == 0:
+        print(line, flush=True)
 
 
 def _prepare(path: str, running: Any, world_size: int | None, training_args: Any, trust_pickles: bool) -> str:

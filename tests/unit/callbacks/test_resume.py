@@ -305,3 +305,32 @@ def test_strategy_of_args_names_registry_strategies(args, expected):
     from hf_dist.checkpoint.lifecycle.resume_checks import strategy_of_args
 
     assert strategy_of_args(SimpleNamespace(**args)) == expected
+
+
+def test_auto_resume_says_on_rank_0_where_it_resumes_or_why_it_starts_from_scratch(tmp_path, capsys, monkeypatch):
+    """One line a user sees without logging set up: the checkpoint and its step, or why the run starts at step 0."""
+    from types import SimpleNamespace
+
+    def said() -> list[str]:
+        return capsys.readouterr().out.splitlines()
+
+    auto_resume(tmp_path / "missing")
+    assert said() == [f"[hf_dist] {tmp_path / 'missing'} does not exist yet: starting from scratch"]
+    auto_resume(tmp_path)
+    assert said() == [f"[hf_dist] no checkpoint-N folder in {tmp_path}: starting from scratch"]
+    seal(fake_checkpoint(tmp_path, 6, {**DDP2, "trainer_state.json": b'{"global_step": 6}'}), world_size=2)
+    fake_checkpoint(tmp_path, 8, DDP2)  # never finished: skipped with a warning, not resumed
+    assert auto_resume(tmp_path) == str(tmp_path / "checkpoint-6")
+    assert said() == [f"[hf_dist] resuming from {tmp_path / 'checkpoint-6'} at step 6"]
+    monkeypatch.setenv("RANK", "1")  # another rank of the launch: silent
+    auto_resume(tmp_path)
+    assert said() == []
+    auto_resume(tmp_path, training_args=SimpleNamespace(process_index=0, world_size=2))  # its rank wins
+    assert said() == [f"[hf_dist] resuming from {tmp_path / 'checkpoint-6'} at step 6"]
+    monkeypatch.delenv("RANK")
+    assert auto_resume(tmp_path, announce=False) == str(tmp_path / "checkpoint-6")  # the caller says it
+    assert said() == []
+    (tmp_path / "checkpoint-6" / "optimizer.pt").unlink()
+    assert auto_resume(tmp_path, fresh_start=True) is None
+    assert said() == [f"[hf_dist] none of the 2 checkpoint(s) in {tmp_path} can be proven complete and "
+                      "fresh_start=True: starting from scratch"]  # fmt: skip

@@ -9,7 +9,7 @@ from hf_dist.planning.features import installed_features
 from hf_dist.testing import tiny_llama_config
 
 trl = pytest.importorskip("trl", reason="the trl extra (hf_dist[trl]) is not installed in this environment")
-CFG = tiny_llama_config()
+CFG = tiny_llama_config(max_position_embeddings=2048)  # positions for SFTConfig's max_length=1024
 AC_FLAG = installed_features().activation_checkpointing_field
 
 
@@ -21,6 +21,9 @@ def test_sft_config_gets_the_plan_not_its_own_defaults(tmp_path):
     config = trl.SFTConfig(output_dir=str(tmp_path), **kw)
     assert not config.activation_checkpointing and not config.gradient_checkpointing and not config.bf16
     assert config.per_device_train_batch_size == kw["per_device_train_batch_size"] and config.max_length == 1024
+    # ... but not beyond the model's positions (the embedded model's 256)
+    with pytest.raises(ValueError, match=r"seq_len 1024 exceeds the model's max_position_embeddings=256"):
+        auto_args(tiny_llama_config(), strategy="ddp", gpus=2, config_class=trl.SFTConfig)
 
 
 def test_sft_config_fields_are_planned_or_refused():

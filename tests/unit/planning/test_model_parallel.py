@@ -16,10 +16,13 @@ from hf_dist.planning.memory import GIB, estimate_memory
 from hf_dist.planning.modelinfo import model_spec
 from hf_dist.planning.planner import PlanError, plan
 from hf_dist.planning.throughput import model_parallel_seconds, nvme_seconds
-from hf_dist.testing import llama3_config
+from hf_dist.testing import llama3_config, tiny_llama_config
 
 LLAMA_8B = llama3_config("Llama-3-8B")
 LLAMA_70B = llama3_config("Llama-3-70B")
+# the long-context shapes: Llama 3.1 scales RoPE to 131072 positions (Llama 3 has 8192, and longer is refused)
+LLAMA31_8B = llama3_config("Llama-3.1-8B")
+LLAMA31_70B = llama3_config("Llama-3.1-70B")
 ALL = LibraryFeatures()
 
 
@@ -115,7 +118,7 @@ def test_data_parallel_first():
 
 
 def test_long_context_splits_the_sequence():
-    p = plan(LLAMA_8B, gpus=8, gpu_memory_gib=80, seq_len=131072, global_batch_size=8, features=ALL)
+    p = plan(LLAMA31_8B, gpus=8, gpu_memory_gib=80, seq_len=131072, global_batch_size=8, features=ALL)
     assert p.cp_size * p.sp_size > 1 and p.memory.total <= p.usable_gib * GIB
     assert p.layout.seq_shards == p.cp_size * p.sp_size
     assert p.micro_batch_size * p.gradient_accumulation_steps * p.layout.dp_size == 8
@@ -127,11 +130,35 @@ def test_global_batch_smaller_than_the_gpus():
     assert p.layout.dp_size <= 16 and p.tp_size * p.cp_size * p.sp_size > 1
     assert p.micro_batch_size * p.gradient_accumulation_steps * p.layout.dp_size == 16
     assert p.tp_size <= 8  # inside a node
-    assert "splits the global batch" in p.explain()
+    assert "tp=8 because the global batch (16) is smaller than the 64 GPUs" in p.reason
+    assert "layouts) because the global batch (16) is smaller than the 64 GPUs" in p.explain()
+
+
+def test_a_global_batch_the_ranks_do_not_divide_is_refused_not_split():
+    """12 sequences on 8 GPUs: a data-parallel layout fits at 8 or 16, so splitting the model (cp=2 here before)
+    would be a choice the user never made; asked for (pinned sizes) or needed by memory, it stands and says why."""
+    tiny = tiny_llama_config()
+    with pytest.raises(ValueError) as refused:
+        plan(tiny, gpus=8, gpu_memory_gib=80, global_batch_size=12, features=ALL)
+    assert str(refused.value) == (
+        "global_batch_size 12 is not divisible by the 8 data-parallel ranks (12 = 1 x 8 + 4), and a data-parallel "
+        "layout fits without splitting the model; use global_batch_size 8 or 16 (a multiple of 8), or pin tp_size / "
+        "cp_size / sp_size to split the model instead"
+    )
+    with pytest.raises(ValueError, match=r"by micro_batch_size 4 x 8 data-parallel ranks = 32 \(12 = 0 x 32 \+ 12\).*"
+                       r"use global_batch_size 32 \(a multiple of 32\)"):  # fmt: skip
+        plan(tiny, gpus=8, gpu_memory_gib=80, global_batch_size=12, micro_batch_size=4, features=ALL)
+    pinned = plan(tiny, gpus=8, gpu_memory_gib=80, global_batch_size=12, tp_size=2, features=ALL)
+    assert (pinned.tp_size, pinned.layout.dp_size) == (2, 4) and "tp=2 as asked" in pinned.reason
+    # memory: 128k tokens fit no data-parallel layout even at 8 sequences, so the split stands, and says so
+    long = plan(LLAMA31_8B, gpus=8, gpu_memory_gib=80, seq_len=131072, global_batch_size=12, features=ALL)
+    assert long.cp_size * long.sp_size > 1 and long.layout.dp_size in (1, 2, 4)
+    assert "because no data-parallel layout fits without offload, even at global batch 8, and 12 is not divisible by 8" in (
+        long.reason)  # fmt: skip
 
 
 def test_cpu_ranks_never_get_context_parallelism():
-    p = plan(LLAMA_8B, hardware=detect_hardware(gpus=8, gpu_memory_gib=80), seq_len=131072, global_batch_size=8,
+    p = plan(LLAMA31_8B, hardware=detect_hardware(gpus=8, gpu_memory_gib=80), seq_len=131072, global_batch_size=8,
              features=ALL)  # fmt: skip
     assert p.cp_size > 1 or p.sp_size > 1
     cpu = detect_hardware(gpus=2)
@@ -143,7 +170,7 @@ def test_versions_without_a_dimension_are_never_proposed():
     old = LibraryFeatures(sequence_parallel=False, parallelism_config=False)
     # 128k tokens need the sequence split (the fp32 logits alone are 192 GiB): without it nothing fits, and says why
     with pytest.raises(PlanError, match="(?s)sp: needs accelerate >= 1.12 .*searched nothing"):
-        plan(LLAMA_8B, gpus=8, gpu_memory_gib=80, seq_len=131072, global_batch_size=8, features=old)
+        plan(LLAMA31_8B, gpus=8, gpu_memory_gib=80, seq_len=131072, global_batch_size=8, features=old)
     p = plan(LLAMA_70B, gpus=64, nodes=8, gpu_memory_gib=80, global_batch_size=64, features=old)
     assert (p.tp_size, p.cp_size, p.sp_size) == (1, 1, 1)
     with pytest.raises(ValueError, match="sp_size 2 cannot run here: needs accelerate >= 1.12"):
@@ -190,7 +217,7 @@ def test_long_context_on_one_node_offloads_with_sequence_parallelism():
     from hf_dist.configs.training_args import strategy_args
 
     kw = dict(gpus=8, gpu_memory_gib=80, host_memory_gib=4096, seq_len=65536, global_batch_size=8, features=ALL)
-    p = plan(LLAMA_70B, **kw)
+    p = plan(LLAMA31_70B, **kw)
     assert (p.strategy, p.sp_size > 1, p.offload != "none", p.offload_device) == ("zero3", True, True, "cpu")
     assert not [c for c in p.candidates if c.fits and c.offload == "none"]
     assert not [c for c in p.candidates if c.fits and c.model_parallel == 1]  # DP + offload alone does not fit

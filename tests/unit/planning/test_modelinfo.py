@@ -146,3 +146,22 @@ def test_an_unreachable_hub_fails_at_once(monkeypatch):
     with pytest.raises(ValueError, match=r"could not resolve model 'org/model'.*cannot be reached.*HF_HUB_OFFLINE=1"):
         model_spec("org/model")
     assert time.perf_counter() - start < 2
+
+
+def test_position_limit_is_max_position_embeddings_unless_rope_is_scaled():
+    from hf_dist.planning.modelinfo import check_seq_len, position_limit
+    from hf_dist.testing import llama3_config, public_config
+
+    assert position_limit(llama3_config("Llama-3-8B")) == 8192
+    assert position_limit(TINY["gpt2"]) == 64  # GPT-2's n_positions
+    assert position_limit(llama3_config("Llama-3.1-8B")) is None  # llama3 RoPE scaling: the scaling decides
+    assert position_limit(public_config("deepseek-v2-lite")) is None  # yarn, in the older rope_scaling form
+    assert position_limit(model_spec(7_000_000)) is None  # a bare count knows no positions
+    check_seq_len(8192, llama3_config("Llama-3-8B"))
+    check_seq_len(1_000_000, llama3_config("Llama-3.1-8B"))
+    with pytest.raises(ValueError) as refused:
+        check_seq_len(100000, llama3_config("Llama-3-8B"), name="--seq-len")
+    assert str(refused.value) == (
+        "--seq-len 100000 exceeds the model's max_position_embeddings=8192 (its config scales no RoPE); "
+        "use --seq-len <= 8192, or a model (or rope_scaling) with longer context"
+    )

@@ -229,3 +229,35 @@ def test_sync_each_batch_is_not_chosen_when_no_sync_fits_as_fast():
     once = plan(tiny_llama_config(), gpus=8, gpu_memory_gib=80, global_batch_size=8, strategy="fsdp_full_shard")
     assert once.gradient_accumulation_steps == 1 and not any(c.sync_each_batch for c in once.candidates)
     assert "sync" not in once.explain().splitlines()[6]  # no sync column without a sync candidate
+
+
+def test_seq_len_beyond_the_positions_is_refused_before_anything_is_planned(monkeypatch):
+    import hf_dist
+    from hf_dist.planning import search
+
+    def searched(*args, **kwargs):
+        raise AssertionError("the search ran")
+
+    monkeypatch.setattr(search.Search, "run", searched)
+    short = tiny_llama_config(max_position_embeddings=128)
+    message = r"^seq_len 4096 exceeds the model's max_position_embeddings=128 .*use seq_len <= 128"
+    with pytest.raises(ValueError, match=message):
+        plan(short, gpus=2, gpu_memory_gib=80, seq_len=4096)
+    with pytest.raises(ValueError, match=message):
+        hf_dist.auto_args(short, gpus=2, seq_len=4096)
+    with pytest.raises(ValueError, match="seq_len 100000 exceeds the model's max_position_embeddings=8192"):
+        plan(LLAMA_8B, gpus=8, gpu_memory_gib=80, seq_len=100000)
+    monkeypatch.undo()
+    assert plan(llama3_config("Llama-3.1-8B"), gpus=8, gpu_memory_gib=80, seq_len=16384).seq_len == 16384
+
+
+def test_auto_args_refuses_a_global_batch_the_ranks_do_not_divide_instead_of_planning_tp():
+    """Issue 39: 7 sequences on 2 CPU ranks planned tp=2 for a 0.1M-parameter model (then accelerate refused its
+    ParallelismConfig on every rank); one sequence on 2 GPUs still shares it (the batch is smaller than the GPUs)."""
+    import hf_dist
+
+    with pytest.raises(ValueError, match=r"^global_batch_size 7 is not divisible by the 2 data-parallel ranks "
+                       r"\(7 = 3 x 2 \+ 1\).*use global_batch_size 6 or 8 \(a multiple of 2\)"):  # fmt: skip
+        hf_dist.auto_args(tiny_llama_config(), global_batch_size=7, gpus=2)
+    one = plan(tiny_llama_config(), gpus=2, gpu_memory_gib=80, global_batch_size=1)
+    assert one.tp_size == 2 and "tp=2 because the global batch (1) is smaller than the 2 GPUs" in one.reason
