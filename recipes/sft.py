@@ -115,8 +115,7 @@ def main(argv: list[str] | None = None, *, method: str = "full") -> dict:
         quantization = ru.bnb_config(quant_args) if method == "qlora" else None
         model = ru.build_model(model_args, config, seed=args.seed, quantization_config=quantization, **load)
     ru.print_plan(config, method=method, seq_len=seq_len, args=args, strategy=model_args.strategy,
-                  trust_remote_code=model_args.trust_remote_code, peft_config=peft_config,
-                  notes=data.lines)  # fmt: skip
+                  trust_remote_code=model_args.trust_remote_code, peft_config=peft_config, data=data)  # fmt: skip
     before = ru.baseline_accuracy(model, tokenizer, data.task, mode="chat", args=args)
     if method != "full":
         model = ru.apply_lora(model, lora_args, quantized=method == "qlora")

@@ -152,6 +152,7 @@ def fill(lengths: Sequence[int], seq_len: int, micro_batch: int) -> dict[str, fl
                  for i in range(0, len(lengths), micro_batch))  # fmt: skip
     rows = len(best_fit_decreasing(lengths, seq_len))
     return {
+        "sequences": len(lengths),
         "real_tokens": real,
         "padded_fill": real / padded if padded else 0.0,
         "packed_fill": real / (rows * seq_len) if rows else 0.0,

@@ -36,6 +36,8 @@ class ChatData(NamedTuple):
     eval: Any
     task: Any
     lines: list[str]
+    packed: bool = False
+    fill: float | None = None  # real / computed tokens of the training rows as batched (packed or padded)
 
 
 def chat_datasets(
@@ -63,12 +65,14 @@ def chat_datasets(
         return truncate(ds, seq_len)
 
     (train, cut), (eval_, _) = encode_all(train), encode_all(eval_)
-    lines = [cut.line()] if cut.cut or cut.dropped else []
+    lines, measured = [cut.line()] if cut.cut or cut.dropped else [], None
     if batch is not None:
-        lines.append(batch.fill_line([len(ids) for ids in train["input_ids"]], seq_len, packed=packing))
+        f = fill([len(ids) for ids in train["input_ids"]], seq_len, batch.micro_batch)
+        lines.append(batch.fill_line(f, seq_len, packed=packing))
+        measured = f["packed_fill" if packing else "padded_fill"]
     if packing:
         train, eval_ = pack(train, seq_len), pack(eval_, seq_len)
-    return ChatData(train, eval_, task, lines)
+    return ChatData(train, eval_, task, lines, packing, measured)
 
 
 @dataclass(frozen=True)
@@ -82,13 +86,13 @@ class BatchShape:
     def steps(self, rows: int) -> int:
         return -(-rows // (self.micro_batch * self.accumulation * self.data_parallel))
 
-    def fill_line(self, lengths: list[int], seq_len: int, *, packed: bool) -> str:
-        """Real / computed tokens and steps per epoch, padded per micro-batch and packed: one line."""
-        f = fill(lengths, seq_len, self.micro_batch)
-        padded_rows = len(lengths)
-        packed_rows = f["packed_batches"] * self.micro_batch  # an upper bound of the rows: whole micro-batches
+    def fill_line(self, f: dict[str, Any], seq_len: int, *, packed: bool) -> str:
+        """:func:`hf_dist.data.fill`'s real / computed tokens and steps per epoch, padded per micro-batch and packed,
+        in one line."""
+        padded_rows = f["padded_batches"] * self.micro_batch  # whole micro-batches (the last may be short)
+        packed_rows = f["packed_batches"] * self.micro_batch
         return (
-            f"[hf_dist] data: {len(lengths):,} conversations, {f['real_tokens']:,} tokens; padded per micro-batch "
+            f"[hf_dist] data: {f['sequences']:,} conversations, {f['real_tokens']:,} tokens; padded per micro-batch "
             f"of {self.micro_batch}: {f['padded_fill']:.0%} real, {self.steps(padded_rows):,} steps/epoch; packed "
             f"into {seq_len:,}-token rows: {f['packed_fill']:.0%} real, {self.steps(packed_rows):,} steps/epoch "
             f"(training {'packed' if packed else 'padded: --packing false'})"

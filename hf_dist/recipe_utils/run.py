@@ -193,12 +193,13 @@ def _live_sizes(trainer: Any) -> dict[str, int]:
 
 
 def print_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy: str | None = None,
-               trust_remote_code: bool = False, peft_config: Any = None, notes: list[str] = ()) -> None:  # fmt: skip
-    """Print :func:`describe_plan` on the main process, then ``notes`` (the data's truncation and fill lines)."""
+               trust_remote_code: bool = False, peft_config: Any = None, data: Any = None) -> None:  # fmt: skip
+    """Print :func:`describe_plan` on the main process, then the lines of ``data``
+    (:class:`~hf_dist.recipe_utils.data.ChatData`: truncation and fill)."""
     if args.process_index == 0:
         text = describe_plan(config, method=method, seq_len=seq_len, args=args, strategy=strategy,
-                             trust_remote_code=trust_remote_code, peft_config=peft_config)  # fmt: skip
-        print("\n".join([text, *notes]), flush=True)
+                             trust_remote_code=trust_remote_code, peft_config=peft_config, data=data)  # fmt: skip
+        print("\n".join([text, *(data.lines if data is not None else ())]), flush=True)
 
 
 def batch_shape(args: Any) -> BatchShape:
@@ -218,11 +219,12 @@ def check_packing(attn_implementation: str | None, args: Any) -> None:
 
 
 def describe_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy: str | None = None,
-                  trust_remote_code: bool = False, peft_config: Any = None) -> str:  # fmt: skip
+                  trust_remote_code: bool = False, peft_config: Any = None, data: Any = None) -> str:  # fmt: skip
     """The planner's explanation for this model/method on the detected hardware, plus the batch math (over the
     data-parallel ranks: the ranks of one tensor / context / sequence parallel group share each sequence).
     ``trust_remote_code``: the planner may import the config's ``auto_map`` code (``--trust_remote_code``);
-    ``peft_config``: the LoRA the recipe applies."""
+    ``peft_config``: the LoRA the recipe applies; ``data`` (:class:`~hf_dist.recipe_utils.data.ChatData`): packed
+    rows are said as such, and the plan's tokens/s is also given as real tokens at the data's fill."""
     world = args.world_size
     asked = parallel_sizes(getattr(args, "parallelism_config", None), deepspeed_config(args))
     sizes = {f"{n}_size": size for n, size in asked.items()}
@@ -232,21 +234,27 @@ def describe_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy
     lines = [
         f"[hf_dist] {method} training, {world} process(es) on {args.device.type}{shared}: micro batch "
         f"{args.per_device_train_batch_size} x grad accum {args.gradient_accumulation_steps} x data parallel {dp} "
-        f"= global batch {batch} sequences of <= {seq_len} tokens"
-    ]
+        + (f"= global batch {batch} packed rows of {seq_len} token slots" if getattr(data, "packed", False)
+           else f"= global batch {batch} sequences of <= {seq_len} tokens")
+    ]  # fmt: skip
     from hf_dist.checkpoint.lifecycle.resume_checks import strategy_of_args
     from hf_dist.planning.planner import plan
 
     strategy = strategy or strategy_of_args(args)  # what these arguments run (the user's own config may choose it)
     pinned = sizes if shared else {}
     try:
-        explained = plan(
+        chosen = plan(
             config, gpus=world, method=method, seq_len=seq_len, global_batch_size=batch, strategy=strategy,
             trust_remote_code=trust_remote_code, peft_config=peft_config if method != "full" else None, **pinned,
-        ).explain()  # fmt: skip
+        )  # fmt: skip
         # model / hardware / chosen / why (and the LoRA); `hf-dist plan` prints the full per-strategy table
-        head = explained.splitlines()
+        head = chosen.explain().splitlines()
         lines += ["[hf_dist] plan: " + line for line in head[:4] + [h for h in head[4:5] if h.startswith("lora:")]]
+        if getattr(data, "fill", None) and chosen.tokens_per_s:
+            lines.append(
+                f"[hf_dist] plan: ~{chosen.tokens_per_s * data.fill:,.0f} real tokens/s estimated at the data's "
+                f"{data.fill:.0%} fill ({'packed' if data.packed else 'padded'})"
+            )
     except ValueError as exc:  # PlanError: e.g. no strategy fits the detected hardware
         lines.append(f"[hf_dist] planner: {exc}")
     return "\n".join(lines)
