@@ -61,6 +61,32 @@ def test_kill_mid_step_twice_resumes_and_matches_uninterrupted(tmp_path, baselin
     assert_same_weights(out, baseline)
 
 
+def trained_conversations(out: Path) -> dict[tuple[int, int], list[int]]:
+    """(step, rank) -> the conversation ids that step trained on, as the last attempt that ran it logged them."""
+    steps: dict[tuple[int, int], list[int]] = {}
+    for rank in (0, 1):
+        for line in (out / f"conversations-rank{rank}.jsonl").read_text().splitlines():
+            entry = json.loads(line)
+            steps[entry["step"], rank] = entry["ids"]  # a later attempt's step replaces the killed one's
+    return steps
+
+
+def test_packed_run_killed_mid_epoch_resumes_at_the_next_packed_row(tmp_path):
+    """Packing is deterministic given the data and the seed: killed at step 3 and restarted from checkpoint-2, the
+    run trains steps 3-8 on exactly the conversations the uninterrupted run trained on, none twice, none skipped."""
+    base, out = tmp_path / "base", tmp_path / "run"
+    run(base, "--packed")
+    attempts = run(out, "--packed", "--kill", "3:1", restarts=True)
+    assert [a["resume"] for a in attempts] == [None, str(out / "checkpoint-2")]
+    want, got = trained_conversations(base), trained_conversations(out)
+    assert sorted(want) == [(step, rank) for step in range(1, 9) for rank in (0, 1)]
+    assert got == want
+    trained = [i for ids in want.values() for i in ids]
+    assert len(trained) == len(set(trained)) > 8 * 2 * 2  # one epoch: no conversation twice, several per row
+    resumed = [json.loads(line) for line in (out / "conversations-rank0.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in resumed if e["attempt"] == 1][0] == 3  # the next packed row after checkpoint-2
+
+
 def test_kill_during_save_ignores_partial_checkpoint(tmp_path, baseline):
     out = tmp_path / "run"
     attempts = run(out, "--kill-during-save", "4:1", restarts=True)

@@ -6,6 +6,7 @@
 ``--kill STEP:RANK`` SIGKILLs RANK at the end of optimizer step STEP, once per job (a marker file
 in the output folder remembers it across restarts); ``--kill-during-save STEP:RANK`` does it in
 the middle of checkpoint-STEP's save, after the model and optimizer files, before the RNG state.
+``--packed`` trains on packed conversations and logs the conversation ids each step of each rank trained on.
 ``--hang STEP:RANK`` blocks RANK at STEP's start in the first attempt; ``--slow-save STEP:RANK:SECONDS`` and
 ``--slow-first-step SECONDS`` make a save and the first step after a resume slow, for the hang watchdog's phases.
 Every attempt resumes with ``hf_dist.auto_resume`` and appends what it saw to ``attempts.jsonl``.
@@ -113,6 +114,43 @@ def slow_background_writes(seconds: float) -> None:
     BackgroundWriter._submit = slow_submit
 
 
+def packed_conversations() -> tuple[object, dict[tuple[int, ...], int]]:
+    """100 random 'conversations' of 3-12 tokens packed into 16-token rows (hf_dist.data.pack): 8 steps of 2 ranks x 2
+    rows take 32 of its 47 rows, all inside one epoch. Also the conversation id of each token tuple."""
+    import random
+
+    from datasets import Dataset
+
+    from hf_dist.data import pack
+
+    rng = random.Random(0)
+    sequences = [[rng.randrange(256) for _ in range(rng.randint(3, 12))] for _ in range(100)]
+    ids = {tuple(seq): i for i, seq in enumerate(sequences)}
+    assert len(ids) == len(sequences)
+    return pack(Dataset.from_list([{"input_ids": s, "labels": s} for s in sequences]), 16), ids
+
+
+class ConversationLog(TrainerCallback):
+    """Writes the conversation ids each optimizer step of this rank trained on (read from its packed rows) to
+    ``conversations-rank<R>.jsonl``, with the attempt: what a resume must continue without repeating or skipping."""
+
+    def __init__(self, out: Path, model, ids: dict[tuple[int, ...], int]) -> None:
+        self.path, self.ids, self.seen = out / f"conversations-rank{RANK}.jsonl", ids, []
+        model.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs):
+        if module.training:
+            for row, pos in zip(kwargs["input_ids"].tolist(), kwargs["position_ids"].tolist(), strict=True):
+                starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
+                pieces = (tuple(row[a:b]) for a, b in zip(starts, starts[1:], strict=False))
+                self.seen += [self.ids[p] for p in pieces if p in self.ids]  # the padded tail is no conversation
+
+    def on_step_end(self, args, state, control, **kwargs):
+        with open(self.path, "a") as log:
+            log.write(json.dumps({"attempt": ATTEMPT, "step": state.global_step, "ids": self.seen}) + "\n")
+        self.seen = []
+
+
 def main(argv: list[str] | None = None) -> None:
     """One Trainer run; the process group stays up (scripts/runs.py runs several in one launch)."""
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where a hung rank is
@@ -139,6 +177,9 @@ def main(argv: list[str] | None = None) -> None:
         "--watchdog",
         type=parse_allowances,
         help="FACTOR,MIN_LIMIT_S,FIRST_LIMIT_S: HangWatchdogCallback's allowances instead of the defaults",
+    )
+    parser.add_argument(
+        "--packed", action="store_true", help="train on packed conversations; log which ones each step trained on"
     )
     strategy = parser.add_mutually_exclusive_group()
     strategy.add_argument(
@@ -186,7 +227,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     KillDuringSaveTrainer.kill_during_save = opts.kill_during_save
     KillDuringSaveTrainer.slow_save = opts.slow_save
-    trainer = KillDuringSaveTrainer(model=model, args=args, train_dataset=TokenDataset())
+    dataset, collator = TokenDataset(), None
+    if opts.packed:
+        from hf_dist.data import PackedCollator
+
+        dataset, conversation_ids = packed_conversations()
+        collator = PackedCollator(16)
+    trainer = KillDuringSaveTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator)
     extra = [ExportCallback(on_save=True)] if opts.export else []
     extra += [ProfilerCallback(start_step=1, num_steps=2, ranks=(0, 1))] if opts.profile else []
     callbacks = default(async_save=opts.async_save) + extra
@@ -196,6 +243,8 @@ def main(argv: list[str] | None = None) -> None:
         callbacks = [c for c in callbacks if not isinstance(c, HangWatchdogCallback)]
         callbacks.append(HangWatchdogCallback(**opts.watchdog, gather_s=5))
     attach(trainer, callbacks)
+    if opts.packed:
+        trainer.add_callback(ConversationLog(out, model, conversation_ids))
     trainer.add_callback(KillAtStep(out, opts.kill))
     if opts.straggler is not None:
         trainer.add_callback(SleepAtStepBegin(opts.straggler, 2.0))
