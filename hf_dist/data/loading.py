@@ -55,7 +55,14 @@ def matching_columns(column_names: list[str], kind: str) -> tuple[str, ...]:
         if all(c in column_names for c in columns):
             return columns
     wanted = " or ".join(repr(list(cols)) for cols in EXPECTED_COLUMNS[kind])
-    raise ValueError(f"dataset has columns {sorted(column_names)}; this recipe expects {wanted}")
+    tokenized = ""
+    if "input_ids" in column_names:  # pre-tokenized (or packed) rows: the recipe tokenizes and packs text itself
+        state = "packed" if "position_ids" in column_names else "tokenized"
+        tokenized = (
+            f" (this one is already {state}: the recipe renders, tokenizes and packs the text itself; for rows you "
+            "tokenized, use hf_dist.data.pack and PackedCollator in your own script, docs/recipes.md)"
+        )
+    raise ValueError(f"dataset has columns {sorted(column_names)}; this recipe expects {wanted}{tokenized}")
 
 
 def to_messages(example: dict[str, Any], columns: tuple[str, ...]) -> list[dict[str, str]]:

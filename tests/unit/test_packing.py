@@ -302,3 +302,46 @@ def test_throughput_counts_real_tokens_and_the_slots_computed():
     }
     real, slots, _ = _count_tokens((), padded)
     assert (int(real), slots) == (11, 16)
+
+
+# ---------------------------------------------------------------- the recipes' refusals
+
+
+def _recipe_args(cp: int = 1, sp: int = 1, packing=None):
+    from types import SimpleNamespace
+
+    from accelerate import ParallelismConfig
+
+    from hf_dist.recipe_utils.args import DataArguments
+
+    parallelism = ParallelismConfig(cp_size=cp) if cp > 1 else None
+    args = SimpleNamespace(parallelism_config=parallelism, deepspeed=None, process_index=0)
+    return DataArguments(dataset="chat.jsonl", packing=packing), args
+
+
+def test_the_recipe_packs_by_default_and_says_why_not_under_context_parallelism(capsys):
+    from hf_dist.recipe_utils import use_packing
+
+    data_args, args = _recipe_args()
+    assert use_packing(data_args, args, attn_implementation=None, embedded=False)
+    assert not use_packing(data_args, args, attn_implementation=None, embedded=True)  # uniform short examples
+    data_args, args = _recipe_args(cp=2)
+    assert not use_packing(data_args, args, attn_implementation=None, embedded=False)
+    assert capsys.readouterr().out.startswith("[hf_dist] packing off: packing under context parallelism (cp_size=2)")
+    data_args, args = _recipe_args(cp=2, packing=True)
+    with pytest.raises(ValueError, match=r"context parallelism \(cp_size=2\) would let conversations attend"):
+        use_packing(data_args, args, attn_implementation=None, embedded=False)
+    data_args, args = _recipe_args(packing=True)
+    with pytest.raises(ValueError, match=r"attention 'paged\|eager' cannot keep packed conversations apart"):
+        use_packing(data_args, args, attn_implementation="paged|eager", embedded=False)
+
+
+@pytest.mark.parametrize("columns", [["input_ids", "labels"], ["input_ids", "labels", "position_ids"]])
+def test_the_chat_recipe_refuses_tokenized_or_packed_rows_saying_what_it_expects(columns):
+    from hf_dist.data import matching_columns
+
+    state = "packed" if "position_ids" in columns else "tokenized"
+    with pytest.raises(
+        ValueError, match=rf"expects \['messages'\].*already {state}: the recipe renders, tokenizes and"
+    ):
+        matching_columns(columns, "chat")
