@@ -10,6 +10,7 @@ from typing import Any
 from hf_dist.checkpoint.formats.layout import CheckpointLayout
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
 from hf_dist.checkpoint.safety.loading import CorruptCheckpointError, safe_load
+from hf_dist.checkpoint.safety.paths import ConfinedFolder
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -44,7 +45,8 @@ class HFReader(Reader):
         given = info.files[0]
         if given.name.endswith(".index.json"):
             weight_map = json.loads(given.read_text())["weight_map"]
-            files = sorted({self.folder / f for f in weight_map.values()})
+            folder = ConfinedFolder(self.folder)
+            files = sorted({folder.path(f, named_in=given) for f in weight_map.values()})
             missing = [str(f) for f in files if not f.is_file()]
             if missing:
                 raise FileNotFoundError(f"{given} lists shard files that are missing: {missing}")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.checkpoint.safety.errors import CorruptCheckpointError, OpaqueObject, UnsafePickleError
-from hf_dist.checkpoint.safety.paths import confined
+from hf_dist.checkpoint.safety.paths import ConfinedFolder, confined
 
 DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 DCP_NAMES = {
@@ -100,10 +100,11 @@ def metadata_from_file(path: Path, *, trust_pickles: bool = False, stand_ins: bo
 def check_storage_confined(metadata: Any, folder: Path) -> None:
     """Refuse metadata whose storage entries name a file outside ``folder`` (``../x.distcp``, an absolute path, a
     link leading out): DCP opens ``folder / relative_path`` as written."""
+    data_files = ConfinedFolder(folder)
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         relative = getattr(info, "relative_path", None)
         if relative is not None:
-            confined(folder / str(relative), folder)
+            data_files.path(str(relative), named_in=folder / ".metadata")
 
 
 def byte_payloads(folder: Path) -> list[tuple[str, Path, int, int]]:
@@ -116,7 +117,8 @@ def byte_payloads(folder: Path) -> list[tuple[str, Path, int, int]]:
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
         plain = not getattr(info, "transform_descriptors", None)
         if type(kinds.get(index.fqn)).__name__ == "BytesStorageMetadataStub" and plain:  # named by _stand_in
-            payloads.append((index.fqn, Path(folder) / info.relative_path, info.offset, info.length))
+            path = ConfinedFolder(Path(folder)).path(str(info.relative_path), named_in=Path(folder) / ".metadata")
+            payloads.append((index.fqn, path, info.offset, info.length))
     return payloads
 
 

@@ -1,0 +1,105 @@
+"""Every name read from a file stays inside its folder (issue 38): an HF index's ``weight_map``, a manifest's entries,
+DCP storage entries, ``latest``, a ``ds_id`` all become paths only through ``ConfinedFolder.path``.
+
+The attacker hands over an HF folder whose index names another model on the disk (``../other/...``, an absolute
+path, a link leading out); ``convert`` must not copy that model into its output and ``verify`` must not read it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
+from hf_dist.checkpoint.safety.paths import ConfinedFolder, PathEscapeError
+from hf_dist.cli.main import main
+from tests.unit.checkpoint.fakes import seal
+
+WEIGHTS = {"safetensors": "model.safetensors", "bin": "pytorch_model.bin"}
+
+
+def _save(state: dict, path: Path) -> None:
+    if path.suffix == ".safetensors":
+        save_file({k: v.contiguous() for k, v in state.items()}, path, metadata={"format": "pt"})
+    else:
+        torch.save(state, path)
+
+
+def _indexed_folder(tmp_path: Path, tiny_state, kind: str, attack: str) -> tuple[Path, Path, str]:
+    """An HF folder whose index names the other model's shard by ``attack``; returns (folder, its index, the name)."""
+    config, state = tiny_state
+    other = tmp_path / "other"  # someone else's model on the same disk
+    other.mkdir()
+    _save(state, other / WEIGHTS[kind])
+    folder = tmp_path / "handed"
+    folder.mkdir()
+    config.save_pretrained(folder)
+    if attack == "..":
+        name = f"../other/{WEIGHTS[kind]}"
+    elif attack == "absolute":
+        name = str(other / WEIGHTS[kind])
+    else:  # a shard inside that is a link to the other model
+        name = f"shard-00001.{kind}"
+        (folder / name).symlink_to(other / WEIGHTS[kind])
+    index = folder / f"{WEIGHTS[kind]}.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": dict.fromkeys(state, name)}))
+    return folder, index, name
+
+
+@pytest.mark.parametrize("attack", ["..", "absolute", "link"])
+@pytest.mark.parametrize("kind", sorted(WEIGHTS))
+def test_an_index_naming_a_file_outside_is_refused_by_convert_and_verify(kind, attack, tmp_path, tiny_state, capsys):
+    folder, index, name = _indexed_folder(tmp_path, tiny_state, kind, attack)
+    for argv in (
+        ["convert", str(folder), str(tmp_path / "out"), "--no-progress"],
+        ["verify", str(folder), str(folder)],
+    ):
+        assert main(argv) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "refusing to read" in err
+        assert (str(tmp_path / "other") in err) if attack == "link" else (str(index) in err and repr(name) in err)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "name", ["../x.safetensors", "a/../../x.safetensors", "/etc/passwd", "..", "", 3, None, ["a"], "a\\..\\x"]
+)
+def test_confined_folder_refuses_names_that_leave_it(name, tmp_path):
+    with pytest.raises(PathEscapeError, match=rf"refusing to read .*: {tmp_path / 'index.json'} names"):
+        ConfinedFolder(tmp_path).path(name, named_in=tmp_path / "index.json")
+
+
+def test_confined_folder_follows_links_only_inside(tmp_path):
+    (tmp_path / "root" / "sub").mkdir(parents=True)
+    (tmp_path / "root" / "sub" / "real.bin").write_bytes(b"x")
+    (tmp_path / "secret").write_bytes(b"y")
+    root = ConfinedFolder(tmp_path / "root")
+    (tmp_path / "root" / "inside.bin").symlink_to(tmp_path / "root" / "sub" / "real.bin")
+    (tmp_path / "root" / "out.bin").symlink_to(tmp_path / "secret")
+    (tmp_path / "root" / "dir").symlink_to(tmp_path, target_is_directory=True)
+    assert root.path("sub/real.bin") == tmp_path / "root" / "sub" / "real.bin"
+    assert root.path("inside.bin").read_bytes() == b"x"
+    for name in ("out.bin", "dir/secret"):
+        with pytest.raises(PathEscapeError, match=rf"{tmp_path / 'root' / name} .*resolves to {tmp_path / 'secret'}"):
+            root.path(name, named_in="m.json")
+    with pytest.raises(AttributeError):
+        root.root = tmp_path  # immutable: a folder object is never re-rooted
+
+
+def test_a_manifest_listing_a_link_that_leads_out_is_refused_before_hashing(tmp_path):
+    """A manifest that matches, as an attacker would write it, listing a link to a file outside: refused, naming the
+    link and its target (a ``..`` entry is already a malformed manifest, skipped with its reason)."""
+    ckpt = tmp_path / "run" / "checkpoint-3"
+    ckpt.mkdir(parents=True)
+    (ckpt / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "secret").write_bytes(b"y" * 7)
+    (ckpt / "extra.bin").symlink_to(tmp_path / "secret")
+    seal(ckpt, step=3)
+    with pytest.raises(
+        PathEscapeError, match=rf"refusing to read {ckpt / 'extra.bin'} .*resolves to {tmp_path}/secret"
+    ):
+        auto_resume(ckpt.parent)
