@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -134,31 +135,52 @@ def read_json(path: Path) -> dict:
 
 
 def load_config_dict(config_dir: Path) -> dict:
-    return read_json(config_dir / "config.json")
+    """``config_dir/config.json`` (a link only when its target is inside ``config_dir``)."""
+    return read_json(ConfinedFolder(Path(config_dir)).path("config.json"))
 
 
-def copy_side_files(out_dir: Path, config_dir: Path | None, tokenizer_dir: Path | None, dtype: Any) -> list[str]:
-    """config.json (dtype updated), generation config and tokenizer files; returns the names copied."""
-    copied = []
-    if config_dir is not None:
-        config = load_config_dict(config_dir)
-        config["dtype"] = str(dtype).replace("torch.", "")
+@dataclass(frozen=True)
+class SideFile:
+    """A non-weight file the output carries: its name there, and the file inside its folder it is copied from."""
+
+    name: str
+    source: Path
+
+
+def side_file(folder: Path, name: str) -> SideFile | None:
+    """``folder/name`` when it is there; a link is followed only to a target inside ``folder`` (else
+    :class:`~hf_dist.checkpoint.safety.paths.PathEscapeError` naming the link and its target); JSON is checked."""
+    entry = Path(folder) / name
+    if not (entry.is_symlink() or entry.is_file()):
+        return None
+    source = ConfinedFolder(Path(folder)).path(name)
+    if not source.is_file():
+        return None
+    if name.endswith(".json"):
+        read_json(source)  # an empty/broken file would break from_pretrained on the output
+    return SideFile(name, source)
+
+
+def side_files(config_dir: Path | None, tokenizer_dir: Path | None) -> list[SideFile]:
+    """The generation config (from ``config_dir``) and tokenizer files (from ``tokenizer_dir``) an output carries,
+    each checked before anything is written."""
+    found = [side_file(config_dir, name) for name in MODEL_FILES] if config_dir is not None else []
+    found += [side_file(tokenizer_dir, name) for name in TOKENIZER_FILES] if tokenizer_dir is not None else []
+    return [f for f in found if f is not None]
+
+
+def write_side_files(out_dir: Path, files: list[SideFile], config: dict | None, dtype: Any) -> list[str]:
+    """config.json (``config`` with its dtype updated, when given) and ``files``; returns the names written."""
+    written = []
+    if config is not None:
+        config = {**config, "dtype": str(dtype).replace("torch.", "")}
         config.pop("torch_dtype", None)
         (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        copied.append("config.json")
-        for name in MODEL_FILES:
-            if (config_dir / name).is_file():
-                read_json(config_dir / name)  # an empty/broken file would break from_pretrained on the output
-                shutil.copy2(config_dir / name, out_dir / name)
-                copied.append(name)
-    for name in TOKENIZER_FILES:
-        source = tokenizer_dir / name if tokenizer_dir is not None else None
-        if source is not None and source.is_file():
-            if name.endswith(".json"):
-                read_json(source)
-            shutil.copy2(source, out_dir / name)
-            copied.append(name)
-    return copied
+        written.append("config.json")
+    for file in files:
+        shutil.copy2(file.source, out_dir / file.name)
+        written.append(file.name)
+    return written
 
 
 def config_dir(model_config: str | Path) -> Path:

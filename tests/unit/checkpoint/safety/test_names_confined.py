@@ -103,3 +103,66 @@ def test_a_manifest_listing_a_link_that_leads_out_is_refused_before_hashing(tmp_
         PathEscapeError, match=rf"refusing to read {ckpt / 'extra.bin'} .*resolves to {tmp_path}/secret"
     ):
         auto_resume(ckpt.parent)
+
+
+OWN = "a name of hf_dist's own (a constant or pattern of formats/layout.py)"
+TAG = "a DeepSpeed tag: listed from the folder or checked by checked_tag (ConfinedFolder)"
+LISTED = "a name listed from the folder, or one hf_dist writes into its output"
+MATH = "arithmetic, not a path"
+# Every ``a / b`` (b not a literal or an UPPERCASE constant) and os.path.join in hf_dist/checkpoint, reviewed: a new
+# one fails this test until it is listed here with why its name is not read from a file (or it uses ConfinedFolder).
+REVIEWED_JOINS = {
+    ("formats/deepspeed.py", "math.prod(shape) / world_size"): MATH,
+    ("formats/deepspeed.py", "math.prod(shape) / self.world_size"): MATH,
+    ("formats/hf.py", "Path(folder) / name"): "side_file: a constant name, then confined by ConfinedFolder",
+    ("formats/hf.py", "out_dir / file.name"): LISTED,
+    ("formats/layout.py", "tag_dir / f'mp_rank_{mp_rank:02d}_model_states.pt'"): OWN,
+    ("formats/layout.py", "path / _choose_tag(path, tag, tag_dirs)"): TAG,
+    ("formats/layout.py", "path / name"): OWN,
+    ("formats/layout.py", "root / tag"): TAG,
+    ("formats/layout.py", "root / name"): OWN,
+    ("formats/layout.py", "path / nested[-1]"): LISTED,
+    ("lifecycle/manifest.py", "folder / rel"): "entries(): names listed from the folder by checkpoint_files",
+    ("lifecycle/proof.py", "folder / tag"): TAG,
+    ("lifecycle/proof.py", "folder / name"): OWN,
+    ("lifecycle/reshard.py", "layout.root / f'{layout.tag}{UNIVERSAL_SUFFIX}'"): TAG,
+    ("lifecycle/reshard.py", "layout.root / layout.universal_tag"): TAG,
+    ("lifecycle/sharded_state.py", "Path(checkpoint_dir) / name"): OWN,
+    ("safety/output_paths.py", "count / scale"): MATH,
+    ("safety/output_paths.py", "raw.parent / (raw.name + '-hf')"): "the user's own argument",
+    ("safety/output_paths.py", "src.parent / (src.name + '-hf')"): "the user's own argument",
+    ("safety/paths.py", "Path(self.root) / name"): "ConfinedFolder.path itself",
+    ("safety/paths.py", "self.root / name"): "ConfinedFolder.path's message",
+    ("safety/paths.py", "Path(folder) / name"): "check_tree_confined: listed by os.walk",
+    ("safety/paths.py", "Path(root) / source"): "checked_tag: the name of the latest file (a constant)",
+    ("transform.py", "alpha / math.sqrt(r)"): MATH,
+    ("transform.py", "alpha / r"): MATH,
+    ("write/dcp.py", "tmp / files[-1]"): LISTED,
+    ("write/hf_folder.py", "out_dir / filename"): LISTED,
+    ("write/hf_folder.py", "out_dir / f'{weights_name}.index.json'"): LISTED,
+}
+
+
+def _joins(root: Path) -> set[tuple[str, str]]:
+    import ast
+
+    found = set()
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            right = node.right if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) else None
+            literal = isinstance(right, ast.Constant) or (isinstance(right, ast.Name) and right.id.isupper())
+            literal = literal or (isinstance(right, ast.JoinedStr) and all(isinstance(v, ast.Constant)
+                                                                         for v in right.values))  # fmt: skip
+            joined = isinstance(node, ast.Call) and ast.unparse(node.func) == "os.path.join"
+            if (right is not None and not literal) or joined:
+                found.add((path.relative_to(root).as_posix(), ast.unparse(node)))
+    return found
+
+
+def test_every_join_in_the_checkpoint_package_is_reviewed():
+    """A name read from a file reaches a path only through ConfinedFolder: any other join is listed above, with why
+    its name is not read from a file. A new join fails here until it is reviewed."""
+    root = Path(__file__).resolve().parents[4] / "hf_dist" / "checkpoint"
+    found = _joins(root)
+    assert found - set(REVIEWED_JOINS) == set(), "unreviewed joins: use ConfinedFolder, or review and list them"
+    assert set(REVIEWED_JOINS) - found == set(), "reviewed joins no longer in the code: drop them from the list"
