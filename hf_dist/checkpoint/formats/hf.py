@@ -45,7 +45,7 @@ class HFReader(Reader):
     def _weight_files(self, info: CheckpointLayout) -> list[Path]:
         given = info.files[0]
         if given.name.endswith(".index.json"):
-            weight_map = json.loads(given.read_text())["weight_map"]
+            weight_map = read_weight_map(given)
             folder = ConfinedFolder(self.folder)
             files = sorted({folder.path(f, named_in=given) for f in weight_map.values()})
             missing = [str(f) for f in files if not f.is_file()]
@@ -132,6 +132,19 @@ def read_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path} holds a JSON {type(data).__name__}, expected an object; restore it")
     return data
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """An HF index's ``weight_map`` (tensor name -> shard file name), or a ValueError naming the file and the fix."""
+    weight_map = read_json(index).get("weight_map")
+    fix = "restore the index written with the weights"
+    if not isinstance(weight_map, dict) or not weight_map:
+        shown = "none" if weight_map is None else f"a {type(weight_map).__name__}"
+        raise ValueError(f'{index} has no "weight_map" object of tensor name -> shard file (got {shown}); {fix}')
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise ValueError(f"{index}: weight_map maps {name!r} to {shard!r}, not a shard file name; {fix}")
+    return weight_map
 
 
 def load_config_dict(config_dir: Path) -> dict:

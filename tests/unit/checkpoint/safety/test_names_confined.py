@@ -8,6 +8,7 @@ path, a link leading out); ``convert`` must not copy that model into its output 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,35 @@ def test_every_join_in_the_checkpoint_package_is_reviewed():
     found = _joins(root)
     assert found - set(REVIEWED_JOINS) == set(), "unreviewed joins: use ConfinedFolder, or review and list them"
     assert set(REVIEWED_JOINS) - found == set(), "reviewed joins no longer in the code: drop them from the list"
+
+
+@pytest.mark.parametrize(
+    "index, said",
+    [
+        ('{"metadata": {}}', 'has no "weight_map" object .*got none'),
+        ("[1, 2]", "holds a JSON list, expected an object"),
+        ("7", "holds a JSON int, expected an object"),
+        ('{"weight_map": ["model.safetensors"]}', 'has no "weight_map" object .*got a list'),
+        ('{"weight_map": {}}', 'has no "weight_map" object .*got a dict'),
+        ('{"weight_map": {"lm_head.weight": 3}}', r"weight_map maps 'lm_head.weight' to 3, not a shard file name"),
+        ('{"weight_map": {"lm_head.weight": null}}', r"weight_map maps 'lm_head.weight' to None, not a shard"),
+        ('{"weight_map": ', "is not valid JSON"),
+        ("", "is empty"),
+    ],
+)
+def test_an_index_of_the_wrong_shape_is_one_line(index, said, tmp_path, tiny_state, capsys):
+    config, state = tiny_state
+    folder = tmp_path / "handed"
+    folder.mkdir()
+    config.save_pretrained(folder)
+    save_file({k: v.contiguous() for k, v in state.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(index)
+    for argv in (
+        ["convert", str(folder), str(tmp_path / "out"), "--no-progress"],
+        ["verify", str(folder), str(folder)],
+    ):
+        assert main(argv) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert re.search(rf"{folder / 'model.safetensors.index.json'}:? {said}", err), err
+    assert not (tmp_path / "out").exists()
