@@ -13,6 +13,7 @@ are ``torch.load`` calls, which that guard redirects to the ``weights_only`` loa
 
 from __future__ import annotations
 
+import io
 import pickle
 from pathlib import Path
 from typing import Any
@@ -88,13 +89,32 @@ def metadata_from_file(path: Path, *, trust_pickles: bool = False, stand_ins: bo
     """Unpickle one DCP metadata file with the restricted unpickler (the only parse it gets)."""
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: {path.parent} is not a complete DCP checkpoint")
-    with open(path, "rb") as handle:
-        try:
-            return pickle.load(handle) if trust_pickles else _MetadataUnpickler(handle, path, stand_ins).load()
-        except UnsafePickleError:
-            raise
-        except Exception as exc:
-            raise CorruptCheckpointError(f"cannot read DCP metadata {path} ({type(exc).__name__}: {exc})") from None
+    data = path.read_bytes()
+    check_lengths(data, path)
+    handle = io.BytesIO(data)
+    try:
+        return pickle.load(handle) if trust_pickles else _MetadataUnpickler(handle, path, stand_ins).load()
+    except UnsafePickleError:
+        raise
+    except Exception as exc:
+        raise CorruptCheckpointError(f"cannot read DCP metadata {path} ({type(exc).__name__}: {exc})") from None
+
+
+def check_lengths(data: bytes, path: Path) -> None:
+    """Every length the pickle ``data`` claims (a frame, bytes, a string, a long) fits in the file's own bytes: checked
+    before the unpickler allocates it (CPython's allocates a claimed ``BINBYTES8`` length first, 2**40 included)."""
+    import pickletools
+
+    stream = io.BytesIO(data)
+    try:
+        for opcode, arg, position in pickletools.genops(stream):
+            if opcode.name == "FRAME" and arg > len(data) - stream.tell():
+                raise ValueError(f"a frame at byte {position} claims {arg} bytes, {len(data) - stream.tell()} remain")
+    except ValueError as exc:  # genops: a counted argument longer than what remains, an unknown opcode, no STOP
+        raise CorruptCheckpointError(
+            f"refusing to read DCP metadata {path}: {exc} (every length in it is checked against its {len(data)} "
+            "bytes); the file is corrupt or crafted: re-copy the checkpoint"
+        ) from None
 
 
 def check_storage_confined(metadata: Any, folder: Path) -> None:
