@@ -16,7 +16,7 @@ from typing import Any
 
 from hf_dist.checkpoint import plan as planning
 from hf_dist.checkpoint import transform
-from hf_dist.checkpoint.formats.hf import config_dir
+from hf_dist.checkpoint.formats.hf import config_dir, side_file
 from hf_dist.checkpoint.formats.layout import CheckpointLayout, read_layout
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
 from hf_dist.checkpoint.lifecycle.manifest import require_match
@@ -200,8 +200,8 @@ def _adapter_config(info: CheckpointLayout) -> dict:
 def _find_adapter_config(info: CheckpointLayout) -> Path | None:
     near = (info.path if info.path.is_dir() else info.path.parent, info.root, info.root.parent)
     for directory in (*((info.config_dir,) if info.config_dir is not None else ()), *near):
-        if (directory / "adapter_config.json").is_file():
-            return directory / "adapter_config.json"
+        if side := side_file(directory, "adapter_config.json"):
+            return side.source
     return None
 
 
@@ -305,7 +305,7 @@ def prefetch(items: Iterator[Any], depth: int = 2) -> Iterator[Any]:
 
 
 def _write_hf(info, reader, conversion, out_specs, dst, max_shard_size, tokenizer, overwrite, progress) -> list[str]:
-    from hf_dist.checkpoint.formats.hf import copy_side_files
+    from hf_dist.checkpoint.formats.hf import load_config_dict, side_files, write_side_files
     from hf_dist.checkpoint.write.hf_folder import atomic_output_dir, write_hf_weights
 
     total = sum(s.nbytes for s in out_specs.values())
@@ -314,6 +314,10 @@ def _write_hf(info, reader, conversion, out_specs, dst, max_shard_size, tokenize
     tokenizer_dir = Path(tokenizer) if tokenizer is not None else (info.config_dir or info.root)
     if tokenizer is not None and not tokenizer_dir.is_dir():
         raise FileNotFoundError(f"--tokenizer {tokenizer} is not a folder")
+    adapter = conversion.kind == "adapter"
+    # every side file checked (links confined to their folder) before anything is written
+    side = side_files(None if adapter else info.config_dir, tokenizer_dir)
+    config = _adapter_config(info) if adapter else load_config_dict(info.config_dir)
     sources = (info.path, info.root)
     with atomic_output_dir(dst, overwrite=overwrite, needed_bytes=total, sources=sources) as tmp:
         files = write_hf_weights(
@@ -324,13 +328,13 @@ def _write_hf(info, reader, conversion, out_specs, dst, max_shard_size, tokenize
             weights_name=weights_name,
             progress=bar.update if bar else None,
         )
-        if conversion.kind == "adapter":
-            (tmp / "adapter_config.json").write_text(json.dumps(_adapter_config(info), indent=2) + "\n")
+        if adapter:
+            (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
             files.append("adapter_config.json")
-            files += copy_side_files(tmp, None, tokenizer_dir, None)
+            files += write_side_files(tmp, side, None, None)
         else:
             dtype = next((s.dtype for s in out_specs.values() if s.dtype.is_floating_point), None)
-            files += copy_side_files(tmp, info.config_dir, tokenizer_dir, dtype)
+            files += write_side_files(tmp, side, config, dtype)
     if bar:
         bar.close()
     return files

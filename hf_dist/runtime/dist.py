@@ -81,6 +81,17 @@ def gather_objects(value: Any) -> list[Any]:
     return out
 
 
+def broadcast_object(value: Any) -> Any:
+    """Rank 0's picklable ``value`` on every rank; collective (in one process: ``value``)."""
+    if not is_distributed():
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def accelerator_state() -> Any | None:
     """accelerate's shared AcceleratorState when the Trainer has created one, else None."""
     try:

@@ -18,18 +18,21 @@ nothing is read into memory at all.
 from __future__ import annotations
 
 import io
+from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.formats.layout import DCP_SHARD_FILE_RE, CheckpointLayout
+from hf_dist.checkpoint.formats.layout import DCP_METADATA, DCP_SHARD_FILE_RE, CheckpointLayout
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
 from hf_dist.checkpoint.safety.dcp_metadata import load_metadata
 from hf_dist.checkpoint.safety.errors import CorruptCheckpointError
+from hf_dist.checkpoint.safety.paths import ConfinedFolder
 
 
 class DCPReader(Reader):
     def __init__(self, info: CheckpointLayout, *, trust_pickles: bool = False) -> None:
         super().__init__()
         self.folder = info.path
+        self._data = ConfinedFolder(info.path)
         self.trust_pickles = trust_pickles
         metadata = load_metadata(self.folder, trust_pickles=trust_pickles, stand_ins=True)
         self._check_files(metadata)
@@ -57,7 +60,7 @@ class DCPReader(Reader):
 
     def _check_files(self, metadata) -> None:
         files = {info.relative_path for info in (metadata.storage_data or {}).values()}
-        missing = sorted(f for f in files if not (self.folder / f).is_file())
+        missing = sorted(f for f in files if not self._path(f).is_file())
         if missing:
             raise FileNotFoundError(
                 f"{self.folder} is incomplete: .metadata lists {len(files)} data files but {missing} are missing; "
@@ -65,11 +68,15 @@ class DCPReader(Reader):
             )
         for name in files:
             needed = max(i.offset + i.length for i in metadata.storage_data.values() if i.relative_path == name)
-            size = (self.folder / name).stat().st_size
+            size = self._path(name).stat().st_size
             if size < needed:
                 raise CorruptCheckpointError(
-                    f"{self.folder / name} is truncated: {size} bytes, the metadata needs {needed}; re-copy it"
+                    f"{self._path(name)} is truncated: {size} bytes, the metadata needs {needed}; re-copy it"
                 )
+
+    def _path(self, relative: object) -> Path:
+        """A data file the metadata names, confined to the folder (the one join of a name read from .metadata)."""
+        return self._data.path(str(relative), named_in=self.folder / DCP_METADATA)
 
     @staticmethod
     def _world_size(metadata) -> int | None:
@@ -92,7 +99,7 @@ class DCPReader(Reader):
                 )
                 if meta.dtype != spec.dtype or not fits:
                     raise CorruptCheckpointError(
-                        f"{self.folder / storage.relative_path}: chunk of {name} at {list(offsets)} is "
+                        f"{self._path(storage.relative_path)}: chunk of {name} at {list(offsets)} is "
                         f"{meta.dtype} {list(meta.shape)}, which does not fit {spec.dtype} {list(spec.shape)} from "
                         ".metadata: the data files and .metadata come from different saves; re-copy the whole folder"
                     )
@@ -121,12 +128,12 @@ class DCPReader(Reader):
                 return None
             next_row += meta.shape[0]
             position = start + meta.storage_offset() * meta.element_size()
-            ranges.append((str(self.folder / storage.relative_path), position, meta.numel() * meta.element_size()))
+            ranges.append((str(self._path(storage.relative_path)), position, meta.numel() * meta.element_size()))
         return ranges if next_row == spec.shape[0] else None
 
     def _file(self, storage) -> Any:
         if storage.relative_path not in self._files:
-            self._files[storage.relative_path] = open(self.folder / storage.relative_path, "rb")  # noqa: SIM115
+            self._files[storage.relative_path] = open(self._path(storage.relative_path), "rb")  # noqa: SIM115
         return self._files[storage.relative_path]
 
     def _header(self, name: str, storage) -> tuple[Any, int]:
@@ -149,7 +156,7 @@ class DCPReader(Reader):
                 raise ValueError("the chunk's data runs past its slice of the file")
         except Exception as exc:
             raise CorruptCheckpointError(
-                f"cannot read {name} from {self.folder / storage.relative_path} at byte {storage.offset} "
+                f"cannot read {name} from {self._path(storage.relative_path)} at byte {storage.offset} "
                 f"({type(exc).__name__}: {str(exc)[:200]}); the file is corrupt or was written by an incompatible tool"
             ) from None
         self._headers[key] = meta, start
@@ -169,7 +176,7 @@ class DCPReader(Reader):
         """The chunk as a tensor viewing the memory-mapped file (no copy), with its saved strides."""
         import torch
 
-        path = self.folder / storage.relative_path
+        path = self._path(storage.relative_path)
         if storage.relative_path not in self._maps:
             self._maps[storage.relative_path] = torch.UntypedStorage.from_file(str(path), False, path.stat().st_size)
         data = self._maps[storage.relative_path][start : start + meta.untyped_storage().nbytes()]

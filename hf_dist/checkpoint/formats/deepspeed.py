@@ -36,6 +36,7 @@ from hf_dist.checkpoint.formats.layout import (
 )
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
 from hf_dist.checkpoint.safety.loading import safe_load
+from hf_dist.checkpoint.safety.paths import ConfinedFolder
 
 
 @dataclass(frozen=True)
@@ -236,14 +237,15 @@ class DeepSpeedReader(Reader):
 
     def _swap_files(self, rank: int, groups: list) -> list[Path | None]:
         """Per flat group of ``rank``: the NVMe swap file holding its fp32 partition, or None when it is stored inline."""
-        folder = self.info.path / "offloaded_tensors" / f"rank{rank:02d}"
+        folder = ConfinedFolder(self.info.path)
         out: list[Path | None] = []
         for g, tensor in enumerate(groups):
             ds_id = getattr(tensor, "ds_id", None)
             if tensor.numel() or ds_id is None or self.stage != 3:
                 out.append(None)
                 continue
-            path = folder / f"{ds_id}.tensor.swp"
+            name = f"offloaded_tensors/rank{rank:02d}/{ds_id}.tensor.swp"  # ds_id: a value unpickled from the file
+            path = folder.path(name, named_in=self.optim_files[rank])
             if not path.is_file():
                 raise FileNotFoundError(
                     f"{self.optim_files[rank].name} has no fp32 partition for sub-group {g} (ZeRO-Infinity swapped it to "

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hf_dist.checkpoint.formats.layout import CheckpointLayout
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
 from hf_dist.checkpoint.safety.loading import CorruptCheckpointError, safe_load
+from hf_dist.checkpoint.safety.paths import ConfinedFolder
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -43,8 +45,9 @@ class HFReader(Reader):
     def _weight_files(self, info: CheckpointLayout) -> list[Path]:
         given = info.files[0]
         if given.name.endswith(".index.json"):
-            weight_map = json.loads(given.read_text())["weight_map"]
-            files = sorted({self.folder / f for f in weight_map.values()})
+            weight_map = read_weight_map(given)
+            folder = ConfinedFolder(self.folder)
+            files = sorted({folder.path(f, named_in=given) for f in weight_map.values()})
             missing = [str(f) for f in files if not f.is_file()]
             if missing:
                 raise FileNotFoundError(f"{given} lists shard files that are missing: {missing}")
@@ -131,32 +134,66 @@ def read_json(path: Path) -> dict:
     return data
 
 
+def read_weight_map(index: Path) -> dict[str, str]:
+    """An HF index's ``weight_map`` (tensor name -> shard file name), or a ValueError naming the file and the fix."""
+    weight_map = read_json(index).get("weight_map")
+    fix = "restore the index written with the weights"
+    if not isinstance(weight_map, dict) or not weight_map:
+        shown = "none" if weight_map is None else f"a {type(weight_map).__name__}"
+        raise ValueError(f'{index} has no "weight_map" object of tensor name -> shard file (got {shown}); {fix}')
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise ValueError(f"{index}: weight_map maps {name!r} to {shard!r}, not a shard file name; {fix}")
+    return weight_map
+
+
 def load_config_dict(config_dir: Path) -> dict:
-    return read_json(config_dir / "config.json")
+    """``config_dir/config.json`` (a link only when its target is inside ``config_dir``)."""
+    return read_json(ConfinedFolder(Path(config_dir)).path("config.json"))
 
 
-def copy_side_files(out_dir: Path, config_dir: Path | None, tokenizer_dir: Path | None, dtype: Any) -> list[str]:
-    """config.json (dtype updated), generation config and tokenizer files; returns the names copied."""
-    copied = []
-    if config_dir is not None:
-        config = load_config_dict(config_dir)
-        config["dtype"] = str(dtype).replace("torch.", "")
+@dataclass(frozen=True)
+class SideFile:
+    """A non-weight file the output carries: its name there, and the file inside its folder it is copied from."""
+
+    name: str
+    source: Path
+
+
+def side_file(folder: Path, name: str) -> SideFile | None:
+    """``folder/name`` when it is there; a link is followed only to a target inside ``folder`` (else
+    :class:`~hf_dist.checkpoint.safety.paths.PathEscapeError` naming the link and its target); JSON is checked."""
+    entry = Path(folder) / name
+    if not (entry.is_symlink() or entry.is_file()):
+        return None
+    source = ConfinedFolder(Path(folder)).path(name)
+    if not source.is_file():
+        return None
+    if name.endswith(".json"):
+        read_json(source)  # an empty/broken file would break from_pretrained on the output
+    return SideFile(name, source)
+
+
+def side_files(config_dir: Path | None, tokenizer_dir: Path | None) -> list[SideFile]:
+    """The generation config (from ``config_dir``) and tokenizer files (from ``tokenizer_dir``) an output carries,
+    each checked before anything is written."""
+    found = [side_file(config_dir, name) for name in MODEL_FILES] if config_dir is not None else []
+    found += [side_file(tokenizer_dir, name) for name in TOKENIZER_FILES] if tokenizer_dir is not None else []
+    return [f for f in found if f is not None]
+
+
+def write_side_files(out_dir: Path, files: list[SideFile], config: dict | None, dtype: Any) -> list[str]:
+    """config.json (``config`` with its dtype updated, when given) and ``files``; returns the names written."""
+    written = []
+    if config is not None:
+        config = {**config, "dtype": str(dtype).replace("torch.", "")}
         config.pop("torch_dtype", None)
         (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        copied.append("config.json")
-        for name in MODEL_FILES:
-            if (config_dir / name).is_file():
-                read_json(config_dir / name)  # an empty/broken file would break from_pretrained on the output
-                shutil.copy2(config_dir / name, out_dir / name)
-                copied.append(name)
-    for name in TOKENIZER_FILES:
-        source = tokenizer_dir / name if tokenizer_dir is not None else None
-        if source is not None and source.is_file():
-            if name.endswith(".json"):
-                read_json(source)
-            shutil.copy2(source, out_dir / name)
-            copied.append(name)
-    return copied
+        written.append("config.json")
+    for file in files:
+        shutil.copy2(file.source, out_dir / file.name)
+        written.append(file.name)
+    return written
 
 
 def config_dir(model_config: str | Path) -> Path:

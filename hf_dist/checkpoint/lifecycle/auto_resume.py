@@ -29,6 +29,7 @@ from hf_dist.checkpoint.lifecycle.finished import finished_at, finished_message
 from hf_dist.checkpoint.lifecycle.output_lock import check_output_dir_free
 from hf_dist.checkpoint.lifecycle.reshard import prepare_resume
 from hf_dist.checkpoint.lifecycle.resume_checks import check_resume_compatible, gate_checkpoint, strategy_and_world
+from hf_dist.checkpoint.safety.errors import CorruptCheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def auto_resume(
     journal = runs.read_run(output_dir)
     skipped = []
     for step, path in checkpoints:
-        reasons = _not_resumable(path, step, live_world, journal)
+        reasons = _not_resumable(path, step, live_world, journal) or _unloadable(path, trust_pickles)
         if reasons:
             logger.warning("auto_resume: skipping %s: %s", path, "; ".join(reasons))
             skipped.append(f"  {Path(path).name}: {'; '.join(reasons)}")
@@ -147,14 +148,25 @@ def _say(line: str, training_args: Any) -> None:
         print(line, flush=True)
 
 
+def _unloadable(path: str, trust_pickles: bool) -> list[str]:
+    """Why ``path`` cannot be loaded as its resume will load it (:func:`gate_checkpoint`, on every rank alike): a corrupt
+    or crafted file (a length past the file's end, a truncated archive) is skipped, named; a planted pickle or a path
+    leading out still raises."""
+    try:
+        gate_checkpoint(path, trust_pickles=trust_pickles)
+    except CorruptCheckpointError as exc:
+        return [str(exc)]
+    return []
+
+
 def _prepare(path: str, running: Any, world_size: int | None, training_args: Any, trust_pickles: bool) -> str:
-    """The complete checkpoint ``path`` checked (and with ``training_args`` prepared) for the run about to resume it."""
+    """The complete, loadable checkpoint ``path`` checked (and with ``training_args`` prepared) for the run about to
+    resume it."""
     if training_args is not None:
-        return prepare_resume(path, world_size, training_args=training_args, trust_pickles=trust_pickles)
+        return prepare_resume(path, world_size, training_args=training_args, trust_pickles=trust_pickles, gated=True)
     if running is not None:
         name, live_world = strategy_and_world(running, world_size)
         check_resume_compatible(path, name, world_size=live_world)
-    gate_checkpoint(path, trust_pickles=trust_pickles)
     return path
 
 

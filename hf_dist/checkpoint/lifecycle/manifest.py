@@ -38,6 +38,7 @@ from hf_dist.checkpoint.formats.layout import (
     owner_rank,
     read_layout,
 )
+from hf_dist.checkpoint.safety.paths import ConfinedFolder
 
 MANIFEST_VERSION = 2
 # An hf_dist before the manifest wrote version 1: sizes only, no run, kept readable as "no manifest".
@@ -205,8 +206,9 @@ def incomplete_reasons(folder: str | os.PathLike, *, files: Iterable[str] | None
     reasons = _note_reasons(folder, manifest)
     on_disk = set(checkpoint_files(folder))
     hash_these = set(on_disk if files is None else files)
+    listed = ConfinedFolder(folder)
     for rel, entry in manifest["files"].items():
-        path = folder / rel
+        path = listed.path(rel, named_in=folder / MARKER_NAME)
         if rel not in on_disk:
             reasons.append(f"{rel} is missing")
         elif path.stat().st_size != entry["size"]:

@@ -38,6 +38,7 @@ from hf_dist.checkpoint.formats.layout import (
     dcp_folders_without_metadata,
     read_layout,
 )
+from hf_dist.checkpoint.safety.paths import ConfinedFolder
 from hf_dist.planning.layout import CheckpointFamily
 
 
@@ -155,12 +156,14 @@ def _size_only_marker_reasons(folder: Path) -> list[str]:
     if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
         return []
     reasons = []
+    listed = ConfinedFolder(folder)
     for rel, entry in marker["files"].items():
         size = entry.get("size") if isinstance(entry, dict) else None
-        if not (folder / rel).is_file():
+        path = listed.path(rel, named_in=folder / MARKER_NAME)
+        if not path.is_file():
             reasons.append(f"{rel} is missing")
-        elif size is not None and (folder / rel).stat().st_size != size:
-            reasons.append(f"{rel} has {(folder / rel).stat().st_size} bytes, the marker says {size}")
+        elif size is not None and path.stat().st_size != size:
+            reasons.append(f"{rel} has {path.stat().st_size} bytes, the marker says {size}")
     return reasons
 
 

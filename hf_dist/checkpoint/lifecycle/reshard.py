@@ -197,6 +197,7 @@ def prepare_resume(
     deepspeed_config: dict | None = None,
     timeout_s: float = 3600.0,
     trust_pickles: bool = False,
+    gated: bool = False,
 ) -> str:
     """Make ``checkpoint_dir`` resumable at ``world_size`` ranks and return the path to resume from.
 
@@ -209,13 +210,15 @@ def prepare_resume(
     A checkpoint of another strategy family than ``training_args`` asks for raises (as
     :func:`hf_dist.checkpoint.lifecycle.resume_checks.check_resume_compatible`), and it is loaded now as its resume
     will load it (:func:`~hf_dist.checkpoint.lifecycle.resume_checks.gate_checkpoint`), so a refusal comes before
-    the Trainer is built; the Trainer's own loads are guarded by :func:`hf_dist.callbacks.attach`.
+    the Trainer is built; the Trainer's own loads are guarded by :func:`hf_dist.callbacks.attach`. ``gated=True``: the
+    caller loaded it so already (``auto_resume``, which skips a checkpoint that fails there).
     """
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     layout = inspect_checkpoint(checkpoint_dir)
     check_strategy_matches(layout, training_args)
     check_autotp_matches(layout, training_args, world_size)
-    gate_checkpoint(layout.root, trust_pickles=trust_pickles)
+    if not gated:
+        gate_checkpoint(layout.root, trust_pickles=trust_pickles)
     if not layout.family.is_zero or layout.world_size == world_size:
         return str(layout.root)
     if training_args is None and deepspeed_config is None:

@@ -13,12 +13,13 @@ are ``torch.load`` calls, which that guard redirects to the ``weights_only`` loa
 
 from __future__ import annotations
 
+import io
 import pickle
 from pathlib import Path
 from typing import Any
 
 from hf_dist.checkpoint.safety.errors import CorruptCheckpointError, OpaqueObject, UnsafePickleError
-from hf_dist.checkpoint.safety.paths import confined
+from hf_dist.checkpoint.safety.paths import ConfinedFolder, confined
 
 DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 DCP_NAMES = {
@@ -88,22 +89,42 @@ def metadata_from_file(path: Path, *, trust_pickles: bool = False, stand_ins: bo
     """Unpickle one DCP metadata file with the restricted unpickler (the only parse it gets)."""
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: {path.parent} is not a complete DCP checkpoint")
-    with open(path, "rb") as handle:
-        try:
-            return pickle.load(handle) if trust_pickles else _MetadataUnpickler(handle, path, stand_ins).load()
-        except UnsafePickleError:
-            raise
-        except Exception as exc:
-            raise CorruptCheckpointError(f"cannot read DCP metadata {path} ({type(exc).__name__}: {exc})") from None
+    data = path.read_bytes()
+    check_lengths(data, path)
+    handle = io.BytesIO(data)
+    try:
+        return pickle.load(handle) if trust_pickles else _MetadataUnpickler(handle, path, stand_ins).load()
+    except UnsafePickleError:
+        raise
+    except Exception as exc:
+        raise CorruptCheckpointError(f"cannot read DCP metadata {path} ({type(exc).__name__}: {exc})") from None
+
+
+def check_lengths(data: bytes, path: Path) -> None:
+    """Every length the pickle ``data`` claims (a frame, bytes, a string, a long) fits in the file's own bytes: checked
+    before the unpickler allocates it (CPython's allocates a claimed ``BINBYTES8`` length first, 2**40 included)."""
+    import pickletools
+
+    stream = io.BytesIO(data)
+    try:
+        for opcode, arg, position in pickletools.genops(stream):
+            if opcode.name == "FRAME" and arg > len(data) - stream.tell():
+                raise ValueError(f"a frame at byte {position} claims {arg} bytes, {len(data) - stream.tell()} remain")
+    except ValueError as exc:  # genops: a counted argument longer than what remains, an unknown opcode, no STOP
+        raise CorruptCheckpointError(
+            f"refusing to read DCP metadata {path}: {exc} (every length in it is checked against its {len(data)} "
+            "bytes); the file is corrupt or crafted: re-copy the checkpoint"
+        ) from None
 
 
 def check_storage_confined(metadata: Any, folder: Path) -> None:
     """Refuse metadata whose storage entries name a file outside ``folder`` (``../x.distcp``, an absolute path, a
     link leading out): DCP opens ``folder / relative_path`` as written."""
+    data_files = ConfinedFolder(folder)
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         relative = getattr(info, "relative_path", None)
         if relative is not None:
-            confined(folder / str(relative), folder)
+            data_files.path(str(relative), named_in=folder / ".metadata")
 
 
 def byte_payloads(folder: Path) -> list[tuple[str, Path, int, int]]:
@@ -116,7 +137,8 @@ def byte_payloads(folder: Path) -> list[tuple[str, Path, int, int]]:
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
         plain = not getattr(info, "transform_descriptors", None)
         if type(kinds.get(index.fqn)).__name__ == "BytesStorageMetadataStub" and plain:  # named by _stand_in
-            payloads.append((index.fqn, Path(folder) / info.relative_path, info.offset, info.length))
+            path = ConfinedFolder(Path(folder)).path(str(info.relative_path), named_in=Path(folder) / ".metadata")
+            payloads.append((index.fqn, path, info.offset, info.length))
     return payloads
 
 

@@ -251,12 +251,16 @@ class _Guard:
         self.refusals: list[BaseException] = []  # what this guard refused, whatever the library made of it
 
 
+# hf_dist's own one-line refusals (a payload, a path leading out, a corrupt or crafted file): raised as themselves
+_REFUSALS = (UnsafePickleError, PathEscapeError, CorruptCheckpointError)
+
+
 @contextlib.contextmanager
 def _recorded(guard: _Guard) -> Iterator[None]:
     """A refusal raised inside a library is remembered: DCP turns it into the text of an AssertionError."""
     try:
         yield
-    except (UnsafePickleError, PathEscapeError) as exc:
+    except _REFUSALS as exc:
         guard.refusals.append(exc)
         raise
 
@@ -301,7 +305,7 @@ def guarded_loads(root: str | os.PathLike, *, trust_pickles: bool = False) -> It
 
 def _raise_refusal_in(exc: BaseException) -> None:
     """A library that wraps errors (DCP's ``CheckpointException``, a ``RuntimeError`` around the cause) must not
-    bury a refusal: the first :class:`UnsafePickleError` / :class:`PathEscapeError` inside ``exc`` is raised."""
+    bury a refusal: the first :data:`_REFUSALS` inside ``exc`` is raised."""
     seen: set[int] = set()
     pending: list[Any] = [exc]
     while pending:
@@ -309,7 +313,7 @@ def _raise_refusal_in(exc: BaseException) -> None:
         if item is None or id(item) in seen:
             continue
         seen.add(id(item))
-        if isinstance(item, (UnsafePickleError, PathEscapeError)):
+        if isinstance(item, _REFUSALS):
             if item is not exc:
                 raise item.with_traceback(None) from None
             return

@@ -9,13 +9,17 @@ a swap file, at any depth) whose target is outside, a DeepSpeed ``latest``/``lat
   :mod:`hf_dist.checkpoint.safety.loading`);
 - :func:`check_tree_confined`: every entry under a root, links followed by ``realpath`` (run before a library is
   handed the folder, for what it opens without ``torch.load``: safetensors, swap files);
-- :func:`checked_tag`: the text of a ``latest`` file is one folder name inside the root.
+- :func:`checked_tag`: the text of a ``latest`` file is one folder name inside the root;
+- :class:`ConfinedFolder`: the one way a name read from a file (an index's ``weight_map``, a manifest entry, a DCP
+  storage entry, a ``latest`` tag, a ``ds_id``) becomes a path: ``ConfinedFolder(root).path(name, named_in=file)``
+  refuses a name that is not a relative path below the root (``..``, absolute) and a link whose target leaves it.
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
+from dataclasses import dataclass
+from pathlib import Path, PurePath
 
 
 class PathEscapeError(ValueError):
@@ -65,5 +69,35 @@ def checked_tag(root: str | os.PathLike, text: str, source: str) -> str:
             f"refusing to read {Path(root) / source}: it names {tag!r}, which is not a folder name inside the "
             f"checkpoint {root} (DeepSpeed tags look like global_step500). Fix the file or remove it"
         )
-    confined(Path(root) / tag, root)
+    ConfinedFolder(Path(root)).path(tag, named_in=Path(root) / source)
     return tag
+
+
+@dataclass(frozen=True)
+class ConfinedFolder:
+    """A folder whose files are reached by name only through :meth:`path`: every name stays inside ``root``."""
+
+    root: Path
+
+    def path(self, name: object, *, named_in: str | os.PathLike | None = None) -> Path:
+        """``root / name`` when ``name`` is a relative path below ``root`` that resolves inside it (links followed by
+        the OS); else :class:`PathEscapeError` naming the file that named it, the name and where it leads."""
+        where = f"{named_in} names" if named_in is not None else "the name"
+        if not isinstance(name, str) or not name.strip():
+            raise PathEscapeError(
+                f"refusing to read {named_in or self.root}: {where} {name!r} ({type(name).__name__}), not a file "
+                f"name inside {self.root}; fix the file"
+            )
+        pure = PurePath(name)
+        if pure.is_absolute() or ".." in pure.parts or "\\" in name:
+            raise PathEscapeError(
+                f"refusing to read {named_in or self.root / name}: {where} {name!r}, which leaves the folder "
+                f"{self.root}; a checkpoint may only name files inside its own folder. Fix the file"
+            )
+        path = Path(self.root) / name
+        if not is_inside(path, self.root):
+            raise PathEscapeError(
+                f"refusing to read {path}{f' (named in {named_in})' if named_in is not None else ''}: it resolves to "
+                f"{_real(path)}, outside the folder {self.root}; copy the file into the folder or remove the link"
+            )
+        return path

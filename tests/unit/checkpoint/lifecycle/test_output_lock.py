@@ -129,3 +129,109 @@ def test_a_rank_whose_launcher_is_killed_stops(tmp_path, capfd):
     assert (
         f"its launcher (pid {launcher.pid}) is gone; stopping instead of training on alone" in capfd.readouterr().err
     )
+
+
+# ---------------------------------------------------------------- issue 38: one identity per launch, taken exclusively
+
+SAME_ENV = {
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+    "TORCHELASTIC_RUN_ID": "none",
+}  # every single-node launch
+RANK = """
+import os, sys, time
+import torch.distributed as dist
+from hf_dist.checkpoint.lifecycle.output_lock import check_output_dir_free, claim_output_dir
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=int(os.environ["RANK"]), world_size=2)
+claim_output_dir(sys.argv[1])
+check_output_dir_free(sys.argv[1])  # rank 1: the lock rank 0 took is its own launch's
+print("claimed", flush=True)
+time.sleep(120)
+"""
+
+
+def _launch_ranks(tmp_path, out) -> list[subprocess.Popen]:
+    """One launch of two real ranks (a gloo process group), both with the single-node launch environment."""
+    env = {**os.environ, **SAME_ENV, "PYTHONPATH": os.getcwd(), "WORLD_SIZE": "2"}
+    return [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, str(out), str(tmp_path / "rendezvous")],
+            env={**env, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+
+
+def test_two_launches_with_the_same_environment_never_share_the_lock(tmp_path, monkeypatch, caplog):
+    """Launch A (two ranks) holds the folder; launch B, with the same MASTER_ADDR:MASTER_PORT:TORCHELASTIC_RUN_ID, is
+    refused naming A's rank 0, while A's rank 1 was admitted by the identity rank 0 sent it."""
+    for name, value in SAME_ENV.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "out"
+    ranks = _launch_ranks(tmp_path, out)
+    try:
+        assert [rank.stdout.readline().strip() for rank in ranks] == ["claimed", "claimed"]
+        holder = ranks[0].pid
+        busy = rf"is being written by another job: host {socket.gethostname()}, pid {holder}, started "
+        with pytest.raises(OutputBusyError, match=busy):
+            claim_output_dir(out)
+        with pytest.raises(OutputBusyError, match=busy):
+            auto_resume(out)
+        assert json.loads((out / OUTPUT_LOCK).read_text())["pid"] == holder
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+    with caplog.at_level("WARNING"):
+        claim_output_dir(out)  # launch A is gone: its lock is taken over, with a warning naming it
+    assert f"from a job that is gone (host {socket.gethostname()}, pid {holder}" in caplog.text
+    release_output_dir(out)
+
+
+def test_the_lock_file_is_created_exclusively(tmp_path, other_job, monkeypatch):
+    """Two jobs that both found the folder free: the second's exclusive create fails, it looks again and is refused
+    naming the first, whose lock stays as it was."""
+    proc, lock = other_job
+    real = output_lock._current
+    looks = []
+
+    def racing(path):
+        looks.append(path)
+        if len(looks) == 1:  # no lock yet; the other job creates it right after this look
+            _write(tmp_path / "out", lock)
+            return None
+        return real(path)
+
+    monkeypatch.setattr(output_lock, "_current", racing)
+    with pytest.raises(OutputBusyError, match=rf"pid {proc.pid}, started "):
+        claim_output_dir(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / OUTPUT_LOCK).read_text()) == lock
+
+
+def test_a_lock_of_this_pid_but_another_start_time_is_a_dead_jobs(tmp_path, caplog):
+    """A recycled pid: the lock names this process's pid, but a process that started earlier; it is taken over."""
+    lock = {"host": socket.gethostname(), "pid": os.getpid(), "process_start": 1.0, "launch": "an-old-launch",
+            "started": time.time() - 600, "heartbeat": time.time()}  # fmt: skip
+    _write(tmp_path / "out", lock)
+    with caplog.at_level("WARNING"):
+        claim_output_dir(tmp_path / "out")
+    assert "taking over" in caplog.text
+    assert json.loads((tmp_path / "out" / OUTPUT_LOCK).read_text())["process_start"] != 1.0
+    release_output_dir(tmp_path / "out")
+
+
+def test_an_unreadable_lock_is_live_until_it_is_stale(tmp_path, caplog):
+    """An empty lock (a job between its exclusive create and its write, or one that died there)."""
+    path = tmp_path / "out" / OUTPUT_LOCK
+    _write(tmp_path / "out", {})
+    path.write_text("")
+    with pytest.raises(OutputBusyError, match="an unreadable lock, last written 0 s ago"):
+        claim_output_dir(tmp_path / "out")
+    old = time.time() - output_lock.STALE_S - 1
+    os.utime(path, (old, old))
+    with caplog.at_level("WARNING"):
+        claim_output_dir(tmp_path / "out")
+    assert "taking over" in caplog.text and json.loads(path.read_text())["pid"] == os.getpid()
+    release_output_dir(tmp_path / "out")
