@@ -251,6 +251,14 @@ CATALOG: dict[str, Entry] = {
         "a benchmark: trains and converts 148M and 494M-parameter checkpoints 3 times each (tens of minutes)",
         output=("docs/convert.md", "Checkpoints: Llama, vocab 32000, head_dim 64, 14 layers"),
     ),
+    # -- docs/recipes.md: packing ---------------------------------------------------------------------------------
+    "pip install -e .[bench]": CannotRun(
+        "installs the [bench] extra's corpus package from the registry (no install step runs from the docs' text)"
+    ),
+    "nice -n 5 python benchmarks/packing.py": CannotRun(
+        "a benchmark: three 2-rank runs on 4,017 real conversations at seq_len 2,048 (21 min on 2 shared cores)",
+        output=("docs/recipes.md", "| recipe packed (`sft.py --dataset chat.jsonl`) | 7,746 | 3.07x |"),
+    ),
     "python -m pytest -q tests/unit/checkpoint": SUITE,
     "python -m pytest -q tests/distributed/test_convert.py": SUITE,
     # -- docs/fault-tolerance.md -------------------------------------------------------------------------------
