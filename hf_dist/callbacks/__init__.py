@@ -129,6 +129,10 @@ def attach(
     claim_output_dir(trainer.args.output_dir)  # one live job per output folder; ranks stop with their launcher
     guard_trainer(trainer)  # every checkpoint load of a resume: weights_only with the allowlist, paths confined
     guard_finished(trainer)  # a resumed run already at max_steps trains nothing (the Trainer would train one more)
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        from hf_dist.runtime.library_warnings import quiet_deprecated_collectives
+
+        quiet_deprecated_collectives()  # torch's deprecation of DeepSpeed's collectives: once, not at every step
     if callbacks is None:
         callbacks = default(_the_plan(plan), resume_from=resume_from, async_save=async_save)
     elif async_save:
