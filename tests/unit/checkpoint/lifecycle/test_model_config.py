@@ -39,14 +39,12 @@ def test_a_peft_model_writes_its_base_models_config(tmp_path):
 
 def test_another_architecture_is_refused_naming_both(tmp_path):
     write_model_config(tmp_path, _model())
-    hidden = tiny_llama_config().hidden_size
     check_same_model(tmp_path, _model())  # the same model: no refusal
     other = _model(num_hidden_layers=3)
     with pytest.raises(
         OtherModelError, match=r"num_hidden_layers 2\) than the one being trained \(num_hidden_layers 3"
     ):
         check_same_model(tmp_path, other)
-    assert hidden  # the tiny config's hidden size is not among the differences
     check_same_model(tmp_path / "missing", other)  # no config.json: nothing to compare
 
 
