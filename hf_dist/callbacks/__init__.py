@@ -108,8 +108,8 @@ def attach(
     train nothing, where the Trainer would train one step past it
     (:func:`hf_dist.checkpoint.lifecycle.finished.guard_finished`). Refuses ranks whose trainable parameters differ
     where the engine would train a mix of them (:func:`hf_dist.runtime.replicas.check_replicas_agree`: FSDP2 without
-    ``cpu_ram_efficient_loading``; seed before creating the adapter), and the resume of a checkpoint whose
-    ``config.json`` is of another model (:func:`hf_dist.checkpoint.lifecycle.model_config.guard_resume_model`).
+    ``cpu_ram_efficient_loading``, the one engine that does not broadcast rank 0's copy; seed before creating the
+    adapter), and the resume of a checkpoint whose ``config.json`` is of another model (:func:`hf_dist.checkpoint.lifecycle.model_config.guard_resume_model`).
 
     ``plan``: the run is checked against it at train start (:class:`~hf_dist.callbacks.plan.PlanCallback`: world size,
     strategy, precision, checkpointing, batch split, tp/cp/sp, FSDP wrap classes, the optimizer that steps, TRL's

@@ -15,12 +15,9 @@ shards differ by design and their engine built them from one source.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from hf_dist.runtime import dist as _dist
-
-logger = logging.getLogger(__name__)
 
 FIX = "seed before creating the model and adapter (transformers.set_seed(SEED) before get_peft_model / from_config)"
 
@@ -60,17 +57,15 @@ def broadcasts_rank0() -> bool:
 
 
 def check_replicas_agree(model: Any) -> None:
-    """Collective. Refuse (every rank) when the ranks' trainable parameters differ and the engine would train a mix;
-    where it broadcasts rank 0's copy, rank 0 warns once instead."""
-    if _dist.world_size() < 2 or model is None:
+    """Collective. Refuse (every rank) when the ranks' trainable parameters differ and the engine would train a mix.
+    An engine that broadcasts rank 0's copy is not checked: there a difference is harmless, and expected (FSDP2's
+    ``cpu_ram_efficient_loading`` leaves the other ranks' loaded weights uninitialised for the broadcast)."""
+    if _dist.world_size() < 2 or model is None or broadcasts_rank0():
         return
     bad = differing(_dist.gather_objects(checksums(model)))
-    if not bad:
-        return
-    shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-    line = f"the {_dist.world_size()} ranks hold different trainable parameters ({len(bad)}: {shown})"
-    if broadcasts_rank0():
-        if _dist.rank() == 0:
-            logger.warning("hf_dist: %s; the engine trains rank 0's copy, but %s to make runs repeatable", line, FIX)
-        return
-    raise ReplicaMismatchError(f"{line}: FSDP2 would shard and train a mix of them; {FIX}")
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise ReplicaMismatchError(
+            f"the {_dist.world_size()} ranks hold different trainable parameters ({len(bad)}: {shown}): FSDP2 would "
+            f"shard and train a mix of them; {FIX}"
+        )

@@ -61,7 +61,7 @@ def test_the_refusal_is_no_false_alarm_fsdp2_trains_a_mix_of_the_ranks_adapters(
 
 def test_with_rank_0s_weights_broadcast_the_unseeded_lora_is_rank_0s_and_trains(user_script_runs):
     """auto_args' default cpu_ram_efficient_loading: accelerate sends rank 0's weights to every rank, so the ranks'
-    difference is harmless (attach only warns)."""
+    difference is harmless and attach does not check it."""
     run = user_script_runs.get("fsdp_full_shard")["lora_unseeded_broadcast"]
     assert run["refusal"] is None and run["kept"] is True and run["global_step"] == 2
 
