@@ -106,7 +106,10 @@ def attach(
     unpickle the Trainer, accelerate or DeepSpeed makes is torch's ``weights_only`` load with hf_dist's allowlist,
     and every file must lie inside the checkpoint. Makes the resume of a finished run (a checkpoint at ``max_steps``)
     train nothing, where the Trainer would train one step past it
-    (:func:`hf_dist.checkpoint.lifecycle.finished.guard_finished`).
+    (:func:`hf_dist.checkpoint.lifecycle.finished.guard_finished`). Refuses ranks whose trainable parameters differ
+    where the engine would train a mix of them (:func:`hf_dist.runtime.replicas.check_replicas_agree`: FSDP2 without
+    ``cpu_ram_efficient_loading``, the one engine that does not broadcast rank 0's copy; seed before creating the
+    adapter), and the resume of a checkpoint whose ``config.json`` is of another model (:func:`hf_dist.checkpoint.lifecycle.model_config.guard_resume_model`).
 
     ``plan``: the run is checked against it at train start (:class:`~hf_dist.callbacks.plan.PlanCallback`: world size,
     strategy, precision, checkpointing, batch split, tp/cp/sp, FSDP wrap classes, the optimizer that steps, TRL's
@@ -122,10 +125,13 @@ def attach(
 
     from hf_dist.callbacks.plan import check_launch
     from hf_dist.checkpoint.lifecycle.finished import guard_finished
+    from hf_dist.checkpoint.lifecycle.model_config import guard_resume_model
     from hf_dist.checkpoint.lifecycle.output_lock import claim_output_dir
     from hf_dist.checkpoint.safety.trainer_loads import guard_trainer
+    from hf_dist.runtime.replicas import check_replicas_agree
 
     check_launch(trainer.args)  # several ranks launched, each training alone: refused before anything else
+    check_replicas_agree(trainer.model)  # ranks holding different trainable parameters, before FSDP2 mixes them
     claim_output_dir(trainer.args.output_dir)  # one live job per output folder; ranks stop with their launcher
     guard_trainer(trainer)  # every checkpoint load of a resume: weights_only with the allowlist, paths confined
     guard_finished(trainer)  # a resumed run already at max_steps trains nothing (the Trainer would train one more)
@@ -133,6 +139,7 @@ def attach(
         from hf_dist.runtime.library_warnings import quiet_deprecated_collectives
 
         quiet_deprecated_collectives()  # torch's deprecation of DeepSpeed's collectives: once, not at every step
+    guard_resume_model(trainer)  # a checkpoint of another model refused before the Trainer builds or loads anything
     if callbacks is None:
         callbacks = default(_the_plan(plan), resume_from=resume_from, async_save=async_save)
     elif async_save:

@@ -29,7 +29,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from hf_dist.callbacks.phases import Phase, phase
-from hf_dist.checkpoint.lifecycle import manifest, runs, sharded_state, zero_infinity
+from hf_dist.checkpoint.lifecycle import manifest, model_config, runs, sharded_state, zero_infinity
 from hf_dist.runtime import dist as _dist
 
 __all__ = [
@@ -89,7 +89,7 @@ class CompleteCheckpointCallback(TrainerCallback):
         trainer, save = self.trainer, self.trainer._save_checkpoint
 
         def bracketed_save(model, trial):
-            self.begin(trainer.args, trainer.state, Path(trainer._get_output_dir(trial)))
+            self.begin(trainer.args, trainer.state, Path(trainer._get_output_dir(trial)), trainer.model)
             return self._save(save, model, trial)
 
         trainer._save_checkpoint = bracketed_save
@@ -98,23 +98,26 @@ class CompleteCheckpointCallback(TrainerCallback):
     def _save(self, save: Any, model: Any, trial: Any) -> Any:
         return save(model, trial)
 
-    def begin(self, args, state, run_dir: Path) -> None:
-        """Collective: rank 0 removes ``checkpoint-<step>``'s old manifest and notes the save, before any rank writes."""
+    def begin(self, args, state, run_dir: Path, model: Any = None) -> None:
+        """Collective: rank 0 removes ``checkpoint-<step>``'s old manifest and notes the save, before any rank writes;
+        under FSDP2 it writes the model's ``config.json`` there too (its DCP save has none), for ``hf-dist convert``."""
         step = state.global_step
         self.save_id = manifest.new_id()
         if state.is_world_process_zero and args.should_save:
             folder = run_dir / f"checkpoint-{step}"
             folder.mkdir(parents=True, exist_ok=True)
             manifest.begin_save(folder, step=step, run=self.run, save=self.save_id)
+            if _fsdp(args):
+                model_config.write_model_config(folder, model)
         _dist.barrier()
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args, state, control, model=None, **kwargs):
         if control.should_save and not self._wrapped:  # without attach: the save this step end decided on
-            self.begin(args, state, Path(args.output_dir))
+            self.begin(args, state, Path(args.output_dir), model)
 
-    def on_epoch_end(self, args, state, control, **kwargs):
+    def on_epoch_end(self, args, state, control, model=None, **kwargs):
         if control.should_save and not self._wrapped:
-            self.begin(args, state, Path(args.output_dir))
+            self.begin(args, state, Path(args.output_dir), model)
 
     # ---- after every rank wrote: the manifest ----
 
@@ -144,6 +147,12 @@ class CompleteCheckpointCallback(TrainerCallback):
                 logger.error("%s", exc)
         # Later callbacks (export) and the next save must see the manifest.
         _dist.barrier()
+
+
+def _fsdp(args) -> bool:
+    from hf_dist.planning.layout import Engine, strategy
+
+    return strategy(_dist.live_strategy(args)).engine is Engine.FSDP2
 
 
 def _world(args) -> int:

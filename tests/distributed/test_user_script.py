@@ -38,3 +38,59 @@ def test_the_named_call_trains_the_planned_engine_checked_by_attach_alone(user_s
         assert report["distributed_type"] == "DEEPSPEED" and report["model_wrapped"] == "DeepSpeedEngine"
         assert report["zero_stage"] == 3
         assert any(f.startswith("checkpoint-2/global_step2/zero_pp_rank_1") for f in files), files
+
+
+# Issue 39: what a user's own script gets wrong under FSDP2, run by the same launch after its training (the script's
+# lora_run / other_model_resume), each refused by attach(trainer) alone.
+
+
+def test_an_unseeded_lora_under_fsdp2_is_refused_naming_the_seed(user_script_runs):
+    refusal = user_script_runs.get("fsdp_full_shard")["lora_unseeded"]["refusal"]
+    assert refusal is not None, "attach let ranks with different adapters train"
+    assert refusal.startswith("the 2 ranks hold different trainable parameters (") and "\n" not in refusal, refusal
+    assert "FSDP2 would shard and train a mix of them" in refusal and "set_seed(SEED) before get_peft_model" in refusal
+
+
+def test_the_refusal_is_no_false_alarm_fsdp2_trains_a_mix_of_the_ranks_adapters(user_script_runs):
+    """Control: the same run with the check switched off trains an adapter that is not rank 0's (nor, by the same
+    reasoning, any one rank's): each rank kept its own slice."""
+    control = user_script_runs.get("fsdp_full_shard")["lora_unseeded_unchecked"]
+    assert control["refusal"] is None and control["global_step"] == 2
+    assert control["kept"] is False
+
+
+def test_with_rank_0s_weights_broadcast_the_unseeded_lora_is_rank_0s_and_trains(user_script_runs):
+    """auto_args' default cpu_ram_efficient_loading: accelerate sends rank 0's weights to every rank, so the ranks'
+    difference is harmless and attach does not check it."""
+    run = user_script_runs.get("fsdp_full_shard")["lora_unseeded_broadcast"]
+    assert run["refusal"] is None and run["kept"] is True and run["global_step"] == 2
+
+
+def test_the_same_lora_seeded_trains_rank_0s_adapter(user_script_runs):
+    seeded = user_script_runs.get("fsdp_full_shard")["lora_seeded"]
+    assert seeded["refusal"] is None and seeded["kept"] is True
+    assert seeded["global_step"] == 2 and len(seeded["losses"]) == 2
+
+
+def test_resuming_another_models_checkpoint_is_refused_naming_both(user_script_runs):
+    report = user_script_runs.get("fsdp_full_shard")
+    refusal = report["other_model_resume"]
+    assert (
+        refusal is not None
+        and refusal.startswith("cannot resume ")
+        and "checkpoint-2: it holds another model (hidden_size " in refusal
+    ), refusal
+    assert "than the one being trained (hidden_size " in refusal and "\n" not in refusal
+
+
+def test_an_fsdp2_checkpoint_carries_the_config_and_converts_without_model_config(user_script_runs, tmp_path):
+    from pathlib import Path
+
+    import hf_dist
+
+    report = user_script_runs.get("fsdp_full_shard")
+    files = set(report["checkpoint_files"])
+    assert {"checkpoint-2/config.json", "checkpoint-2/generation_config.json"} <= files, sorted(files)
+    checkpoint = Path(report["workdir"]) / "run" / "checkpoint-2"
+    converted = hf_dist.convert(checkpoint, tmp_path / "hf", progress=False)  # the README's line, no --model-config
+    assert (tmp_path / "hf" / "config.json").is_file() and converted.num_tensors > 0
