@@ -209,11 +209,18 @@ def _reference_dense(q, k, v, **kwargs):
 @pytest.fixture
 def flash_on_cpu(monkeypatch):
     """transformers' flash-attention path (``_flash_attention_forward``, its branch choice) with CPU kernels."""
+    import inspect
+
     from transformers import modeling_flash_attention_utils as fa
+
+    # newer transformers also return a kv-cache kernel and a paged kwargs processor; 5.0 does not
+    with_kvcache = "flash_kvcache_fn" in inspect.getsource(fa._flash_attention_forward)
 
     def kernels(implementation=None, attention_wrapper=None, allow_all_kernels=False):
         process = fa._lazy_define_process_function(_reference_varlen)
-        return (_reference_dense, _reference_varlen, None, fa._pad_input, fa._unpad_input), (process, None)
+        if with_kvcache:
+            return (_reference_dense, _reference_varlen, None, fa._pad_input, fa._unpad_input), (process, None)
+        return (_reference_dense, _reference_varlen, fa._pad_input, fa._unpad_input), process
 
     monkeypatch.setattr(fa, "lazy_import_flash_attention", kernels)
 
