@@ -33,10 +33,57 @@ def guard_trainer(trainer: Any) -> None:
             raise RuntimeError(_missing(f"Trainer.{name}"))
     for name in TRAINER_LOADS:
         setattr(trainer, name, _guarded(getattr(trainer, name), lambda args, kwargs: _first(args, kwargs)))
-    best = getattr(trainer, BEST_MODEL_LOAD)
-    setattr(trainer, BEST_MODEL_LOAD, _guarded(best, lambda args, kwargs: trainer.state.best_model_checkpoint))
+    best = _guarded(getattr(trainer, BEST_MODEL_LOAD), lambda args, kwargs: trainer.state.best_model_checkpoint)
+    setattr(trainer, BEST_MODEL_LOAD, _only_this_runs_best(trainer, best))
     _guard_deepspeed_load()
     trainer._hf_dist_loads_guarded = True
+
+
+def _only_this_runs_best(trainer: Any, load: Any) -> Any:
+    """The best-model load, run only when ``state.best_model_checkpoint`` (read from a resumed ``trainer_state.json``,
+    so any path a handed folder names) is a ``checkpoint-N`` of this run's ``output_dir`` whose manifest matches;
+    otherwise it is dropped with one warning (``state.best_model_checkpoint = None``: the Trainer keeps the weights
+    it trained, and its checkpoint rotation and exports no longer name it)."""
+
+    @functools.wraps(load)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        best = trainer.state.best_model_checkpoint
+        reason = best_checkpoint_problem(best, trainer.args.output_dir) if best else None
+        if reason is not None:
+            import logging
+
+            logging.getLogger("hf_dist").warning(
+                "not loading the best model from %s (trainer_state.json's best_model_checkpoint): %s; the final model "
+                "is the one trained", best, reason,
+            )  # fmt: skip
+            trainer.state.best_model_checkpoint = None
+            return None
+        return load(*args, **kwargs)
+
+    return run
+
+
+def best_checkpoint_problem(best: Any, output_dir: Any) -> str | None:
+    """Why ``best`` (a ``best_model_checkpoint``) is not a ``checkpoint-N`` of ``output_dir`` whose manifest matches
+    the disk; None when it is. Links are resolved by the OS: a ``checkpoint-N`` linked elsewhere is not this run's."""
+    import os
+    import re
+
+    from hf_dist.checkpoint.formats.layout import MARKER_NAME
+    from hf_dist.checkpoint.lifecycle.manifest import incomplete_reasons
+
+    if not isinstance(best, (str, os.PathLike)):
+        return f"it is {type(best).__name__}, not a folder name"
+    name = os.path.basename(os.path.normpath(os.fspath(best)))
+    real_out = os.path.realpath(os.fspath(output_dir))
+    if not re.fullmatch(r"checkpoint-[0-9]+", name) or os.path.realpath(best) != os.path.join(real_out, name):
+        return f"it is not a checkpoint-N folder of this run's output_dir {output_dir}"
+    if not (Path(best) / MARKER_NAME).is_file():
+        return f"it has no {MARKER_NAME}, so its weights cannot be shown to be the ones this run saved"
+    reasons = incomplete_reasons(best)
+    if reasons:
+        return f"it does not match its {MARKER_NAME} ({'; '.join(reasons[:2])})"
+    return None
 
 
 def _first(args: tuple, kwargs: dict) -> Any:
