@@ -75,8 +75,9 @@ def best_checkpoint_problem(best: Any, output_dir: Any) -> str | None:
     if not isinstance(best, (str, os.PathLike)):
         return f"it is {type(best).__name__}, not a folder name"
     name = os.path.basename(os.path.normpath(os.fspath(best)))
-    real_out = os.path.realpath(os.fspath(output_dir))
-    if not re.fullmatch(r"checkpoint-[0-9]+", name) or os.path.realpath(best) != os.path.join(real_out, name):
+    real = os.path.realpath(best)  # compared, never joined: the name is read from a file
+    in_output_dir = os.path.dirname(real) == os.path.realpath(os.fspath(output_dir)) and os.path.basename(real) == name
+    if not re.fullmatch(r"checkpoint-[0-9]+", name) or not in_output_dir:
         return f"it is not a checkpoint-N folder of this run's output_dir {output_dir}"
     if not (Path(best) / MARKER_NAME).is_file():
         return f"it has no {MARKER_NAME}, so its weights cannot be shown to be the ones this run saved"
