@@ -340,7 +340,9 @@ def _dtype_problem(value: Any) -> bool:
     if not isinstance(value, str):
         return True
     name = value.removeprefix("torch.")
-    return name != "auto" and not (isinstance(getattr(torch, name, None), torch.dtype) and getattr(torch, name).is_floating_point)
+    return name != "auto" and not (
+        isinstance(getattr(torch, name, None), torch.dtype) and getattr(torch, name).is_floating_point
+    )
 
 
 def _rope_thetas(get: Any) -> list[Any]:

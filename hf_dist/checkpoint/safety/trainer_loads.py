@@ -58,6 +58,7 @@ def _only_this_runs_best(trainer: Any, load: Any) -> Any:
             )  # fmt: skip
             trainer.state.best_model_checkpoint = None
             return None
+        _VERIFIED.add(_verified_key(Path(best)))  # just matched: the guarded load does not hash it a second time
         return load(*args, **kwargs)
 
     return run
@@ -111,14 +112,19 @@ def _guarded(method: Any, checkpoint_of: Any) -> Any:
 
 
 def _verify_once(checkpoint: Path) -> None:
-    from hf_dist.checkpoint.formats.layout import MARKER_NAME
     from hf_dist.checkpoint.lifecycle.manifest import require_match
 
-    manifest = checkpoint / MARKER_NAME
-    key = (str(checkpoint), manifest.stat().st_mtime if manifest.is_file() else 0.0)
+    key = _verified_key(checkpoint)
     if key not in _VERIFIED:
         require_match(checkpoint)
         _VERIFIED.add(key)
+
+
+def _verified_key(checkpoint: Path) -> tuple[str, float]:
+    from hf_dist.checkpoint.formats.layout import MARKER_NAME
+
+    manifest = checkpoint / MARKER_NAME
+    return (str(checkpoint), manifest.stat().st_mtime if manifest.is_file() else 0.0)
 
 
 def _guard_deepspeed_load() -> None:
