@@ -35,30 +35,61 @@ def guard_trainer(trainer: Any) -> None:
         setattr(trainer, name, _guarded(getattr(trainer, name), lambda args, kwargs: _first(args, kwargs)))
     best = _guarded(getattr(trainer, BEST_MODEL_LOAD), lambda args, kwargs: trainer.state.best_model_checkpoint)
     setattr(trainer, BEST_MODEL_LOAD, _only_this_runs_best(trainer, best))
+    resumed = getattr(trainer, RESUMED_STATE_HOOK, None)
+    if callable(resumed):  # transformers 5: called right after a resume reads trainer_state.json
+        setattr(trainer, RESUMED_STATE_HOOK, _checking_the_resumed_best(trainer, resumed))
     _guard_deepspeed_load()
     trainer._hf_dist_loads_guarded = True
 
 
+# The Trainer method called right after a resume has read trainer_state.json into trainer.state
+RESUMED_STATE_HOOK = "_load_callback_state"
+
+
+def _keep_best_only_if_this_runs(trainer: Any) -> bool:
+    """Whether ``state.best_model_checkpoint`` may stand: None, or a ``checkpoint-N`` of this run's ``output_dir``
+    whose manifest matches (:func:`best_checkpoint_problem`). Otherwise it is dropped with one warning
+    (``state.best_model_checkpoint = None``): the Trainer keeps the weights it trained, and neither its checkpoint
+    rotation nor its end-of-training deletions (``save_total_limit=1`` removes every checkpoint that is not the best)
+    nor an export name it."""
+    best = trainer.state.best_model_checkpoint
+    if not best:
+        return True
+    reason = best_checkpoint_problem(best, trainer.args.output_dir)
+    if reason is None:
+        _VERIFIED.add(_verified_key(Path(best)))  # just matched: the guarded load does not hash it a second time
+        return True
+    import logging
+
+    logging.getLogger("hf_dist").warning(
+        "dropping trainer_state.json's best_model_checkpoint %s: %s; the final model is the one trained, and no "
+        "checkpoint is kept or deleted for it", best, reason,
+    )  # fmt: skip
+    trainer.state.best_model_checkpoint = None
+    return False
+
+
+def _checking_the_resumed_best(trainer: Any, method: Any) -> Any:
+    """A resume: the best checkpoint the resumed ``trainer_state.json`` names is checked as soon as it is read (a
+    planted one would otherwise be saved into every later checkpoint's state, and, under ``save_total_limit=1``,
+    have the Trainer delete every checkpoint of the run at its end)."""
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        _keep_best_only_if_this_runs(trainer)
+        return method(*args, **kwargs)
+
+    return run
+
+
 def _only_this_runs_best(trainer: Any, load: Any) -> Any:
     """The best-model load, run only when ``state.best_model_checkpoint`` (read from a resumed ``trainer_state.json``,
-    so any path a handed folder names) is a ``checkpoint-N`` of this run's ``output_dir`` whose manifest matches;
-    otherwise it is dropped with one warning (``state.best_model_checkpoint = None``: the Trainer keeps the weights
-    it trained, and its checkpoint rotation and exports no longer name it)."""
+    so any path a handed folder names) still is this run's (:func:`_keep_best_only_if_this_runs`)."""
 
     @functools.wraps(load)
     def run(*args: Any, **kwargs: Any) -> Any:
-        best = trainer.state.best_model_checkpoint
-        reason = best_checkpoint_problem(best, trainer.args.output_dir) if best else None
-        if reason is not None:
-            import logging
-
-            logging.getLogger("hf_dist").warning(
-                "not loading the best model from %s (trainer_state.json's best_model_checkpoint): %s; the final model "
-                "is the one trained", best, reason,
-            )  # fmt: skip
-            trainer.state.best_model_checkpoint = None
+        if not _keep_best_only_if_this_runs(trainer):
             return None
-        _VERIFIED.add(_verified_key(Path(best)))  # just matched: the guarded load does not hash it a second time
         return load(*args, **kwargs)
 
     return run

@@ -130,3 +130,29 @@ def test_this_runs_best_checkpoint_with_a_matching_manifest_is_loaded(run, make_
     best = load_file(run / "checkpoint-1" / "model.safetensors")
     final = _weights(trainer.model)
     assert all(torch.equal(final[k], v) for k, v in best.items())
+
+
+def test_a_planted_best_checkpoint_does_not_make_the_trainer_delete_the_runs_checkpoints(run, make_trainer, tmp_path):
+    """``save_total_limit=1``: at its end the Trainer deletes every checkpoint that is not the best one. A resumed state
+    naming a folder outside made it delete all of this run's, the last one included (control); under ``attach`` the
+    planted best is dropped as soon as the resume reads it, and the last checkpoint stays."""
+    from hf_dist.testing import TokenDataset
+
+    _plant_best(run / "checkpoint-2", _outside(run, tmp_path))
+    shutil.copytree(run / "checkpoint-2", tmp_path / "pristine")
+
+    def resumed(guarded):
+        trainer = make_trainer(max_steps=3, save_strategy="steps", save_steps=1, eval_strategy="steps", eval_steps=1,
+                               metric_for_best_model="loss", save_total_limit=1, eval_dataset=TokenDataset(4))  # fmt: skip
+        if guarded:
+            attach(trainer, callbacks=[CompleteCheckpointCallback()])
+        trainer.train(resume_from_checkpoint=str(tmp_path / "pristine"))
+        return trainer
+
+    resumed(guarded=False)
+    assert not list(run.glob("checkpoint-*"))  # the control: every checkpoint of the run deleted
+    trainer = resumed(guarded=True)
+    assert trainer.state.best_model_checkpoint != str(tmp_path / "elsewhere" / "checkpoint-1")
+    assert (run / "checkpoint-3" / "model.safetensors").is_file()
+    state = json.loads((run / "checkpoint-3" / "trainer_state.json").read_text())
+    assert "elsewhere" not in str(state.get("best_model_checkpoint"))  # not carried into the next checkpoint
