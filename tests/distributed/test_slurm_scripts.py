@@ -97,8 +97,9 @@ def test_sbatch_script_trains_on_two_nodes_and_a_requeue_resumes(script, tmp_pat
     second = run_job(script, tmp_path, job, gpus, *RECIPE, *cpu_flags, "--max_steps", "5")
     assert f"[hf_dist] resuming from out/{job}/checkpoint-3 at step 3" in second, second[-3000:]
     assert trained_steps(out) == 5
-    if gpus > 1:  # the YAML's 2 x 8 HSDP mesh, refitted by the script to the allocation
-        assert "hsdp" in second.lower() or "fsdp" in second.lower(), second[-3000:]
+    if gpus > 1:  # hsdp_2node.yaml's 2 x 8 mesh, refitted by the script to 2 x 2: FSDP2 on 4 ranks, both runs
+        for text in (first, second):
+            assert "[hf_dist] running fsdp_full_shard (fsdp2, LlamaForCausalLM)" in text, text[-3000:]
 
 
 def test_accelerate_script_refuses_a_mesh_the_allocation_cannot_hold(tmp_path):
