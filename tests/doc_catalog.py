@@ -101,6 +101,7 @@ CONFIGS = "tests/distributed/test_accelerate_configs.py::test_config_takes_effec
 RECIPES = "tests/distributed/test_recipes.py::test_recipe_trains_under_the_requested_strategy"
 RESTARTS = "tests/distributed/test_fault_tolerance.py::test_kill_mid_step_twice_resumes_and_matches_uninterrupted"
 MULTINODE = "tests/distributed/test_multinode.py::"
+SLURM_SCRIPTS = "tests/distributed/test_slurm_scripts.py::"
 PLAN_FLAGS = "tests/unit/test_cli_plan.py::test_plan_has_a_flag_for_every_pin_auto_args_accepts"
 DOC_LAUNCH = "tests/distributed/test_doc_commands.py::test_doc_launch_line"
 NO_GPU = "needs GPUs"
@@ -300,6 +301,15 @@ CATALOG: dict[str, Entry] = {
     "deepspeed --hostfile": RanBy(f"{MULTINODE}test_deepspeed_hostfile_two_nodes_zero3"),
     "sbatch --nodes 4 examples/slurm/accelerate_multinode.sbatch": CannotRun(SLURM),
     "CONFIG=accelerate_configs/zero3.yaml sbatch examples/slurm/accelerate_multinode.sbatch": CannotRun(SLURM),
+    "sbatch examples/slurm/torchrun_multinode.sbatch --max_steps 1000 --save_steps 100": RanBy(
+        f"{SLURM_SCRIPTS}test_sbatch_script_trains_on_two_nodes_and_a_requeue_resumes",
+        "the script run as sbatch would, srun/scontrol stand-ins, 2 nodes on loopback, --max_steps 3 then 5",
+    ),
+    "python -m hf_dist.configs.launch_mesh CONFIG NODES GPUS_PER_NODE": RanBy(
+        f"{SLURM_SCRIPTS}test_accelerate_script_refuses_a_mesh_the_allocation_cannot_hold",
+        "accelerate_multinode.sbatch runs it (fitting and refusing); its flags: test_hsdp_mesh_follows_the_allocation",
+    ),
+    "python -m pytest -q tests/distributed/test_slurm_scripts.py": SUITE,
     "deepspeed --hostfile examples/hostfile --master_addr node-001 --master_port 29500 recipes/sft.py --deepspeed "
     "ds_zero3.json --output_dir out/run1": CannotRun(f"{TWO_HOSTS} and ssh between them (pdsh fan-out)"),
     "deepspeed --hostfile examples/hostfile --no_ssh --node_rank 0 --master_addr 10.0.0.1 --master_port 29500 "

@@ -55,6 +55,25 @@ def strategy_of_args(training_args: Any) -> str | None:
 
         options = fsdp if isinstance(fsdp, (list, tuple)) else [fsdp]
         return fsdp_strategy_named_in(" ".join(str(getattr(o, "value", o)) for o in options)).name
+    return strategy_of_accelerate_env()
+
+
+def strategy_of_accelerate_env() -> str | None:
+    """The strategy an ``accelerate launch --config_file`` YAML chose, from the environment it gives each rank
+    (``ACCELERATE_USE_FSDP``/``ACCELERATE_USE_DEEPSPEED``: the Trainer applies it only when it builds its
+    Accelerator, so ``TrainingArguments`` do not show it yet); 'ddp' when it chose neither, None when it cannot tell."""
+    env = os.environ
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
+        try:
+            return zero_stage_strategy(int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", ""))).name
+        except (TypeError, ValueError):  # a DeepSpeed config file, or a stage hf_dist does not run
+            return None
+    if env.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
+        from hf_dist.runtime.dist import fsdp_strategy_named_in
+
+        reshard = env.get("FSDP_RESHARD_AFTER_FORWARD", "").lower()
+        mode = "shard_grad_op" if reshard == "false" else env.get("FSDP_SHARDING_STRATEGY", "")
+        return fsdp_strategy_named_in(mode).name
     return "ddp"
 
 

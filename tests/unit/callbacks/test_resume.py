@@ -307,6 +307,31 @@ def test_strategy_of_args_names_registry_strategies(args, expected):
     assert strategy_of_args(SimpleNamespace(**args)) == expected
 
 
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_RESHARD_AFTER_FORWARD": "true"}, "fsdp_full_shard"),
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_RESHARD_AFTER_FORWARD": "false"}, "fsdp_shard_grad_op"),
+        ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, "zero3"),
+        ({"ACCELERATE_USE_DEEPSPEED": "true"}, None),
+        ({}, "ddp"),
+    ],
+)
+def test_strategy_of_args_reads_what_an_accelerate_yaml_chose(env, expected, monkeypatch):
+    """Under ``accelerate launch --config_file fsdp.yaml`` the arguments name no strategy before the Trainer exists:
+    the resume check must not take the FSDP run for DDP (a requeued HSDP job was refused so, issue 39)."""
+    from types import SimpleNamespace
+
+    from hf_dist.checkpoint.lifecycle.resume_checks import strategy_of_args
+
+    for key in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "FSDP_RESHARD_AFTER_FORWARD",
+                "ACCELERATE_DEEPSPEED_ZERO_STAGE", "FSDP_SHARDING_STRATEGY"):  # fmt: skip
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert strategy_of_args(SimpleNamespace(deepspeed=None, fsdp="")) == expected
+
+
 def test_auto_resume_says_on_rank_0_where_it_resumes_or_why_it_starts_from_scratch(tmp_path, capsys, monkeypatch):
     """One line a user sees without logging set up: the checkpoint and its step, or why the run starts at step 0."""
     from types import SimpleNamespace
