@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
             async_save=run_args.async_save, trust_remote_code=model_args.trust_remote_code,
         )  # fmt: skip
         if data_args.document_attention:  # refused where the layout or attention cannot keep documents apart
-            ru.check_packing(model_args.attn_implementation, args)
+            ru.packing_attention(model_args.attn_implementation, args)
         resume = ru.resume_checkpoint(args)  # --resume_from_checkpoint: checked against this run, said in one line
     if ru.is_finished(resume, args):  # the checkpoint is at the last step: nothing to train, nothing to redo
         return ru.earlier_results(args)

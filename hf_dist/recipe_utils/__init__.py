@@ -30,7 +30,14 @@ from hf_dist.recipe_utils.args import (
     training_arguments,
 )
 from hf_dist.recipe_utils.checks import check_engine_runs_here, check_model_source, check_output_dir
-from hf_dist.recipe_utils.data import chat_datasets, check_dataset, collator, text_datasets, use_packing
+from hf_dist.recipe_utils.data import (
+    chat_datasets,
+    check_dataset,
+    collator,
+    packing_attention,
+    text_datasets,
+    use_packing,
+)
 from hf_dist.recipe_utils.export import export_model
 from hf_dist.recipe_utils.model import (
     apply_lora,
@@ -50,7 +57,6 @@ from hf_dist.recipe_utils.refusal import RecipeRefusal, checking, run_recipe
 from hf_dist.recipe_utils.run import (
     baseline_accuracy,
     batch_shape,
-    check_packing,
     check_strategy,
     cpu_test_modes,
     describe_plan,
@@ -71,10 +77,10 @@ __all__ = [
     "DataArguments", "EMBEDDED_TRAINING_DEFAULTS", "LLAMA_LORA_TARGETS", "LoraArguments", "ModelArguments",
     "QuantArguments", "REAL_TRAINING_DEFAULTS", "RecipeRefusal", "RunArguments", "STRATEGY_CHOICES", "STRATEGY_FLAGS",
     "apply_lora", "baseline_accuracy", "batch_shape", "bnb_config", "build_model", "chat_datasets", "check_dataset",
-    "check_engine_runs_here", "check_lora_targets", "check_packing", "check_model_source", "check_output_dir", "check_strategy",
+    "check_engine_runs_here", "check_lora_targets", "check_model_source", "check_output_dir", "check_strategy",
     "checking", "collator", "cpu_test_modes", "describe_plan", "earlier_results", "embedded_base_on_disk",
     "export_model", "finish_run", "format_results", "is_finished", "load_recipe", "load_tokenizer", "lora_config",
-    "make_trainer", "model_config", "parallel_load_kwargs", "parse_recipe_args", "print_plan", "require_cuda",
-    "resolve_seq_len", "resume_checkpoint", "run_recipe", "save_at_end_callback", "save_base_model", "shards_at_load",
+    "make_trainer", "model_config", "packing_attention", "parallel_load_kwargs", "parse_recipe_args", "print_plan",
+    "require_cuda", "resolve_seq_len", "resume_checkpoint", "run_recipe", "save_at_end_callback", "save_base_model", "shards_at_load",
     "shutdown", "text_datasets", "train", "training_arguments", "use_packing",
 ]  # fmt: skip

@@ -153,23 +153,30 @@ def _user_splits(data_args: DataArguments, *, kind: str, seed: int):
 def use_packing(data_args: DataArguments, args: Any, *, attn_implementation: str | None, embedded: bool) -> bool:
     """Whether the chat recipe packs: ``--packing`` as given (``true`` refuses a layout or attention that cannot
     keep conversations apart, naming it); unset, on for ``--dataset`` where the layout allows it (else rank 0 says
-    why not) and off for the embedded task, whose examples are uniformly short. Under Ulysses sequence parallelism
-    the SP handler of ``args`` is given the document-aware sdpa (:mod:`hf_dist.data.attention`)."""
+    why not) and off for the embedded task, whose examples are uniformly short. See :func:`packing_attention`."""
     if data_args.packing is False or (data_args.packing is None and embedded):
         return False
-    parallelism = getattr(args, "parallelism_config", None)
-    sizes = parallel_sizes(parallelism, deepspeed_config(args))
     try:
-        attention = check_packing(attn_implementation, cp_size=sizes["cp"], sp_size=sizes["sp"])
+        packing_attention(attn_implementation, args)
     except ValueError as exc:
         if data_args.packing:
             raise
         if args.process_index == 0:
             print(f"[hf_dist] packing off: {exc}", flush=True)
         return False
-    if sizes["sp"] > 1:  # Ulysses wraps the document-aware sdpa, and the model loads with it (parallel_load_kwargs)
-        parallelism.sp_handler.sp_attn_implementation = attention
     return True
+
+
+def packing_attention(attn_implementation: str | None, args: Any) -> None:
+    """:func:`hf_dist.data.check_packing` for the layout of ``args`` (``TrainingArguments``): a ValueError where
+    packed sequences cannot be kept apart; under Ulysses sequence parallelism the SP handler of ``args`` is given the
+    document-aware sdpa (:mod:`hf_dist.data.attention`), which the model then loads with
+    (:func:`~hf_dist.recipe_utils.model.parallel_load_kwargs`)."""
+    parallelism = getattr(args, "parallelism_config", None)
+    sizes = parallel_sizes(parallelism, deepspeed_config(args))
+    attention = check_packing(attn_implementation, cp_size=sizes["cp"], sp_size=sizes["sp"])
+    if sizes["sp"] > 1:  # accelerate's handler checks names only when built: the registered name is set after
+        parallelism.sp_handler.sp_attn_implementation = attention
 
 
 ROWS = ("padded", "blocks", "packed")  # what a recipe's dataset rows are: see collator()

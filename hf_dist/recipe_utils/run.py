@@ -210,14 +210,6 @@ def batch_shape(args: Any) -> BatchShape:
     return BatchShape(args.per_device_train_batch_size, args.gradient_accumulation_steps, dp)
 
 
-def check_packing(attn_implementation: str | None, args: Any) -> None:
-    """:func:`hf_dist.data.check_packing` for the layout of ``args``: refuse what cannot keep sequences apart."""
-    from hf_dist.data import check_packing as check
-
-    sizes = parallel_sizes(getattr(args, "parallelism_config", None), deepspeed_config(args))
-    check(attn_implementation, cp_size=sizes["cp"], sp_size=sizes["sp"])
-
-
 def describe_plan(config: Any, *, method: str, seq_len: int, args: Any, strategy: str | None = None,
                   trust_remote_code: bool = False, peft_config: Any = None, data: Any = None) -> str:  # fmt: skip
     """The planner's explanation for this model/method on the detected hardware, plus the batch math (over the

@@ -375,3 +375,19 @@ def test_best_fit_decreasing_equals_the_plain_search():
     for capacity in (1, 7, 64, 100):
         lengths = [rng.randint(1, capacity) for _ in range(300)]
         assert best_fit_decreasing(lengths, capacity) == plain(lengths, capacity)
+
+
+def test_packing_under_sequence_parallelism_gives_ulysses_and_the_model_the_document_aware_sdpa():
+    from types import SimpleNamespace
+
+    from accelerate import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    from hf_dist.recipe_utils import packing_attention, parallel_load_kwargs
+
+    handler = DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa")
+    parallelism = ParallelismConfig(sp_size=2, sp_backend="deepspeed", sp_handler=handler)
+    args = SimpleNamespace(parallelism_config=parallelism, deepspeed={"sequence_parallel_size": 2}, process_index=0)
+    packing_attention(None, args)
+    assert handler.sp_attn_implementation == DOCUMENT_SDPA
+    assert parallel_load_kwargs(args)["attn_implementation"] == DOCUMENT_SDPA
