@@ -4,7 +4,7 @@ Chat conversations (:func:`pack`, :class:`PackedCollator`) are packed whole, bes
 ``position_ids`` restarting at each conversation and no label predicting across a boundary. What keeps attention
 inside a conversation is the batch itself, for every attention implementation, with the model's default config:
 
-- sdpa / eager / flex: the batch has ``position_ids``, **no** ``attention_mask`` and ``use_cache=False``, the one
+- sdpa / eager: the batch has ``position_ids``, **no** ``attention_mask`` and ``use_cache=False``, the one
   case where transformers builds a per-sequence causal mask from the restarting positions
   (``masking_utils.find_packed_sequence_indices``; a 2D mask or a cache, which the config's default
   ``use_cache=True`` builds, turns that detection off);
@@ -30,8 +30,9 @@ from hf_dist.data.attention import DOCUMENT_SDPA, register_document_attention
 from hf_dist.data.chat import IGNORE_INDEX
 
 PACKED_COLUMNS = ("input_ids", "labels", "position_ids")
-# attention implementations that keep packed sequences apart from the batch above (transformers' own paths)
-SEPARATING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+# attention implementations that keep packed sequences apart from the batch above (transformers' own paths; each is
+# tested against every sequence alone in tests/unit/test_packing.py, flash through its varlen arguments)
+SEPARATING_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 # under Ulysses SP DeepSpeed drops the mask and gives the wrapped attention the gathered position_ids, which plain
 # sdpa ignores and flash reads only at one row per micro-batch: sdpa is replaced by the document-aware sdpa
 SP_SEPARATING_ATTENTION = ("sdpa", DOCUMENT_SDPA)
