@@ -198,7 +198,9 @@ def test_checkpoint_holds_the_swapped_state_and_converts(runs, tmp_path):
     partial = tmp_path / "partial"
     shutil.copytree(checkpoint, partial)
     shutil.rmtree(partial / f"global_step{STEPS}" / "offloaded_tensors" / "rank01")
-    with pytest.raises(FileNotFoundError, match=r"on NVMe \(ZeRO-Infinity\) and .*rank01/.*\.tensor\.swp is missing"):
+    with pytest.raises(
+        FileNotFoundError, match=r"ZeRO-Infinity swapped it to NVMe\) and .*rank01/.*\.tensor\.swp is missing"
+    ):
         convert(partial, tmp_path / "hf2", progress=False)
 
 

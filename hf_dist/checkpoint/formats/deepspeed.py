@@ -257,7 +257,20 @@ class DeepSpeedReader(Reader):
             for key, value in state.items():
                 if not (isinstance(value, torch.Tensor) and value.dim() > 0):
                     continue
-                out.append(self._checked_swap_file(folder, rank, g, f"{key}-{ds_id}", f"optimizer state {key!r}"))
+                name = f"offloaded_tensors/rank{rank:02d}/{key}-{ds_id}.tensor.swp"  # key, ds_id: unpickled values
+                path = folder.path(name, named_in=self.optim_files[rank])
+                if not path.is_file():
+                    raise FileNotFoundError(
+                        f"{self.optim_files[rank].name} records optimizer state {key!r} for sub-group {g}, swapped to "
+                        f"NVMe, and {path} is missing: copy the complete checkpoint folder, offloaded_tensors/ included"
+                    )
+                if g >= len(self._sub_group_sizes) or path.stat().st_size < self._sub_group_sizes[g] * 4:
+                    raise ValueError(
+                        f"{path} holds {path.stat().st_size} bytes, less than sub-group {g}'s fp32 {key} "
+                        f"({self._sub_group_sizes[g] * 4 if g < len(self._sub_group_sizes) else '?'} bytes): a "
+                        "truncated copy, or swap files of another checkpoint; DeepSpeed's reader would abort the rank"
+                    )
+                out.append(path)
         return out
 
     def _swap_files(self, rank: int, groups: list) -> list[Path | None]:
@@ -269,26 +282,20 @@ class DeepSpeedReader(Reader):
             if tensor.numel() or ds_id is None or self.stage != 3:
                 out.append(None)
                 continue
-            out.append(self._checked_swap_file(folder, rank, g, str(ds_id), "partition"))
+            name = f"offloaded_tensors/rank{rank:02d}/{ds_id}.tensor.swp"  # ds_id: a value unpickled from the file
+            path = folder.path(name, named_in=self.optim_files[rank])
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"{self.optim_files[rank].name} has no fp32 partition for sub-group {g} (ZeRO-Infinity swapped it to "
+                    f"NVMe) and {path} is missing: copy the complete checkpoint folder, offloaded_tensors/ included"
+                )
+            if g >= len(self._sub_group_sizes) or path.stat().st_size < self._sub_group_sizes[g] * 4:
+                raise ValueError(
+                    f"{path} holds {path.stat().st_size} bytes, less than sub-group {g}'s fp32 partition; the "
+                    "checkpoint's sub_group_size or its swap files do not belong together"
+                )
+            out.append(path)
         return out
-
-    def _checked_swap_file(self, folder: ConfinedFolder, rank: int, g: int, stem: str, what: str) -> Path:
-        """``rank``'s swap file ``<stem>.tensor.swp`` of sub-group ``g`` (``stem`` holds values unpickled from the
-        optimizer file: confined to the folder), which must be there and hold the sub-group's fp32 ``what``."""
-        path = folder.path(f"offloaded_tensors/rank{rank:02d}/{stem}.tensor.swp", named_in=self.optim_files[rank])
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"{self.optim_files[rank].name} keeps sub-group {g}'s fp32 {what} on NVMe (ZeRO-Infinity) and {path} "
-                "is missing: copy the complete checkpoint folder, offloaded_tensors/ included"
-            )
-        need = self._sub_group_sizes[g] * 4 if g < len(self._sub_group_sizes) else None
-        if need is None or path.stat().st_size < need:
-            raise ValueError(
-                f"{path} holds {path.stat().st_size} bytes, less than sub-group {g}'s fp32 {what} ({need or '?'} "
-                "bytes): a truncated copy, or swap files of another checkpoint or sub_group_size; DeepSpeed's reader "
-                "would abort the rank"
-            )
-        return path
 
     def _flat_group_offsets(self, rank: int) -> list[tuple[str, int] | None]:
         """(file, offset) of each flat fp32 group of ``rank`` (None: not stored as one contiguous fp32 run)."""
