@@ -182,14 +182,29 @@ def _hold(output_dir: Path, path: Path, *, exclusive: bool) -> bool:
 
 
 def check_output_dir_free(output_dir: str | os.PathLike) -> None:
-    """Raise :class:`OutputBusyError` when another live job holds ``output_dir``'s lock (reads only; every rank)."""
-    path = Path(output_dir) / OUTPUT_LOCK
+    """Raise :class:`OutputBusyError` on every rank when another live job holds ``output_dir``'s lock (reads only).
+
+    Collective under a process group: rank 0 judges and sends its answer, since only it knows this launch's identity
+    before :func:`claim_output_dir` sends it (rank 0 may already hold the lock while another rank asks). Without one,
+    only the launcher's rank 0 (``RANK``) judges."""
+    from hf_dist.runtime import dist as _dist
+
+    rank = _dist.rank() if _dist.is_distributed() else int(os.environ.get("RANK") or 0)
+    refusal = _refusal_to_resume(Path(output_dir)) if rank == 0 else None
+    refusal = _dist.broadcast_object(refusal)
+    if refusal:
+        raise OutputBusyError(refusal)
+
+
+def _refusal_to_resume(output_dir: Path) -> str | None:
+    path = output_dir / OUTPUT_LOCK
     current = _current(path)
     if current is not None and _alive(current) and not _is_mine(current):
-        raise OutputBusyError(
+        return (
             f"{output_dir} is being written by another job: {_describe(current)}; not resuming from a folder another "
             f"job is writing. Wait for it to end or stop it, or use another output_dir (its lock: {path})"
         )
+    return None
 
 
 def claim_output_dir(output_dir: str | os.PathLike) -> None:

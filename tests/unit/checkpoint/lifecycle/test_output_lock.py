@@ -190,6 +190,37 @@ def test_two_launches_with_the_same_environment_never_share_the_lock(tmp_path, m
     release_output_dir(out)
 
 
+AHEAD = """
+import os, sys
+from pathlib import Path
+import torch.distributed as dist
+from hf_dist.checkpoint.lifecycle import output_lock
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+if rank == 0:
+    assert output_lock._take(Path(sys.argv[1])) is None  # rank 0 already holds the lock (attach ran there first)
+dist.barrier()
+output_lock.check_output_dir_free(sys.argv[1])
+print("free", flush=True)
+"""
+
+
+def test_a_rank_asking_after_its_rank_0_took_the_lock_is_not_refused(tmp_path):
+    """auto_resume's check on rank 1 while rank 0 of the same launch already holds the lock (rank 1 has not yet been
+    sent the launch's identity): rank 0 answers for every rank, so neither is refused (it once refused rank 1 in a
+    ZeRO-Infinity resume, naming its own rank 0)."""
+    env = {**os.environ, **SAME_ENV, "PYTHONPATH": os.getcwd(), "WORLD_SIZE": "2"}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", AHEAD, str(tmp_path / "out"), str(tmp_path / "rendezvous")],
+            env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    results = [rank.communicate(timeout=120) for rank in ranks]
+    assert [out.strip() for out, _ in results] == ["free", "free"], results
+
+
 def test_the_lock_file_is_created_exclusively(tmp_path, other_job, monkeypatch):
     """Two jobs that both found the folder free: the second's exclusive create fails, it looks again and is refused
     naming the first, whose lock stays as it was."""
