@@ -141,7 +141,7 @@ def cpu_bytes_per_rank(
 def swap_bytes_per_rank(spec, degree, trainable, method, offload, optimizer, lay: Dtypes, compute, device) -> int:
     """ZeRO-Infinity's swap files per rank (:func:`hf_dist.planning.nvme.swap_files`): the master partition (fp32, or
     bf16 under pure bf16) with the optimizer's moments and gradients in the same dtype, and the parameter partitions
-    in the parameter swapper's dtype (bf16 on CPU ranks, see :func:`~hf_dist.planning.nvme.host_bytes`)."""
+    in the parameter swapper's dtype (:func:`~hf_dist.planning.nvme.param_swapper_bytes`)."""
     tensors = (
         [per_rank(n, degree) for n in trainable_tensors(spec)] if method == "full" and spec.lora_linears else None
     )

@@ -99,10 +99,21 @@ def host_bytes(
 
 
 def param_swapper_bytes(device: str, compute: int) -> int:
-    """Bytes per element of the parameter swapper's buffers and files: the compute dtype's, but bf16 on DeepSpeed's
-    CPU accelerator, where ``zero.Init`` picks bf16 whatever the model's dtype (partition_parameters.py ``_set_dtype``:
-    ``dtype or torch.float16 if fp16_supported else torch.bfloat16 ...``)."""
-    return 2 if device == "cpu" else compute
+    """Bytes per element of the parameter swapper's buffers and files: the compute dtype's, except on DeepSpeed's CPU
+    accelerator without fp16 kernels, where ``zero.Init`` picks bf16 whatever the model's dtype
+    (partition_parameters.py ``_set_dtype``: ``dtype or torch.float16 if fp16_supported else torch.bfloat16 ...``;
+    a CPU plan is for the CPU it runs on, so that CPU is asked, as DeepSpeed asks it)."""
+    return compute if device != "cpu" or _cpu_fp16_supported() else 2
+
+
+def _cpu_fp16_supported() -> bool:
+    """DeepSpeed's ``CPU_Accelerator.is_fp16_supported``: oneDNN's fp16 kernels on this CPU (AVX512-FP16 / AMX-FP16)."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:  # DeepSpeed treats a failed probe as unsupported too
+        return False
 
 
 def param_buffer_elements(largest_partition: int) -> int:
