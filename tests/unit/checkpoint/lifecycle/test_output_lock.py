@@ -213,7 +213,10 @@ def test_a_rank_asking_after_its_rank_0_took_the_lock_is_not_refused(tmp_path):
     ranks = [
         subprocess.Popen(
             [sys.executable, "-c", AHEAD, str(tmp_path / "out"), str(tmp_path / "rendezvous")],
-            env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**env, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )  # fmt: skip
         for rank in range(2)
     ]
