@@ -3,9 +3,9 @@
 must equal the trace's.
 
 Measured (torch 2.13 CPU): DDP, FSDP2 with accumulation and LoRA with dropout agree to the byte or within 112 bytes
-of ~2-3 MB; with activation checkpointing the trace is above the real peak by 0.4 % (full) and 0.3 % (LoRA), what
-torch's MemTracker documents for recomputation in backward (its attribution during AC is approximate). LoRA was 2.7 %
-above while the trace ran a first step for the optimizer state: 32 KB of it stayed counted into the measured step
+of ~2-3 MB; with activation checkpointing the trace is above the real peak by 0.4 % (full; 1.2 % on a CPU with AMX)
+and 0.3 % (LoRA), what torch's MemTracker documents for recomputation in backward (its attribution during AC is
+approximate). LoRA was 2.7 % above while the trace ran a first step for the optimizer state: 32 KB of it stayed counted into the measured step
 (the real peak is the same either way). DeepSpeed 0.19.8 (bf16, the Trainer's fused AdamW): ZeRO-1/2/3 full
 fine-tuning to the byte, ZeRO-1/3 LoRA within 112 bytes, ZeRO-2 LoRA ~30 KB below the real peak (of 2.0 GB, 1.4 MB
 besides the reduce buckets): the real run's end-of-backward all-reduce of its bf16 bucket over gloo holds more than the
@@ -32,8 +32,10 @@ SETUPS = {
     "ddp_lora_ckpt": TraceSetup(strategy="ddp", method="lora", activation_checkpointing=True, **SHAPE),
 }
 # the others: 0.1 %. FSDP2 with accumulation: in 1 of ~10 CI runs the real peak held one more sharded root-unit buffer
-# (32,896 bytes: half of the 256 x 64 fp32 embedding, + 128), freed by gloo's reduce-scatter work in another order
-TOLERANCE = {"ddp_ckpt": 0.01, "ddp_lora_ckpt": 0.01, "fsdp_full_shard_accumulation": 0.02}
+# (32,896 bytes: half of the 256 x 64 fp32 embedding, + 128), freed by gloo's reduce-scatter work in another order.
+# DDP with activation checkpointing: on a CPU with AMX (torch's bf16 CPU flash attention then packs its blocks with
+# VNNI, another kernel path) the real peak is 1.2 % below the trace (2,527,584 vs 2,558,368 bytes), 0.4 % elsewhere
+TOLERANCE = {"ddp_ckpt": 0.015, "ddp_lora_ckpt": 0.01, "fsdp_full_shard_accumulation": 0.02}
 
 
 # DeepSpeed ZeRO-1/2/3 as hf_dist configures it (bf16: the engine casts the module, ZeRO-1 runs BF16_Optimizer)
