@@ -2,12 +2,12 @@
 (real DDP Reducer, real FSDP2 collectives, the real DeepSpeed engine), measured by torch's profiler; rank 0's peak
 must equal the trace's.
 
-Measured (torch 2.13 CPU): DDP, FSDP2 with accumulation and LoRA with dropout agree to the byte or within 112 bytes
-of ~2-3 MB; with activation checkpointing the trace is above the real peak by 0.4 % (full; 1.2 % on a CPU with AMX)
-and 0.3 % (LoRA), what torch's MemTracker documents for recomputation in backward (its attribution during AC is
-approximate). LoRA was 2.7 % above while the trace ran a first step for the optimizer state: 32 KB of it stayed
-counted into the measured step (the real peak is the same either way). DeepSpeed 0.19.8 (bf16, the Trainer's fused AdamW): ZeRO-1/2/3 full
-fine-tuning to the byte, ZeRO-1/3 LoRA within 112 bytes, ZeRO-2 LoRA ~30 KB below the real peak (of 2.0 GB, 1.4 MB
+Measured (torch 2.13 CPU): DDP, FSDP2 with accumulation and LoRA with dropout agree to the byte or within 112 bytes of
+~2-3 MB; with activation checkpointing the trace is above the real peak by 0.4 % (full; 1.2 % on a CPU with AMX) and 0.3
+% (LoRA), what torch's MemTracker documents for recomputation in backward (its attribution during AC is approximate).
+LoRA was 2.7 % above while the trace ran a first step for the optimizer state: 32 KB of it stayed counted into the
+measured step (the real peak is the same either way). DeepSpeed 0.19.8 (bf16, the Trainer's fused AdamW): ZeRO-1/2/3
+full fine-tuning to the byte, ZeRO-1/3 LoRA within 112 bytes, ZeRO-2 LoRA ~30 KB below the real peak (of 2.0 GB, 1.4 MB
 besides the reduce buckets): the real run's end-of-backward all-reduce of its bf16 bucket over gloo holds more than the
 fake group's."""
 
