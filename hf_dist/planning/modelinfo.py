@@ -196,6 +196,7 @@ def config_from_dict(data: dict) -> Any:
         raise ValueError(
             f"config dict has no 'model_type' (keys: {sorted(data)[:10]}...); add it, e.g. 'model_type': 'llama'"
         )
+    check_config_dict(data, where="model config")
     kwargs = {k: v for k, v in data.items() if k != "model_type"}
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -224,7 +225,9 @@ def load_config(path_or_name: str, *, trust_remote_code: bool = False) -> Any:
         config_file = os.path.join(path_or_name, "config.json")
         if not os.path.isfile(config_file):
             raise FileNotFoundError(f"folder {path_or_name} has no config.json; pass a model folder or a config.json")
-        check_config_class(_read_json(config_file), path_or_name, trust_remote_code=trust)
+        data = _read_json(config_file)
+        check_config_dict(data, where=f"model config {config_file}")
+        check_config_class(data, path_or_name, trust_remote_code=trust)
         return _auto_config(path_or_name, trust, f"cannot read {config_file}", "fix or replace it")
     check_hub_reachable(path_or_name)
     return _hub_config(path_or_name, trust)
@@ -244,6 +247,7 @@ def _read_json(path: str) -> dict:
 def _config_from_file(path: str, trust: bool) -> Any:
     """A config.json file: read as a dict (no code), or, trusted and with an ``auto_map``, as its folder."""
     data = _read_json(path)
+    check_config_dict(data, where=f"model config {path}")
     folder = os.path.dirname(os.path.abspath(path))
     if trust and data.get("auto_map") and os.path.basename(path) == "config.json":
         return load_config(folder, trust_remote_code=True)
@@ -259,8 +263,9 @@ def _auto_config(path_or_name: str, trust: bool, failure: str, fix: str) -> Any:
 
     try:
         return AutoConfig.from_pretrained(path_or_name, trust_remote_code=trust)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{failure} ({type(exc).__name__}: {str(exc)[:200]}); {fix}") from None
+    except (OSError, ValueError, TypeError, AttributeError, KeyError) as exc:  # transformers' validators raise these
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        raise ValueError(f"{failure} ({type(exc).__name__}: {first}); {fix}") from None
 
 
 def _hub_config(name: str, trust: bool) -> Any:
@@ -275,6 +280,7 @@ def _hub_config(name: str, trust: bool) -> Any:
         data, _ = PretrainedConfig.get_config_dict(name)
     except (OSError, ValueError) as exc:
         raise ValueError(unresolved.format(type(exc).__name__)) from exc
+    check_config_dict(data, where=f"model config of {name!r}")
     check_config_class(data, name, trust_remote_code=trust)
     return _auto_config(name, trust, f"cannot read the config of {name!r}", "pass a local folder or config.json")
 
@@ -319,6 +325,79 @@ def check_causal_lm(config: Any, *, trust_remote_code: bool = False) -> bool:
     )
 
 
+MAX_LAYERS = 10_000  # far past any released model (hundreds); 200,000 layers took over 90 s to build on meta
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _dtype_problem(value: Any) -> bool:
+    import torch
+
+    if value is None or isinstance(value, torch.dtype):
+        return False
+    if not isinstance(value, str):
+        return True
+    name = value.removeprefix("torch.")
+    return name != "auto" and not (
+        isinstance(getattr(torch, name, None), torch.dtype) and getattr(torch, name).is_floating_point
+    )
+
+
+def _rope_thetas(get: Any) -> list[Any]:
+    """``rope_theta`` where a config keeps it: top level (transformers 4), ``rope_parameters`` (one dict, or one per
+    layer type: transformers 5)."""
+    thetas = [get("rope_theta")]
+    params = get("rope_parameters")
+    for part in (params.values() if isinstance(params, dict) and all(isinstance(v, dict) for v in params.values())
+                 else [params]):  # fmt: skip
+        if isinstance(part, dict):
+            thetas.append(part.get("rope_theta"))
+    return [theta for theta in thetas if theta is not None]
+
+
+def config_field_problem(get: Any, dtype_keys: tuple[str, ...] = ("dtype", "torch_dtype")) -> str | None:
+    """What is wrong with the config fields the planner reads beyond the sizes (``get(key)``: the value or None), or
+    None: the layer count under :data:`MAX_LAYERS`, ``head_dim`` and ``max_position_embeddings`` positive integers,
+    ``tie_word_embeddings`` a boolean, ``dtype`` a torch floating dtype, ``rope_theta`` a finite positive number."""
+    import math
+
+    layers = get("num_hidden_layers")
+    if _positive_int(layers) and layers > MAX_LAYERS:
+        return (f"num_hidden_layers {layers} is over hf_dist's cap of {MAX_LAYERS:,} layers (released models have "
+                "hundreds); nothing was built")  # fmt: skip
+    for key in ("head_dim", "max_position_embeddings"):
+        value = get(key)
+        if value is not None and not _positive_int(value):
+            return f"{key} must be a positive integer, got {value!r}"
+    tie = get("tie_word_embeddings")
+    if tie is not None and not isinstance(tie, bool):
+        return f"tie_word_embeddings must be true or false, got {tie!r}"
+    for key in dtype_keys:
+        if _dtype_problem(get(key)):
+            return f"{key} must name a torch floating dtype (bfloat16, float16, float32), got {get(key)!r}"
+    for theta in _rope_thetas(get):
+        number = isinstance(theta, (int, float)) and not isinstance(theta, bool)
+        if not number or not math.isfinite(theta) or theta <= 0:
+            return f"rope_theta must be a finite positive number, got {theta!r}"
+    return None
+
+
+def check_config_dict(data: dict, *, where: str) -> None:
+    """Refuse a raw config.json (and its ``text_config``) whose fields the planner reads are of the wrong type or
+    range, in one line, before transformers builds anything from it (its own validators raise tracebacks)."""
+    for part, label in ((data, where), (data.get("text_config"), f"{where} (text_config)")):
+        if not isinstance(part, dict):
+            continue
+        layers = part.get("num_hidden_layers")
+        if layers is not None and not _positive_int(layers):
+            raise ValueError(f"{label}: num_hidden_layers must be a positive integer, got {layers!r}; fix config.json")
+        problem = config_field_problem(part.get)
+        if problem is not None:
+            raise ValueError(f"{label}: {problem}; fix config.json")
+
+
 def check_dimensions(config: Any, *, name: str | None = None) -> None:
     """Refuse a config whose sizes are zero, negative, non-integer or inconsistent, before anything is planned."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -331,6 +410,9 @@ def check_dimensions(config: Any, *, name: str | None = None) -> None:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{where}: {key} must be a positive integer, got {value!r}; fix config.json")
+    problem = config_field_problem(lambda key: getattr(text, key, None), ("dtype",))
+    if problem is not None:
+        raise ValueError(f"{where}: {problem}; fix config.json")
     hidden, heads, kv = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
     head_dim = getattr(text, "head_dim", None)
     # transformers 5.0 fills head_dim = hidden // heads itself: only an explicit, different head_dim is a choice

@@ -233,7 +233,45 @@ class DeepSpeedReader(Reader):
                 "optimizer_state_dict"
             ]
             if int(optim["zero_stage"]) == 3:
-                self._swap_files(rank, list(optim["fp32_flat_groups"]))
+                groups = list(optim["fp32_flat_groups"])
+                self._swap_files(rank, groups)
+                inner = optim.get("optimizer_state_dict")
+                states = inner.get("state") if isinstance(inner, dict) else None
+                self._moment_swap_files(rank, groups, states if isinstance(states, dict) else {})
+
+    def _moment_swap_files(self, rank: int, groups: list, states: dict) -> list[Path]:
+        """The optimizer moments of ``rank``'s swapped sub-groups: DeepSpeed's swapper writes each tensor of the
+        sub-group's Adam state (``exp_avg``, ``exp_avg_sq``; its saved placeholder has a dimension, unlike ``step``)
+        to ``<state>-<ds_id>.tensor.swp``, fp32, as long as the master partition, and reads it back on resume with
+        its aio reader, which aborts the process on a short file. Each must be there and that long (FileNotFoundError
+        / ValueError naming it)."""
+        import torch
+
+        folder = ConfinedFolder(self.info.path)
+        out: list[Path] = []
+        for g, tensor in enumerate(groups):
+            ds_id = getattr(tensor, "ds_id", None)
+            state = states.get(g)
+            if tensor.numel() or ds_id is None or self.stage != 3 or not isinstance(state, dict):
+                continue
+            for key, value in state.items():
+                if not (isinstance(value, torch.Tensor) and value.dim() > 0):
+                    continue
+                name = f"offloaded_tensors/rank{rank:02d}/{key}-{ds_id}.tensor.swp"  # key, ds_id: unpickled values
+                path = folder.path(name, named_in=self.optim_files[rank])
+                if not path.is_file():
+                    raise FileNotFoundError(
+                        f"{self.optim_files[rank].name} records optimizer state {key!r} for sub-group {g}, swapped to "
+                        f"NVMe, and {path} is missing: copy the complete checkpoint folder, offloaded_tensors/ included"
+                    )
+                if g >= len(self._sub_group_sizes) or path.stat().st_size < self._sub_group_sizes[g] * 4:
+                    raise ValueError(
+                        f"{path} holds {path.stat().st_size} bytes, less than sub-group {g}'s fp32 {key} "
+                        f"({self._sub_group_sizes[g] * 4 if g < len(self._sub_group_sizes) else '?'} bytes): a "
+                        "truncated copy, or swap files of another checkpoint; DeepSpeed's reader would abort the rank"
+                    )
+                out.append(path)
+        return out
 
     def _swap_files(self, rank: int, groups: list) -> list[Path | None]:
         """Per flat group of ``rank``: the NVMe swap file holding its fp32 partition, or None when it is stored inline."""

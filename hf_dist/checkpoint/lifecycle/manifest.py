@@ -30,6 +30,7 @@ from typing import Any
 
 from hf_dist.atomic_io import atomic_write_json
 from hf_dist.checkpoint.formats.layout import (
+    LATEST,
     LATEST_UNIVERSAL,
     MARKER_NAME,
     OUTPUT_MARKER,
@@ -38,7 +39,7 @@ from hf_dist.checkpoint.formats.layout import (
     owner_rank,
     read_layout,
 )
-from hf_dist.checkpoint.safety.paths import ConfinedFolder
+from hf_dist.checkpoint.safety.paths import ConfinedFolder, PathEscapeError, confined, is_inside
 
 MANIFEST_VERSION = 2
 # An hf_dist before the manifest wrote version 1: sizes only, no run, kept readable as "no manifest".
@@ -82,16 +83,65 @@ def _is_derived(rel: Path) -> bool:
 
 def checkpoint_files(folder: Path) -> list[str]:
     """Every file of ``folder`` a manifest lists: all but the manifest, the pending-write note, hf_dist's output label
-    (a resharded copy carries one), temporaries and derived universal copies."""
-    out = []
-    for path in Path(folder).rglob("*"):
-        rel = path.relative_to(folder)
-        if path.is_file() and path.name not in (MARKER_NAME, WRITING_NAME, OUTPUT_MARKER) and not _skipped(rel):
+    (a resharded copy carries one), temporaries and derived universal copies.
+
+    Exactly what the loaders read: links are followed (a linked tag folder's files are listed under the link's name,
+    and hashed through it) when they stay inside ``folder``; a link that leaves it, or leads nowhere, is refused
+    (:class:`~hf_dist.checkpoint.safety.paths.PathEscapeError`, naming the link and its target). The folder DeepSpeed's
+    ``latest`` names is listed whatever its name (``latest`` naming a hidden or temporary folder is refused by
+    :func:`~hf_dist.checkpoint.safety.paths.checked_tag` when it is read)."""
+    folder = Path(folder)
+    kept = _latest_named(folder)
+    out: list[str] = []
+    for top, dirs, files in os.walk(folder, followlinks=True):
+        here = Path(top)
+        rel_top = here.relative_to(folder)
+        for name in list(dirs):
+            sub = here / name
+            loops = sub.is_symlink() and is_inside(here, sub)  # a link to a folder around it: walked already
+            if _is_link_out(sub, folder) or loops or _skipped(rel_top / name, kept):
+                dirs.remove(name)
+        for name in files:
+            rel = rel_top / name
+            path = here / name
+            if _is_link_out(path, folder) or not path.is_file() or _skipped(rel, kept):
+                continue
+            if rel_top == Path(".") and name in (MARKER_NAME, WRITING_NAME, OUTPUT_MARKER):
+                continue
             out.append(rel.as_posix())
     return sorted(out)
 
 
-def _skipped(rel: Path) -> bool:
+def _is_link_out(path: Path, folder: Path) -> bool:
+    """False for anything but a link; a link that leaves ``folder`` (or leads nowhere) raises PathEscapeError."""
+    if not path.is_symlink():
+        return False
+    if not path.exists():
+        raise PathEscapeError(
+            f"refusing to read {path}: it is a broken link (to {os.readlink(path)}); a checkpoint may only name files "
+            "inside its own folder. Remove the link or copy its target in"
+        )
+    confined(path, folder)
+    return False
+
+
+def _latest_named(folder: Path) -> set[str]:
+    """The folder name DeepSpeed's ``latest`` names, raw (checked where it is read): listed, never skipped. The file
+    is small by construction; more than 4 KiB is no tag."""
+    path = folder / LATEST
+    try:
+        if not path.is_file() or path.stat().st_size > 4096:
+            return set()
+        tag = path.read_text(errors="replace").strip()
+    except OSError:
+        return set()
+    return {tag} if tag and "/" not in tag and tag not in (".", "..") else set()
+
+
+def _skipped(rel: Path, kept: set[str] | frozenset[str] = frozenset()) -> bool:
+    """A temporary or derived name, unless it is the folder ``latest`` names (``kept``): that one is listed."""
+    if rel.parts and rel.parts[0] in kept:
+        return any(_is_temporary(part) for part in rel.parts[1:])
     return any(_is_temporary(part) for part in rel.parts) or _is_derived(rel)
 
 

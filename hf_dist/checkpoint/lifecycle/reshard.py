@@ -153,7 +153,11 @@ def _run_ds_to_universal(src: Path, dst: Path, workers: int, root: Path, trust_p
 
     args = Namespace(
         input_folder=str(src),
-        output_folder=str(dst),
+        # the trailing separator makes DeepSpeed write its ``latest_universal`` (naming the folder it wrote) inside
+        # ``dst`` rather than beside it: the checkpoint's own names the universal folder only once it exists under
+        # its final name (to_universal writes it), never the temporary one, which other ranks wait on and readers
+        # refuse (os.path.split in ds_to_universal.main)
+        output_folder=os.path.join(str(dst), ""),
         num_extract_workers=workers,
         num_merge_workers=max(1, workers // 2),
         keep_temp_folder=False,
@@ -170,6 +174,7 @@ def _run_ds_to_universal(src: Path, dst: Path, workers: int, root: Path, trust_p
             _patched(ds_to_universal, "ProcessPoolExecutor", pool),
         ):
             ds_to_universal.main(args)
+        (dst / LATEST_UNIVERSAL).unlink(missing_ok=True)
     except (UnsafePickleError, PathEscapeError):
         raise
     except Exception as exc:

@@ -69,6 +69,12 @@ def checked_tag(root: str | os.PathLike, text: str, source: str) -> str:
             f"refusing to read {Path(root) / source}: it names {tag!r}, which is not a folder name inside the "
             f"checkpoint {root} (DeepSpeed tags look like global_step500). Fix the file or remove it"
         )
+    if tag.startswith("."):
+        raise PathEscapeError(
+            f"refusing to read {Path(root) / source}: it names {tag!r}, a hidden or temporary folder (a save under way "
+            "or left by a killed one), never a finished DeepSpeed tag; a checkpoint's manifest does not vouch for it. "
+            "Fix the file or use an earlier checkpoint"
+        )
     ConfinedFolder(Path(root)).path(tag, named_in=Path(root) / source)
     return tag
 

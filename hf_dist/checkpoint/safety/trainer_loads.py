@@ -33,10 +33,90 @@ def guard_trainer(trainer: Any) -> None:
             raise RuntimeError(_missing(f"Trainer.{name}"))
     for name in TRAINER_LOADS:
         setattr(trainer, name, _guarded(getattr(trainer, name), lambda args, kwargs: _first(args, kwargs)))
-    best = getattr(trainer, BEST_MODEL_LOAD)
-    setattr(trainer, BEST_MODEL_LOAD, _guarded(best, lambda args, kwargs: trainer.state.best_model_checkpoint))
+    best = _guarded(getattr(trainer, BEST_MODEL_LOAD), lambda args, kwargs: trainer.state.best_model_checkpoint)
+    setattr(trainer, BEST_MODEL_LOAD, _only_this_runs_best(trainer, best))
+    resumed = getattr(trainer, RESUMED_STATE_HOOK, None)
+    if callable(resumed):  # transformers 5: called right after a resume reads trainer_state.json
+        setattr(trainer, RESUMED_STATE_HOOK, _checking_the_resumed_best(trainer, resumed))
     _guard_deepspeed_load()
     trainer._hf_dist_loads_guarded = True
+
+
+# The Trainer method called right after a resume has read trainer_state.json into trainer.state
+RESUMED_STATE_HOOK = "_load_callback_state"
+
+
+def _keep_best_only_if_this_runs(trainer: Any) -> bool:
+    """Whether ``state.best_model_checkpoint`` may stand: None, or a ``checkpoint-N`` of this run's ``output_dir``
+    whose manifest matches (:func:`best_checkpoint_problem`). Otherwise it is dropped with one warning
+    (``state.best_model_checkpoint = None``): the Trainer keeps the weights it trained, and neither its checkpoint
+    rotation nor its end-of-training deletions (``save_total_limit=1`` removes every checkpoint that is not the best)
+    nor an export name it."""
+    best = trainer.state.best_model_checkpoint
+    if not best:
+        return True
+    reason = best_checkpoint_problem(best, trainer.args.output_dir)
+    if reason is None:
+        _VERIFIED.add(_verified_key(Path(best)))  # just matched: the guarded load does not hash it a second time
+        return True
+    import logging
+
+    logging.getLogger("hf_dist").warning(
+        "dropping trainer_state.json's best_model_checkpoint %s: %s; the final model is the one trained, and no "
+        "checkpoint is kept or deleted for it", best, reason,
+    )  # fmt: skip
+    trainer.state.best_model_checkpoint = None
+    return False
+
+
+def _checking_the_resumed_best(trainer: Any, method: Any) -> Any:
+    """A resume: the best checkpoint the resumed ``trainer_state.json`` names is checked as soon as it is read (a
+    planted one would otherwise be saved into every later checkpoint's state, and, under ``save_total_limit=1``,
+    have the Trainer delete every checkpoint of the run at its end)."""
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        _keep_best_only_if_this_runs(trainer)
+        return method(*args, **kwargs)
+
+    return run
+
+
+def _only_this_runs_best(trainer: Any, load: Any) -> Any:
+    """The best-model load, run only when ``state.best_model_checkpoint`` (read from a resumed ``trainer_state.json``,
+    so any path a handed folder names) still is this run's (:func:`_keep_best_only_if_this_runs`)."""
+
+    @functools.wraps(load)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not _keep_best_only_if_this_runs(trainer):
+            return None
+        return load(*args, **kwargs)
+
+    return run
+
+
+def best_checkpoint_problem(best: Any, output_dir: Any) -> str | None:
+    """Why ``best`` (a ``best_model_checkpoint``) is not a ``checkpoint-N`` of ``output_dir`` whose manifest matches
+    the disk; None when it is. Links are resolved by the OS: a ``checkpoint-N`` linked elsewhere is not this run's."""
+    import os
+    import re
+
+    from hf_dist.checkpoint.formats.layout import MARKER_NAME
+    from hf_dist.checkpoint.lifecycle.manifest import incomplete_reasons
+
+    if not isinstance(best, (str, os.PathLike)):
+        return f"it is {type(best).__name__}, not a folder name"
+    name = os.path.basename(os.path.normpath(os.fspath(best)))
+    real = os.path.realpath(best)  # compared, never joined: the name is read from a file
+    in_output_dir = os.path.dirname(real) == os.path.realpath(os.fspath(output_dir)) and os.path.basename(real) == name
+    if not re.fullmatch(r"checkpoint-[0-9]+", name) or not in_output_dir:
+        return f"it is not a checkpoint-N folder of this run's output_dir {output_dir}"
+    if not (Path(best) / MARKER_NAME).is_file():
+        return f"it has no {MARKER_NAME}, so its weights cannot be shown to be the ones this run saved"
+    reasons = incomplete_reasons(best)
+    if reasons:
+        return f"it does not match its {MARKER_NAME} ({'; '.join(reasons[:2])})"
+    return None
 
 
 def _first(args: tuple, kwargs: dict) -> Any:
@@ -63,14 +143,19 @@ def _guarded(method: Any, checkpoint_of: Any) -> Any:
 
 
 def _verify_once(checkpoint: Path) -> None:
-    from hf_dist.checkpoint.formats.layout import MARKER_NAME
     from hf_dist.checkpoint.lifecycle.manifest import require_match
 
-    manifest = checkpoint / MARKER_NAME
-    key = (str(checkpoint), manifest.stat().st_mtime if manifest.is_file() else 0.0)
+    key = _verified_key(checkpoint)
     if key not in _VERIFIED:
         require_match(checkpoint)
         _VERIFIED.add(key)
+
+
+def _verified_key(checkpoint: Path) -> tuple[str, float]:
+    from hf_dist.checkpoint.formats.layout import MARKER_NAME
+
+    manifest = checkpoint / MARKER_NAME
+    return (str(checkpoint), manifest.stat().st_mtime if manifest.is_file() else 0.0)
 
 
 def _guard_deepspeed_load() -> None:

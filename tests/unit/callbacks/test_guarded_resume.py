@@ -59,7 +59,8 @@ def test_a_clean_resume_under_attach_trains_on(saved, make_trainer):
 
 
 def test_the_best_model_load_is_guarded(tmp_path):
-    """load_best_model_at_end loads from the best checkpoint: a link planted there after its save is refused."""
+    """load_best_model_at_end loads from the best checkpoint: a link planted there after its save (same bytes, so its
+    manifest still matches) is refused."""
     from transformers import TrainerCallback
 
     outside = tmp_path / "elsewhere"
@@ -67,10 +68,9 @@ def test_the_best_model_load_is_guarded(tmp_path):
     class LinkOutAfterLastSave(TrainerCallback):
         def on_save(self, args, state, control, **kwargs):
             if state.global_step == args.max_steps:
-                weights = tmp_path / "out" / f"checkpoint-{state.global_step}" / "model.safetensors"
                 best = f"{state.best_model_checkpoint}/model.safetensors"
                 outside.mkdir(exist_ok=True)
-                shutil.copy(weights, outside / "model.safetensors")
+                shutil.copy(best, outside / "model.safetensors")
                 shutil.move(best, f"{best}.moved")
                 (tmp_path / "link").symlink_to(outside / "model.safetensors")
                 shutil.move(tmp_path / "link", best)
@@ -88,6 +88,8 @@ def test_the_best_model_load_is_guarded(tmp_path):
     )  # fmt: skip
     trainer = Trainer(model=LlamaForCausalLM(tiny_llama_config()), args=args, train_dataset=TokenDataset(32),
                       eval_dataset=TokenDataset(4), callbacks=[LinkOutAfterLastSave()])  # fmt: skip
-    attach(trainer, callbacks=[])
-    with pytest.raises(PathEscapeError, match="model.safetensors: it resolves to"):
+    from hf_dist.callbacks.resume import CompleteCheckpointCallback
+
+    attach(trainer, callbacks=[CompleteCheckpointCallback()])  # a manifest per checkpoint: the best one is eligible
+    with pytest.raises(PathEscapeError, match="model.safetensors.*resolves to .*elsewhere"):
         trainer.train()

@@ -153,3 +153,30 @@ def test_cli_check(tmp_path, capsys):
     assert main(["reshard", str(tmp_path), "--check", "8"]) == 0
     assert "as is" in capsys.readouterr().out
     assert main(["reshard", str(tmp_path / "nope")]) == 1
+
+
+def test_to_universal_never_leaves_latest_universal_naming_its_temporary_folder(tmp_path, monkeypatch):
+    """DeepSpeed's converter writes ``latest_universal`` beside the folder it is given, naming it: given the temporary
+    folder, the checkpoint's own would name it until hf_dist rewrote it (a reader in between, the manifest's or a
+    waiting rank's, refuses a temporary name). Its file lands inside the folder and is dropped; the checkpoint's names
+    the universal folder under its final name."""
+    import os
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    seen = []
+
+    def deepspeed_main(args):  # what ds_to_universal.main writes (its last lines: os.path.split of output_folder)
+        Path(args.output_folder, "zero").mkdir(parents=True)
+        torch.save({}, Path(args.output_folder, "mp_rank_00_model_states.pt"))
+        root, step_folder = os.path.split(args.output_folder)
+        Path(root, "latest_universal").write_text(step_folder)
+        seen.append(Path(root, "latest_universal"))
+
+    monkeypatch.setattr(ds_to_universal, "main", deepspeed_main)
+    ckpt = make_deepspeed(tmp_path / "checkpoint-10", world=2)
+    universal = to_universal(ckpt)
+    assert universal == ckpt / "global_step10_universal" and universal.is_dir()
+    assert (ckpt / "latest_universal").read_text() == "global_step10_universal"
+    assert seen and not seen[0].exists()  # DeepSpeed's own file, inside the temporary folder, is gone
+    assert not [p for p in ckpt.iterdir() if ".tmp" in p.name]
