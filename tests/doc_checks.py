@@ -213,7 +213,7 @@ class Recipe:
     checkpoints: tuple[int, ...] = ()
 
     def __call__(self, ran: Ran) -> None:
-        from hf_dist.checkpoint.formats.layout import MARKER_NAME
+        from hf_dist.checkpoint.formats.layout import MANIFEST_NAME
 
         _exit(ran.outcome)
         out = ran.ws / self.out
@@ -224,7 +224,7 @@ class Recipe:
         assert (ran.ws / results["export_dir"]).is_dir(), f"no export at {results['export_dir']}"
         found = tuple(sorted(int(path.name.split("-")[1]) for path in out.glob("checkpoint-*")))
         assert found == self.checkpoints, f"checkpoints {found}, the save flags ask for {self.checkpoints}"
-        assert all((out / f"checkpoint-{n}" / MARKER_NAME).is_file() for n in found), f"unmarked: {found}"
+        assert all((out / f"checkpoint-{n}" / MANIFEST_NAME).is_file() for n in found), f"unmarked: {found}"
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import hf_dist
-from hf_dist.checkpoint.formats.layout import MARKER_NAME, read_layout
+from hf_dist.checkpoint.formats.layout import MANIFEST_NAME, read_layout
 
 pytestmark = pytest.mark.distributed
 
@@ -41,7 +41,7 @@ def test_deepspeed_really_ran_and_checkpoints_are_marked(run):
     facts = json.loads((out / "facts.json").read_text())
     assert (facts["wrapped"], facts["zero_stage"]) == ("DeepSpeedEngine", int(stage[-1]))
     for step in (2, 4):
-        marker = json.loads((out / f"checkpoint-{step}" / MARKER_NAME).read_text())
+        marker = json.loads((out / f"checkpoint-{step}" / MANIFEST_NAME).read_text())
         assert (marker["strategy"], marker["world_size"]) == (stage, 2)
         assert marker["layout"] == ("zero3" if stage == "zero3" else "zero12")
         assert f"global_step{step}/zero_pp_rank_1_mp_rank_00_optim_states.pt" in marker["files"]

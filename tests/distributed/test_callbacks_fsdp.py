@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import hf_dist
-from hf_dist.checkpoint.formats.layout import MARKER_NAME, read_layout
+from hf_dist.checkpoint.formats.layout import MANIFEST_NAME, read_layout
 from hf_dist.testing import REPO_ROOT, torchrun
 
 pytestmark = pytest.mark.distributed
@@ -34,7 +34,7 @@ def run_dir(tmp_path_factory):
 
 def test_fsdp_really_ran_and_its_dcp_checkpoints_are_marked(run_dir):
     assert json.loads((run_dir / "facts.json").read_text())["model_class"] == "FSDPLlamaForCausalLM"
-    marker = json.loads((run_dir / "checkpoint-4" / MARKER_NAME).read_text())
+    marker = json.loads((run_dir / "checkpoint-4" / MANIFEST_NAME).read_text())
     assert (marker["strategy"], marker["layout"], marker["world_size"]) == ("fsdp_full_shard", "fsdp", 2)
     assert {"pytorch_model_fsdp_0/__0_0.distcp", "pytorch_model_fsdp_0/__1_0.distcp"} <= set(marker["files"])
     assert read_layout(run_dir / "checkpoint-4").world_size == 2
@@ -96,7 +96,7 @@ def test_async_save_writes_the_synchronous_checkpoint_while_training_goes_on(run
     stalls = json.loads((out / "facts.json").read_text())["save_stalls_s"]
     assert len(stalls) == 2 and max(stalls) < 1.0, stalls  # each save's writes took > 1 s: the steps did not wait
     for step in (2, 4):
-        marker = json.loads((out / f"checkpoint-{step}" / MARKER_NAME).read_text())
+        marker = json.loads((out / f"checkpoint-{step}" / MANIFEST_NAME).read_text())
         assert marker["layout"] == "fsdp" and marker["world_size"] == 2
         for sub in ("pytorch_model_fsdp_0", "optimizer_0"):
             want, got = (

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_dist.checkpoint.formats.layout import MARKER_NAME, RUN_JOURNAL
+from hf_dist.checkpoint.formats.layout import MANIFEST_NAME, RUN_JOURNAL
 from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
 from hf_dist.checkpoint.lifecycle.manifest import is_complete
 from hf_dist.testing import REPO_ROOT, torchrun
@@ -108,7 +108,7 @@ def test_checkpoint_missing_a_ranks_file_is_never_resumed(tmp_path, baseline):
     assert auto_resume(out) == str(out / "checkpoint-6")
     # Without its manifest, in the folder of a run that wrote manifests (its journal says it started at step 0), a
     # checkpoint after that step is no save that run finished: skipped
-    (out / "checkpoint-6" / MARKER_NAME).unlink()
+    (out / "checkpoint-6" / MANIFEST_NAME).unlink()
     assert auto_resume(out) == str(out / "checkpoint-4")
     # A run without hf_dist's callbacks keeps no journal: then the checkpoint is proven from the files it holds
     (out / RUN_JOURNAL).unlink()
@@ -121,7 +121,7 @@ def test_checkpoint_missing_a_ranks_file_is_never_resumed(tmp_path, baseline):
 
 def test_uninterrupted_run_marks_every_checkpoint_complete(baseline):
     for step in (4, 6, 8):  # save_total_limit=3 rotated checkpoint-2 away
-        marker = json.loads((baseline / f"checkpoint-{step}" / MARKER_NAME).read_text())
+        marker = json.loads((baseline / f"checkpoint-{step}" / MANIFEST_NAME).read_text())
         assert marker["world_size"] == 2 and marker["step"] == step and marker["strategy"] == "ddp"
         assert {"rng_state_0.pth", "rng_state_1.pth", "optimizer.pt", "model.safetensors"} <= set(marker["files"])
     assert not (baseline / "checkpoint-2").exists()
@@ -138,7 +138,7 @@ def test_async_save_killed_during_its_background_write_resumes_from_the_checkpoi
     assert attempts[1]["resume"] == str(out / "checkpoint-2")
     assert_same_weights(out, baseline)
     for step in (4, 6, 8):
-        got, want = (json.loads((d / f"checkpoint-{step}" / MARKER_NAME).read_text()) for d in (out, baseline))
+        got, want = (json.loads((d / f"checkpoint-{step}" / MANIFEST_NAME).read_text()) for d in (out, baseline))
         assert sorted(got["files"]) == sorted(want["files"]) and is_complete(out / f"checkpoint-{step}")
     optimizer, reference = (
         torch.load(d / "checkpoint-8" / "optimizer.pt", weights_only=True) for d in (out, baseline)

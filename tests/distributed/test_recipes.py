@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_dist.checkpoint.formats.layout import MARKER_NAME
+from hf_dist.checkpoint.formats.layout import MANIFEST_NAME
 from hf_dist.checkpoint.lifecycle.manifest import is_complete
 from hf_dist.testing import GLOO_ABORT, cpu_env, free_port, retry_gloo_abort
 
@@ -135,7 +135,7 @@ def test_recipe_trains_under_the_requested_strategy(recipe_runs, strategy, recip
     assert len(losses) == STEPS and losses[-1] < losses[0] - 0.1
     # hf_dist's callbacks ran: every checkpoint was marked complete, so --resume_from_checkpoint auto finds it
     checkpoints = sorted((recipe_runs(strategy) / recipe).glob("checkpoint-*"))
-    assert checkpoints and all((c / MARKER_NAME).is_file() for c in checkpoints), checkpoints
+    assert checkpoints and all((c / MANIFEST_NAME).is_file() for c in checkpoints), checkpoints
     assert math.isfinite(res["eval_loss"]) and res["perplexity"] == pytest.approx(math.exp(res["eval_loss"]))
 
 

@@ -55,14 +55,14 @@ LATEST = "latest"  # DeepSpeed: names the tag folder of the newest save
 LATEST_UNIVERSAL = "latest_universal"
 TRAINER_STATE = "trainer_state.json"  # the Trainer writes it after every other file of a save
 DCP_METADATA = ".metadata"  # DCP writes it once every rank wrote its .distcp files
-MARKER_NAME = "hf_dist_complete.json"  # the manifest (hf_dist.checkpoint.lifecycle.manifest): every file of one save
+MANIFEST_NAME = "hf_dist_complete.json"  # the manifest (hf_dist.checkpoint.lifecycle.manifest): every file of one save
 OUTPUT_LOCK = "hf_dist_lock.json"  # in an output_dir: the live job writing it (lifecycle.output_lock)
 OUTPUT_MARKER = "hf_dist_output.json"  # in a folder hf_dist wrote as an output (convert, reshard, a recipe's export)
 RUN_JOURNAL = "hf_dist_run.json"  # in an output_dir: the run writing it now (hf_dist.checkpoint.lifecycle.runs)
 WRITING_NAME = "hf_dist_writing.json"  # ... and: a background thread is still writing it (async_save)
 PIPELINE_LAYER_GLOB = "layer_*"  # DeepSpeed pipeline parallelism's per-layer files (not read by hf_dist)
 # Files and folders that only a training run writes: a folder holding one of them is a checkpoint or a run.
-TRAINING_FILES = (TRAINER_STATE, MARKER_NAME, LATEST, LATEST_UNIVERSAL, "optimizer.pt", "scheduler.pt",
+TRAINING_FILES = (TRAINER_STATE, MANIFEST_NAME, LATEST, LATEST_UNIVERSAL, "optimizer.pt", "scheduler.pt",
                   "training_args.bin", *FSDP_FULL_NAMES, "zero_to_fp32.py", OUTPUT_LOCK,
                   RUN_JOURNAL)  # fmt: skip
 TRAINING_NAME_RE = re.compile(
@@ -244,7 +244,9 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, str]]:
 def is_checkpoint_dir(path: Path) -> bool:
     """True for a Trainer ``checkpoint-N`` folder itself (by its name, marker or trainer state), not a run's output_dir."""
     return (
-        bool(CHECKPOINT_DIR_RE.match(path.name)) or (path / MARKER_NAME).is_file() or (path / TRAINER_STATE).is_file()
+        bool(CHECKPOINT_DIR_RE.match(path.name))
+        or (path / MANIFEST_NAME).is_file()
+        or (path / TRAINER_STATE).is_file()
     )
 
 

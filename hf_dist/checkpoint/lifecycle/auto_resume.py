@@ -19,7 +19,7 @@ from typing import Any
 
 from hf_dist.checkpoint.formats.layout import (
     CHECKPOINT_DIR_RE,
-    MARKER_NAME,
+    MANIFEST_NAME,
     TRAINER_STATE,
     is_checkpoint_dir,
     list_checkpoints,
@@ -193,9 +193,9 @@ def _not_resumable(path: str, step: int, live_world: int, journal: runs.RunRecor
         reasons = proof.unproven_reasons(folder, live_world)
         if not reasons:
             logger.info("auto_resume: %s has no %s (hf_dist's callbacks were not attached); proved complete from "
-                        "the files its strategy writes", path, MARKER_NAME)  # fmt: skip
+                        "the files its strategy writes", path, MANIFEST_NAME)  # fmt: skip
         else:
-            reasons = [f"no {MARKER_NAME} and its files do not prove it complete: " + "; ".join(reasons)]
+            reasons = [f"no {MANIFEST_NAME} and its files do not prove it complete: " + "; ".join(reasons)]
     lineage = runs.lineage_reason(journal, step, run)
     return reasons + ([lineage] if lineage else [])
 

@@ -32,7 +32,7 @@ from hf_dist.atomic_io import atomic_write_json
 from hf_dist.checkpoint.formats.layout import (
     LATEST,
     LATEST_UNIVERSAL,
-    MARKER_NAME,
+    MANIFEST_NAME,
     OUTPUT_MARKER,
     UNIVERSAL_SUFFIX,
     WRITING_NAME,
@@ -106,7 +106,7 @@ def checkpoint_files(folder: Path) -> list[str]:
             path = here / name
             if _is_link_out(path, folder) or not path.is_file() or _skipped(rel, kept):
                 continue
-            if rel_top == Path(".") and name in (MARKER_NAME, WRITING_NAME, OUTPUT_MARKER):
+            if rel_top == Path(".") and name in (MANIFEST_NAME, WRITING_NAME, OUTPUT_MARKER):
                 continue
             out.append(rel.as_posix())
     return sorted(out)
@@ -163,7 +163,7 @@ def begin_save(folder: Path, *, step: int, run: str | None, save: str) -> None:
     """Rank 0, before any rank writes a file of this save: the old manifest goes (one unlink: the folder proves
     nothing from now on), then a note names the save under way."""
     folder = Path(folder)
-    (folder / MARKER_NAME).unlink(missing_ok=True)
+    (folder / MANIFEST_NAME).unlink(missing_ok=True)
     atomic_write_json(folder / WRITING_NAME, {"step": step, "run": run, "save": save, "time": time.time()})
 
 
@@ -202,7 +202,7 @@ def write_manifest(
         "time": time.time(),
         "files": listed,
     }
-    atomic_write_json(folder / MARKER_NAME, manifest, indent=1, sort_keys=True)
+    atomic_write_json(folder / MANIFEST_NAME, manifest, indent=1, sort_keys=True)
     (folder / WRITING_NAME).unlink(missing_ok=True)
     return manifest
 
@@ -214,7 +214,7 @@ def extend_manifest(folder: Path, rels: Iterable[str]) -> None:
     if not isinstance(manifest, dict) or manifest.get("version") != MANIFEST_VERSION:
         return
     manifest["files"].update(entries(folder, rels))
-    atomic_write_json(folder / MARKER_NAME, manifest, indent=1, sort_keys=True)
+    atomic_write_json(folder / MANIFEST_NAME, manifest, indent=1, sort_keys=True)
 
 
 # ---------------------------------------------------------------- reading
@@ -222,13 +222,13 @@ def extend_manifest(folder: Path, rels: Iterable[str]) -> None:
 
 def read_manifest(folder: Path) -> Any:
     """The parsed manifest of ``folder``, None when there is none; raises ValueError when it is unreadable."""
-    path = Path(folder) / MARKER_NAME
+    path = Path(folder) / MANIFEST_NAME
     if not path.is_file():
         return None
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise ValueError(f"unreadable {MARKER_NAME}: {exc}") from None
+        raise ValueError(f"unreadable {MANIFEST_NAME}: {exc}") from None
 
 
 def has_manifest(folder: Path) -> bool:
@@ -249,16 +249,16 @@ def incomplete_reasons(folder: str | os.PathLike, *, files: Iterable[str] | None
     except ValueError as exc:
         return [str(exc)]
     if manifest is None:
-        return [f"no {MARKER_NAME} (the save did not finish on every rank)"]
+        return [f"no {MANIFEST_NAME} (the save did not finish on every rank)"]
     problem = malformed(manifest)
     if problem:
-        return [f"malformed {MARKER_NAME}: {problem}"]
+        return [f"malformed {MANIFEST_NAME}: {problem}"]
     reasons = _note_reasons(folder, manifest)
     on_disk = set(checkpoint_files(folder))
     hash_these = set(on_disk if files is None else files)
     listed = ConfinedFolder(folder)
     for rel, entry in manifest["files"].items():
-        path = listed.path(rel, named_in=folder / MARKER_NAME)
+        path = listed.path(rel, named_in=folder / MANIFEST_NAME)
         if rel not in on_disk:
             reasons.append(f"{rel} is missing")
         elif path.stat().st_size != entry["size"]:
@@ -278,8 +278,8 @@ def _derived_reasons(folder: Path) -> list[str]:
     """A universal copy beside the save is checked against its own manifest (one without: an unchecked copy)."""
     reasons = []
     for sub in sorted(p for p in folder.iterdir() if p.is_dir() and p.name.endswith(UNIVERSAL_SUFFIX)):
-        if not (sub / MARKER_NAME).is_file():
-            reasons.append(f"{sub.name}/ has no {MARKER_NAME} (a universal copy hf_dist did not make)")
+        if not (sub / MANIFEST_NAME).is_file():
+            reasons.append(f"{sub.name}/ has no {MANIFEST_NAME} (a universal copy hf_dist did not make)")
             continue
         reasons += [f"{sub.name}/{reason}" for reason in incomplete_reasons(sub)]
     return reasons
@@ -333,7 +333,7 @@ def require_match(folder: str | os.PathLike) -> None:
     reasons = incomplete_reasons(folder)
     if reasons:
         raise CorruptCheckpointError(
-            f"{folder} does not match its {MARKER_NAME}: {'; '.join(reasons[:3])}"
+            f"{folder} does not match its {MANIFEST_NAME}: {'; '.join(reasons[:3])}"
             f"{' ...' if len(reasons) > 3 else ''}. It changed after it was written, or the copy is partial: re-copy "
             "it, or use an earlier checkpoint"
         )

@@ -28,7 +28,7 @@ from hf_dist.checkpoint.formats.layout import (
     DCP_METADATA,
     HF_WEIGHT_NAMES,
     LATEST,
-    MARKER_NAME,
+    MANIFEST_NAME,
     OPTIMIZER_FILES,
     SCHEDULER_FILES,
     SHARDED_OPTIMIZER_DIR,
@@ -148,18 +148,18 @@ def _trainer_state_reasons(folder: Path) -> list[str]:
 
 def _size_only_marker_reasons(folder: Path) -> list[str]:
     """An older hf_dist's marker (version 1: sizes only): the sizes it lists, checked."""
-    path = folder / MARKER_NAME
+    path = folder / MANIFEST_NAME
     try:
         marker = json.loads(path.read_text()) if path.is_file() else None
     except (OSError, ValueError):
-        return [f"unreadable {MARKER_NAME}"]
+        return [f"unreadable {MANIFEST_NAME}"]
     if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
         return []
     reasons = []
     listed = ConfinedFolder(folder)
     for rel, entry in marker["files"].items():
         size = entry.get("size") if isinstance(entry, dict) else None
-        path = listed.path(rel, named_in=folder / MARKER_NAME)
+        path = listed.path(rel, named_in=folder / MANIFEST_NAME)
         if not path.is_file():
             reasons.append(f"{rel} is missing")
         elif size is not None and path.stat().st_size != size:

@@ -101,7 +101,7 @@ def best_checkpoint_problem(best: Any, output_dir: Any) -> str | None:
     import os
     import re
 
-    from hf_dist.checkpoint.formats.layout import MARKER_NAME
+    from hf_dist.checkpoint.formats.layout import MANIFEST_NAME
     from hf_dist.checkpoint.lifecycle.manifest import incomplete_reasons
 
     if not isinstance(best, (str, os.PathLike)):
@@ -111,11 +111,11 @@ def best_checkpoint_problem(best: Any, output_dir: Any) -> str | None:
     in_output_dir = os.path.dirname(real) == os.path.realpath(os.fspath(output_dir)) and os.path.basename(real) == name
     if not re.fullmatch(r"checkpoint-[0-9]+", name) or not in_output_dir:
         return f"it is not a checkpoint-N folder of this run's output_dir {output_dir}"
-    if not (Path(best) / MARKER_NAME).is_file():
-        return f"it has no {MARKER_NAME}, so its weights cannot be shown to be the ones this run saved"
+    if not (Path(best) / MANIFEST_NAME).is_file():
+        return f"it has no {MANIFEST_NAME}, so its weights cannot be shown to be the ones this run saved"
     reasons = incomplete_reasons(best)
     if reasons:
-        return f"it does not match its {MARKER_NAME} ({'; '.join(reasons[:2])})"
+        return f"it does not match its {MANIFEST_NAME} ({'; '.join(reasons[:2])})"
     return None
 
 
@@ -152,9 +152,9 @@ def _verify_once(checkpoint: Path) -> None:
 
 
 def _verified_key(checkpoint: Path) -> tuple[str, float]:
-    from hf_dist.checkpoint.formats.layout import MARKER_NAME
+    from hf_dist.checkpoint.formats.layout import MANIFEST_NAME
 
-    manifest = checkpoint / MARKER_NAME
+    manifest = checkpoint / MANIFEST_NAME
     return (str(checkpoint), manifest.stat().st_mtime if manifest.is_file() else 0.0)
 
 

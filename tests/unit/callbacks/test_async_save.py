@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from hf_dist.callbacks import attach, default
 from hf_dist.callbacks.resume import AsyncCheckpointCallback, CompleteCheckpointCallback
-from hf_dist.checkpoint.formats.layout import MARKER_NAME, WRITING_NAME
+from hf_dist.checkpoint.formats.layout import MANIFEST_NAME, WRITING_NAME
 from hf_dist.checkpoint.lifecycle import async_save
 from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
 from hf_dist.checkpoint.lifecycle.manifest import is_complete
@@ -41,8 +41,8 @@ def test_background_checkpoint_equals_the_synchronous_one(make_trainer, tmp_path
             Path(background.args.output_dir, f"checkpoint-{step}"),
         )
         assert is_complete(got) and not (got / WRITING_NAME).exists()
-        assert sorted(json.loads((got / MARKER_NAME).read_text())["files"]) == sorted(
-            json.loads((want / MARKER_NAME).read_text())["files"]
+        assert sorted(json.loads((got / MANIFEST_NAME).read_text())["files"]) == sorted(
+            json.loads((want / MANIFEST_NAME).read_text())["files"]
         )
         a, b = load_file(want / "model.safetensors"), load_file(got / "model.safetensors")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -79,7 +79,7 @@ def test_a_failed_background_write_stops_the_run_and_leaves_the_checkpoint_unres
     ):
         trainer.train()
     checkpoint = Path(trainer.args.output_dir, "checkpoint-2")
-    assert not (checkpoint / MARKER_NAME).exists() and (checkpoint / WRITING_NAME).exists()
+    assert not (checkpoint / MANIFEST_NAME).exists() and (checkpoint / WRITING_NAME).exists()
     assert "a save was writing into this folder and did not finish" in unproven_reasons(checkpoint, 1)[0]
     with pytest.raises(RuntimeError, match="none can be proven complete"):
         auto_resume(trainer.args.output_dir)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_dist.callbacks.resume import CompleteCheckpointCallback
-from hf_dist.checkpoint.formats.layout import MARKER_NAME, read_layout
+from hf_dist.checkpoint.formats.layout import MANIFEST_NAME, read_layout
 from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
 from hf_dist.checkpoint.lifecycle.manifest import incomplete_reasons, is_complete, write_manifest
 from hf_dist.checkpoint.lifecycle.resume_checks import check_resume_compatible
@@ -58,12 +58,12 @@ FSDP = {
 
 def test_manifest_lists_every_file_with_size_and_hash_and_detects_changes(tmp_path):
     ckpt = fake_checkpoint(tmp_path, 2, DDP2)
-    assert incomplete_reasons(ckpt) == [f"no {MARKER_NAME} (the save did not finish on every rank)"]
+    assert incomplete_reasons(ckpt) == [f"no {MANIFEST_NAME} (the save did not finish on every rank)"]
     manifest = write_manifest(ckpt, hashed={}, world_size=2, strategy="ddp", step=2, run="r1", save="s1")
     assert (
         manifest["files"]["model.safetensors"]["size"] == 10 and len(manifest["files"]["optimizer.pt"]["sha256"]) == 64
     )
-    assert json.loads((ckpt / MARKER_NAME).read_text())["layout"] == "full" and manifest["run"] == "r1"
+    assert json.loads((ckpt / MANIFEST_NAME).read_text())["layout"] == "full" and manifest["run"] == "r1"
     assert is_complete(ckpt)
     torch.save(b"O" * 7, ckpt / "optimizer.pt")  # same size, other content
     assert incomplete_reasons(ckpt) == ["optimizer.pt differs from the manifest (SHA-256; same size, other content)"]
@@ -73,8 +73,8 @@ def test_manifest_lists_every_file_with_size_and_hash_and_detects_changes(tmp_pa
     assert incomplete_reasons(ckpt) == ["model.safetensors has 3 bytes, the manifest says 10"]
     (ckpt / "rng_state_1.pth").unlink()
     assert "rng_state_1.pth is missing" in incomplete_reasons(ckpt)
-    (ckpt / MARKER_NAME).write_text("{not json")
-    assert incomplete_reasons(ckpt)[0].startswith(f"unreadable {MARKER_NAME}")
+    (ckpt / MANIFEST_NAME).write_text("{not json")
+    assert incomplete_reasons(ckpt)[0].startswith(f"unreadable {MANIFEST_NAME}")
 
 
 @pytest.mark.parametrize(
@@ -93,7 +93,7 @@ def test_a_checkpoint_missing_a_ranks_files_gets_no_manifest(tmp_path, layout, d
     assert read_layout(ckpt, strict=False).missing_rank_files(2)
     with pytest.raises(RuntimeError, match="not complete: missing .*rank 1"):
         seal(ckpt, world_size=2)
-    assert not (ckpt / MARKER_NAME).exists()
+    assert not (ckpt / MANIFEST_NAME).exists()
 
 
 def test_auto_resume_returns_newest_complete_and_skips_partial(tmp_path):
@@ -183,7 +183,7 @@ def test_a_run_without_hf_dist_callbacks_resumes_from_the_trainers_own_files(mak
     out = tmp_path / "plain"
     trainer = make_trainer(output_dir=str(out), save_strategy="steps", save_steps=2)
     trainer.train()
-    assert not (out / "checkpoint-4" / MARKER_NAME).exists()
+    assert not (out / "checkpoint-4" / MANIFEST_NAME).exists()
     with caplog.at_level("INFO", logger="hf_dist.checkpoint.lifecycle.auto_resume"):
         assert auto_resume(out) == str(out / "checkpoint-4")
     assert "proved complete from the files its strategy writes" in caplog.text
@@ -237,9 +237,9 @@ def test_callback_warns_when_rotation_can_delete_the_last_complete_checkpoint(ma
 )
 def test_malformed_manifests_are_incomplete_with_a_reason(tmp_path, marker, reason):
     ckpt = fake_checkpoint(tmp_path, 2, DDP2)
-    (ckpt / MARKER_NAME).write_text(json.dumps(marker))
+    (ckpt / MANIFEST_NAME).write_text(json.dumps(marker))
     reasons = incomplete_reasons(ckpt)
-    assert len(reasons) == 1 and reason in reasons[0] and reasons[0].startswith(f"malformed {MARKER_NAME}")
+    assert len(reasons) == 1 and reason in reasons[0] and reasons[0].startswith(f"malformed {MANIFEST_NAME}")
     with pytest.raises(RuntimeError, match="none can be proven complete"):
         auto_resume(tmp_path)
 
@@ -247,7 +247,7 @@ def test_malformed_manifests_are_incomplete_with_a_reason(tmp_path, marker, reas
 def test_manifest_without_files_does_not_hide_a_missing_rank(tmp_path):
     ckpt = fake_checkpoint(tmp_path, 2, ZERO3)
     (ckpt / "global_step4/zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
-    (ckpt / MARKER_NAME).write_text(json.dumps({"files": {}, "world_size": 2}))
+    (ckpt / MANIFEST_NAME).write_text(json.dumps({"files": {}, "world_size": 2}))
     reasons = incomplete_reasons(ckpt)
     assert "DeepSpeed ZeRO-3 model shard of rank 1 is missing" in reasons
     assert any("not in the manifest (written after it" in r for r in reasons)

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from hf_dist.callbacks import attach
-from hf_dist.checkpoint.formats.layout import MARKER_NAME, RUN_JOURNAL, WRITING_NAME
+from hf_dist.checkpoint.formats.layout import MANIFEST_NAME, RUN_JOURNAL, WRITING_NAME
 from hf_dist.checkpoint.lifecycle import async_save
 from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
 from hf_dist.checkpoint.lifecycle.manifest import incomplete_reasons, is_complete, read_manifest
@@ -61,7 +61,7 @@ def test_a_new_save_removes_the_old_manifest_before_its_first_file(make_trainer,
     with pytest.raises(Killed):
         trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
     ckpt4 = out / "checkpoint-4"
-    assert not (ckpt4 / MARKER_NAME).exists() and json.loads((ckpt4 / WRITING_NAME).read_text())["step"] == 4
+    assert not (ckpt4 / MANIFEST_NAME).exists() and json.loads((ckpt4 / WRITING_NAME).read_text())["step"] == 4
     assert load_file(ckpt4 / "model.safetensors").keys() and first["run"] != json.loads(
         (out / RUN_JOURNAL).read_text())["run"]  # fmt: skip
     assert auto_resume(out) == str(out / "checkpoint-2")
@@ -101,7 +101,7 @@ def test_the_manifest_lists_every_file_with_its_hash(make_trainer, tmp_path):
     trainer = _run(make_trainer, out)
     manifest = read_manifest(out / "checkpoint-2")
     files = sorted(p.relative_to(out / "checkpoint-2").as_posix() for p in (out / "checkpoint-2").rglob("*")
-                   if p.is_file() and p.name != MARKER_NAME)  # fmt: skip
+                   if p.is_file() and p.name != MANIFEST_NAME)  # fmt: skip
     assert sorted(manifest["files"]) == files and all(len(e["sha256"]) == 64 for e in manifest["files"].values())
     assert manifest["run"] == json.loads((out / RUN_JOURNAL).read_text())["run"] and manifest["step"] == 2
     assert trainer.state.global_step == 4 and is_complete(out / "checkpoint-4")

@@ -265,13 +265,13 @@ def test_trust_pickles_lets_deepspeed_run_the_payload(tmp_path, tiny_state):
 def _match_marker(ckpt: Path) -> None:
     import json
 
-    from hf_dist.checkpoint.formats.layout import MARKER_NAME
+    from hf_dist.checkpoint.formats.layout import MANIFEST_NAME
     from hf_dist.checkpoint.lifecycle.manifest import hash_file
 
-    marker = json.loads((ckpt / MARKER_NAME).read_text())
+    marker = json.loads((ckpt / MANIFEST_NAME).read_text())
     for rel, entry in marker["files"].items():
         entry.update(size=(ckpt / rel).stat().st_size, sha256=hash_file(ckpt / rel))  # through the links
-    (ckpt / MARKER_NAME).write_text(json.dumps(marker))
+    (ckpt / MANIFEST_NAME).write_text(json.dumps(marker))
 
 
 @pytest.mark.parametrize("how", ESCAPES)
