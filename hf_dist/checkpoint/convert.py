@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint import plan as planning
-from hf_dist.checkpoint import transform
+from hf_dist.checkpoint import conversion_plan, transform
 from hf_dist.checkpoint.formats.hf import config_dir, side_file
 from hf_dist.checkpoint.formats.layout import CheckpointLayout, read_layout
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
@@ -103,7 +102,7 @@ def convert(
     """Convert the checkpoint at ``src`` into ``dst`` (see ``hf-dist convert --help``).
 
     ``trust_remote_code=True`` lets the model config's ``auto_map`` classes be imported to learn the expected
-    tensor names; without it they never are (:func:`~hf_dist.checkpoint.plan.expected_specs`).
+    tensor names; without it they never are (:func:`~hf_dist.checkpoint.conversion_plan.expected_specs`).
     """
     start = time.perf_counter()
     _check_arguments(dtype, to, adapter, merge_adapter)
@@ -167,7 +166,7 @@ def _is_float(dtype: Any) -> bool:
 
 def _plan(info: CheckpointLayout, specs: dict[str, TensorSpec], *, adapter: bool, merge_adapter: bool,
           trust_remote_code: bool):  # fmt: skip
-    peft = planning.is_peft(specs)
+    peft = conversion_plan.is_peft(specs)
     if (adapter or merge_adapter) and not peft:
         raise ValueError(f"--adapter/--merge-adapter given but {info.path} holds no PEFT/LoRA tensors")
     if peft and not (adapter or merge_adapter):
@@ -176,16 +175,16 @@ def _plan(info: CheckpointLayout, specs: dict[str, TensorSpec], *, adapter: bool
             "--merge-adapter to write the merged full model"
         )
     if adapter:
-        return planning.adapter_plan(specs)
+        return conversion_plan.adapter_plan(specs)
     if info.config_dir is None:
         raise ValueError(
             f"no config.json found in or next to {info.path}; pass --model-config DIR (a folder with the "
             "trained model's config.json)"
         )
-    expected, tied = planning.expected_specs(info.config_dir, trust_remote_code=trust_remote_code)
+    expected, tied = conversion_plan.expected_specs(info.config_dir, trust_remote_code=trust_remote_code)
     if merge_adapter:
-        return planning.merged_plan(specs, expected, tied, _adapter_config(info))
-    return planning.model_plan(specs, expected, tied)
+        return conversion_plan.merged_plan(specs, expected, tied, _adapter_config(info))
+    return conversion_plan.model_plan(specs, expected, tied)
 
 
 def _adapter_config(info: CheckpointLayout) -> dict:

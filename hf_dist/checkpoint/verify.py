@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint import plan as planning
-from hf_dist.checkpoint import transform
+from hf_dist.checkpoint import conversion_plan, transform
 from hf_dist.checkpoint.convert import BATCH_BYTES, open_reader
 from hf_dist.checkpoint.formats.hf import config_dir
 from hf_dist.checkpoint.formats.layout import CheckpointLayout, read_layout
@@ -86,8 +85,8 @@ class _Side:
     def map_names(self, config_dir: Path | None, other: set[str] | None = None, *, trust_remote_code: bool) -> None:
         """HF name -> source name: as the converter maps them with a config, else matched to ``other``'s names."""
         specs = self.reader.specs()
-        if config_dir is not None and not planning.is_peft(specs):
-            expected, tied = planning.expected_specs(config_dir, trust_remote_code=trust_remote_code)
+        if config_dir is not None and not conversion_plan.is_peft(specs):
+            expected, tied = conversion_plan.expected_specs(config_dir, trust_remote_code=trust_remote_code)
             outer = transform.choose_outer_prefix(specs, set(expected))
             self.names = {transform.rename(n, outer): n for n in specs}
             for target, source in tied.items():  # a tied copy is written once, as the converter does

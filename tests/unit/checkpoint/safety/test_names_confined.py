@@ -132,6 +132,7 @@ REVIEWED_JOINS = {
     ("lifecycle/proof.py", "folder / name"): OWN,
     ("lifecycle/reshard.py", "layout.root / f'{layout.tag}{UNIVERSAL_SUFFIX}'"): TAG,
     ("lifecycle/reshard.py", "layout.root / layout.universal_tag"): TAG,
+    ("lifecycle/reshard.py", "os.path.join(str(dst), '')"): LISTED,  # its own temporary folder, + a separator
     ("lifecycle/sharded_state.py", "Path(checkpoint_dir) / name"): OWN,
     ("safety/output_paths.py", "count / scale"): MATH,
     ("safety/output_paths.py", "raw.parent / (raw.name + '-hf')"): "the user's own argument",
