@@ -4,18 +4,20 @@ A recipe runs every check of its arguments inside :func:`checking` (the flags, t
 source, the dataset, the plan ``auto_args`` makes, the checkpoint to resume). An error a check raises on the user's
 input (``ValueError``, ``RuntimeError``, ``OSError``) leaves it as a :class:`RecipeRefusal` carrying the message.
 The recipes' entry point :func:`run_recipe` prints a refusal once, from rank 0, and exits with status
-:data:`REFUSAL_EXIT` on every rank; every other error keeps its traceback (it is a failure, not a refusal).
+:data:`REFUSAL_EXIT`; every other error keeps its traceback (it is a failure, not a refusal).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 REFUSAL_EXIT = 2  # argparse's status for a command line it refuses
+RANK_0_GRACE_S = 30.0  # how long a rank other than 0 lets rank 0 say a refusal first (run_recipe)
 CHECK_ERRORS = (ValueError, RuntimeError, OSError)  # what the checks raise on the user's input
 
 
@@ -55,17 +57,21 @@ def refusal_text(refusal: RecipeRefusal) -> str:
 def run_recipe(main: Callable[[], Any]) -> None:
     """A recipe's ``if __name__ == "__main__"``: ``main()``, then the process group torn down on every rank together.
 
-    A :class:`RecipeRefusal` is printed by rank 0 alone (every rank refuses the same arguments) to stderr, and every
-    rank exits with status :data:`REFUSAL_EXIT`, leaving the process group without waiting for the others.
+    A :class:`RecipeRefusal` is said once, to stderr, and the rank exits with status :data:`REFUSAL_EXIT`, leaving the
+    process group without waiting for the others. Rank 0 says it at once. Every rank refuses the same arguments, so
+    another rank first gives rank 0 :data:`RANK_0_GRACE_S` seconds: once rank 0 has exited, the launcher stops the
+    other ranks, and a rank that exited first would have had rank 0 stopped before it spoke. A rank still running
+    after the grace period met a refusal rank 0 did not, and says it itself.
     """
     from hf_dist.runtime.dist import shutdown
 
     try:
         main()
     except RecipeRefusal as refusal:
-        if os.environ.get("RANK", "0") == "0":
-            print(refusal_text(refusal), file=sys.stderr, flush=True)
         _leave_process_group()
+        if os.environ.get("RANK", "0") != "0":
+            time.sleep(RANK_0_GRACE_S)
+        print(refusal_text(refusal), file=sys.stderr, flush=True)
         sys.exit(REFUSAL_EXIT)
     shutdown()
 

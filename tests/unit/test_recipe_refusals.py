@@ -56,13 +56,20 @@ def refusing_main():
 
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_a_refusal_is_printed_once_by_rank_0_and_every_rank_exits_2(rank, monkeypatch, capsys):
+    """Rank 0 says it at once; another rank first gives rank 0 the grace period (its launcher stops it once rank 0
+    exited: a rank that exited first got rank 0 stopped before it spoke), and says it only if it is still running."""
+    from hf_dist.recipe_utils import refusal
+
+    waited = []
+    monkeypatch.setattr(refusal.time, "sleep", waited.append)
     monkeypatch.setenv("RANK", rank)
     with pytest.raises(SystemExit) as exited:
         ru.run_recipe(refusing_main)
     assert exited.value.code == 2
     out, err = capsys.readouterr()
     expected = "[hf_dist] refused: --output_dir x is a file, not a folder: pass a folder\n  second line\n"
-    assert (out, err) == ("", expected if rank == "0" else "")
+    assert (out, err) == ("", expected)
+    assert waited == ([] if rank == "0" else [refusal.RANK_0_GRACE_S])
 
 
 def test_an_error_outside_the_checks_keeps_its_traceback(monkeypatch):
