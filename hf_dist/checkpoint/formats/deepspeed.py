@@ -258,20 +258,26 @@ class DeepSpeedReader(Reader):
                 if not (isinstance(value, torch.Tensor) and value.dim() > 0):
                     continue
                 name = f"offloaded_tensors/rank{rank:02d}/{key}-{ds_id}.tensor.swp"  # key, ds_id: unpickled values
-                path = folder.path(name, named_in=self.optim_files[rank])
-                if not path.is_file():
-                    raise FileNotFoundError(
-                        f"{self.optim_files[rank].name} records optimizer state {key!r} for sub-group {g}, swapped to "
-                        f"NVMe, and {path} is missing: copy the complete checkpoint folder, offloaded_tensors/ included"
-                    )
-                if g >= len(self._sub_group_sizes) or path.stat().st_size < self._sub_group_sizes[g] * 4:
-                    raise ValueError(
-                        f"{path} holds {path.stat().st_size} bytes, less than sub-group {g}'s fp32 {key} "
-                        f"({self._sub_group_sizes[g] * 4 if g < len(self._sub_group_sizes) else '?'} bytes): a "
-                        "truncated copy, or swap files of another checkpoint; DeepSpeed's reader would abort the rank"
-                    )
-                out.append(path)
+                out.append(self._checked_swap_file(folder, rank, g, name, f"optimizer state {key!r}"))
         return out
+
+    def _checked_swap_file(self, folder: ConfinedFolder, rank: int, g: int, name: str, what: str) -> Path:
+        """``name`` (built from unpickled values) confined to the checkpoint, present, and at least sub-group ``g``'s
+        fp32 size: DeepSpeed's aio reader aborts the rank on a short file (FileNotFoundError / ValueError naming it)."""
+        path = folder.path(name, named_in=self.optim_files[rank])
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{self.optim_files[rank].name} has no fp32 {what} for sub-group {g} (ZeRO-Infinity swapped it to "
+                f"NVMe) and {path} is missing: copy the complete checkpoint folder, offloaded_tensors/ included"
+            )
+        expected = self._sub_group_sizes[g] * 4 if g < len(self._sub_group_sizes) else None
+        if expected is None or path.stat().st_size < expected:
+            raise ValueError(
+                f"{path} holds {path.stat().st_size} bytes, less than sub-group {g}'s fp32 {what} "
+                f"({expected if expected is not None else 'unknown'} bytes): a truncated copy, or swap files of "
+                "another checkpoint (its sub_group_size differs); copy the complete checkpoint folder again"
+            )
+        return path
 
     def _swap_files(self, rank: int, groups: list) -> list[Path | None]:
         """Per flat group of ``rank``: the NVMe swap file holding its fp32 partition, or None when it is stored inline."""
@@ -283,17 +289,7 @@ class DeepSpeedReader(Reader):
                 out.append(None)
                 continue
             name = f"offloaded_tensors/rank{rank:02d}/{ds_id}.tensor.swp"  # ds_id: a value unpickled from the file
-            path = folder.path(name, named_in=self.optim_files[rank])
-            if not path.is_file():
-                raise FileNotFoundError(
-                    f"{self.optim_files[rank].name} has no fp32 partition for sub-group {g} (ZeRO-Infinity swapped it to "
-                    f"NVMe) and {path} is missing: copy the complete checkpoint folder, offloaded_tensors/ included"
-                )
-            if g >= len(self._sub_group_sizes) or path.stat().st_size < self._sub_group_sizes[g] * 4:
-                raise ValueError(
-                    f"{path} holds {path.stat().st_size} bytes, less than sub-group {g}'s fp32 partition; the "
-                    "checkpoint's sub_group_size or its swap files do not belong together"
-                )
+            path = self._checked_swap_file(folder, rank, g, name, "partition")
             out.append(path)
         return out
 
