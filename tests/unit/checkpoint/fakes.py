@@ -137,3 +137,18 @@ def seal(folder: Path, world_size: int = 1, step: int | None = None, run: str | 
     from hf_dist.checkpoint.lifecycle.manifest import write_manifest
 
     return write_manifest(Path(folder), hashed={}, world_size=world_size, step=step, run=run)
+
+
+def make_trainer_zero_checkpoint(root: Path, tiny_state, step: int) -> Path:
+    """``root/checkpoint-<step>`` as a Trainer saves ZeRO-3 on 2 ranks (:func:`make_zero_checkpoint`, the ranks' RNG
+    states, the scheduler and ``trainer_state.json``), without hf_dist's manifest."""
+    import json
+
+    config, state = tiny_state
+    ckpt = root / f"checkpoint-{step}"
+    make_zero_checkpoint(ckpt, config, state, stage=3, tag=f"global_step{step}")
+    for rank in range(2):
+        torch.save({"python": None}, ckpt / f"rng_state_{rank}.pth")
+    torch.save({"last_epoch": step}, ckpt / "scheduler.pt")
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    return ckpt

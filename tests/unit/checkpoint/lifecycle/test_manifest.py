@@ -122,16 +122,10 @@ def test_unmarked_checkpoints_missing_a_file_are_skipped_with_the_reason(make_tr
 
 
 def test_a_zero_checkpoint_without_its_tag_folder_is_skipped(tmp_path, tiny_state):
-    from tests.unit.checkpoint.fakes import make_zero_checkpoint
+    from tests.unit.checkpoint.fakes import make_trainer_zero_checkpoint
 
-    config, state = tiny_state
     for step in (2, 4):
-        ckpt = tmp_path / f"checkpoint-{step}"
-        make_zero_checkpoint(ckpt, config, state, stage=3, tag=f"global_step{step}")
-        for rank in range(2):
-            torch.save({"python": None}, ckpt / f"rng_state_{rank}.pth")
-        torch.save({"last_epoch": step}, ckpt / "scheduler.pt")
-        (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        make_trainer_zero_checkpoint(tmp_path, tiny_state, step)
     import shutil
 
     shutil.rmtree(tmp_path / "checkpoint-4" / "global_step4")

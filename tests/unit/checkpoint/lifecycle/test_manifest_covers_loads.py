@@ -9,26 +9,14 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
 from hf_dist.checkpoint.lifecycle.manifest import checkpoint_files, incomplete_reasons, is_complete, read_manifest
 from hf_dist.checkpoint.safety.paths import PathEscapeError
 from hf_dist.cli.main import main
-from tests.unit.checkpoint.fakes import make_zero_checkpoint, seal
+from tests.unit.checkpoint.fakes import make_trainer_zero_checkpoint, seal
 
 SHARD = "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
-
-
-def _checkpoint(root, tiny_state, step):
-    config, state = tiny_state
-    ckpt = root / f"checkpoint-{step}"
-    make_zero_checkpoint(ckpt, config, state, stage=3, tag=f"global_step{step}")
-    for rank in range(2):
-        torch.save({"python": None}, ckpt / f"rng_state_{rank}.pth")
-    torch.save({"last_epoch": step}, ckpt / "scheduler.pt")
-    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-    return ckpt
 
 
 def _change(shard):
@@ -41,9 +29,9 @@ def _change(shard):
 def test_a_tag_folder_linked_to_a_temporary_folder_is_hashed_through_the_link(tmp_path, tiny_state, capsys):
     """``global_step4 -> .data.tmp``: the loaders read the shards through the link, so the manifest lists them; when
     they change after the manifest the checkpoint is not complete, auto_resume takes the older one, convert refuses."""
-    _checkpoint(tmp_path, tiny_state, 2)
+    make_trainer_zero_checkpoint(tmp_path, tiny_state, 2)
     seal(tmp_path / "checkpoint-2", world_size=2, step=2)
-    ckpt = _checkpoint(tmp_path, tiny_state, 4)
+    ckpt = make_trainer_zero_checkpoint(tmp_path, tiny_state, 4)
     (ckpt / "global_step4").rename(ckpt / ".data.tmp")
     (ckpt / "global_step4").symlink_to(".data.tmp", target_is_directory=True)
     seal(ckpt, world_size=2, step=4)
@@ -66,7 +54,7 @@ def test_a_tag_folder_linked_to_a_temporary_folder_is_hashed_through_the_link(tm
 def test_latest_naming_a_temporary_folder_is_listed_and_refused(tmp_path, tiny_state, capsys):
     """``latest`` names ``.global_step4.tmp``: the manifest lists that folder's shards (not only the JSON files), and
     reading the checkpoint refuses the tag: auto_resume, convert and the manifest check, in one line each."""
-    ckpt = _checkpoint(tmp_path, tiny_state, 4)
+    ckpt = make_trainer_zero_checkpoint(tmp_path, tiny_state, 4)
     (ckpt / "global_step4").rename(ckpt / ".global_step4.tmp")
     (ckpt / "latest").write_text(".global_step4.tmp")
     assert f".global_step4.tmp/{SHARD}" in checkpoint_files(ckpt)
@@ -90,7 +78,7 @@ def test_latest_naming_a_temporary_folder_is_listed_and_refused(tmp_path, tiny_s
 @pytest.mark.parametrize("name", ["global_step4", "extra"])
 def test_a_linked_folder_leading_out_is_refused_naming_both(name, tmp_path, tiny_state):
     """The tag folder ``latest`` names, or any other folder, linked outside: no manifest is written over it."""
-    ckpt = _checkpoint(tmp_path, tiny_state, 4)
+    ckpt = make_trainer_zero_checkpoint(tmp_path, tiny_state, 4)
     outside = tmp_path / "elsewhere"
     if name == "global_step4":
         shutil.move(ckpt / "global_step4", outside)
