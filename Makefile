@@ -78,7 +78,7 @@ aio-op: install libaio
 	@$(PY) -c "$(AIO_BUILD)"
 
 test: install libaio aio-op
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 # the lowest supported set: unit tests, then one launch per strategy family; DeepSpeed's JIT-built ops of
 # another version get their own cache so the two venvs do not rebuild each other's

@@ -7,7 +7,7 @@ vocabulary). For 1 and 2 CPU ranks it prints: the per-core fp32 matmul rate the 
 (``hf_dist.planning.hardware.cpu_core_gflops``), the planner's estimate for DDP at the demo's micro-batch 16 x 64 tokens,
 and what ``hf-dist bench``'s launcher measures for the same (torchrun, the Trainer, one thread per rank as the demo
 runs, full-length random sequences, timed after warm-up steps; the fastest of ``--repeats`` launches, the one least
-slowed by other work on a shared machine). docs/planner.md ("Throughput on CPU ranks") records a run.
+slowed by other work on a shared machine). docs/measurements.md ("Throughput on CPU ranks") records a run.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ MICRO_BATCH, SEQ_LEN = 16, 64  # the demo's: EMBEDDED_TRAINING_DEFAULTS and the 
 
 def demo_config():
     """The embedded default's model config, built as recipes/sft.py builds it."""
-    from hf_dist.recipe_utils.args import ModelArguments
+    from hf_dist.recipe_utils.flags import ModelArguments
     from hf_dist.recipe_utils.model import load_tokenizer, model_config
 
     model_args = ModelArguments()

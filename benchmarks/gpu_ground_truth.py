@@ -82,7 +82,8 @@ def ran_pure_bf16(case: dict) -> bool:
 
 def predict(case: dict, config_dir: Path):
     from hf_dist.planning.memory import estimate_memory
-    from hf_dist.planning.modelinfo import load_config, model_spec
+    from hf_dist.planning.model_source import load_config
+    from hf_dist.planning.modelinfo import model_spec
     from hf_dist.testing import gpu_case_lora
 
     spec = model_spec(load_config(str(config_dir / "config.json")))

@@ -32,9 +32,10 @@ import sys
 import time
 from pathlib import Path
 
+from hf_dist.planning.dtypes import GIB
 from hf_dist.planning.lora import LoraSpec
-from hf_dist.planning.memory import GIB, estimate_memory
-from hf_dist.planning.modelinfo import config_from_dict
+from hf_dist.planning.memory import estimate_memory
+from hf_dist.planning.model_source import config_from_dict
 from hf_dist.testing import PUBLIC_CONFIGS, gpu_case_lora, public_config
 from hf_dist.tracing import TraceError, TraceResult, TraceSetup, TraceUnsupported, trace_memory
 

@@ -108,7 +108,7 @@ def _plan(model: Any, request: Request) -> Any:
 
 
 def _make_plan(model: Any, request: Request, plan_kwargs: dict[str, Any]) -> Any:
-    from hf_dist.tracing.verify import plan as make_plan
+    from hf_dist.tracing.checked_plan import plan as make_plan
 
     return make_plan(model, trust_remote_code=request.own.get("trust_remote_code", False), **plan_kwargs)
 

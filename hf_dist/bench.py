@@ -211,7 +211,7 @@ def _model_config(config: BenchConfig) -> Any:
         from hf_dist.embedded.model import tiny_llama_config
 
         return tiny_llama_config()
-    from hf_dist.planning.modelinfo import resolve_config
+    from hf_dist.planning.model_source import resolve_config
 
     return resolve_config(config.model, trust_remote_code=config.trust_remote_code)
 
@@ -310,7 +310,7 @@ def _worker(argv: list[str]) -> None:
     import torch
     from transformers import Trainer, TrainingArguments
 
-    from hf_dist.planning.modelinfo import causal_lm_from_config
+    from hf_dist.planning.model_source import causal_lm_from_config
     from hf_dist.runtime.dist import shutdown
 
     device = _device()

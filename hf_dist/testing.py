@@ -106,7 +106,7 @@ PUBLIC_CONFIGS: dict[str, dict] = {
 
 def public_config(name: str):
     """The transformers config of a public model in :data:`PUBLIC_CONFIGS`."""
-    from hf_dist.planning.modelinfo import config_from_dict
+    from hf_dist.planning.model_source import config_from_dict
 
     return config_from_dict(dict(PUBLIC_CONFIGS[name]))
 

@@ -131,16 +131,15 @@ CATALOG: dict[str, Entry] = {
     "python benchmarks/gpu_ground_truth.py --trace": CannotRun(
         "a benchmark: traces every GPU run the tracer runs, 3 min on 2 busy cores (2026-11-27)",
         output=(
-            "docs/planner.md",
+            "docs/measurements.md",
             "| llama-3-8b lora ddp seq2048 mb8 liger load=bfloat16 | H200 | 101.49 | 107.30 | 107.32 | 1.000 | 4.50 | 4.47 | 0.88 |",
         ),
     ),
     "python benchmarks/planner_accuracy.py": CannotRun(
         "a benchmark: one 2-4 rank launch per model and layout, 14 min 55 s on 2 cores",
-        output=("docs/planner.md", "14 min 55 s on 2 busy CPU cores on 2026-11-25"),
+        output=("docs/measurements.md", "14 min 55 s on 2 busy CPU cores on 2026-11-25"),
     ),
-    "hf-dist plan MODEL ... --verify": RanBy("tests/unit/tracing/test_verify.py::test_cli_verify_8b_on_64_gpus"),
-    "hf-dist config --strategy zero3 --offload optimizer+params --out z3.yaml": Run((ConfigWritten(),)),
+    "hf-dist plan MODEL ... --verify": RanBy("tests/unit/tracing/test_checked_plan.py::test_cli_verify_8b_on_64_gpus"),
     CONVERT: Run((HfFolder("out/hf-model"),), setup=(OUT_CKPT,)),
     "hf-dist convert out/checkpoint-500 out/adapter --adapter": Run(
         (AdapterFolder("out/adapter"),), setup=(LoraCheckpoint("out/checkpoint-500"),)
@@ -165,15 +164,8 @@ CATALOG: dict[str, Entry] = {
         "tests/distributed/test_reshard.py::test_resume_on_other_world_size",
         "in place, by the function the command calls, on real ZeRO-2/3 checkpoints of 2 ranks",
     ),
-    "accelerate launch --config_file accelerate_configs/hsdp_2node.yaml --machine_rank R --main_process_ip IP "
-    "train.py": RanBy(f"{MULTINODE}test_accelerate_two_nodes_hsdp_yaml", "machine ranks 0 and 1 on loopback"),
-    "hf-dist bench --nproc 8 --model ./my-model --autotune best.yaml": CannotRun(
-        f"{NO_GPU} (8 processes); its CPU form runs in tests/distributed/test_bench.py"
-    ),
     "make test-min": RanBy(CI),
     "make install": RanBy(CI),
-    ".venv/bin/pytest -q tests/unit": SUITE,
-    ".venv/bin/pytest -q -m distributed tests/distributed": SUITE,
     "make lint": RanBy(CI),
     # -- docs/architecture.md ----------------------------------------------------------------------------------
     "torchrun --max-restarts": RanBy(RESTARTS),
@@ -404,12 +396,15 @@ CATALOG: dict[str, Entry] = {
     "hf-dist plan --liger on --gpu-memory 80 ...": RanBy(PLAN_FLAGS, "--liger on|off reaches the planner"),
     "python benchmarks/trace_accuracy.py": CannotRun(
         "a benchmark: traces of public models' configs on 8-512 ranks, 805 s on 2 cores",
-        output=("docs/planner.md", "| llama-3.2-1b | ddp w8 lora seq2048 mb1 | 9.61 | 9.62 | 1.001 | yes | 7.8 |"),
+        output=(
+            "docs/measurements.md",
+            "| llama-3.2-1b | ddp w8 lora seq2048 mb1 | 9.61 | 9.62 | 1.001 | yes | 7.8 |",
+        ),
     ),
     "python benchmarks/trace_accuracy.py --gpu-only": CannotRun(
         "a benchmark: traces every GPU run (14 traces, 310 s on 2 shared cores)",
         output=(
-            "docs/planner.md",
+            "docs/measurements.md",
             "| llama-3.2-3b ddp w1 full ga2 seq4096 mb4 liger | H200 | 108.50 | 108.42 | 0.999 | 110.94 |",
         ),
     ),
@@ -417,27 +412,28 @@ CATALOG: dict[str, Entry] = {
     "mixtral-8x7b --out ds.json": CannotRun(
         "a benchmark: 24 traces of DeepSpeed's engine on 8 and 64 ranks, 3895 s on 2 busy cores",
         output=(
-            "docs/planner.md",
+            "docs/measurements.md",
             "| llama-3-8b | zero3 w64 full+ckpt seq8192 mb1 | 18.99 | 0.896 | 0.994 | yes | 264 |",
         ),
     ),
     "python benchmarks/trace_accuracy.py --moe --skip-gpu --out moe.json": CannotRun(
         "a benchmark: 24 traces of three mixtures of experts on 8 and 64 ranks, 282 s on 2 busy cores",
         output=(
-            "docs/planner.md",
+            "docs/measurements.md",
             "| qwen1.5-moe-a2.7b | fsdp_full_shard w64 lora+ckpt seq8192 mb1 | 15.82 | 15.81 |",
         ),
     ),
     "python benchmarks/trace_accuracy.py --skip-models --gpu-only llama-3-8b": CannotRun(
         "a benchmark: one 8B trace, 48 s on 2 idle cores, 250 s on busy ones",
-        output=("docs/planner.md", "# traced 80.49 GiB"),
+        output=("docs/measurements.md", "# traced 80.49 GiB"),
     ),
     "hf-dist plan --lora-rank 64 --lora-dropout 0 --lora-targets q_proj v_proj": RanBy(
         "tests/unit/test_cli_plan.py::test_plan_lora_flags_plan_that_lora", "the flags, with a model folder"
     ),
-    "hf-dist plan ... --verify": RanBy("tests/unit/tracing/test_verify.py::test_cli_verify_8b_on_64_gpus"),
+    "hf-dist plan ... --verify": RanBy("tests/unit/tracing/test_checked_plan.py::test_cli_verify_8b_on_64_gpus"),
     "hf-dist plan ./llama-3-8b --gpus 64 --nodes 8 --gpu-memory 80 --global-batch 256 --verify": RanBy(
-        "tests/unit/tracing/test_verify.py::test_cli_verify_8b_on_64_gpus", "the doc says this test runs the line"
+        "tests/unit/tracing/test_checked_plan.py::test_cli_verify_8b_on_64_gpus",
+        "the doc says this test runs the line",
     ),
     "python benchmarks/lora_ops.py": CannotRun(
         "a benchmark: counts the kernels of LoRA layers under torch's profiler (minutes)",
@@ -486,7 +482,7 @@ CATALOG: dict[str, Entry] = {
     # -- docs/testing.md ---------------------------------------------------------------------------------------
     "make libaio": RanBy(CI),
     "python -m pytest -q tests/unit/test_doc_commands.py": SUITE,
-    ".venv/bin/python -m pytest -q tests": SUITE,
+    ".venv/bin/python -m pytest -q --durations=30 tests": SUITE,
     "python -m pytest -q tests/unit": SUITE,
     "python -m pytest -q -m distributed tests/distributed": SUITE,
     'python -m pytest -q -m "not distributed" tests': SUITE,

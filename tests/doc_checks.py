@@ -213,7 +213,7 @@ class Recipe:
     checkpoints: tuple[int, ...] = ()
 
     def __call__(self, ran: Ran) -> None:
-        from hf_dist.checkpoint.formats.layout import MANIFEST_NAME
+        from hf_dist.checkpoint.formats.names import MANIFEST_NAME
 
         _exit(ran.outcome)
         out = ran.ws / self.out

@@ -100,7 +100,7 @@ def attach(
 
     Refuses at once a launch of several ranks that the Trainer trains as separate one-process copies
     (:func:`hf_dist.callbacks.plan.check_launch`), and a second job writing the same output folder
-    (:func:`hf_dist.checkpoint.lifecycle.output_lock.claim_output_dir`: every rank raises ``OutputBusyError`` naming
+    (:func:`hf_dist.checkpoint.output.lock.claim_output_dir`: every rank raises ``OutputBusyError`` naming
     the job that holds it; a rank whose launcher dies stops). Guards the Trainer's checkpoint loads
     (:func:`hf_dist.checkpoint.safety.trainer_loads.guard_trainer`): while a resume or the best model loads, every
     unpickle the Trainer, accelerate or DeepSpeed makes is torch's ``weights_only`` load with hf_dist's allowlist,
@@ -121,12 +121,25 @@ def attach(
     add to the logs reach TensorBoard, W&B, etc. They get the ``on_init_end`` event they missed (the
     Trainer was built before them). Returns the inserted callbacks.
     """
-    from transformers.trainer_callback import DefaultFlowCallback
+    _guard(trainer)
+    if callbacks is None:
+        callbacks = default(_the_plan(plan), resume_from=resume_from, async_save=async_save)
+    elif async_save:
+        raise ValueError(
+            "async_save=True chooses the default callbacks; with your own list, add AsyncCheckpointCallback()"
+        )
+    else:
+        callbacks = list(callbacks)
+    _insert(trainer, callbacks)
+    return callbacks
 
+
+def _guard(trainer: Any) -> None:
+    """What :func:`attach` checks and guards before any callback is inserted, in this order."""
     from hf_dist.callbacks.plan import check_launch
     from hf_dist.checkpoint.lifecycle.finished import guard_finished
     from hf_dist.checkpoint.lifecycle.model_config import guard_resume_model
-    from hf_dist.checkpoint.lifecycle.output_lock import claim_output_dir
+    from hf_dist.checkpoint.output.lock import claim_output_dir
     from hf_dist.checkpoint.safety.trainer_loads import guard_trainer
     from hf_dist.runtime.replicas import check_replicas_agree
 
@@ -140,14 +153,12 @@ def attach(
 
         quiet_deprecated_collectives()  # torch's deprecation of DeepSpeed's collectives: once, not at every step
     guard_resume_model(trainer)  # a checkpoint of another model refused before the Trainer builds or loads anything
-    if callbacks is None:
-        callbacks = default(_the_plan(plan), resume_from=resume_from, async_save=async_save)
-    elif async_save:
-        raise ValueError(
-            "async_save=True chooses the default callbacks; with your own list, add AsyncCheckpointCallback()"
-        )
-    else:
-        callbacks = list(callbacks)
+
+
+def _insert(trainer: Any, callbacks: list[TrainerCallback]) -> None:
+    """``callbacks`` right after the Trainer's flow callback, each given the ``on_init_end`` event it missed."""
+    from transformers.trainer_callback import DefaultFlowCallback
+
     handler = trainer.callback_handler.callbacks
     flow = [i for i, cb in enumerate(handler) if isinstance(cb, DefaultFlowCallback)]
     position = flow[-1] + 1 if flow else 0
@@ -156,7 +167,6 @@ def attach(
         if hasattr(callback, "trainer") and callback.trainer is None:  # Throughput, AsyncCheckpoint: need the trainer
             callback.trainer = trainer
         callback.on_init_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
-    return callbacks
 
 
 def _the_plan(plan: Any) -> Any:

@@ -108,7 +108,7 @@ class ExportCallback(TrainerCallback):
                 f"ZeRO-3 export needs the checkpoint of this step ({checkpoint}), which does not exist; "
                 "use save_strategy='steps' (the Trainer then saves at the last step) or run `hf-dist convert`"
             )
-        from hf_dist.checkpoint.convert import convert
+        from hf_dist.checkpoint.conversion.convert import convert
 
         shutil.rmtree(tmp)  # convert writes its own folder and refuses an existing one
         convert(str(checkpoint), str(tmp), progress=False, trust_remote_code=trust_remote_code)

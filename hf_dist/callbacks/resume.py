@@ -4,7 +4,7 @@
 manifest and notes the save under way; once every rank finished, each rank hashes the files it wrote and rank 0
 writes the manifest (:mod:`hf_dist.checkpoint.lifecycle.manifest`), which is what :func:`hf_dist.auto_resume`
 (:mod:`hf_dist.checkpoint.lifecycle.auto_resume`) trusts. At train start rank 0 records the run in the output
-folder's journal (:mod:`hf_dist.checkpoint.lifecycle.runs`), so checkpoints another run left there are told apart.
+folder's journal (:mod:`hf_dist.checkpoint.output.runs`), so checkpoints another run left there are told apart.
 
 ``AsyncCheckpointCallback``: the same, with the Trainer's files written in the background; the Trainer's rotation
 (``save_total_limit``), its best-model load and its end-of-training deletions wait for the pending write.
@@ -29,7 +29,8 @@ from typing import Any
 from transformers import TrainerCallback
 
 from hf_dist.callbacks.phases import Phase, phase
-from hf_dist.checkpoint.lifecycle import manifest, model_config, runs, sharded_state, zero_infinity
+from hf_dist.checkpoint.lifecycle import manifest, model_config, sharded_state, zero_infinity
+from hf_dist.checkpoint.output import runs
 from hf_dist.runtime import dist as _dist
 
 __all__ = [

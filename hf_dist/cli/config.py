@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         return 0
     from hf_dist.atomic_io import atomic_write_text
-    from hf_dist.checkpoint.safety.output_paths import check_output_path
+    from hf_dist.checkpoint.output.paths import check_output_path
 
     check_output_path(args.out, overwrite=args.force, what="--out", overwrite_flag="--force", is_dir=False)
     path = atomic_write_text(args.out, text)

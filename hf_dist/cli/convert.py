@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hf_dist.checkpoint.convert import convert
+    from hf_dist.checkpoint.conversion.convert import convert
 
     options = ("dtype", "max_shard_size", "model_config", "tokenizer", "tag", "adapter", "merge_adapter", "overwrite")
     flags = ("to", "trust_pickles", "progress", "trust_remote_code")

@@ -230,7 +230,7 @@ _SWITCH_VALUES = {"auto": None, "on": True, "off": False}
 def run(args: argparse.Namespace) -> int:
     from hf_dist.planning.hardware import detect_hardware
     from hf_dist.planning.modelinfo import model_spec
-    from hf_dist.tracing.verify import plan
+    from hf_dist.tracing.checked_plan import plan
 
     # --liger on for GPUs described with --gpu-memory: the target machines have it, whatever this one has
     described = args.gpu_memory is not None and args.liger == "on"

@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hf_dist.checkpoint.verify import verify
+    from hf_dist.checkpoint.conversion.verify import verify
 
     report = verify(
         args.a, args.b, logits=args.logits, atol=args.atol, model_config=args.model_config,

@@ -1,4 +1,5 @@
-"""What a decoder layer and the LM head save for backward, per rank: pure arithmetic, bytes.
+"""What a decoder layer saves for backward, per rank (the LM head and the loss: :mod:`hf_dist.planning.head_activations`):
+pure arithmetic, bytes.
 
 Each term follows what the HF implementation saves, tensor by tensor (transformers' modeling_llama.py and
 friends; PEFT's ``lora.Linear``; transformers' ``integrations/moe.py``), and was checked against the tracer
@@ -10,7 +11,6 @@ LoRA base) saves nothing of its input, so LoRA's activations are not full fine-t
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -45,7 +45,7 @@ class Lora:
     input_grad: bool = True
 
 
-def _norm_bytes(h: int, lay: Dtypes, consumers: int, liger: bool, frozen: bool = False) -> int:
+def norm_bytes(h: int, lay: Dtypes, consumers: int, liger: bool, frozen: bool = False) -> int:
     """Per token, one RMSNorm and what its consumers save of its output.
 
     HF ``LlamaRMSNorm`` upcasts its input to fp32 (saved by ``pow`` and the ``rsqrt`` multiply: the
@@ -59,11 +59,11 @@ def _norm_bytes(h: int, lay: Dtypes, consumers: int, liger: bool, frozen: bool =
     if frozen:
         return r * h if liger else FP32 * h
     shared = consumers * lay.compute * h if lay.autocast else r * h
-    return _norm_saved_bytes(h, lay, liger) + shared
+    return norm_saved_bytes(h, lay, liger) + shared
 
 
-def _norm_saved_bytes(h: int, lay: Dtypes, liger: bool) -> int:
-    """Per token, what one RMSNorm saves for its own backward (see :func:`_norm_bytes`)."""
+def norm_saved_bytes(h: int, lay: Dtypes, liger: bool) -> int:
+    """Per token, what one RMSNorm saves for its own backward (see :func:`norm_bytes`)."""
     return lay.residual * h if liger else FP32 * h + lay.residual * h
 
 
@@ -282,7 +282,7 @@ def layer_activation_bytes(
     """Saved-for-backward bytes of one Llama-style decoder layer (transformers' modeling_llama.py).
 
     Per token, with c the compute dtype's bytes, h hidden, kv the K/V width, I the MLP width, a heads:
-      two RMSNorms and their consumers (:func:`_norm_bytes`; 3 projections read the first, 2 the second);
+      two RMSNorms and their consumers (:func:`norm_bytes`; 3 projections read the first, 2 the second);
       attention: q after RoPE (c*h: RoPE's multiplies save only cos/sin, which need no grad),
         k, v (c*kv each; sdpa passes ``enable_gqa`` instead of repeating K/V), the output (c*h) and its
         contiguous transpose that o_proj saves (c*h; not when o_proj is frozen), and flash/efficient SDPA's fp32
@@ -306,7 +306,7 @@ def layer_activation_bytes(
     # are the attention's (mla_attention_bytes)
     latent_norms = (1 + bool(mla.q_lora_rank)) if mla else 0
     extra = max(spec.norms_per_layer - 2 - latent_norms, 0)
-    norms = sum(_norm_bytes(h, lay, n, liger, frozen) for n in (2 if mla else 3, 2, *([1] * extra)))
+    norms = sum(norm_bytes(h, lay, n, liger, frozen) for n in (2 if mla else 3, 2, *([1] * extra)))
     attn = mla_attention_bytes(spec, lay, frozen) if mla else c * ((2 if frozen else 3) * q + 2 * kv)
     # eager: the fp32 softmax and its 16-bit copy per key; Gemma 2 soft-caps the scores first (scores / cap, tanh,
     # * cap), which saves tanh's output per key too (modeling_gemma2.py eager_attention_forward)
@@ -374,60 +374,6 @@ def _latent_norm_bytes(width: int, lay: Dtypes, frozen: bool) -> int:
     return FP32 * width + FP32 + (0 if frozen else 2 * lay.compute * width)
 
 
-# TRL's fused LM head (trl.kernels.chunked_logprob): tokens per projection tile, and the vocabulary width of a tile
-# (trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE)
-TRL_TOKEN_TILE = 4096
-TRL_VOCAB_TILE = 32768
-
-
-def trl_head_bytes(
-    spec, tokens: int, lay: Dtypes, *, trains_head: bool, weight_bytes: int | None = None, liger: bool = False
-) -> int:
-    """Peak bytes of TRL's fused LM head (``SFTTrainer``'s loss since TRL 1.x: ``add_fused_lm_head`` and
-    ``_ChunkedLogProbFunction``), at the end of its backward, on top of what the layers saved.
-
-    The forward scores ``[4096 tokens, 32768 vocab]`` tiles of one reused buffer (compute dtype) and saves a copy
-    of the final hidden states (``hidden_states[mask]``, residual dtype), never the logits. The backward recomputes
-    each tile and accumulates, always in fp32, the input gradient ``[tokens, hidden]`` and, when the head trains,
-    the weight gradient ``[vocab, hidden]``; on return both are cast to their inputs' dtypes while the fp32 buffers
-    are alive. Under autocast each tile's weight slice is cast to the compute dtype. ``weight_bytes``: the head's
-    weight as the forward sees it (FSDP2 gathers it in the compute dtype; default ``lay.weights``).
-    """
-    h, v = spec.hidden_size, spec.vocab_size
-    final_norm = _norm_saved_bytes(h, lay, liger) * tokens  # its output is not saved: the head saves a copy
-    tile = lay.compute * min(tokens, TRL_TOKEN_TILE) * min(v, TRL_VOCAB_TILE)
-    weight_slice = lay.compute * min(v, TRL_VOCAB_TILE) * h if lay.autocast else 0
-    grad_hidden = FP32 * tokens * h + (lay.residual * tokens * h if lay.residual != FP32 else 0)
-    weights = lay.weights if weight_bytes is None else weight_bytes
-    grad_weight = (FP32 * v * h + (weights * v * h if weights != FP32 else 0)) if trains_head else 0
-    return final_norm + lay.residual * tokens * h + tile + weight_slice + grad_hidden + grad_weight
-
-
-def logits_bytes(spec, seq_len: int, micro_batch_size: int, lay: Dtypes, *, liger: bool = False) -> int:
-    """Peak bytes of the LM head and the loss.
-
-    HF: ``ForCausalLMLoss`` upcasts the logits (``logits.float()``) and ``cross_entropy`` keeps the fp32
-    log-softmax; in backward NLL's gradient, the log-softmax output and its input gradient are three
-    fp32 ``[tokens, vocab]`` tensors alive at once (12 bytes per vocab entry per token), more than the
-    forward's 16-bit logits + fp32 copy + log-softmax. Plus the final norm and what lm_head saves.
-    Liger's fused linear cross-entropy (``LigerFusedLinearCrossEntropyFunction``) computes the loss and
-    both gradients chunk by chunk in forward: it keeps the input gradient (in the residual dtype) and the
-    lm_head weight gradient (in the weights' dtype), and holds one chunk of logits of
-    ``2**ceil(log2(tokens / ceil(V / h)))`` rows; under autocast each chunk's matmul casts the transposed
-    fp32 weight again (a view, which autocast does not cache).
-    """
-    tokens = seq_len * micro_batch_size
-    final_norm = _norm_bytes(spec.hidden_size, lay, 1, liger) * tokens
-    if not liger:
-        # Gemma 2's soft-capping (logits / cap, tanh, * cap) saves tanh's output in the compute dtype
-        capping = lay.compute * spec.vocab_size * tokens if spec.logit_softcapping else 0
-        return final_norm + 3 * FP32 * spec.vocab_size * tokens + capping
-    h, v = spec.hidden_size, spec.vocab_size
-    chunk = min(2 ** math.ceil(math.log2(max(1, math.ceil(tokens / math.ceil(v / h))))), tokens)
-    weight_copy = lay.compute * v * h if lay.autocast else 0
-    return final_norm + lay.residual * h * tokens + lay.weights * v * h + weight_copy + lay.compute * v * chunk
-
-
 def activation_bytes(
     spec, seq_len, micro_batch_size, activation_checkpointing, lay: Dtypes, *, lora_layers=None, idle_layers=0, **kw
 ) -> tuple[int, int]:
@@ -460,14 +406,3 @@ def activation_bytes(
         return inputs + largest + router_logits_bytes(spec, seq_len, micro_batch_size, lay), largest
     every = sum(per_kind[kind] * count for kind, count in kinds.items())
     return every + router_logits_bytes(spec, seq_len, micro_batch_size, lay), 0
-
-
-def largest_transient_bytes(spec, seq_len, micro_batch_size, lay: Dtypes, liger: bool, trl_head: bool = False) -> int:
-    """The largest single tensor of a step: an MLP activation, the fp32 logits, or TRL's fp32 weight gradient."""
-    if not spec.has_shape:
-        return 0
-    tokens = seq_len * micro_batch_size
-    mlp = lay.compute * spec.intermediate_size * tokens * max(spec.experts_per_token, 1)
-    if trl_head:
-        return max(mlp, FP32 * spec.vocab_size * spec.hidden_size)
-    return mlp if liger else max(mlp, FP32 * spec.vocab_size * tokens)

@@ -174,7 +174,8 @@ def replay(events, allocator: CachingAllocator | None = None, streams=None) -> C
 
 
 # the steps a training run is replayed for: the reserved total stops growing within three steps on every traced run
-# (docs/planner.md, "The caching allocator's reserve"); the GPU measurements took their maximum over 5 steps
+# (docs/measurements.md, "The caching allocator's reserve against real GPUs"); the GPU measurements took their
+# maximum over 5 steps
 MAX_STEPS = 8
 
 

@@ -15,8 +15,9 @@ from hf_dist.planning.features import check_features
 from hf_dist.planning.hardware import Hardware
 from hf_dist.planning.layout import REGISTRY
 from hf_dist.planning.load_memory import LoadMemory, load_memory
-from hf_dist.planning.lora import Placement
-from hf_dist.planning.memory import MemoryEstimate, estimate_memory
+from hf_dist.planning.lora_plan import Placement
+from hf_dist.planning.memory import estimate_memory
+from hf_dist.planning.memory_estimate import MemoryEstimate
 from hf_dist.planning.model_parallel import micro_batch_limit
 from hf_dist.planning.modelinfo import ModelSpec
 from hf_dist.planning.plan_result import Candidate, Combo, format_bytes
@@ -97,7 +98,7 @@ class Setup:
     micro_batch: int | None = None
     checkpoint_children: bool = False  # LibraryFeatures.fsdp2_checkpoints_children
     embedding_unit: bool = True  # LibraryFeatures.fsdp2_embedding_unit
-    fused_lm_head: bool = False  # TRL's fused LM head computes the loss (planning/activations.trl_head_bytes)
+    fused_lm_head: bool = False  # TRL's fused LM head computes the loss (planning/head_activations.trl_head_bytes)
     async_save: bool = False  # checkpoints staged in host RAM, then written in the background
 
 

@@ -11,7 +11,8 @@ import math
 
 from hf_dist.planning.dtypes import FP32, Dtypes
 from hf_dist.planning.layout import Strategy
-from hf_dist.planning.lora import LoraSpec, Placement, place
+from hf_dist.planning.lora import LoraSpec
+from hf_dist.planning.lora_plan import Placement, place
 from hf_dist.planning.nvme import host_bytes, param_buffer_elements, param_swapper_bytes, per_rank, swap_files
 
 # QLoRA (Dettmers et al. 2023, sec. 3): NF4 = 4 bits/param; double quantisation stores one 8-bit absmax

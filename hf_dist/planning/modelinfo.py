@@ -8,15 +8,16 @@ Llama-3.1-405B config counts in about half a second.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
+from hf_dist.planning.config_checks import check_dimensions
+from hf_dist.planning.model_source import check_causal_lm, config_from_dict, is_config, load_config, meta_model
 from hf_dist.planning.moe import MlaShape, MoeLayout, mla_shape, moe_layout
 from hf_dist.planning.precision import is_module
-from hf_dist.planning.remote_code import check_config_class, check_trust_flag, uses_folder_class
+from hf_dist.planning.remote_code import check_trust_flag
 
 
 class Module(NamedTuple):
@@ -65,7 +66,7 @@ class ModelSpec:
         "sdpa"  # the attention transformers runs by default: "eager" where the model refuses sdpa (Gemma 2)
     )
     checkpoint_bytes: int = 2  # bytes per parameter in the saved weights (the config's dtype; hub models: bf16)
-    # what LoRA can adapt or save (hf_dist.planning.lora.place): the decoder layers' ModuleList name, one layer's
+    # what LoRA can adapt or save (hf_dist.planning.lora_plan.place): the decoder layers' ModuleList name, one layer's
     # modules (names relative to the layer), the modules outside the layers, the input and output embeddings' names
     # and every parameter named ``bias``
     layer_prefix: str = ""
@@ -153,7 +154,7 @@ def model_spec(model: Any, *, trust_remote_code: bool = False) -> ModelSpec:
         return spec_from_config(config, name=str(model), trust_remote_code=trust)
     if isinstance(model, dict):
         return spec_from_config(config_from_dict(model), trust_remote_code=trust)
-    if _is_config(model):
+    if is_config(model):
         return spec_from_config(model, trust_remote_code=trust)
     if is_module(model):
         return spec_from_module(model)
@@ -183,299 +184,6 @@ def _integral_count(value: float) -> int:
     return int(value)
 
 
-def _is_config(obj: Any) -> bool:
-    from transformers import PretrainedConfig
-
-    return isinstance(obj, PretrainedConfig)
-
-
-def config_from_dict(data: dict) -> Any:
-    from transformers import AutoConfig
-
-    if "model_type" not in data:
-        raise ValueError(
-            f"config dict has no 'model_type' (keys: {sorted(data)[:10]}...); add it, e.g. 'model_type': 'llama'"
-        )
-    check_config_dict(data, where="model config")
-    kwargs = {k: v for k, v in data.items() if k != "model_type"}
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    if data["model_type"] not in CONFIG_MAPPING:
-        raise ValueError(
-            f"unknown model_type {data['model_type']!r} in config; use one transformers knows, e.g. 'llama'"
-        )
-    try:
-        return AutoConfig.for_model(data["model_type"], **kwargs)
-    except Exception as exc:  # transformers/huggingface_hub validators raise their own types
-        message = str(exc).strip().splitlines()[-1].strip()[:300] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"invalid {data['model_type']} config: {message}; fix config.json") from None
-
-
-def load_config(path_or_name: str, *, trust_remote_code: bool = False) -> Any:
-    """A config from a local folder, a config.json file or a hub name (clear error when offline).
-
-    A config class named only in the folder's ``auto_map`` is imported with ``trust_remote_code=True`` alone
-    (:func:`~hf_dist.planning.remote_code.check_config_class`); a config.json given as a file is then read as its
-    folder, where that code lives.
-    """
-    trust = check_trust_flag(trust_remote_code)
-    if os.path.isfile(path_or_name):
-        return _config_from_file(path_or_name, trust)
-    if os.path.isdir(path_or_name):
-        config_file = os.path.join(path_or_name, "config.json")
-        if not os.path.isfile(config_file):
-            raise FileNotFoundError(f"folder {path_or_name} has no config.json; pass a model folder or a config.json")
-        data = _read_json(config_file)
-        check_config_dict(data, where=f"model config {config_file}")
-        check_config_class(data, path_or_name, trust_remote_code=trust)
-        return _auto_config(path_or_name, trust, f"cannot read {config_file}", "fix or replace it")
-    check_hub_reachable(path_or_name)
-    return _hub_config(path_or_name, trust)
-
-
-def _read_json(path: str) -> dict:
-    with open(path, encoding="utf-8") as fh:
-        try:
-            data = json.load(fh)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not valid JSON ({exc}); pass a transformers config.json") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} holds a {type(data).__name__}, not a JSON object; pass a transformers config.json")
-    return data
-
-
-def _config_from_file(path: str, trust: bool) -> Any:
-    """A config.json file: read as a dict (no code), or, trusted and with an ``auto_map``, as its folder."""
-    data = _read_json(path)
-    check_config_dict(data, where=f"model config {path}")
-    folder = os.path.dirname(os.path.abspath(path))
-    if trust and data.get("auto_map") and os.path.basename(path) == "config.json":
-        return load_config(folder, trust_remote_code=True)
-    check_config_class(data, folder, trust_remote_code=trust)
-    config = config_from_dict(data)
-    if getattr(config, "auto_map", None):
-        config._name_or_path = folder  # where its auto_map's files are: named by a refusal
-    return config
-
-
-def _auto_config(path_or_name: str, trust: bool, failure: str, fix: str) -> Any:
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(path_or_name, trust_remote_code=trust)
-    except (OSError, ValueError, TypeError, AttributeError, KeyError) as exc:  # transformers' validators raise these
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-        raise ValueError(f"{failure} ({type(exc).__name__}: {first}); {fix}") from None
-
-
-def _hub_config(name: str, trust: bool) -> Any:
-    """A hub repo's config; its config.json is fetched first so a remote-code config class is refused unread."""
-    from transformers import PretrainedConfig
-
-    unresolved = (
-        f"could not resolve model {name!r}: it is not a local folder or file, and the hub name could not be "
-        "resolved (offline or no access: {}). Pass a local folder or a config.json path"
-    )
-    try:
-        data, _ = PretrainedConfig.get_config_dict(name)
-    except (OSError, ValueError) as exc:
-        raise ValueError(unresolved.format(type(exc).__name__)) from exc
-    check_config_dict(data, where=f"model config of {name!r}")
-    check_config_class(data, name, trust_remote_code=trust)
-    return _auto_config(name, trust, f"cannot read the config of {name!r}", "pass a local folder or config.json")
-
-
-def check_hub_reachable(name: str, timeout_s: float = 1.5) -> None:
-    """Fail in about a second when the hub cannot be reached, instead of huggingface_hub's retries (~25 s): under
-    ``HF_HUB_OFFLINE`` only its cache answers (no network call is made), otherwise its endpoint must resolve and accept
-    a connection."""
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return
-    url = urlparse(constants.ENDPOINT)
-    try:
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s).close()
-    except OSError as exc:
-        raise ValueError(
-            f"could not resolve model {name!r}: it is not a local folder or file, and the hub ({constants.ENDPOINT}) "
-            f"cannot be reached ({exc.__class__.__name__}: {exc}). Pass a local folder or a config.json path, or set "
-            "HF_HUB_OFFLINE=1 to use the local cache only"
-        ) from None
-
-
-def check_causal_lm(config: Any, *, trust_remote_code: bool = False) -> bool:
-    """Refuse a config that is no causal LM; True when its causal LM is the folder's own (trusted) ``auto_map`` class,
-    False when it is transformers' registered one. An ``auto_map`` causal LM of a config transformers cannot build
-    as one raises :class:`~hf_dist.planning.remote_code.RemoteCodeError` unless ``trust_remote_code``."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    trust = check_trust_flag(trust_remote_code)
-    registered = type(config) in MODEL_FOR_CAUSAL_LM_MAPPING
-    if uses_folder_class(config, "AutoModelForCausalLM", registered=registered, trust_remote_code=trust):
-        return True
-    if registered:
-        return False
-    raise ValueError(
-        f"model_type {config.model_type!r} is not a causal language model (no AutoModelForCausalLM mapping); "
-        "hf_dist plans fine-tuning of causal LMs such as llama, mistral, qwen2, gpt2"
-    )
-
-
-MAX_LAYERS = 10_000  # far past any released model (hundreds); 200,000 layers took over 90 s to build on meta
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _dtype_problem(value: Any) -> bool:
-    import torch
-
-    if value is None or isinstance(value, torch.dtype):
-        return False
-    if not isinstance(value, str):
-        return True
-    name = value.removeprefix("torch.")
-    return name != "auto" and not (
-        isinstance(getattr(torch, name, None), torch.dtype) and getattr(torch, name).is_floating_point
-    )
-
-
-def _rope_thetas(get: Any) -> list[Any]:
-    """``rope_theta`` where a config keeps it: top level (transformers 4), ``rope_parameters`` (one dict, or one per
-    layer type: transformers 5)."""
-    thetas = [get("rope_theta")]
-    params = get("rope_parameters")
-    for part in (params.values() if isinstance(params, dict) and all(isinstance(v, dict) for v in params.values())
-                 else [params]):  # fmt: skip
-        if isinstance(part, dict):
-            thetas.append(part.get("rope_theta"))
-    return [theta for theta in thetas if theta is not None]
-
-
-def config_field_problem(get: Any, dtype_keys: tuple[str, ...] = ("dtype", "torch_dtype")) -> str | None:
-    """What is wrong with the config fields the planner reads beyond the sizes (``get(key)``: the value or None), or
-    None: the layer count under :data:`MAX_LAYERS`, ``head_dim`` and ``max_position_embeddings`` positive integers,
-    ``tie_word_embeddings`` a boolean, ``dtype`` a torch floating dtype, ``rope_theta`` a finite positive number."""
-    import math
-
-    layers = get("num_hidden_layers")
-    if _positive_int(layers) and layers > MAX_LAYERS:
-        return (f"num_hidden_layers {layers} is over hf_dist's cap of {MAX_LAYERS:,} layers (released models have "
-                "hundreds); nothing was built")  # fmt: skip
-    for key in ("head_dim", "max_position_embeddings"):
-        value = get(key)
-        if value is not None and not _positive_int(value):
-            return f"{key} must be a positive integer, got {value!r}"
-    tie = get("tie_word_embeddings")
-    if tie is not None and not isinstance(tie, bool):
-        return f"tie_word_embeddings must be true or false, got {tie!r}"
-    for key in dtype_keys:
-        if _dtype_problem(get(key)):
-            return f"{key} must name a torch floating dtype (bfloat16, float16, float32), got {get(key)!r}"
-    for theta in _rope_thetas(get):
-        number = isinstance(theta, (int, float)) and not isinstance(theta, bool)
-        if not number or not math.isfinite(theta) or theta <= 0:
-            return f"rope_theta must be a finite positive number, got {theta!r}"
-    return None
-
-
-def check_config_dict(data: dict, *, where: str) -> None:
-    """Refuse a raw config.json (and its ``text_config``) whose fields the planner reads are of the wrong type or
-    range, in one line, before transformers builds anything from it (its own validators raise tracebacks)."""
-    for part, label in ((data, where), (data.get("text_config"), f"{where} (text_config)")):
-        if not isinstance(part, dict):
-            continue
-        layers = part.get("num_hidden_layers")
-        if layers is not None and not _positive_int(layers):
-            raise ValueError(f"{label}: num_hidden_layers must be a positive integer, got {layers!r}; fix config.json")
-        problem = config_field_problem(part.get)
-        if problem is not None:
-            raise ValueError(f"{label}: {problem}; fix config.json")
-
-
-def check_dimensions(config: Any, *, name: str | None = None) -> None:
-    """Refuse a config whose sizes are zero, negative, non-integer or inconsistent, before anything is planned."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    where = f"model config {name or getattr(config, '_name_or_path', '') or config.model_type}".rstrip()
-    sizes = {key: getattr(text, key, None) for key in ("num_hidden_layers", "hidden_size", "num_attention_heads",
-                                                        "vocab_size", "intermediate_size", "num_key_value_heads")}  # fmt: skip
-    for key, value in sizes.items():
-        required = key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
-        if value is None and not required:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{where}: {key} must be a positive integer, got {value!r}; fix config.json")
-    problem = config_field_problem(lambda key: getattr(text, key, None), ("dtype",))
-    if problem is not None:
-        raise ValueError(f"{where}: {problem}; fix config.json")
-    hidden, heads, kv = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
-    head_dim = getattr(text, "head_dim", None)
-    # transformers 5.0 fills head_dim = hidden // heads itself: only an explicit, different head_dim is a choice
-    if hidden % heads and (head_dim is None or head_dim == hidden // heads):
-        raise ValueError(
-            f"{where}: hidden size ({hidden}) is not a multiple of num_attention_heads ({heads}) and no head_dim is "
-            f"given; fix config.json (e.g. num_attention_heads that divides {hidden}, or an explicit head_dim)"
-        )
-    if kv is not None and heads % kv:
-        raise ValueError(
-            f"{where}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv}); fix config.json"
-        )
-
-
-def position_limit(config: Any) -> int | None:
-    """The longest sequence ``config`` (a transformers config, or anything with ``max_position_embeddings``) was
-    trained for: its ``max_position_embeddings``, None when unknown or when it scales RoPE (``rope_scaling`` /
-    ``rope_parameters`` with a ``rope_type`` other than ``default``: the scaling decides how far it reaches)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    limit = getattr(text, "max_position_embeddings", None)
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1 or _scales_rope(text):
-        return None
-    return limit
-
-
-def _scales_rope(text: Any) -> bool:
-    """Whether a text config scales RoPE; transformers 5 keeps ``rope_parameters`` (one dict, or one per layer type)
-    with ``rope_type: default`` when nothing is scaled, older ones ``rope_scaling`` (None then)."""
-    for key in ("rope_scaling", "rope_parameters"):
-        value = getattr(text, key, None)
-        per_layer_type = isinstance(value, dict) and all(isinstance(v, dict) for v in value.values())
-        params = value.values() if per_layer_type else [value]
-        if any(isinstance(p, dict) and p.get("rope_type", p.get("type", "default")) != "default" for p in params):
-            return True
-    return False
-
-
-DEFAULT_SEQ_LEN = 2048  # what a plan is for when no sequence length is given (the model's positions if fewer)
-
-
-def resolve_seq_len(seq_len: int | None, config: Any, *, default: int = DEFAULT_SEQ_LEN, name: str = "seq_len") -> int:
-    """The sequence length to plan or train with: ``seq_len`` checked against the model's positions
-    (:func:`check_seq_len`), or, when None, ``default`` capped at its ``max_position_embeddings``."""
-    if seq_len is not None:
-        check_seq_len(seq_len, config, name=name)
-        return seq_len
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    positions = getattr(text, "max_position_embeddings", None)
-    usable = isinstance(positions, int) and not isinstance(positions, bool) and positions >= 1
-    return min(default, positions) if usable else default
-
-
-def check_seq_len(seq_len: int, config: Any, *, name: str = "seq_len") -> None:
-    """Refuse a ``seq_len`` beyond the positions ``config`` has (:func:`position_limit`), in one line naming both
-    numbers and the fix; ``name``: the keyword or flag the user gave it under (the recipes' ``--max_seq_length``)."""
-    limit = position_limit(config)
-    if limit is not None and seq_len > limit:
-        raise ValueError(
-            f"{name} {seq_len} exceeds the model's max_position_embeddings={limit} (its config scales no RoPE); "
-            f"use {name} <= {limit}, or a model (or rope_scaling) with longer context"
-        )
-
-
 def spec_from_config(config: Any, *, name: str | None = None, trust_remote_code: bool = False) -> ModelSpec:
     """Count params by building the model on the meta device (no storage is allocated); the folder's own
     ``auto_map`` class only with ``trust_remote_code`` (:func:`check_causal_lm`)."""
@@ -501,86 +209,6 @@ class _Counts(NamedTuple):
 _COUNT_CACHE: dict[tuple[str, str, bool], _Counts] = {}
 
 
-def resolve_config(model: Any, *, trust_remote_code: bool = False) -> Any:
-    """The transformers config of a config object, a config dict, a local folder / config.json or a hub name."""
-    if _is_config(model):
-        return model
-    if isinstance(model, dict):
-        return config_from_dict(model)
-    if isinstance(model, (str, os.PathLike)):
-        return load_config(os.fspath(model), trust_remote_code=trust_remote_code)
-    raise ValueError(
-        f"cannot read a model config from an object of type {type(model).__name__}; pass a transformers config, "
-        "a config dict, a local folder / config.json path or a hub name"
-    )
-
-
-def meta_model(config: Any, *, trust_remote_code: bool = False) -> Any:
-    """``config`` built on the meta device (module tree only, no weight memory); a causal LM when it is one.
-
-    Registered causal-LM configs use the model class itself, not ``from_config``: under an active ZeRO-3
-    config ``from_config`` wraps the build in ``deepspeed.zero.Init``, a collective that hangs when only one
-    rank plans. The folder's own classes (``auto_map``) are built only with ``trust_remote_code=True``, through
-    the auto classes with zero.Init marked active (:func:`_build`).
-    """
-    import contextlib
-
-    import torch
-
-    try:
-        from transformers.modeling_utils import set_zero3_state
-    except ImportError:  # pragma: no cover - older/newer transformers
-        set_zero3_state = contextlib.nullcontext
-    with torch.device("meta"), set_zero3_state():
-        return _build(config, trust_remote_code=trust_remote_code)
-
-
-def causal_lm_from_config(config: Any, *, trust_remote_code: bool = False, **kwargs: Any) -> Any:
-    """``AutoModelForCausalLM.from_config(config, **kwargs)`` (real weights, the config's dtype), asked with an
-    explicit ``trust_remote_code``: the folder's ``auto_map`` class only when True (:func:`check_causal_lm` refuses
-    a config only that code can build before transformers is asked)."""
-    from transformers import AutoModelForCausalLM
-
-    check_causal_lm(config, trust_remote_code=trust_remote_code)
-    return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
-
-
-def _build(config: Any, *, trust_remote_code: bool = False) -> Any:
-    """``config``'s model on the current device: its causal LM when it has one (else its base model), tied.
-
-    The folder's ``auto_map`` class is imported only with ``trust_remote_code=True``; without it a class
-    transformers registers is built instead, and a config only the folder's code can build raises
-    :class:`~hf_dist.planning.remote_code.RemoteCodeError` (:func:`~hf_dist.planning.remote_code.uses_folder_class`).
-    """
-    from transformers import AutoModel, AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    trust = check_trust_flag(trust_remote_code)
-    registered = type(config) in MODEL_FOR_CAUSAL_LM_MAPPING
-    if registered and not uses_folder_class(config, "AutoModelForCausalLM", registered=True, trust_remote_code=trust):
-        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
-    else:
-        model = _auto_model(config, (AutoModelForCausalLM, AutoModel), trust)
-    if hasattr(model, "tie_weights"):  # transformers 5.0's bare constructor leaves tied weights untied
-        model.tie_weights()
-    return model
-
-
-def _auto_model(config: Any, autos: tuple, trust: bool) -> Any:
-    """The first of ``autos`` that builds ``config``, asked with an explicit ``trust_remote_code`` (never None)."""
-    errors = []
-    for auto in autos:
-        registered = type(config) in auto._model_mapping
-        if uses_folder_class(config, auto.__name__, registered=registered, trust_remote_code=trust):
-            return auto.from_config(config, trust_remote_code=True)  # trusted: the folder's class, its own errors
-        try:
-            return auto.from_config(config, trust_remote_code=False)
-        except (ValueError, KeyError) as exc:  # config class not registered for this auto class
-            errors.append(f"{auto.__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else exc}")
-    raise ValueError(f"cannot build a model for config type {type(config).__name__}: {'; '.join(errors)}")
-
-
-# LoRA adapter / PEFT bookkeeping parameters are not part of the base model
 _ADAPTER_MARKERS = ("lora_", "modules_to_save", "prompt_encoder", "ia3_")
 
 
@@ -691,7 +319,7 @@ def spec_from_module(model: Any) -> ModelSpec:
     counts = _module_counts(model)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
-    if config is None or not _is_config(config):
+    if config is None or not is_config(config):
         layers = _decoder_layers(base)
         return ModelSpec(num_params=counts.total, num_layers=len(layers) if layers is not None else 0,
                          layer_params=counts.layer, **counts.inventory._asdict())  # fmt: skip

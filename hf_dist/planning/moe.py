@@ -131,7 +131,7 @@ def experts_code_as_modelled() -> bool:
     the routed copies, each copy gathering its token's row (``integrations/moe.py grouped_mm_experts_forward``).
     Earlier 5.x argsort the copies, keep the inverse permutation and gather every token's rows first, and their
     model files route differently (DeepSeek-V2, Qwen2-MoE): there the MoE activation terms are an approximation
-    (docs/planner.md, "Mixtures of experts")."""
+    (docs/measurements.md, "Mixtures of experts")."""
     import inspect
 
     try:

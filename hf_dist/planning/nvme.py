@@ -2,7 +2,7 @@
 
 Two figures, both per rank, from how DeepSpeed 0.19 swaps (``deepspeed/runtime/swap_tensor/``, ``zero/stage3.py``):
 
-- :func:`host_bytes`: host RAM that NVMe offload still pins (:class:`~hf_dist.planning.memory.MemoryEstimate` ``cpu``);
+- :func:`host_bytes`: host RAM that NVMe offload still pins (:class:`~hf_dist.planning.memory_estimate.MemoryEstimate` ``cpu``);
 - :func:`swap_files`: the swap files under ``nvme_path`` (``Plan.swap_bytes`` per node, and the disk-space check
   before training, :func:`hf_dist.runtime.support.check_nvme_offload`).
 

@@ -12,7 +12,7 @@ from hf_dist.planning.hardware import Hardware
 from hf_dist.planning.layout import Layout
 from hf_dist.planning.load_memory import LoadMemory
 from hf_dist.planning.lora import LoraSpec
-from hf_dist.planning.memory import MemoryEstimate
+from hf_dist.planning.memory_estimate import MemoryEstimate
 from hf_dist.planning.modelinfo import ModelSpec
 from hf_dist.planning.throughput import StepTime
 

@@ -30,14 +30,15 @@ from hf_dist.planning.advice import (
 )
 from hf_dist.planning.candidates import Setup, load_for, micro_batch_options, staging_per_node
 from hf_dist.planning.choice import best, reason_for
+from hf_dist.planning.config_checks import resolve_seq_len
 from hf_dist.planning.dtypes import GIB
 from hf_dist.planning.features import installed_features
 from hf_dist.planning.hardware import Hardware, detect_hardware
-from hf_dist.planning.lora import place, resolve
+from hf_dist.planning.lora_plan import place, resolve
 from hf_dist.planning.memory import METHODS
 from hf_dist.planning.model_parallel import pinned_sizes, size_options
 from hf_dist.planning.model_states import trainable_params
-from hf_dist.planning.modelinfo import model_spec, resolve_seq_len
+from hf_dist.planning.modelinfo import model_spec
 from hf_dist.planning.plan_result import Candidate, Combo, Plan, PlanError
 from hf_dist.planning.precision import check_pure_bf16_hardware, hardware_precision, loaded_dtype
 from hf_dist.planning.search import Search, search_space
@@ -77,7 +78,7 @@ def plan(
 
     ``seq_len``: tokens per sequence (default 2048, or the model's ``max_position_embeddings`` when fewer); one
     beyond the positions of a config that scales no RoPE is refused before anything is searched
-    (:func:`hf_dist.planning.modelinfo.resolve_seq_len`, the recipes' check of ``--max_seq_length`` too).
+    (:func:`hf_dist.planning.config_checks.resolve_seq_len`, the recipes' check of ``--max_seq_length`` too).
 
     Model parallelism: ``tp_size`` / ``cp_size`` / ``sp_size`` pin a size (1 turns the dimension off); left
     None, the sizes the model, hardware and installed libraries allow (:mod:`hf_dist.planning.model_parallel`)
@@ -95,7 +96,7 @@ def plan(
     host RAM (``Plan.staging_bytes``). ``train_tokens``: the tokens the run will train on; the
     plan then states the estimated wall time and GPU-hours of its choice and of the alternatives
     (:meth:`Plan.time_to_finish`). Tracing the choice (``hf_dist.plan(..., verify=True)``) is
-    :func:`hf_dist.tracing.verify.plan`'s, a floor above. ``trust_remote_code=True`` lets a folder's ``auto_map``
+    :func:`hf_dist.tracing.checked_plan.plan`'s, a floor above. ``trust_remote_code=True`` lets a folder's ``auto_map``
     classes be imported; without it they never are (:mod:`hf_dist.planning.remote_code`).
     Raises PlanError (a ValueError) naming the minimum hardware when nothing fits.
     """

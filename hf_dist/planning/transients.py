@@ -187,7 +187,8 @@ def compute_stream_reserve_bytes(largest_transient: int, grads: int, ckpt: bool)
       one contiguous free block, which the earlier phases' scattered frees rarely are;
     - with activation checkpointing, the gradients allocated layer by layer in backward between the recomputed
       activations pin the blocks those activations freed.
-    How far this is from the replayed sequence, run by run: docs/planner.md, "The caching allocator's reserve".
+    How far this is from the replayed sequence, run by run: docs/measurements.md, "The caching allocator's reserve
+    against real GPUs".
     """
     return largest_transient + (grads if ckpt else 0)
 

@@ -94,7 +94,7 @@ def _declared_no_split(module: Any) -> list[str]:
 def _as_module(model: Any, *, trust_remote_code: bool) -> Any:
     import torch.nn as nn
 
-    from hf_dist.planning.modelinfo import meta_model, resolve_config
+    from hf_dist.planning.model_source import meta_model, resolve_config
 
     if isinstance(model, nn.Module):
         return model

@@ -6,7 +6,8 @@ model's source, columns, sequence length, LoRA targets, QLoRA without a GPU, the
 runs inside :func:`checking`, before a model is built, so no accelerator time is spent on a bad command; the
 recipes' entry point :func:`run_recipe` prints such a refusal once, from rank 0, without a traceback.
 
-- :mod:`~hf_dist.recipe_utils.args`: argument dataclasses, parsing, ``TrainingArguments`` + strategy;
+- :mod:`~hf_dist.recipe_utils.flags`: the recipes' flags (argument dataclasses) and training defaults;
+- :mod:`~hf_dist.recipe_utils.args`: parsing, ``TrainingArguments`` + strategy;
 - :mod:`~hf_dist.recipe_utils.model`: tokenizer, config, model, LoRA/QLoRA;
 - :mod:`~hf_dist.recipe_utils.data`: chat and packed-text datasets, collators;
 - :mod:`~hf_dist.recipe_utils.checks`: the output folder, the model's source, engines CPU ranks would not run;
@@ -15,20 +16,7 @@ recipes' entry point :func:`run_recipe` prints such a refusal once, from rank 0,
 """
 
 from hf_dist.configs.training_args import shards_at_load
-from hf_dist.recipe_utils.args import (
-    EMBEDDED_TRAINING_DEFAULTS,
-    LLAMA_LORA_TARGETS,
-    REAL_TRAINING_DEFAULTS,
-    STRATEGY_CHOICES,
-    STRATEGY_FLAGS,
-    DataArguments,
-    LoraArguments,
-    ModelArguments,
-    QuantArguments,
-    RunArguments,
-    parse_recipe_args,
-    training_arguments,
-)
+from hf_dist.recipe_utils.args import STRATEGY_FLAGS, parse_recipe_args, training_arguments
 from hf_dist.recipe_utils.checks import check_engine_runs_here, check_model_source, check_output_dir
 from hf_dist.recipe_utils.data import (
     chat_datasets,
@@ -39,6 +27,17 @@ from hf_dist.recipe_utils.data import (
     use_packing,
 )
 from hf_dist.recipe_utils.export import export_model
+from hf_dist.recipe_utils.flags import (
+    EMBEDDED_TRAINING_DEFAULTS,
+    LLAMA_LORA_TARGETS,
+    REAL_TRAINING_DEFAULTS,
+    STRATEGY_CHOICES,
+    DataArguments,
+    LoraArguments,
+    ModelArguments,
+    QuantArguments,
+    RunArguments,
+)
 from hf_dist.recipe_utils.model import (
     apply_lora,
     bnb_config,

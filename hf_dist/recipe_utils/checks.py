@@ -25,7 +25,7 @@ def check_output_dir(output_dir: str, *, resuming: bool) -> None:
 def _refuse_earlier_checkpoints(output_dir: str) -> None:
     """A fresh run into a folder holding another run's ``checkpoint-N`` would interleave its checkpoints with
     theirs (and an export, a later ``auto`` resume, could pick theirs): continuing or replacing must be chosen."""
-    from hf_dist.checkpoint.formats.layout import list_checkpoints
+    from hf_dist.checkpoint.formats.names import list_checkpoints
 
     found = [Path(path).name for _, path in reversed(list_checkpoints(output_dir))]
     if found:
@@ -40,8 +40,8 @@ def _refuse_earlier_checkpoints(output_dir: str) -> None:
 def check_model_source(model_args: Any) -> None:
     """A model or tokenizer named on the hub (not a local path) while the hub cannot be reached: refused in about a
     second, as ``hf-dist plan`` does, instead of a minute of retries from every rank
-    (:func:`hf_dist.planning.modelinfo.check_hub_reachable`; under ``HF_HUB_OFFLINE`` only the cache answers)."""
-    from hf_dist.planning.modelinfo import check_hub_reachable
+    (:func:`hf_dist.planning.model_source.check_hub_reachable`; under ``HF_HUB_OFFLINE`` only the cache answers)."""
+    from hf_dist.planning.model_source import check_hub_reachable
 
     for name in dict.fromkeys((model_args.model_name_or_path, model_args.tokenizer_name_or_path)):
         if name and not os.path.exists(name):

@@ -22,7 +22,7 @@ from hf_dist.data import (
     validate_messages,
 )
 from hf_dist.embedded.task import train_eval_examples
-from hf_dist.recipe_utils.args import DataArguments
+from hf_dist.recipe_utils.flags import DataArguments
 from hf_dist.runtime.dist import deepspeed_config, parallel_sizes
 
 # ---------------------------------------------------------------- data

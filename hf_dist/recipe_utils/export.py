@@ -24,7 +24,7 @@ def export_model(
     in-process. The folder is marked as an output (``hf_dist_output.json``). Collective: every rank calls it, as the
     export phase (the hang watchdog's allowance for exports, :func:`hf_dist.callbacks.watchdog.watching`).
     """
-    from hf_dist.checkpoint.safety.output_paths import mark_output
+    from hf_dist.checkpoint.output.paths import mark_output
 
     with phase(Phase.EXPORT):
         how = _export(trainer, tokenizer, export_dir, adapter=adapter, trust_remote_code=trust_remote_code)

@@ -13,8 +13,8 @@ from hf_dist.data import (
     ensure_chat_template,
     ensure_pad_token,
 )
-from hf_dist.planning.modelinfo import resolve_seq_len as resolve_planned_seq_len
-from hf_dist.recipe_utils.args import LoraArguments, ModelArguments, QuantArguments
+from hf_dist.planning.config_checks import resolve_seq_len as resolve_planned_seq_len
+from hf_dist.recipe_utils.flags import LoraArguments, ModelArguments, QuantArguments
 
 # ---------------------------------------------------------------- model and tokenizer
 
@@ -52,7 +52,7 @@ def model_config(model_args: ModelArguments, tokenizer: Any) -> Any:
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
         )
-    from hf_dist.planning.modelinfo import check_causal_lm, load_config
+    from hf_dist.planning.model_source import check_causal_lm, load_config
 
     trust = model_args.trust_remote_code
     config = load_config(model_args.model_name_or_path, trust_remote_code=trust)
@@ -63,7 +63,7 @@ def model_config(model_args: ModelArguments, tokenizer: Any) -> Any:
 def resolve_seq_len(requested: int | None, config: Any, *, embedded: bool) -> int:
     """The sequence length to train with (default: 64 for the embedded model, else 2048, at most the model's
     positions); a ValueError when it exceeds the model's positions, by the planner's own check
-    (:func:`hf_dist.planning.modelinfo.resolve_seq_len`)."""
+    (:func:`hf_dist.planning.config_checks.resolve_seq_len`)."""
     return resolve_planned_seq_len(requested, config, default=64 if embedded else 2048, name="--max_seq_length")
 
 
@@ -149,7 +149,7 @@ def check_lora_targets(lora_args: LoraArguments, config: Any, *, trust_remote_co
     """Validate ``--lora_target_modules`` on a weightless (meta) copy of the model: no memory, no download."""
     from accelerate import init_empty_weights
 
-    from hf_dist.planning.modelinfo import causal_lm_from_config
+    from hf_dist.planning.model_source import causal_lm_from_config
 
     with outside_zero3(), init_empty_weights():
         skeleton = causal_lm_from_config(config, trust_remote_code=trust_remote_code)

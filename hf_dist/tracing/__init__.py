@@ -9,7 +9,7 @@ under ``FakeTensorMode``: nothing is allocated, no GPU is needed, and 512 ranks 
 from __future__ import annotations
 
 from hf_dist.tracing.api import trace_memory
+from hf_dist.tracing.result import TraceError, TraceResult, TraceTimeout
 from hf_dist.tracing.setup import TraceSetup, TraceUnsupported
-from hf_dist.tracing.trace import TraceError, TraceResult, TraceTimeout
 
 __all__ = ["trace_memory", "TraceSetup", "TraceResult", "TraceError", "TraceTimeout", "TraceUnsupported"]

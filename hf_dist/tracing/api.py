@@ -10,11 +10,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hf_dist.planning.lora import from_peft_model, is_peft_model, place, resolve
+from hf_dist.planning.lora import from_peft_model, is_peft_model
+from hf_dist.planning.lora_plan import place, resolve, same_adapters
 from hf_dist.planning.modelinfo import model_spec
 from hf_dist.planning.remote_code import RemoteCodeError
+from hf_dist.tracing.result import TraceError, TraceResult, TraceTimeout
 from hf_dist.tracing.setup import TraceSetup, TraceUnsupported, check_traceable
-from hf_dist.tracing.trace import TraceError, TraceResult, TraceTimeout, trace_here
+from hf_dist.tracing.trace import trace_here
 
 DEFAULT_TIME_LIMIT_S = 120.0
 # the worker's start (importing torch, transformers, accelerate, peft) on top of the trace's own limit
@@ -55,7 +57,7 @@ def trace_memory(
 
     LoRA: the plan's (``Plan.lora``), which must be a ``PeftModel``'s own when one is traced; without a plan, a
     ``PeftModel``'s config, ``peft_config`` (a PEFT ``LoraConfig``) or the ``lora_rank`` / ``lora_dropout`` /
-    ``lora_targets`` keywords, resolved as :func:`hf_dist.plan` resolves them (:func:`hf_dist.planning.lora.resolve`),
+    ``lora_targets`` keywords, resolved as :func:`hf_dist.plan` resolves them (:func:`hf_dist.planning.lora_plan.resolve`),
     and applied through PEFT's ``get_peft_model``: the traced adapters are the run's, dropout included.
 
     Raises :class:`TraceUnsupported` (a layout that cannot be traced; the message says which part and why),
@@ -88,7 +90,7 @@ def _setup_of(model: Any, plan: Any, candidate: Any, peft_config: Any, setup: di
             raise ValueError("trace_memory(model, plan) traces the plan's LoRA; pass peft_config / lora_* to plan()")
         traced = TraceSetup.from_plan(plan, candidate, **setup)
         own = from_peft_model(model) if is_peft_model(model) else None
-        if own is not None and (traced.lora is None or not own.same_run(traced.lora, model_spec(model))):
+        if own is not None and (traced.lora is None or not same_adapters(own, traced.lora, model_spec(model))):
             planned = traced.lora.describe() if traced.lora else "full fine-tuning"
             raise ValueError(
                 f"the PeftModel's LoRA ({own.describe()}) is not the plan's ({planned}); plan the model itself: "
@@ -103,7 +105,8 @@ def _setup_of(model: Any, plan: Any, candidate: Any, peft_config: Any, setup: di
 def _config_of(model: Any, trust_remote_code: bool) -> Any:
     """The config to trace, refused before any process starts when it is no causal LM, or when its causal LM is the
     folder's ``auto_map`` code and ``trust_remote_code`` is False."""
-    from hf_dist.planning.modelinfo import check_causal_lm, check_dimensions, resolve_config
+    from hf_dist.planning.config_checks import check_dimensions
+    from hf_dist.planning.model_source import check_causal_lm, resolve_config
 
     if hasattr(model, "config") and not isinstance(model, (str, dict)) and hasattr(model, "parameters"):
         config = model.config
@@ -162,7 +165,7 @@ def _run_worker(config: Any, source: str | None, trust_remote_code: bool, setup:
 def worker_main(argv: list[str] | None = None) -> int:
     """Read a request, trace, write ``{"result": ...}`` or ``{"error": {type, message, partial}}`` atomically."""
     from hf_dist.atomic_io import atomic_write_json
-    from hf_dist.planning.modelinfo import config_from_dict, resolve_config
+    from hf_dist.planning.model_source import config_from_dict, resolve_config
 
     request_path, result_path = (argv or sys.argv[1:])[:2]
     request = json.loads(Path(request_path).read_text())

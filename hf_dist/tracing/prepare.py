@@ -51,7 +51,8 @@ def build_model(config: Any, setup: TraceSetup, *, trust_remote_code: bool = Fal
     config's ``auto_map`` class only with ``trust_remote_code``: :mod:`hf_dist.planning.remote_code`)."""
     import copy
 
-    from hf_dist.planning.modelinfo import meta_model, model_spec
+    from hf_dist.planning.model_source import meta_model
+    from hf_dist.planning.modelinfo import model_spec
 
     config = copy.deepcopy(config)
     config._attn_implementation = (  # eager where sdpa is refused

@@ -18,117 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from hf_dist.tracing.allocations import AllocationLog
+from hf_dist.tracing.result import TERM_ORDER, TraceError, TraceResult, TraceTimeout
 from hf_dist.tracing.setup import TraceSetup, TraceUnsupported, check_traceable
+from hf_dist.tracing.tracker import inplace_fused_optimizer_ops, snapshot, terms, tracker
 from hf_dist.tracing.zero_shims import UnknownScalarRead
-
-# the trackers' categories as the memory model names its terms (hf_dist.planning.memory.MemoryEstimate)
-TERMS = {
-    "Parameter": "params", "Sharded Param": "params",
-    "Gradient": "grads", "Sharded Grad": "grads", "Unsharded Grad": "grads",
-    "Optstate": "optimizer", "OptState": "optimizer",
-    "Activation": "activations",
-    "Temp": "temporaries",
-    "Buffer": "buffers", "Unsharded Param": "buffers", "All Gather": "buffers", "Reduce Scatter": "buffers",
-    "Other": "buffers",  # DDP's Reducer buckets (prepare.ddp_buckets)
-    "Inputs": "inputs",
-}  # fmt: skip
-TERM_ORDER = ("params", "grads", "optimizer", "activations", "temporaries", "buffers", "inputs")
-
-
-class TraceError(RuntimeError):
-    """The trace could not run to the end; the message says where, and that the analytic estimate stands."""
-
-
-class TraceTimeout(TraceError):
-    """The trace ran past its time limit; ``partial`` holds the peak of what ran."""
-
-    def __init__(self, message: str, partial: TraceResult | None = None) -> None:
-        super().__init__(message)
-        self.partial = partial
-
-
-@dataclass(frozen=True)
-class TraceResult:
-    """Rank 0's traced memory for one layout.
-
-    ``peak_bytes``: the largest sum of live tensors (what ``torch.cuda.max_memory_allocated`` reports);
-    ``terms``: that peak by memory-model term (params, grads, optimizer, activations, temporaries — gradients of
-    activations and other backward/step intermediates —, buffers — gathered FSDP units, communication buffers,
-    module buffers —, inputs); ``categories``: the tracker's own names; ``states``: params and optimizer state
-    after the step, the model states at rest; ``reserved_bytes``: what the caching allocator reserves for the traced
-    allocations over the run's steps (``max_memory_reserved``; 0 when the trace was cut short). ``complete`` is False when the time limit stopped the trace: the
-    peak is then of what ran.
-    """
-
-    setup: TraceSetup
-    peak_bytes: int
-    terms: dict[str, int]
-    categories: dict[str, int]
-    states: dict[str, int]
-    seconds: float
-    complete: bool = True
-    peak_phase: str = ""
-    notes: list[str] = field(default_factory=list)
-    reserved_bytes: int = 0
-    engine: str = ""  # what ran besides torch: "DeepSpeed 0.19.8" for ZeRO layouts
-    # the engine's streams whose allocations the replay served from their own pools (DeepSpeed's reduction and
-    # all-gather streams, tracing/zero_shims.py); empty: one stream, the collectives' streams from the memory model
-    streams: list[str] = field(default_factory=list)
-
-    def checked(self) -> str:
-        """What the trace ran, in a few words: ``rank 0 of 64 ranks, DeepSpeed 0.19.8's engine``."""
-        what = f"rank 0 of {self.setup.world_size} ranks"
-        return what + (f", {self.engine}'s engine" if self.engine else "") + " under fake tensors"
-
-    def device_total(self, estimate: Any) -> int:
-        """Device memory in use at the peak: what the caching allocator reserves for the traced allocations, replayed
-        over the run's steps (``reserved_bytes``, :mod:`hf_dist.tracing.allocations`), plus what the memory model adds
-        outside it (the CUDA context, and the blocks the collectives' streams cache:
-        :func:`~hf_dist.planning.transients.comm_stream_reserve_bytes`, unless the replay served the engine's
-        streams from pools of their own: ``streams``, a DeepSpeed trace). A trace cut short has no replay: its peak
-        plus the model's reserve."""
-        if not self.reserved_bytes:
-            return self.peak_bytes + estimate.total - estimate.allocated
-        comm = 0 if self.streams else estimate.comm_reserve
-        return self.reserved_bytes + comm + estimate.overhead
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "setup": self.setup.to_dict(), "peak_bytes": self.peak_bytes, "terms": self.terms,
-            "categories": self.categories, "states": self.states, "seconds": self.seconds,
-            "complete": self.complete, "peak_phase": self.peak_phase, "notes": list(self.notes),
-            "reserved_bytes": self.reserved_bytes, "engine": self.engine, "streams": list(self.streams),
-        }  # fmt: skip
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TraceResult:
-        return cls(**{**data, "setup": TraceSetup.from_dict(data["setup"])})
-
-    def compare(self, estimate: Any) -> str:
-        """Traced against modelled memory per term, for ``Plan.explain()`` and ``hf-dist plan --verify``."""
-        from hf_dist.planning.plan_result import format_bytes
-
-        modelled = {
-            "params": estimate.params, "grads": estimate.grads, "optimizer": estimate.optimizer,
-            "activations": estimate.activations + estimate.logits, "temporaries": estimate.step,
-            "buffers": estimate.buffers,
-        }  # fmt: skip
-        rows = [("term", "traced at the peak", "modelled")]
-        rows += [(t, format_bytes(self.terms.get(t, 0)), format_bytes(modelled[t]) if t in modelled else "-")
-                 for t in TERM_ORDER if self.terms.get(t, 0) or modelled.get(t, 0)]  # fmt: skip
-        ratio = self.peak_bytes / estimate.allocated if estimate.allocated else float("nan")
-        rows.append(("allocated", format_bytes(self.peak_bytes), f"{format_bytes(estimate.allocated)} "
-                     f"(traced/modelled {ratio:.3f})"))  # fmt: skip
-        widths = [max(len(r[i]) for r in rows) for i in range(3)]
-        lines = ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-        state = "" if self.complete else " (stopped at its time limit: the peak of what ran)"
-        head = f"traced rank 0 in {self.seconds:.1f} s{state}; the modelled activations include the logits:"
-        return "\n".join([head, *lines, *(f"  note: {n}" for n in self.notes)])
-
 
 # ---------------------------------------------------------------- the fake world
 
@@ -167,150 +63,6 @@ def fake_world(setup: TraceSetup):
             dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------- trackers
-
-
-def _tracker(
-    model: Any, optimizer: Any, deadline: float, log: AllocationLog | None = None, grad_hooks: bool = True
-) -> Any:
-    """The tracker for the model, stopping at ``deadline`` (checked at every operator, so a trace never hangs),
-    writing every storage it sees made or freed to ``log`` in order. ``grad_hooks=False``: a parameter's ``.grad``
-    is not counted as a gradient (DeepSpeed copies each into its reduce bucket and points ``.grad`` into it; the
-    engine's own gradient buffers are labelled instead)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
-    from torch.distributed.fsdp import FSDPModule
-
-    fsdp = isinstance(model, FSDPModule)
-    base = FSDPMemTracker if fsdp else MemTracker
-
-    inplace_fused = _inplace_fused_optimizer_ops()
-
-    class Tracker(base):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if time.monotonic() > deadline:
-                raise TraceTimeout("time limit")
-            if func in inplace_fused:
-                # the fused kernel updates in place and allocates nothing on the device; fake mode's kernel builds
-                # out-of-place copies of every state instead (19.5 GiB on a 1B model), and fake values never matter
-                return None
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
-        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
-            # MemTracker hooks every parameter's gradient, which fails on frozen ones (a LoRA base)
-            params = buffers = 0
-            for param in module.parameters():
-                params += sum(w.mem_consumed for w in self._update_and_maybe_create_winfos(param, _MemRefType.PARAM))
-                if param.grad is not None:
-                    self._update_and_maybe_create_winfos(param.grad, _MemRefType.GRAD)
-                hook = install_grad_hooks and grad_hooks and param.requires_grad
-                if hook and param not in self._param_to_grad_hook_handles:
-                    self._param_to_grad_hook_handles[param] = (
-                        param.register_hook(self._grad_hook),
-                        param.register_post_accumulate_grad_hook(lambda p: self._grad_hook(p.grad)),
-                    )
-            for buffer in module.buffers():
-                buffers += sum(
-                    w.mem_consumed for w in self._update_and_maybe_create_winfos(buffer, _MemRefType.BUFFER)
-                )
-            return params, buffers
-
-        def _update_peak_stats(self, peak_state):
-            # only the global peak: MemTracker also keeps every module's own peak, walking all modules at every
-            # operator (O(operators x modules): 52 s instead of 10 s for a 1B LoRA model), which the trace never reads
-            for device, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(device, 0) < snap["Total"]:
-                    self._peak_mem[device] = snap["Total"]
-                    self._peak_mem_snap[device] = dict(snap)
-
-        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
-            if log is not None:
-                log.record(u_type, winfo, getattr(winfo.reftype, "value", None) in ("Optstate", "OptState"))
-            super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
-
-        def _grad_hook(self, grad):
-            self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
-
-        def _fsdp_param_group_pre_backward(self, fsdp_mod, orig):
-            return _with_stats(self, fsdp_mod, super()._fsdp_param_group_pre_backward(fsdp_mod, orig))
-
-        def _fsdp_param_group_post_backward(self, fsdp_mod, orig):
-            return _with_stats(self, fsdp_mod, super()._fsdp_param_group_post_backward(fsdp_mod, orig))
-
-        def label(self, tensors, category: str) -> None:
-            """Count the storages of ``tensors`` under ``category`` (a ``_MemRefType`` name) from now on."""
-            reftype = _MemRefType[category]
-            for tensor in tensors:
-                if tensor.untyped_storage().nbytes():
-                    self._update_and_maybe_create_winfos(tensor, reftype)
-
-        def relabel(self, old: str, new: str) -> None:
-            """Every storage counted under ``old`` counts under ``new`` from now on."""
-            old_type, new_type = _MemRefType[old], _MemRefType[new]
-            for winfo, _ in list(self._WINFO.values()):
-                if winfo.reftype == old_type:
-                    winfo.reftype = new_type
-                    self._update_snap(_UpdateType.REF, winfo, old_reftype=old_type)
-
-        def live(self) -> list:
-            """The tracker's record of every storage alive now."""
-            return [winfo for winfo, _ in list(self._WINFO.values())]
-
-    tracker = Tracker(model, optimizer) if fsdp else Tracker()
-    if not fsdp:
-        tracker.track_external(model, optimizer)
-    return tracker
-
-
-def _with_stats(tracker: Any, fsdp_mod: Any, hook: Any) -> Any:
-    """``FSDPMemTracker``'s backward ``hook`` of ``fsdp_mod``, given the per-module statistics the tracker makes only
-    in the module's own forward. A unit can reach backward without its module's forward: accelerate's tail unit
-    (final norm and ``lm_head``) under Liger, whose loss reads ``lm_head.weight`` directly; the tracker would fail on
-    the missing key (these statistics are not the peak)."""
-    import functools
-
-    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModMemStats
-
-    @functools.wraps(hook)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if fsdp_mod not in tracker.memory_tracking:
-            name = tracker._mod_tracker.get_known_fqn(fsdp_mod) or type(fsdp_mod).__name__
-            tracker.memory_tracking[fsdp_mod] = _FSDPModMemStats(name)
-        return hook(*args, **kwargs)
-
-    return call
-
-
-def _inplace_fused_optimizer_ops() -> frozenset:
-    import torch
-
-    ops = []
-    for name in ("_fused_adamw_", "_fused_adam_", "_fused_sgd_", "_fused_adagrad_"):
-        packet = getattr(torch.ops.aten, name, None)
-        ops += [getattr(packet, overload) for overload in (packet.overloads() if packet else ())]
-    return frozenset(ops)
-
-
-def _snapshot(tracker: Any, kind: str) -> dict[str, int]:
-    snap = tracker.get_tracker_snapshot(kind)
-    merged: dict[str, int] = {}
-    for device, per_device in snap.items():
-        if getattr(device, "type", device) == "meta":  # shape bookkeeping of TP styles, never allocated
-            continue
-        for key, value in per_device.items():
-            name = getattr(key, "value", key)
-            merged[name] = merged.get(name, 0) + int(value)
-    return merged
-
-
-def _terms(categories: dict[str, int]) -> dict[str, int]:
-    out = dict.fromkeys(TERM_ORDER, 0)
-    for name, value in categories.items():
-        if name in TERMS:
-            out[TERMS[name]] += value
-    return out
-
-
 # ---------------------------------------------------------------- the steps
 
 
@@ -341,7 +93,7 @@ def _skip_fused_updates():
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    skipped = _inplace_fused_optimizer_ops()
+    skipped = inplace_fused_optimizer_ops()
 
     class Skip(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -513,7 +265,7 @@ class _Run:
             self.optimizer = cls([p for p in self.model.parameters() if p.requires_grad], **kwargs)
             if not WARM_UP_BY_STEP:
                 create_optimizer_state(self.model, self.optimizer)
-            self.tracker = _tracker(self.model, self.optimizer, deadline, self.log)
+            self.tracker = tracker(self.model, self.optimizer, deadline, self.log)
             if self.buckets:
                 self.tracker.track_external(*self.buckets)
 
@@ -529,7 +281,7 @@ class _Run:
 
         self.buckets = []
         self.optimizer = zero.trainer_optimizer(self.model, optimizer)
-        self.tracker = _tracker(self.model, self.optimizer, deadline, self.log, grad_hooks=False)
+        self.tracker = tracker(self.model, self.optimizer, deadline, self.log, grad_hooks=False)
         with self.tracker, healthy_scalar_reads():
             self.engine = zero.initialize(self.model, self.optimizer, self.setup)
         self.streams = zero.name_streams(self.engine)
@@ -569,7 +321,7 @@ class _Run:
         self.notes.append(_deepspeed_note(reads.answered))
 
     def on_phase(self, name: str) -> None:
-        total = _snapshot(self.tracker, "peak").get("Total", 0)
+        total = snapshot(self.tracker, "peak").get("Total", 0)
         if total > self.peak_seen:
             self.peak_phase, self.peak_seen = self.phase, total
         self.phase = name
@@ -579,10 +331,10 @@ class _Run:
         if self.tracker is None:  # stopped before anything ran
             peak, rest = {}, dict.fromkeys(TERM_ORDER, 0)
         else:
-            peak, rest = _snapshot(self.tracker, "peak"), _terms(_snapshot(self.tracker, "current"))
+            peak, rest = snapshot(self.tracker, "peak"), terms(snapshot(self.tracker, "current"))
         reserved = self.log.reserved_bytes()[0] if self.tracker is not None and self.complete else 0
         return TraceResult(
-            setup=self.setup, peak_bytes=peak.get("Total", 0), terms=_terms(peak),
+            setup=self.setup, peak_bytes=peak.get("Total", 0), terms=terms(peak),
             categories={k: v for k, v in peak.items() if k != "Total" and v},
             states={"params": rest["params"], "optimizer": rest["optimizer"]}, seconds=round(seconds, 2),
             complete=self.complete, peak_phase=self.peak_phase,

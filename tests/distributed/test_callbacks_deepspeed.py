@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 import hf_dist
-from hf_dist.checkpoint.formats.layout import MANIFEST_NAME, read_layout
+from hf_dist.checkpoint.formats.layout import read_layout
+from hf_dist.checkpoint.formats.names import MANIFEST_NAME
 
 pytestmark = pytest.mark.distributed
 

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 import hf_dist
-from hf_dist.checkpoint.formats.layout import MANIFEST_NAME, read_layout
+from hf_dist.checkpoint.formats.layout import read_layout
+from hf_dist.checkpoint.formats.names import MANIFEST_NAME
 from hf_dist.testing import REPO_ROOT, torchrun
 
 pytestmark = pytest.mark.distributed

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_dist.checkpoint.convert import convert
+from hf_dist.checkpoint.conversion.convert import convert
 from hf_dist.cli.main import main
 from hf_dist.testing import cpu_has_onednn_fp16, torchrun
 

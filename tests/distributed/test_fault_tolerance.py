@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_dist.checkpoint.formats.layout import MANIFEST_NAME, RUN_JOURNAL
+from hf_dist.checkpoint.formats.names import MANIFEST_NAME, RUN_JOURNAL
 from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
 from hf_dist.checkpoint.lifecycle.manifest import is_complete
 from hf_dist.testing import REPO_ROOT, torchrun
@@ -159,7 +159,7 @@ def test_one_live_job_per_output_folder_and_orphans_stop(tmp_path):
 
     import psutil
 
-    from hf_dist.checkpoint.formats.layout import OUTPUT_LOCK
+    from hf_dist.checkpoint.formats.names import OUTPUT_LOCK
     from hf_dist.testing import cpu_env, torchrun_command
 
     out = tmp_path / "run"

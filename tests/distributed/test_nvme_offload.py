@@ -177,7 +177,7 @@ def test_losses_match_the_cpu_offload_run(runs):
 def test_checkpoint_holds_the_swapped_state_and_converts(runs, tmp_path):
     from safetensors.torch import load_file
 
-    from hf_dist.checkpoint.convert import convert
+    from hf_dist.checkpoint.conversion.convert import convert
     from hf_dist.cli.main import main
 
     checkpoint = f"{runs('nvme')['output_dir']}/checkpoint-{STEPS}"
@@ -222,7 +222,7 @@ def test_a_truncated_or_altered_swap_file_never_reaches_deepspeed(runs, tmp_path
     """Swap files are trusted by content, not length: with the manifest hf_dist's callbacks write, an altered file is
     refused by auto_resume and convert, naming it; without one, a truncated file is refused by the layout's proof
     (the length its partition needs), never handed to DeepSpeed."""
-    from hf_dist.checkpoint.convert import convert
+    from hf_dist.checkpoint.conversion.convert import convert
     from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
     from hf_dist.checkpoint.safety.errors import CorruptCheckpointError
     from tests.unit.checkpoint.fakes import seal

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_dist.checkpoint.formats.layout import MANIFEST_NAME
+from hf_dist.checkpoint.formats.names import MANIFEST_NAME
 from hf_dist.checkpoint.lifecycle.manifest import is_complete
 from hf_dist.testing import GLOO_ABORT, cpu_env, free_port, retry_gloo_abort
 

@@ -157,7 +157,7 @@ def test_bad_input_is_a_clean_error_and_changes_nothing(world, capsys, argv, cod
 
 
 def test_read_only_parent_is_a_clean_error(world, capsys, monkeypatch):
-    import hf_dist.checkpoint.safety.output_paths as paths
+    import hf_dist.checkpoint.output.paths as paths
 
     monkeypatch.setattr(paths.os, "access", lambda path, mode: False)
     before = snapshot(world)

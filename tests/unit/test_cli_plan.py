@@ -232,7 +232,7 @@ def test_plan_has_a_flag_for_every_pin_auto_args_accepts(tmp_path, monkeypatch):
     """Every planner keyword of auto_args (PLAN_KEYS) is a flag of `hf-dist plan` that reaches the planner (or the
     hardware it plans for) with the value given; a new PLAN_KEY without a flag fails here."""
     import hf_dist.planning.hardware as hardware
-    import hf_dist.tracing.verify as tracing_verify
+    import hf_dist.tracing.checked_plan as checked_plan
     from hf_dist.configs.request import PLAN_KEYS
 
     assert set(PLAN_KEYS) == set(FLAG_VALUES) | set(NOT_A_FLAG), "a PLAN_KEY without a flag (or a stale entry)"
@@ -250,7 +250,7 @@ def test_plan_has_a_flag_for_every_pin_auto_args_accepts(tmp_path, monkeypatch):
         raise Done
 
     monkeypatch.setattr(hardware, "detect_hardware", fake_detect)
-    monkeypatch.setattr(tracing_verify, "plan", fake_plan)
+    monkeypatch.setattr(checked_plan, "plan", fake_plan)
     tiny_llama_config().save_pretrained(tmp_path)
     argv = [flag for flags, _ in FLAG_VALUES.values() for flag in flags]
     with pytest.raises(Done):

@@ -319,7 +319,7 @@ def _recipe_args(cp: int = 1, sp: int = 1, packing=None):
 
     from accelerate import ParallelismConfig
 
-    from hf_dist.recipe_utils.args import DataArguments
+    from hf_dist.recipe_utils.flags import DataArguments
 
     parallelism = ParallelismConfig(cp_size=cp) if cp > 1 else None
     args = SimpleNamespace(parallelism_config=parallelism, deepspeed=None, process_index=0)

@@ -208,7 +208,9 @@ def test_a_recipe_default_micro_batch_becomes_the_global_batch_under_cpu_sp(monk
     default = {"per_device_train_batch_size": 16}
 
     def plan_kwargs(explicit):
-        return _plan_kwargs(default, explicit, "full", 64, "zero2", None, sizes, False, None)
+        request = dict(method="full", seq_len=64, strategy="zero2", peft_config=None, sizes=sizes, async_save=False,
+                       offloading=None)  # fmt: skip
+        return _plan_kwargs(default, explicit, request)
 
     assert plan_kwargs(set())["global_batch_size"] == 16 and "micro_batch_size" not in plan_kwargs(set())
     assert plan_kwargs({"per_device_train_batch_size"})["micro_batch_size"] == 16  # the user's: pinned

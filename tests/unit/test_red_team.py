@@ -70,7 +70,7 @@ def resume_case(layout: str, form: str):
         elif layout == "autotp missing rank":
             tag = make_autotp_checkpoint(ckpt, config, state, tp=2)
             next(tag.glob("*zero_pp_rank_0_mp_rank_01_optim_states.pt")).unlink()
-            from hf_dist.checkpoint.convert import convert
+            from hf_dist.checkpoint.conversion.convert import convert
 
             return convert(ckpt, tmp / "out", progress=False)
         if form == "folder":

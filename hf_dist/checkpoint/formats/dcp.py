@@ -21,7 +21,8 @@ import io
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.formats.layout import DCP_METADATA, DCP_SHARD_FILE_RE, CheckpointLayout
+from hf_dist.checkpoint.formats.layout import CheckpointLayout
+from hf_dist.checkpoint.formats.names import DCP_METADATA, DCP_SHARD_FILE_RE
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
 from hf_dist.checkpoint.safety.dcp_metadata import load_metadata
 from hf_dist.checkpoint.safety.errors import CorruptCheckpointError

@@ -27,13 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.formats.layout import (
-    OPTIM_FILE_RE,
-    PIPELINE_LAYER_GLOB,
-    ZERO3_MODEL_FILE_RE,
-    CheckpointLayout,
-    tp_model_file,
-)
+from hf_dist.checkpoint.formats.layout import CheckpointLayout
+from hf_dist.checkpoint.formats.names import OPTIM_FILE_RE, PIPELINE_LAYER_GLOB, ZERO3_MODEL_FILE_RE, tp_model_file
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
 from hf_dist.checkpoint.safety.loading import safe_load
 from hf_dist.checkpoint.safety.paths import ConfinedFolder

@@ -3,7 +3,7 @@
 ``auto_resume(output_dir)`` returns the newest ``checkpoint-N`` whose manifest matches what is on disk, file by file,
 sizes and SHA-256 (:mod:`hf_dist.checkpoint.lifecycle.manifest`), or, without a manifest, whose files prove it
 complete (:mod:`hf_dist.checkpoint.lifecycle.proof`), and that belongs to the run that last trained in the folder
-(:mod:`hf_dist.checkpoint.lifecycle.runs`), so ``trainer.train(resume_from_checkpoint=auto_resume(out))`` is always
+(:mod:`hf_dist.checkpoint.output.runs`), so ``trainer.train(resume_from_checkpoint=auto_resume(out))`` is always
 safe. Given the run's strategy or ``TrainingArguments`` it also checks that the checkpoint's family
 (:class:`~hf_dist.planning.layout.CheckpointFamily`, read by :func:`hf_dist.checkpoint.formats.layout.read_layout`) is
 the one that strategy writes and reads, and that a ZeRO checkpoint matches the world size or was resharded.
@@ -17,18 +17,19 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.formats.layout import (
+from hf_dist.checkpoint.formats.names import (
     CHECKPOINT_DIR_RE,
     MANIFEST_NAME,
     TRAINER_STATE,
     is_checkpoint_dir,
     list_checkpoints,
 )
-from hf_dist.checkpoint.lifecycle import manifest, proof, runs
+from hf_dist.checkpoint.lifecycle import manifest, proof
 from hf_dist.checkpoint.lifecycle.finished import finished_at, finished_message
-from hf_dist.checkpoint.lifecycle.output_lock import check_output_dir_free
 from hf_dist.checkpoint.lifecycle.reshard import prepare_resume
 from hf_dist.checkpoint.lifecycle.resume_checks import check_resume_compatible, gate_checkpoint, strategy_and_world
+from hf_dist.checkpoint.output import runs
+from hf_dist.checkpoint.output.lock import check_output_dir_free
 from hf_dist.checkpoint.safety.errors import CorruptCheckpointError
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ def auto_resume(
     disk, sizes and content (with several ranks launched, each hashes its share), or, for a run without those
     callbacks, every file its strategy writes is there and readable
     (:func:`~hf_dist.checkpoint.lifecycle.proof.unproven_reasons`). A checkpoint newer than the step the folder's last
-    run started from must be that run's (:func:`~hf_dist.checkpoint.lifecycle.runs.lineage_reason`): one a rolled-back
+    run started from must be that run's (:func:`~hf_dist.checkpoint.output.runs.lineage_reason`): one a rolled-back
     run left behind is skipped, named.
 
     ``training_args`` (the run's ``TrainingArguments``, before the Trainer is built) also prepares the
@@ -82,25 +83,29 @@ def auto_resume(
     """
     _check_output_dir(output_dir)
     check_output_dir_free(output_dir)  # never resume from a folder another live job is writing
-    checkpoints = list_checkpoints(output_dir)
     live_world = _live_world_size(world_size, training_args, strategy)
-    journal = runs.read_run(output_dir)
-    skipped = []
-    for step, path in checkpoints:
-        reasons = _not_resumable(path, step, live_world, journal) or _unloadable(path, trust_pickles)
-        if reasons:
-            logger.warning("auto_resume: skipping %s: %s", path, "; ".join(reasons))
-            skipped.append(f"  {Path(path).name}: {'; '.join(reasons)}")
-            continue
-        path = _prepare(path, strategy, world_size, training_args, trust_pickles)
-        if announce:
-            _say(resume_line(path), training_args or getattr(strategy, "args", None))
-        return path
-    if skipped and not fresh_start:
+    found, skipped = _newest_resumable(output_dir, live_world, trust_pickles)
+    if found is not None:
+        found = _prepare(found, strategy, world_size, training_args, trust_pickles)
+    elif skipped and not fresh_start:
         _refuse_unproven(output_dir, skipped)
     if announce:
-        _say(_fresh_line(output_dir, len(skipped)), training_args or getattr(strategy, "args", None))
-    return None
+        line = resume_line(found) if found is not None else _fresh_line(output_dir, len(skipped))
+        _say(line, training_args or getattr(strategy, "args", None))
+    return found
+
+
+def _newest_resumable(output_dir: Any, live_world: int, trust_pickles: bool) -> tuple[str | None, list[str]]:
+    """(the newest checkpoint that can be resumed, or None; a line per newer one skipped, with its reasons)."""
+    journal = runs.read_run(output_dir)
+    skipped = []
+    for step, path in list_checkpoints(output_dir):
+        reasons = _not_resumable(path, step, live_world, journal) or _unloadable(path, trust_pickles)
+        if not reasons:
+            return path, skipped
+        logger.warning("auto_resume: skipping %s: %s", path, "; ".join(reasons))
+        skipped.append(f"  {Path(path).name}: {'; '.join(reasons)}")
+    return None, skipped
 
 
 def resume_line(found: str | os.PathLike | None, training_args: Any = None, *, output_dir: Any = None) -> str:

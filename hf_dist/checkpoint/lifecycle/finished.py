@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.formats.layout import TRAINER_STATE
+from hf_dist.checkpoint.formats.names import TRAINER_STATE
 
 
 def last_step(training_args: Any, state: dict[str, Any]) -> int | None:

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.atomic_io import atomic_write_json
-from hf_dist.checkpoint.formats.layout import (
+from hf_dist.checkpoint.formats.layout import read_layout
+from hf_dist.checkpoint.formats.names import (
     LATEST,
     LATEST_UNIVERSAL,
     MANIFEST_NAME,
@@ -37,7 +38,6 @@ from hf_dist.checkpoint.formats.layout import (
     UNIVERSAL_SUFFIX,
     WRITING_NAME,
     owner_rank,
-    read_layout,
 )
 from hf_dist.checkpoint.safety.paths import ConfinedFolder, PathEscapeError, confined, is_inside
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hf_dist.checkpoint.formats.layout import (
+from hf_dist.checkpoint.formats.layout import read_layout
+from hf_dist.checkpoint.formats.names import (
     DCP_METADATA,
     HF_WEIGHT_NAMES,
     LATEST,
@@ -36,7 +37,6 @@ from hf_dist.checkpoint.formats.layout import (
     TRAINER_STATE,
     WRITING_NAME,
     dcp_folders_without_metadata,
-    read_layout,
 )
 from hf_dist.checkpoint.safety.paths import ConfinedFolder
 from hf_dist.planning.layout import CheckpointFamily

@@ -30,13 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.atomic_io import atomic_dir, atomic_write_text
-from hf_dist.checkpoint.formats.layout import (
-    LATEST_UNIVERSAL,
-    UNIVERSAL_SUFFIX,
-    ZERO_OPTIM,
-    CheckpointLayout,
-    read_layout,
-)
+from hf_dist.checkpoint.formats.layout import CheckpointLayout, read_layout
+from hf_dist.checkpoint.formats.names import LATEST_UNIVERSAL, UNIVERSAL_SUFFIX, ZERO_OPTIM
 from hf_dist.checkpoint.lifecycle.manifest import require_match, write_manifest
 from hf_dist.checkpoint.lifecycle.resume_checks import check_autotp_matches, check_strategy_matches, gate_checkpoint
 from hf_dist.checkpoint.safety.paths import PathEscapeError
@@ -118,13 +113,13 @@ def reshard(
 
     DeepSpeed ZeRO: adds the universal conversion (in place, or in a copy at ``dst`` when given, leaving
     ``src`` untouched). FSDP/DCP and unsharded checkpoints already reshard on load: returned (or copied) as is.
-    ``dst`` passes :func:`hf_dist.checkpoint.safety.output_paths.check_output_path`: never ``src``, a folder around or
+    ``dst`` passes :func:`hf_dist.checkpoint.output.paths.check_output_path`: never ``src``, a folder around or
     inside it; ``overwrite`` replaces only a folder that holds no training state. ``src`` is loaded as its resume
     will load it first (:func:`hf_dist.checkpoint.safety.loading.check_loadable`), and DeepSpeed's loads are
     guarded (:func:`to_universal`).
     """
+    from hf_dist.checkpoint.output.paths import check_output_path, make_parent, mark_output
     from hf_dist.checkpoint.safety.loading import check_loadable
-    from hf_dist.checkpoint.safety.output_paths import check_output_path, make_parent, mark_output
 
     src_path = Path(src).expanduser()
     layout = inspect_checkpoint(src_path)

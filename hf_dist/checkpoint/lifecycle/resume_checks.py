@@ -15,7 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.formats.layout import LATEST_UNIVERSAL, CheckpointLayout, read_layout
+from hf_dist.checkpoint.formats.layout import CheckpointLayout, read_layout
+from hf_dist.checkpoint.formats.names import LATEST_UNIVERSAL
 from hf_dist.planning.layout import strategy, zero_stage_strategy
 
 

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from hf_dist.atomic_io import atomic_write_json
-from hf_dist.checkpoint.formats.layout import DCP_METADATA, rng_state_name
-from hf_dist.checkpoint.formats.layout import SHARDED_OPTIMIZER_DIR as OPTIMIZER_DIR
+from hf_dist.checkpoint.formats.names import DCP_METADATA, rng_state_name
+from hf_dist.checkpoint.formats.names import SHARDED_OPTIMIZER_DIR as OPTIMIZER_DIR
 from hf_dist.runtime import dist as _dist
 
 SCHEDULER_FILE = "hf_dist_scheduler.json"

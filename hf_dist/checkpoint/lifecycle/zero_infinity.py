@@ -17,7 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.formats.layout import optim_file, read_layout
+from hf_dist.checkpoint.formats.layout import read_layout
+from hf_dist.checkpoint.formats.names import optim_file
 from hf_dist.checkpoint.safety.loading import safe_load
 
 __all__ = ["restore_resident_subgroups", "restored_from", "zero_infinity_optimizer"]

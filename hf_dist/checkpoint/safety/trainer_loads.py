@@ -101,7 +101,7 @@ def best_checkpoint_problem(best: Any, output_dir: Any) -> str | None:
     import os
     import re
 
-    from hf_dist.checkpoint.formats.layout import MANIFEST_NAME
+    from hf_dist.checkpoint.formats.names import MANIFEST_NAME
     from hf_dist.checkpoint.lifecycle.manifest import incomplete_reasons
 
     if not isinstance(best, (str, os.PathLike)):
@@ -152,7 +152,7 @@ def _verify_once(checkpoint: Path) -> None:
 
 
 def _verified_key(checkpoint: Path) -> tuple[str, float]:
-    from hf_dist.checkpoint.formats.layout import MANIFEST_NAME
+    from hf_dist.checkpoint.formats.names import MANIFEST_NAME
 
     manifest = checkpoint / MANIFEST_NAME
     return (str(checkpoint), manifest.stat().st_mtime if manifest.is_file() else 0.0)

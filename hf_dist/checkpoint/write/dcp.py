@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.formats.layout import DCP_METADATA, dcp_shard_name
+from hf_dist.checkpoint.formats.names import DCP_METADATA, dcp_shard_name
 from hf_dist.checkpoint.formats.reader import TensorSpec
 from hf_dist.checkpoint.write.hf_folder import atomic_output_dir
 

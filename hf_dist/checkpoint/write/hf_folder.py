@@ -194,12 +194,12 @@ def atomic_output_dir(
 ) -> Iterator[Path]:
     """Yield a temporary sibling of ``dst``; on success it replaces ``dst``, on any error it is removed.
 
-    ``dst`` passes :func:`hf_dist.checkpoint.safety.output_paths.check_output_path` first (never the source, a folder around
+    ``dst`` passes :func:`hf_dist.checkpoint.output.paths.check_output_path` first (never the source, a folder around
     or inside it, a training checkpoint, or with ``overwrite`` anything but a previous output) and its file system
     must have ``needed_bytes`` free; the folder is then built by :func:`hf_dist.atomic_io.atomic_dir` and marked as
     an output (``hf_dist_output.json``).
     """
-    from hf_dist.checkpoint.safety.output_paths import check_output_path, format_bytes, make_parent, mark_output
+    from hf_dist.checkpoint.output.paths import check_output_path, format_bytes, make_parent, mark_output
 
     dst = check_output_path(dst, sources=sources, overwrite=overwrite)
     make_parent(dst)

@@ -4,8 +4,8 @@ forwards and backwards do, applied to the model the way the Trainer applies Lige
 Triton does not run on CPU, and liger-kernel is rarely installed where the trace runs, so hf_dist carries its own
 copy of what Liger 0.8.5 does (:mod:`.functions`, :mod:`.patch`), derived from its source. Where another release is
 installed, tracing Liger is refused with both versions named (:func:`.version.version_refusal`): its kernels may
-keep other tensors, and a trace of 0.8.5 would be a wrong answer for it. docs/planner.md, "Tracing", has the
-figures against an H200.
+keep other tensors, and a trace of 0.8.5 would be a wrong answer for it. docs/measurements.md, "The tracer against GPU
+allocation", has the figures against an H200.
 """
 
 from __future__ import annotations

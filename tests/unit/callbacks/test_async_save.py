@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from hf_dist.callbacks import attach, default
 from hf_dist.callbacks.resume import AsyncCheckpointCallback, CompleteCheckpointCallback
-from hf_dist.checkpoint.formats.layout import MANIFEST_NAME, WRITING_NAME
+from hf_dist.checkpoint.formats.names import MANIFEST_NAME, WRITING_NAME
 from hf_dist.checkpoint.lifecycle import async_save
 from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
 from hf_dist.checkpoint.lifecycle.manifest import is_complete

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from hf_dist.callbacks.resume import CompleteCheckpointCallback
-from hf_dist.checkpoint.formats.layout import MANIFEST_NAME, read_layout
+from hf_dist.checkpoint.formats.layout import read_layout
+from hf_dist.checkpoint.formats.names import MANIFEST_NAME
 from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
 from hf_dist.checkpoint.lifecycle.manifest import incomplete_reasons, is_complete, write_manifest
 from hf_dist.checkpoint.lifecycle.resume_checks import check_resume_compatible

@@ -11,8 +11,8 @@ import re
 
 import pytest
 
-from hf_dist.checkpoint.convert import convert
-from hf_dist.checkpoint.verify import verify
+from hf_dist.checkpoint.conversion.convert import convert
+from hf_dist.checkpoint.conversion.verify import verify
 from hf_dist.cli.main import main
 from hf_dist.planning.remote_code import RemoteCodeError
 from tests.unit.planning.remote_fakes import REFUSED, plant, refusal_pattern

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import hf_dist
+from hf_dist.planning.dtypes import GIB
 from hf_dist.planning.load_memory import LoadPath, load_memory
-from hf_dist.planning.memory import GIB
 from hf_dist.testing import public_config
 
 N = 70_000_000_000

@@ -9,10 +9,11 @@ import re
 import pytest
 from transformers import GPT2Config
 
+from hf_dist.planning.dtypes import GIB
 from hf_dist.planning.features import LibraryFeatures, installed_features
 from hf_dist.planning.hardware import detect_hardware
 from hf_dist.planning.layout import Layout
-from hf_dist.planning.memory import GIB, estimate_memory
+from hf_dist.planning.memory import estimate_memory
 from hf_dist.planning.modelinfo import model_spec
 from hf_dist.planning.planner import PlanError, plan
 from hf_dist.planning.throughput import model_parallel_seconds, nvme_seconds

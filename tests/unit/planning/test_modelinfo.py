@@ -149,7 +149,7 @@ def test_an_unreachable_hub_fails_at_once(monkeypatch):
 
 
 def test_position_limit_is_max_position_embeddings_unless_rope_is_scaled():
-    from hf_dist.planning.modelinfo import check_seq_len, position_limit
+    from hf_dist.planning.config_checks import check_seq_len, position_limit
     from hf_dist.testing import llama3_config, public_config
 
     assert position_limit(llama3_config("Llama-3-8B")) == 8192

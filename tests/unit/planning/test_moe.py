@@ -21,7 +21,8 @@ from hf_dist.planning.activations import (
 )
 from hf_dist.planning.dtypes import Dtypes
 from hf_dist.planning.memory import fsdp_row_padding
-from hf_dist.planning.modelinfo import config_from_dict, model_spec
+from hf_dist.planning.model_source import config_from_dict
+from hf_dist.planning.modelinfo import model_spec
 from hf_dist.planning.moe import MlaShape, MoeLayout
 from tests.unit.marks import moe_code_as_modelled
 

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
+from hf_dist.planning.dtypes import GIB
 from hf_dist.planning.hardware import detect_hardware
-from hf_dist.planning.memory import GIB
 from hf_dist.planning.planner import PlanError, micro_batch_options, plan
 from hf_dist.planning.throughput import comm_seconds
 from hf_dist.testing import llama3_config, public_config, tiny_llama_config

@@ -16,7 +16,7 @@ import re
 import pytest
 
 import hf_dist
-from hf_dist.planning import modelinfo
+from hf_dist.planning import model_source, modelinfo
 from hf_dist.planning.remote_code import RemoteCodeError
 from tests.unit.planning.remote_fakes import LLAMA, REFUSED, evil_config, plant, refusal_pattern
 
@@ -37,7 +37,7 @@ def _entry_points(folder):
         "hf_dist.model_spec": lambda: hf_dist.model_spec(str(folder)),
         "hf_dist.model_spec(config.json)": lambda: hf_dist.model_spec(str(folder / "config.json")),
         "hf_dist.fsdp_wrap_classes": lambda: hf_dist.fsdp_wrap_classes(str(folder)),
-        "resolve_config + meta_model": lambda: modelinfo.meta_model(modelinfo.resolve_config(str(folder))),
+        "resolve_config + meta_model": lambda: model_source.meta_model(model_source.resolve_config(str(folder))),
     }
 
 
@@ -109,7 +109,7 @@ def test_auto_args_and_estimate_memory_take_the_flag(tmp_path, marker):
 
 def test_a_config_object_or_dict_naming_code_is_refused_too(tmp_path, marker):
     folder = plant(tmp_path / "model", "t5", marker)
-    config = modelinfo.load_config(str(folder))  # a T5Config: transformers' own class, nothing imported
+    config = model_source.load_config(str(folder))  # a T5Config: transformers' own class, nothing imported
     assert not marker.exists() and type(config).__name__ == "T5Config"
     with pytest.raises(RemoteCodeError, match=r"modeling_evil\.py.*--trust-remote-code"):
         hf_dist.plan(config, **HARDWARE)
@@ -128,7 +128,7 @@ def test_the_flag_is_true_or_false_never_none(tmp_path, marker, value):
 
 
 def test_meta_model_never_derives_the_permission_from_the_config():
-    for function in (modelinfo.meta_model, modelinfo.model_spec, modelinfo.load_config, hf_dist.plan,
+    for function in (model_source.meta_model, modelinfo.model_spec, model_source.load_config, hf_dist.plan,
                      hf_dist.estimate_memory, hf_dist.trace_memory, hf_dist.convert, hf_dist.verify):  # fmt: skip
         assert inspect.signature(function).parameters["trust_remote_code"].default is False, function.__name__
 

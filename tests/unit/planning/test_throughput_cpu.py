@@ -23,7 +23,7 @@ RECORDED_TOKENS_PER_S = {1: 24_646, 2: 40_714}
 
 
 def demo_config():
-    from hf_dist.recipe_utils.args import ModelArguments
+    from hf_dist.recipe_utils.flags import ModelArguments
     from hf_dist.recipe_utils.model import load_tokenizer, model_config
 
     model_args = ModelArguments()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_dist.planning.activations import trl_head_bytes
 from hf_dist.planning.dtypes import engine_dtypes
+from hf_dist.planning.head_activations import trl_head_bytes
 from hf_dist.planning.memory import estimate_memory
 from hf_dist.planning.modelinfo import ModelSpec
 from hf_dist.testing import memory_curve, public_config

@@ -26,7 +26,7 @@ def _model():
 
 
 def test_recipe_lora_wrap_and_export_reload_raise_no_deprecation(tmp_path):
-    from hf_dist.recipe_utils.args import LoraArguments
+    from hf_dist.recipe_utils.flags import LoraArguments
     from hf_dist.recipe_utils.model import apply_lora
     from hf_dist.runtime.peft_calls import load_peft_model
 

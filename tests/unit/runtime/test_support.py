@@ -75,7 +75,8 @@ def _pins(name: str) -> dict[str, str]:
 
 def _readme_matrix() -> dict[str, dict[str, str]]:
     """README's "Supported versions" table: {row label: {package: first version in its cell}}."""
-    lines = (ROOT / "README.md").read_text().split("## Supported versions", 1)[1].splitlines()
+    section = (ROOT / "README.md").read_text().split("## Supported versions", 1)[1].split("\n## ", 1)[0]
+    lines = section.splitlines()
     rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines if line.startswith("|")]
     packages = [_norm(name) for name in rows[0][1:]]
     return {

@@ -9,7 +9,7 @@ import torch
 
 from hf_dist.planning.lora import LoraSpec
 from hf_dist.planning.memory import estimate_memory
-from hf_dist.planning.modelinfo import config_from_dict
+from hf_dist.planning.model_source import config_from_dict
 from hf_dist.tracing import trace_memory
 from hf_dist.tracing.cuda_attention import cuda_takes_efficient
 from tests.unit.marks import moe_code_as_modelled
@@ -51,7 +51,7 @@ ATTENTION = LoraSpec(targets=("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_pr
 ])  # fmt: skip
 def test_a_tiny_moe_trace_is_within_5_percent_of_the_model(config, lora, ckpt):
     """Frozen experts with checkpointing are left out: at this size the peak is a recomputed MoE layer's moment,
-    where the trace holds about 1.5 layers' activations (0.89 of the trace; docs/planner.md, the MoE matrix)."""
+    where the trace holds about 1.5 layers' activations (0.89 of the trace; docs/measurements.md, the MoE matrix)."""
     config = config_from_dict(dict(config))
     setup = dict(strategy="fsdp_full_shard", world_size=2, seq_len=SEQ, micro_batch_size=MB, lora=lora,
                  method="full" if lora is None else "lora", activation_checkpointing=ckpt)  # fmt: skip

@@ -11,7 +11,7 @@ import re
 import pytest
 
 import hf_dist
-from hf_dist.planning.modelinfo import load_config
+from hf_dist.planning.model_source import load_config
 from hf_dist.planning.remote_code import RemoteCodeError
 from tests.unit.planning.remote_fakes import REFUSED, plant, refusal_pattern
 

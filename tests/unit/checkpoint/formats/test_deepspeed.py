@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_dist.checkpoint.convert import convert
+from hf_dist.checkpoint.conversion.convert import convert
 from tests.unit.checkpoint.fakes import make_autotp_checkpoint, make_zero_checkpoint
 
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from hf_dist.callbacks import attach
-from hf_dist.checkpoint.formats.layout import MANIFEST_NAME, RUN_JOURNAL, WRITING_NAME
+from hf_dist.checkpoint.formats.names import MANIFEST_NAME, RUN_JOURNAL, WRITING_NAME
 from hf_dist.checkpoint.lifecycle import async_save
 from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
 from hf_dist.checkpoint.lifecycle.manifest import incomplete_reasons, is_complete, read_manifest

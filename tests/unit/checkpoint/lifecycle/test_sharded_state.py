@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from hf_dist.callbacks.resume import ShardedResumeCallback
-from hf_dist.checkpoint.formats.layout import SHARDED_OPTIM, read_layout
+from hf_dist.checkpoint.formats.layout import read_layout
+from hf_dist.checkpoint.formats.names import SHARDED_OPTIM
 from hf_dist.checkpoint.lifecycle import sharded_state
 from hf_dist.planning.layout import CheckpointFamily
 from hf_dist.testing import free_port

@@ -265,7 +265,7 @@ def test_trust_pickles_lets_deepspeed_run_the_payload(tmp_path, tiny_state):
 def _match_marker(ckpt: Path) -> None:
     import json
 
-    from hf_dist.checkpoint.formats.layout import MANIFEST_NAME
+    from hf_dist.checkpoint.formats.names import MANIFEST_NAME
     from hf_dist.checkpoint.lifecycle.manifest import hash_file
 
     marker = json.loads((ckpt / MANIFEST_NAME).read_text())

@@ -108,7 +108,7 @@ def test_a_manifest_listing_a_link_that_leads_out_is_refused_before_hashing(tmp_
         auto_resume(ckpt.parent)
 
 
-OWN = "a name of hf_dist's own (a constant or pattern of formats/layout.py)"
+OWN = "a name of hf_dist's own (a constant or pattern of formats/names.py)"
 TAG = "a DeepSpeed tag: listed from the folder or checked by checked_tag (ConfinedFolder)"
 LISTED = "a name listed from the folder, or one hf_dist writes into its output"
 MATH = "arithmetic, not a path"
@@ -119,7 +119,7 @@ REVIEWED_JOINS = {
     ("formats/deepspeed.py", "math.prod(shape) / self.world_size"): MATH,
     ("formats/hf.py", "Path(folder) / name"): "side_file: a constant name, then confined by ConfinedFolder",
     ("formats/hf.py", "out_dir / file.name"): LISTED,
-    ("formats/layout.py", "tag_dir / f'mp_rank_{mp_rank:02d}_model_states.pt'"): OWN,
+    ("formats/names.py", "tag_dir / f'mp_rank_{mp_rank:02d}_model_states.pt'"): OWN,
     ("formats/layout.py", "path / _choose_tag(path, tag, tag_dirs)"): TAG,
     ("formats/layout.py", "path / name"): OWN,
     ("formats/layout.py", "root / tag"): TAG,
@@ -134,15 +134,15 @@ REVIEWED_JOINS = {
     ("lifecycle/reshard.py", "layout.root / layout.universal_tag"): TAG,
     ("lifecycle/reshard.py", "os.path.join(str(dst), '')"): LISTED,  # its own temporary folder, + a separator
     ("lifecycle/sharded_state.py", "Path(checkpoint_dir) / name"): OWN,
-    ("safety/output_paths.py", "count / scale"): MATH,
-    ("safety/output_paths.py", "raw.parent / (raw.name + '-hf')"): "the user's own argument",
-    ("safety/output_paths.py", "src.parent / (src.name + '-hf')"): "the user's own argument",
+    ("output/paths.py", "count / scale"): MATH,
+    ("output/paths.py", "raw.parent / (raw.name + '-hf')"): "the user's own argument",
+    ("output/paths.py", "src.parent / (src.name + '-hf')"): "the user's own argument",
     ("safety/paths.py", "Path(self.root) / name"): "ConfinedFolder.path itself",
     ("safety/paths.py", "self.root / name"): "ConfinedFolder.path's message",
     ("safety/paths.py", "Path(folder) / name"): "check_tree_confined: listed by os.walk",
     ("safety/paths.py", "Path(root) / source"): "checked_tag: the name of the latest file (a constant)",
-    ("transform.py", "alpha / math.sqrt(r)"): MATH,
-    ("transform.py", "alpha / r"): MATH,
+    ("conversion/transform.py", "alpha / math.sqrt(r)"): MATH,
+    ("conversion/transform.py", "alpha / r"): MATH,
     ("write/dcp.py", "tmp / files[-1]"): LISTED,
     ("write/hf_folder.py", "out_dir / filename"): LISTED,
     ("write/hf_folder.py", "out_dir / f'{weights_name}.index.json'"): LISTED,

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint import conversion_plan, transform
-from hf_dist.checkpoint.convert import BATCH_BYTES, open_reader
+from hf_dist.checkpoint.conversion import conversion_plan, transform
+from hf_dist.checkpoint.conversion.convert import BATCH_BYTES, open_reader
 from hf_dist.checkpoint.formats.hf import config_dir
 from hf_dist.checkpoint.formats.layout import CheckpointLayout, read_layout
 from hf_dist.checkpoint.formats.reader import Reader
@@ -229,7 +229,7 @@ def _check_fits(name: str, tensor: Any, target: Any, side: _Side, config_dir: Pa
 def _build_model(config_dir: Path, side: _Side, trust_remote_code: bool):
     import torch
 
-    from hf_dist.planning.modelinfo import causal_lm_from_config, load_config
+    from hf_dist.planning.model_source import causal_lm_from_config, load_config
 
     config = load_config(str(config_dir), trust_remote_code=trust_remote_code)
     model = causal_lm_from_config(config, trust_remote_code=trust_remote_code).float().eval()

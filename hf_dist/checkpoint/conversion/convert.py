@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint import conversion_plan, transform
+from hf_dist.checkpoint.conversion import conversion_plan, transform
 from hf_dist.checkpoint.formats.hf import config_dir, side_file
 from hf_dist.checkpoint.formats.layout import CheckpointLayout, read_layout
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
 from hf_dist.checkpoint.lifecycle.manifest import require_match
-from hf_dist.checkpoint.safety.output_paths import check_output_path
+from hf_dist.checkpoint.output.paths import check_output_path
 from hf_dist.checkpoint.safety.paths import check_tree_confined, confined
 
 TARGETS = ("hf", "dcp")
@@ -102,7 +102,7 @@ def convert(
     """Convert the checkpoint at ``src`` into ``dst`` (see ``hf-dist convert --help``).
 
     ``trust_remote_code=True`` lets the model config's ``auto_map`` classes be imported to learn the expected
-    tensor names; without it they never are (:func:`~hf_dist.checkpoint.conversion_plan.expected_specs`).
+    tensor names; without it they never are (:func:`~hf_dist.checkpoint.conversion.conversion_plan.expected_specs`).
     """
     start = time.perf_counter()
     _check_arguments(dtype, to, adapter, merge_adapter)
@@ -119,11 +119,7 @@ def convert(
         conversion = _plan(
             info, specs, adapter=adapter, merge_adapter=merge_adapter, trust_remote_code=trust_remote_code
         )
-        out_specs = {
-            name: TensorSpec(t.shape, transform.output_dtype(dtype, reader.train_dtype, t.stored_dtype)
-                             if _is_float(t.stored_dtype) else t.stored_dtype)
-            for name, t in conversion.tensors.items()
-        }  # fmt: skip
+        out_specs = _output_specs(conversion, reader.train_dtype, dtype)
         if to == "dcp":
             from hf_dist.checkpoint.write.dcp import write_dcp
 
@@ -133,6 +129,21 @@ def convert(
             files = _write_hf(info, reader, conversion, out_specs, dst, max_shard_size, tokenizer, overwrite, progress)
     finally:
         reader.close()
+    return _report(info, dst, to, conversion, out_specs, files, time.perf_counter() - start)
+
+
+def _output_specs(conversion: Any, train_dtype: Any, dtype: str) -> dict[str, TensorSpec]:
+    """Each output tensor's shape and dtype: floats in ``dtype`` (``auto``: the training dtype), the rest as stored."""
+    return {
+        name: TensorSpec(t.shape, transform.output_dtype(dtype, train_dtype, t.stored_dtype)
+                         if _is_float(t.stored_dtype) else t.stored_dtype)
+        for name, t in conversion.tensors.items()
+    }  # fmt: skip
+
+
+def _report(
+    info: Any, dst: Path, to: str, conversion: Any, out_specs: dict, files: Any, seconds: float
+) -> ConversionReport:
     out_dtypes = sorted({str(s.dtype).replace("torch.", "") for s in out_specs.values()})
     return ConversionReport(
         source=info,
@@ -145,7 +156,7 @@ def convert(
         total_bytes=sum(s.nbytes for s in out_specs.values()),
         files=files,
         dropped_tied=conversion.dropped_tied,
-        seconds=time.perf_counter() - start,
+        seconds=seconds,
     )
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.atomic_io import atomic_write_json
-from hf_dist.checkpoint.formats.layout import OUTPUT_LOCK
+from hf_dist.checkpoint.formats.names import OUTPUT_LOCK
 
 logger = logging.getLogger(__name__)
 

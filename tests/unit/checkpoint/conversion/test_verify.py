@@ -7,7 +7,7 @@ import re
 import torch
 from safetensors.torch import save_file
 
-from hf_dist.checkpoint.verify import verify
+from hf_dist.checkpoint.conversion.verify import verify
 from hf_dist.cli.main import main
 from tests.unit.checkpoint.fakes import tiny_model_state
 

@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from hf_dist.checkpoint.formats.layout import OUTPUT_MARKER, is_checkpoint_dir, is_training_state
+from hf_dist.checkpoint.formats.names import OUTPUT_MARKER, is_checkpoint_dir, is_training_state
 
 
 class UnsafeOutputError(ValueError):

@@ -8,7 +8,7 @@ import pytest
 
 import hf_dist
 from hf_dist.cli.main import main
-from hf_dist.planning.memory import GIB
+from hf_dist.planning.dtypes import GIB
 from hf_dist.testing import public_config, tiny_llama_config
 from hf_dist.tracing import TraceResult, TraceSetup
 from tests.unit.marks import needs_traced_deepspeed
@@ -55,8 +55,8 @@ def test_what_was_checked_is_one_line(monkeypatch):
     reason (here a Liger release the fakes were not derived from); failed: the failure's first line, cut short."""
     from hf_dist.planning.hardware import detect_hardware
     from hf_dist.tracing import TraceError
+    from hf_dist.tracing.checked_plan import why_not
     from hf_dist.tracing.liger import version
-    from hf_dist.tracing.verify import why_not
 
     traced = hf_dist.plan(tiny_llama_config(), gpus=8, gpu_memory_gib=80, global_batch_size=16, verify=True)
     assert traced.verification.startswith(f"traced {traced.strategy}/none on rank 0 of 8 ranks under fake tensors in ")

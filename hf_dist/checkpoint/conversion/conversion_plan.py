@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint import transform
+from hf_dist.checkpoint.conversion import transform
 from hf_dist.checkpoint.formats.reader import TensorSpec
 
 
@@ -49,7 +49,7 @@ def expected_specs(
     known = None if folder_class else llama_like_specs(data)  # a trusted folder class may name its tensors itself
     if known is not None:
         return known
-    from hf_dist.planning.modelinfo import load_config, meta_model
+    from hf_dist.planning.model_source import load_config, meta_model
 
     model = meta_model(load_config(str(config_dir), trust_remote_code=trust_remote_code),
                        trust_remote_code=trust_remote_code)  # fmt: skip

@@ -5,7 +5,7 @@
 
 The analytic plan stands where a layout cannot be traced (offload, CP, DeepSpeed AutoTP or fp16; the plan says why in
 one line). A traced layout fits when its traced device total (its allocations replayed through the caching allocator,
-plus the CUDA context: :meth:`~hf_dist.tracing.trace.TraceResult.device_total`) stays within the usable memory;
+plus the CUDA context: :meth:`~hf_dist.tracing.result.TraceResult.device_total`) stays within the usable memory;
 otherwise the candidate is marked as not fitting, with the traced figure as its
 reason, and the next best candidate is traced in turn (at most :data:`MAX_TRACED` of them).
 """
@@ -19,8 +19,8 @@ from hf_dist.planning.choice import best, reason_for
 from hf_dist.planning.dtypes import GIB
 from hf_dist.planning.plan_result import Plan, PlanError, format_bytes
 from hf_dist.planning.planner import plan as search_plan
+from hf_dist.tracing.result import TraceError, TraceTimeout
 from hf_dist.tracing.setup import TraceUnsupported
-from hf_dist.tracing.trace import TraceError, TraceTimeout
 
 MAX_TRACED = 3
 
@@ -90,7 +90,7 @@ def verify_plan(plan: Plan, *, time_limit_s: float, isolate: bool = True, trust_
 
 def _traced_line(plan: Plan, c: Any, trace: Any, need: int) -> str:
     """What the trace checked, in one line: the layout, the rank (and the engine, DeepSpeed's, that ran on it:
-    :meth:`~hf_dist.tracing.trace.TraceResult.checked`), traced against modelled, and that it fits."""
+    :meth:`~hf_dist.tracing.result.TraceResult.checked`), traced against modelled, and that it fits."""
     return (
         f"traced {c.label} on {trace.checked()} in {trace.seconds:.1f} s: {format_bytes(trace.peak_bytes)} "
         f"allocated (modelled {format_bytes(c.memory.allocated)}); {format_bytes(need)} with the allocator and CUDA "

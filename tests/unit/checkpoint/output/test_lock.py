@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from hf_dist.checkpoint.formats.layout import OUTPUT_LOCK
-from hf_dist.checkpoint.lifecycle import output_lock
+from hf_dist.checkpoint.formats.names import OUTPUT_LOCK
 from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
-from hf_dist.checkpoint.lifecycle.output_lock import OutputBusyError, claim_output_dir, release_output_dir
+from hf_dist.checkpoint.output import lock as output_lock
+from hf_dist.checkpoint.output.lock import OutputBusyError, claim_output_dir, release_output_dir
 
 
 @pytest.fixture
@@ -96,7 +96,7 @@ def test_attach_refuses_a_folder_another_job_writes(make_trainer, tmp_path, othe
 
 ORPHAN = """
 import os, sys, time
-from hf_dist.checkpoint.lifecycle import output_lock
+from hf_dist.checkpoint.output import lock as output_lock
 output_lock.ORPHAN_POLL_S = 0.2
 output_lock.exit_with_launcher()
 print(os.getpid(), flush=True)
@@ -141,7 +141,7 @@ SAME_ENV = {
 RANK = """
 import os, sys, time
 import torch.distributed as dist
-from hf_dist.checkpoint.lifecycle.output_lock import check_output_dir_free, claim_output_dir
+from hf_dist.checkpoint.output.lock import check_output_dir_free, claim_output_dir
 dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=int(os.environ["RANK"]), world_size=2)
 claim_output_dir(sys.argv[1])
 check_output_dir_free(sys.argv[1])  # rank 1: the lock rank 0 took is its own launch's
@@ -194,7 +194,7 @@ AHEAD = """
 import os, sys
 from pathlib import Path
 import torch.distributed as dist
-from hf_dist.checkpoint.lifecycle import output_lock
+from hf_dist.checkpoint.output import lock as output_lock
 rank = int(os.environ["RANK"])
 dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
 if rank == 0:

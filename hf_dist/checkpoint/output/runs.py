@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hf_dist.atomic_io import atomic_write_json
-from hf_dist.checkpoint.formats.layout import RUN_JOURNAL
+from hf_dist.checkpoint.formats.names import RUN_JOURNAL
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_dist.checkpoint.convert import convert
-from hf_dist.checkpoint.safety.output_paths import UnsafeOutputError
-from hf_dist.checkpoint.verify import verify
+from hf_dist.checkpoint.conversion.convert import convert
+from hf_dist.checkpoint.conversion.verify import verify
+from hf_dist.checkpoint.output.paths import UnsafeOutputError
 from hf_dist.cli.main import main
 
 
@@ -138,7 +138,7 @@ def test_fsdp_full_state_dict_with_wrapper_prefixes(tiny_state, tmp_path):
 def test_prefetch_keeps_order_raises_errors_and_stops_with_the_consumer():
     import threading
 
-    from hf_dist.checkpoint.convert import prefetch
+    from hf_dist.checkpoint.conversion.convert import prefetch
 
     assert list(prefetch(iter(range(50)))) == list(range(50))
 

@@ -1,4 +1,4 @@
-from hf_dist.checkpoint import transform
+from hf_dist.checkpoint.conversion import transform
 
 
 def test_peft_names_are_anchored_on_peft_root_whatever_container_saved_them():
