@@ -27,7 +27,6 @@ parallelism) holds ``model.safetensors`` and hf_dist's optimizer DCP ``hf_dist_o
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +50,7 @@ from hf_dist.checkpoint.formats.names import (
     ZERO3_MODEL_FILE_RE,
     ZERO_OPTIM,
 )
+from hf_dist.checkpoint.formats.trainer_state import saved_step
 from hf_dist.checkpoint.safety.paths import PathEscapeError, checked_tag
 from hf_dist.planning.layout import CheckpointFamily
 
@@ -335,12 +335,9 @@ def _find_config_dir(layout: CheckpointLayout) -> Path | None:
 
 
 def _find_step(layout: CheckpointLayout) -> int | None:
-    state = layout.root / TRAINER_STATE
-    if state.is_file():
-        try:
-            return int(json.loads(state.read_text())["global_step"])
-        except (ValueError, KeyError, TypeError):
-            pass
+    step = saved_step(layout.root)
+    if step is not None:
+        return step
     for name in (layout.tag, layout.root.name, layout.path.name):
         match = STEP_RE.search(name or "")
         if match:

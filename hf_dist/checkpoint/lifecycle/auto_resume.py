@@ -11,7 +11,6 @@ the one that strategy writes and reads, and that a ZeRO checkpoint matches the w
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -20,10 +19,10 @@ from typing import Any
 from hf_dist.checkpoint.formats.names import (
     CHECKPOINT_DIR_RE,
     MANIFEST_NAME,
-    TRAINER_STATE,
     is_checkpoint_dir,
     list_checkpoints,
 )
+from hf_dist.checkpoint.formats.trainer_state import saved_step
 from hf_dist.checkpoint.lifecycle import manifest, proof
 from hf_dist.checkpoint.lifecycle.finished import finished_at, finished_message
 from hf_dist.checkpoint.lifecycle.reshard import prepare_resume
@@ -134,11 +133,11 @@ def _fresh_line(output_dir: str | os.PathLike, unproven: int) -> str:
 
 def _step_of(checkpoint: Path) -> int | str:
     """The step a checkpoint was saved at: its ``trainer_state.json``'s ``global_step``, else its folder's N."""
-    try:
-        return int(json.loads((checkpoint / TRAINER_STATE).read_text())["global_step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        match = CHECKPOINT_DIR_RE.match(checkpoint.name)
-        return int(match.group(1)) if match else "unknown"
+    step = saved_step(checkpoint)
+    if step is not None:
+        return step
+    match = CHECKPOINT_DIR_RE.match(checkpoint.name)
+    return int(match.group(1)) if match else "unknown"
 
 
 def _say(line: str, training_args: Any) -> None:

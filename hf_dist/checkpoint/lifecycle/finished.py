@@ -17,13 +17,12 @@ finished run loads the checkpoint (weights, optimizer, scheduler, under every st
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.formats.names import TRAINER_STATE
+from hf_dist.checkpoint.formats.trainer_state import TrainerStateError, read_trainer_state
 
 
 def last_step(training_args: Any, state: dict[str, Any]) -> int | None:
@@ -45,10 +44,10 @@ def finished_at(checkpoint: str | os.PathLike | None, training_args: Any) -> tup
     if not checkpoint:
         return None
     try:
-        state = json.loads((Path(checkpoint) / TRAINER_STATE).read_text())
-    except (OSError, ValueError):
+        state = read_trainer_state(checkpoint)
+    except TrainerStateError:
         return None
-    step, last = int(state.get("global_step") or 0), last_step(training_args, state)
+    step, last = state["global_step"], last_step(training_args, state)
     return (step, last) if last is not None and step >= last else None
 
 

@@ -34,10 +34,10 @@ from hf_dist.checkpoint.formats.names import (
     SCHEDULER_FILES,
     SHARDED_OPTIMIZER_DIR,
     SHARDED_SCHEDULER,
-    TRAINER_STATE,
     WRITING_NAME,
     dcp_folders_without_metadata,
 )
+from hf_dist.checkpoint.formats.trainer_state import TrainerStateError, read_trainer_state
 from hf_dist.checkpoint.safety.paths import ConfinedFolder
 from hf_dist.planning.layout import CheckpointFamily
 
@@ -133,13 +133,10 @@ def _unreadable_reasons(folder: Path) -> list[str]:
 
 
 def _trainer_state_reasons(folder: Path) -> list[str]:
-    path = folder / TRAINER_STATE
-    if not path.is_file():
-        return ["trainer_state.json is missing (the Trainer writes it after every other file of the save)"]
     try:
-        step = json.loads(path.read_text()).get("global_step")
-    except (OSError, ValueError, AttributeError) as exc:
-        return [f"trainer_state.json is unreadable ({exc})"]
+        step = read_trainer_state(folder)["global_step"]
+    except TrainerStateError as exc:
+        return [str(exc)]
     expected = folder.name.rpartition("-")[2]
     if str(step) != expected:
         return [f"trainer_state.json says global_step {step}, the folder name {expected}"]

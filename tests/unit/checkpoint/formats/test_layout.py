@@ -114,3 +114,35 @@ def test_universal_copy_is_found_and_not_taken_for_a_tag(tmp_path):
     (root / "latest_universal").write_text("global_step3_universal")
     layout = read_layout(root)  # no `latest`: the only tag is global_step3, the universal copy is no tag
     assert (layout.tag, layout.universal_tag, layout.world_size) == ("global_step3", "global_step3_universal", 1)
+
+
+# ---------------------------------------------------------------- trainer_state.json, read in one place
+
+
+def test_trainer_state_is_read_in_one_place_and_says_what_is_wrong(tmp_path, monkeypatch):
+    """Every reader of a checkpoint's step goes through formats.trainer_state: a missing file, bad JSON, a JSON list,
+    a step that is no step and a file larger than any Trainer writes each give one reason (auto_resume's skip line)."""
+    import json
+
+    import pytest
+
+    from hf_dist.checkpoint.formats import trainer_state
+    from hf_dist.checkpoint.formats.trainer_state import TrainerStateError, read_trainer_state, saved_step
+
+    folder = tmp_path / "checkpoint-4"
+    folder.mkdir()
+    state = folder / "trainer_state.json"
+    with pytest.raises(TrainerStateError, match="trainer_state.json is missing"):
+        read_trainer_state(folder)
+    for text, says in (("{", "is unreadable"), ("[4]", r"is unreadable \(a JSON list"),
+                       ('{"global_step": "4"}', "says global_step '4', not a step"),
+                       ('{"global_step": -1}', "says global_step -1, not a step")):  # fmt: skip
+        state.write_text(text)
+        with pytest.raises(TrainerStateError, match=says):
+            read_trainer_state(folder)
+        assert saved_step(folder) is None
+    state.write_text(json.dumps({"global_step": 4, "max_steps": 8}))
+    assert read_trainer_state(folder)["max_steps"] == 8 and saved_step(folder) == 4
+    monkeypatch.setattr(trainer_state, "MAX_BYTES", 10)
+    with pytest.raises(TrainerStateError, match="over the 10 a Trainer writes"):
+        read_trainer_state(folder)
