@@ -151,7 +151,6 @@ def training_arguments(
     without it DeepSpeed on several CPU ranks is refused here, before DeepSpeed's own batch-size error.
     ``trust_remote_code`` (``--trust_remote_code``): the plan may import the model config's ``auto_map`` code.
     """
-    from transformers import TrainingArguments
 
     from hf_dist.runtime.launch import check_one_process_launch
 
@@ -171,14 +170,21 @@ def training_arguments(
         kwargs.update(_deepspeed_on_cpu_kwargs(deepspeed_on_cpu))
     if "dataloader_pin_memory" not in explicit and not _has_accelerator():
         kwargs["dataloader_pin_memory"] = False  # pinning needs a GPU; on CPU torch warns from every DataLoader
+    return _built(kwargs, sizes or {}, explicit)
+
+
+def _built(kwargs: dict[str, Any], sizes: dict[str, int | None], explicit: set[str]) -> Any:
+    """``TrainingArguments(**kwargs)``, checked: the sizes asked for honoured, the engine one these ranks run, the
+    output folder claimed for this job."""
+    from transformers import TrainingArguments
+
+    from hf_dist.checkpoint.output.lock import claim_output_dir
     from hf_dist.configs.fsdp import apply_fp32_reduce
 
     # FSDP2 + bf16/fp16: reduce gradients in fp32 (a no-op for every other setup)
     args = apply_fp32_reduce(TrainingArguments(**kwargs))
-    _check_sizes_honoured(args, sizes or {}, explicit)
+    _check_sizes_honoured(args, sizes, explicit)
     check_engine_runs_here(args, has_accelerator=_has_accelerator())  # before accelerate drops or refuses it
-    from hf_dist.checkpoint.output.lock import claim_output_dir
-
     claim_output_dir(args.output_dir)  # one live job per output folder, refused before any model is built
     if not args.deepspeed and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() not in ("1", "true"):
         _no_deepspeed_in_unwrap()
