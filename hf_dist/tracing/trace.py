@@ -23,7 +23,7 @@ from typing import Any
 from hf_dist.tracing.allocations import AllocationLog
 from hf_dist.tracing.result import TERM_ORDER, TraceError, TraceResult, TraceTimeout
 from hf_dist.tracing.setup import TraceSetup, TraceUnsupported, check_traceable
-from hf_dist.tracing.tracker import inplace_fused_optimizer_ops, snapshot, terms, tracker
+from hf_dist.tracing.tracker import as_terms, inplace_fused_optimizer_ops, new_tracker, snapshot
 from hf_dist.tracing.zero_shims import UnknownScalarRead
 
 # ---------------------------------------------------------------- the fake world
@@ -265,7 +265,7 @@ class _Run:
             self.optimizer = cls([p for p in self.model.parameters() if p.requires_grad], **kwargs)
             if not WARM_UP_BY_STEP:
                 create_optimizer_state(self.model, self.optimizer)
-            self.tracker = tracker(self.model, self.optimizer, deadline, self.log)
+            self.tracker = new_tracker(self.model, self.optimizer, deadline, self.log)
             if self.buckets:
                 self.tracker.track_external(*self.buckets)
 
@@ -281,7 +281,7 @@ class _Run:
 
         self.buckets = []
         self.optimizer = zero.trainer_optimizer(self.model, optimizer)
-        self.tracker = tracker(self.model, self.optimizer, deadline, self.log, grad_hooks=False)
+        self.tracker = new_tracker(self.model, self.optimizer, deadline, self.log, grad_hooks=False)
         with self.tracker, healthy_scalar_reads():
             self.engine = zero.initialize(self.model, self.optimizer, self.setup)
         self.streams = zero.name_streams(self.engine)
@@ -331,10 +331,10 @@ class _Run:
         if self.tracker is None:  # stopped before anything ran
             peak, rest = {}, dict.fromkeys(TERM_ORDER, 0)
         else:
-            peak, rest = snapshot(self.tracker, "peak"), terms(snapshot(self.tracker, "current"))
+            peak, rest = snapshot(self.tracker, "peak"), as_terms(snapshot(self.tracker, "current"))
         reserved = self.log.reserved_bytes()[0] if self.tracker is not None and self.complete else 0
         return TraceResult(
-            setup=self.setup, peak_bytes=peak.get("Total", 0), terms=terms(peak),
+            setup=self.setup, peak_bytes=peak.get("Total", 0), terms=as_terms(peak),
             categories={k: v for k, v in peak.items() if k != "Total" and v},
             states={"params": rest["params"], "optimizer": rest["optimizer"]}, seconds=round(seconds, 2),
             complete=self.complete, peak_phase=self.peak_phase,

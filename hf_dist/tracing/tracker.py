@@ -11,7 +11,7 @@ from hf_dist.tracing.allocations import AllocationLog
 from hf_dist.tracing.result import TERM_ORDER, TERMS, TraceTimeout
 
 
-def tracker(
+def new_tracker(
     model: Any, optimizer: Any, deadline: float, log: AllocationLog | None = None, grad_hooks: bool = True
 ) -> Any:
     """The tracker for the model, stopping at ``deadline`` (checked at every operator, so a trace never hangs),
@@ -34,7 +34,7 @@ def tracker(
 class _Tracking:
     """What a trace adds to torch's tracker (the class it is mixed into): the deadline, the allocation log, frozen
     parameters, the global peak only, FSDP2 units reached in backward alone, and labels for the engine's tensors.
-    ``_hf_dist``: the settings :func:`tracker` gives the class."""
+    ``_hf_dist``: the settings :func:`new_tracker` gives the class."""
 
     _hf_dist: dict[str, Any]
 
@@ -156,7 +156,7 @@ def snapshot(tracker: Any, kind: str) -> dict[str, int]:
     return merged
 
 
-def terms(categories: dict[str, int]) -> dict[str, int]:
+def as_terms(categories: dict[str, int]) -> dict[str, int]:
     out = dict.fromkeys(TERM_ORDER, 0)
     for name, value in categories.items():
         if name in TERMS:

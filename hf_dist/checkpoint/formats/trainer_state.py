@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.checkpoint.formats.names import TRAINER_STATE
+from hf_dist.checkpoint.safety.paths import ConfinedFolder, PathEscapeError
 
 # far more than any real trainer_state.json (a log entry per logging step: a few MB for a million steps); a larger file
 # is refused before it is read into memory
@@ -23,18 +24,28 @@ class TrainerStateError(ValueError):
 def read_trainer_state(folder: str | os.PathLike) -> dict[str, Any]:
     """``folder``'s ``trainer_state.json`` as a JSON object whose ``global_step`` is a step (an int >= 0), or a
     :class:`TrainerStateError` saying what is wrong, in words a skipped checkpoint's reason can hold."""
-    path = Path(folder) / TRAINER_STATE
+    try:
+        path = ConfinedFolder(Path(folder)).path(TRAINER_STATE)  # a link out of the checkpoint is refused
+    except PathEscapeError as exc:
+        raise TrainerStateError(str(exc)) from None
     if not path.is_file():
         raise TrainerStateError(
             f"{TRAINER_STATE} is missing (the Trainer writes it after every other file of the save)"
         )
-    size = path.stat().st_size
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise TrainerStateError(f"{TRAINER_STATE} is unreadable ({exc})") from None
     if size > MAX_BYTES:
         raise TrainerStateError(f"{TRAINER_STATE} is {size:,} bytes, over the {MAX_BYTES:,} a Trainer writes")
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise TrainerStateError(f"{TRAINER_STATE} is unreadable ({exc})") from None
+    except (
+        OSError,
+        ValueError,
+        RecursionError,
+    ) as exc:  # bad JSON or UTF-8, an int past Python's digit limit, nesting
+        raise TrainerStateError(f"{TRAINER_STATE} is unreadable ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict):
         raise TrainerStateError(f"{TRAINER_STATE} is unreadable (a JSON {type(data).__name__}, not an object)")
     step = data.get("global_step")

@@ -121,7 +121,8 @@ def test_universal_copy_is_found_and_not_taken_for_a_tag(tmp_path):
 
 def test_trainer_state_is_read_in_one_place_and_says_what_is_wrong(tmp_path, monkeypatch):
     """Every reader of a checkpoint's step goes through formats.trainer_state: a missing file, bad JSON, a JSON list,
-    a step that is no step and a file larger than any Trainer writes each give one reason (auto_resume's skip line)."""
+    a step that is no step, deep nesting, an int past Python's digit limit, a link out of the folder and a file
+    larger than any Trainer writes each give one reason (auto_resume's skip line)."""
     import json
 
     import pytest
@@ -141,6 +142,17 @@ def test_trainer_state_is_read_in_one_place_and_says_what_is_wrong(tmp_path, mon
         with pytest.raises(TrainerStateError, match=says):
             read_trainer_state(folder)
         assert saved_step(folder) is None
+    for planted in ("[" * 100_000 + "]" * 100_000, '{"global_step": 1' + "0" * 5000 + "}"):  # nesting, digits
+        state.write_text(planted)
+        with pytest.raises(TrainerStateError, match="is unreadable"):
+            read_trainer_state(folder)
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text(json.dumps({"global_step": 4}))
+    state.unlink()
+    state.symlink_to(outside)  # a link out of the checkpoint: refused, never read
+    with pytest.raises(TrainerStateError, match="outside the folder"):
+        read_trainer_state(folder)
+    state.unlink()
     state.write_text(json.dumps({"global_step": 4, "max_steps": 8}))
     assert read_trainer_state(folder)["max_steps"] == 8 and saved_step(folder) == 4
     monkeypatch.setattr(trainer_state, "MAX_BYTES", 10)
