@@ -24,6 +24,7 @@ _LAZY = {
     "Plan": "hf_dist.planning.plan_result",
     "Candidate": "hf_dist.planning.plan_result",
     "plan": "hf_dist.tracing.checked_plan",
+    "PlanRequest": "hf_dist.planning.request",
     "PlanError": "hf_dist.planning.plan_result",
     "RemoteCodeError": "hf_dist.planning.remote_code",
     "fsdp_wrap_classes": "hf_dist.planning.wrap",

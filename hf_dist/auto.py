@@ -31,19 +31,19 @@ from hf_dist.configs.overrides import apply_strategy_overrides
 from hf_dist.configs.request import Request, read_request
 from hf_dist.configs.training_args import training_kwargs
 from hf_dist.configs.validate import validate
+from hf_dist.planning.request import PlanRequest
 
 __all__ = ["auto_args"]
 
 
-def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
+def auto_args(model: Any, request: PlanRequest | None = None, **overrides: Any) -> dict[str, Any]:
     """Return kwargs for ``TrainingArguments(**kwargs)`` on the installed transformers version.
 
     ``model``: anything :func:`hf_dist.plan` accepts (name, folder, config, module, PEFT model, count); a
     ``PeftModel``'s own LoRA is planned, and ``peft_config=`` (a PEFT ``LoraConfig``) plans one before the model exists.
-    Plan keywords (``gpus, gpu_memory_gib, nodes, method, seq_len, global_batch_size,
-    micro_batch_size, optimizer, lora_rank, lora_dropout, lora_targets, peft_config, strategy, offload,
-    activation_checkpointing, use_liger_kernel, sync_each_batch, safety_margin, hardware, pure_bf16, tp_size, cp_size,
-    sp_size, host_memory_gib, nvme_gbps, fused_lm_head, async_save, train_tokens, verify, verify_time_limit_s``) go to the planner (``verify=True`` traces the chosen layout on the real
+    Plan keywords (the fields of :class:`~hf_dist.planning.request.PlanRequest` but ``features``, each with its help
+    text there; or ``request``, a ``PlanRequest``, whose fields set to other than their defaults count as keywords of
+    the same names, a field given both ways with different values refused) go to the planner (``verify=True`` traces the chosen layout on the real
     model with fake tensors and takes the next one if the trace does not fit) (``use_liger_kernel``
     pins the TrainingArguments flag of the same name; by default the planner turns it on where it
     helps); ``plan=`` passes a ready :class:`~hf_dist.planning.planner.Plan`
@@ -75,21 +75,21 @@ def auto_args(model: Any, **overrides: Any) -> dict[str, Any]:
     planned.forget()  # a refused call leaves no plan for attach(trainer) to check against
     check_one_process_launch()  # `accelerate launch --num_processes 2` that started one process
     features = installed_features()
-    request = read_request(overrides)  # 1. the keywords sorted: planner, auto_args', TrainingArguments'
-    plan = _plan(model, request)  # 2. the plan
-    ours = _generate(plan, request, model, features)  # 3. the plan as TrainingArguments kwargs
-    final, merge_conflicts = _merge(plan, ours, request)  # 4. the user's fields merged in
+    asked = read_request(overrides, request)  # 1. the keywords sorted: planner, auto_args', TrainingArguments'
+    plan = _plan(model, asked)  # 2. the plan
+    ours = _generate(plan, asked, model, features)  # 3. the plan as TrainingArguments kwargs
+    final, merge_conflicts = _merge(plan, ours, asked)  # 4. the user's fields merged in
     validate(  # 5. every contradiction at once, before anything touches the model
         plan,
-        request,
+        asked,
         final,
         merge_conflicts=merge_conflicts,
         features=features,
         launcher_ds_fields=os.environ.get("ACCELERATE_CONFIG_DS_FIELDS", ""),
         cpu_ranks=cpu_ranks(),
-        engine_on_cpu=_engine_on_cpu(plan, request),
+        engine_on_cpu=_engine_on_cpu(plan, asked),
     )
-    _prepare(model, plan, final, request)  # 6. the model and the live objects
+    _prepare(model, plan, final, asked)  # 6. the model and the live objects
     planned.remember(plan)  # 7. where attach(trainer) finds it
     return final
 

@@ -56,11 +56,9 @@ def main(argv: list[str] | None = None) -> dict:
         config = ru.model_config(model_args, tokenizer)
         seq_len = ru.resolve_seq_len(data_args.max_seq_length, config, embedded=model_args.embedded)
         ru.check_dataset(data_args, kind="text")
-        args = ru.training_arguments(
-            train_kwargs, explicit, config, method="full", seq_len=seq_len, strategy=model_args.strategy,
-            deepspeed_on_cpu=run_args.deepspeed_on_cpu, sizes=model_args.sizes, offloading=model_args.offloading,
-            async_save=run_args.async_save, trust_remote_code=model_args.trust_remote_code,
-        )  # fmt: skip
+        request = model_args.plan_request("full", seq_len, async_save=run_args.async_save)
+        args = ru.training_arguments(train_kwargs, explicit, config, request, nvme_path=model_args.nvme_path,
+                                     deepspeed_on_cpu=run_args.deepspeed_on_cpu)  # fmt: skip
         if data_args.document_attention:  # refused where the layout or attention cannot keep documents apart
             ru.packing_attention(model_args.attn_implementation, args)
         resume = ru.resume_checkpoint(args)  # --resume_from_checkpoint: checked against this run, said in one line

@@ -87,12 +87,9 @@ def main(argv: list[str] | None = None, *, method: str = "full") -> dict:
         if method != "full":
             peft_config = ru.check_lora_targets(lora_args, config, trust_remote_code=model_args.trust_remote_code)
         ru.check_dataset(data_args, kind="chat")
-        args = ru.training_arguments(
-            train_kwargs, explicit, config, method=method, seq_len=seq_len, strategy=model_args.strategy,
-            peft_config=peft_config, deepspeed_on_cpu=run_args.deepspeed_on_cpu, sizes=model_args.sizes,
-            offloading=model_args.offloading, async_save=run_args.async_save,
-            trust_remote_code=model_args.trust_remote_code,
-        )  # fmt: skip
+        request = model_args.plan_request(method, seq_len, peft_config=peft_config, async_save=run_args.async_save)
+        args = ru.training_arguments(train_kwargs, explicit, config, request, nvme_path=model_args.nvme_path,
+                                     deepspeed_on_cpu=run_args.deepspeed_on_cpu)  # fmt: skip
         # whole conversations packed into seq_len rows, each attending only to itself (--packing false: padded)
         packing = ru.use_packing(data_args, args, attn_implementation=model_args.attn_implementation,
                                  embedded=model_args.embedded)  # fmt: skip

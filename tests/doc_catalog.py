@@ -117,6 +117,9 @@ CATALOG: dict[str, Entry] = {
         CONFIGS, "ddp.yaml on 2 CPU ranks; README's train.py: tests/unit/test_readme_snippet.py"
     ),
     "hf-dist plan ... --pure-bf16": RanBy("tests/unit/runtime/test_precision.py::test_cli_plan_pure_bf16"),
+    "hf-dist plan --help": RanBy(
+        "tests/unit/planning/test_request.py::test_every_field_says_what_it_is_and_every_section_field_is_a_flag_with_that_text"
+    ),
     "hf-dist plan ./my-llama --gpus 8 --gpu-memory 80 --global-batch 64": Run(
         (Plan("zero2"),), setup=(ModelConfig("my-llama"),)
     ),

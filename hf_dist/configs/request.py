@@ -13,43 +13,14 @@ import dataclasses
 from typing import Any
 
 from hf_dist.configs.config_class import class_fields, plan_from_class
+from hf_dist.planning.request import PlanRequest
 
 __all__ = ["PLAN_KEYS", "CONFIG_KEYS", "Request", "read_request"]
 
-# Keywords that go to hf_dist.plan() rather than TrainingArguments.
-PLAN_KEYS = (
-    "gpus",
-    "gpu_memory_gib",
-    "nodes",
-    "method",
-    "seq_len",
-    "global_batch_size",
-    "micro_batch_size",
-    "optimizer",
-    "lora_rank",
-    "lora_dropout",
-    "lora_targets",
-    "peft_config",
-    "strategy",
-    "offload",
-    "activation_checkpointing",
-    "use_liger_kernel",
-    "safety_margin",
-    "hardware",
-    "pure_bf16",
-    "tp_size",
-    "cp_size",
-    "sp_size",
-    "host_memory_gib",
-    "nvme_gbps",
-    "offload_device",
-    "fused_lm_head",
-    "async_save",
-    "train_tokens",
-    "sync_each_batch",
-    "verify",
-    "verify_time_limit_s",
-)
+# Keywords that go to hf_dist.plan() rather than TrainingArguments: PlanRequest's fields, except the installed
+# libraries' features (auto_args plans for the installed ones) and trust_remote_code (auto_args' own: it also governs
+# the FSDP wrap classes it finds in the model).
+PLAN_KEYS = tuple(f.name for f in dataclasses.fields(PlanRequest) if f.name not in ("features", "trust_remote_code"))
 # Keywords auto_args itself consumes.
 CONFIG_KEYS = (
     "plan",
@@ -88,9 +59,12 @@ class Request:
         return self.own.get("cpu_adam", True)
 
 
-def read_request(overrides: dict[str, Any]) -> Request:
-    """Sort ``auto_args``' keywords into a :class:`Request`; an unknown keyword is refused."""
+def read_request(overrides: dict[str, Any], planned: PlanRequest | None = None) -> Request:
+    """Sort ``auto_args``' keywords (and the fields ``planned`` sets) into a :class:`Request`; an unknown keyword, or
+    a field given both ways with different values, is refused."""
     from transformers import TrainingArguments
+
+    overrides = {**_fields_set(planned, overrides), **overrides}
 
     plan_kwargs = {k: v for k, v in overrides.items() if k in PLAN_KEYS and v is not None}
     own = {k: v for k, v in overrides.items() if k in CONFIG_KEYS}
@@ -113,6 +87,20 @@ def read_request(overrides: dict[str, Any]) -> Request:
     )  # e.g. TRL's max_length is the plan's seq_len
     request.conflicts += class_conflicts
     return request
+
+
+def _fields_set(planned: PlanRequest | None, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The fields ``planned`` sets to other than their defaults; one the keywords give a different value is refused."""
+    if planned is None:
+        return {}
+    if not isinstance(planned, PlanRequest):
+        raise TypeError(f"auto_args' request must be a hf_dist.PlanRequest, got {type(planned).__name__}")
+    given = planned.given()
+    twice = sorted(k for k in given if k in overrides and overrides[k] != given[k])
+    if twice:
+        both = ", ".join(f"{k}: {given[k]!r} in the request, {overrides[k]!r} as a keyword" for k in twice)
+        raise ValueError(f"auto_args got two values for the same field ({both}); give each once")
+    return given
 
 
 def _micro_batch(request: Request) -> None:

@@ -109,37 +109,25 @@ def estimate_memory(
 ) -> MemoryEstimate:  # fmt: skip
     """Per-rank memory of training ``model_or_num_params`` with ``strategy`` on ``world_size`` ranks.
 
-    ``model_or_num_params``: a parameter count (activations are then 0), a ModelSpec, a config,
-    a model, a local folder / config.json or a hub name. Precision: ``param_bytes`` is the compute
-    dtype (2 for bf16/fp16, 4 for fp32) and ``master_weights`` keeps fp32 master weights and optimizer
-    state; ``param_bytes=2, master_weights=False`` is pure bf16 (see :func:`engine_dtypes`). ``grad_bytes``
-    overrides the gradient dtype the strategy keeps. ``use_liger_kernel``: Liger's fused RMSNorm,
-    SwiGLU, RoPE and linear cross-entropy (the ``TrainingArguments`` flag). ``attention``: the
-    ``attn_implementation`` (default: the model's own, ``ModelSpec.attention``: eager where it refuses sdpa). ``device="cpu"``: no CUDA context or caching allocator (CPU ranks).
-    ``base_bytes``: bytes per element of a LoRA/QLoRA model's frozen base as loaded (default: the
-    compute dtype's; 4 for a model loaded in fp32). ``overhead`` overrides the context term. ``gradient_accumulation_steps`` > 1 keeps gradients
-    alive next to activations (see MemoryEstimate).
+    ``model_or_num_params``: a parameter count (activations are then 0), a ModelSpec, a config, a model, a local
+    folder / config.json or a hub name. ``param_bytes``: the compute dtype's size; ``master_weights``: fp32 master
+    weights and optimizer state (``param_bytes=2, master_weights=False`` is pure bf16, :func:`engine_dtypes`);
+    ``grad_bytes`` overrides the gradient dtype. ``attention``: the ``attn_implementation`` (default: the model's
+    own). ``device="cpu"``: no CUDA context or caching allocator. ``base_bytes``: a LoRA model's frozen base as loaded
+    (default: the compute dtype's). ``overhead`` overrides the context term. Accumulation keeps gradients alive next
+    to activations (:class:`MemoryEstimate`).
 
     LoRA (:mod:`hf_dist.planning.lora`): a ``PeftModel``'s own config, or ``peft_config`` (a PEFT ``LoraConfig``)
     before the model exists, or the ``lora_rank`` / ``lora_dropout`` / ``lora_targets`` keywords over the recipes'
     LoRA (rank 16, dropout 0.05, every linear of the block); ``lora`` takes a ready :class:`LoraSpec` or
     :class:`Placement`. ``method`` (None) is ``lora`` when any of them is given, else ``full``.
-    ``sync_each_batch``: FSDP2 with gradient accumulation reduce-scatters every micro-batch (accelerate's
-    ``gradient_accumulation_kwargs={"sync_each_batch": True}``) instead of keeping unsharded gradients until the last
-    (:func:`~hf_dist.planning.model_states.grad_bytes_per_rank`).
+    ``sync_each_batch``: FSDP2 reduce-scatters every micro-batch instead of keeping unsharded gradients until the last.
 
     Model parallelism (:class:`~hf_dist.planning.layout.Layout` checks the sizes): ``tp_size`` splits the linear
-    weights, their gradients and optimizer state and the head / MLP activations
-    (:meth:`~hf_dist.planning.modelinfo.ModelSpec.tensor_parallel_shard`); ``cp_size`` / ``sp_size`` split each
-    sequence, so every activation and the logits, and widen the group the states are sharded over
-    (``Layout.state_shard_size``). ``offload_device="nvme"`` keeps the offloaded states in swap files and counts
-    DeepSpeed's pinned host buffers instead (:func:`cpu_bytes_per_rank`). ``checkpoint_children``: FSDP2's
-    checkpointing wraps each child of a decoder layer (accelerate <= 1.14, ``LibraryFeatures``), saving each input.
-    ``fsdp2_embedding_unit``: FSDP2 shards an untied input embedding as a unit of its own, resharded after forward
-    (accelerate >= 1.15, ``LibraryFeatures``); otherwise it stays gathered in the root unit with ``lm_head``.
-    ``fused_lm_head``: the loss runs through TRL's fused LM head (``SFTTrainer``), which never holds the logits
-    (:func:`~hf_dist.planning.head_activations.trl_head_bytes`). ``trust_remote_code=True`` lets a folder's ``auto_map``
-    classes be imported; without it they never are (:mod:`hf_dist.planning.remote_code`).
+    weights, their states and the head / MLP activations; ``cp_size`` / ``sp_size`` split each sequence and widen the
+    group the states are sharded over. ``offload_device="nvme"`` keeps offloaded states in swap files
+    (:func:`cpu_bytes_per_rank`). ``checkpoint_children`` / ``fsdp2_embedding_unit``: how the installed accelerate
+    wraps FSDP2 units. ``fused_lm_head``: TRL's fused LM head. ``trust_remote_code``: :mod:`~.remote_code`.
     """
     from hf_dist.planning.modelinfo import model_spec
 
@@ -153,10 +141,7 @@ def estimate_memory(
         method, lora = resolve(model_or_num_params, method, peft_config, **lora_keywords)
     method = method or ("full" if lora is None else "lora")
     validate_args(run, method, optimizer, param_bytes, grad_bytes)
-    for name, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size),
-                        ("gradient_accumulation_steps", gradient_accumulation_steps)):  # fmt: skip
-        check_positive_int(name, value)
-    check_choice("device", device, DEVICES)
+    _check_shape(seq_len, micro_batch_size, gradient_accumulation_steps, device)
     spec = model_spec(model_or_num_params, trust_remote_code=trust_remote_code)
     placement = _placement(spec, method, lora)
     attention = spec.attention if attention is None else attention
@@ -171,6 +156,13 @@ def estimate_memory(
         checkpoint_children, fsdp2_embedding_unit, fused_lm_head, run.sync_each_batch,
     )  # fmt: skip
     return _estimate(r, overhead)
+
+
+def _check_shape(seq_len: int, micro_batch_size: int, gradient_accumulation_steps: int, device: str) -> None:
+    for name, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size),
+                        ("gradient_accumulation_steps", gradient_accumulation_steps)):  # fmt: skip
+        check_positive_int(name, value)
+    check_choice("device", device, DEVICES)
 
 
 def _placement(spec, method: str, lora: LoraSpec | Placement | None) -> Placement | None:

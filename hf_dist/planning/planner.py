@@ -41,124 +41,94 @@ from hf_dist.planning.model_states import trainable_params
 from hf_dist.planning.modelinfo import model_spec
 from hf_dist.planning.plan_result import Candidate, Combo, Plan, PlanError
 from hf_dist.planning.precision import check_pure_bf16_hardware, hardware_precision, loaded_dtype
+from hf_dist.planning.request import PlanRequest
 from hf_dist.planning.search import Search, search_space
 from hf_dist.planning.throughput import comm_seconds
 
-__all__ = ["Plan", "PlanError", "Candidate", "Combo", "plan", "comm_seconds", "micro_batch_options"]
+__all__ = ["Plan", "PlanError", "PlanRequest", "Candidate", "Combo", "plan", "comm_seconds", "micro_batch_options"]
 
 
-def plan(
-    model: Any, *, gpus: int | None = None, gpu_memory_gib: float | None = None, nodes: int | None = None,
-    method: str | None = None, seq_len: int | None = None, global_batch_size: int | None = None,
-    micro_batch_size: int | None = None, optimizer: str = "adamw", lora_rank: int | None = None,
-    lora_dropout: float | None = None, lora_targets: Any = None, peft_config: Any = None, strategy: str | None = None,
-    offload: str | None = None, activation_checkpointing: bool | None = None, use_liger_kernel: bool | None = None,
-    safety_margin: float = 0.1, hardware: Hardware | None = None, pure_bf16: bool = False,
-    tp_size: int | None = None, cp_size: int | None = None, sp_size: int | None = None,
-    host_memory_gib: float | None = None, nvme_gbps: float | None = None, offload_device: str | None = None,
-    features: Any = None, fused_lm_head: bool = False, async_save: bool = False,
-    train_tokens: int | float | None = None, sync_each_batch: bool | None = None, trust_remote_code: bool = False,
-) -> Plan:  # fmt: skip
-    """Plan distributed training of ``model`` (count, config, module, folder, config.json or hub name).
+def plan(model: Any, request: PlanRequest | None = None, **keywords: Any) -> Plan:
+    """Plan distributed training of ``model`` (count, config, module, folder, config.json or hub name) for
+    ``request`` (a :class:`~hf_dist.planning.request.PlanRequest`; ``keywords``: its fields, set over it).
 
-    ``strategy`` / ``offload`` / ``activation_checkpointing`` / ``use_liger_kernel`` / ``sync_each_batch`` pin a
-    choice instead of searching it (Liger kernels are searched on CUDA when liger-kernel is installed;
-    ``sync_each_batch``: FSDP2 with gradient accumulation reduce-scatters every micro-batch instead of holding every
-    unsharded gradient until the last, searched where gradients accumulate).
+    Each field's meaning is its help text in :class:`~hf_dist.planning.request.PlanRequest`. In short: the hardware
+    is detected unless described; ``strategy`` / ``offload`` / ``activation_checkpointing`` / ``use_liger_kernel`` /
+    ``sync_each_batch`` and the ``tp``/``cp``/``sp`` sizes pin a choice instead of searching it; model parallelism is
+    searched when no data-parallel layout fits without offload or the global batch is smaller than the GPUs, and a
+    global batch the GPUs do not divide is refused (with the nearest sizes they do) when a data-parallel layout fits
+    at one they divide, rather than split the model for it.
 
-    LoRA (:mod:`hf_dist.planning.lora`): a ``PeftModel``'s own config is planned (rank, alpha, dropout, targets,
-    ``modules_to_save``, bias, rsLoRA); ``peft_config`` (a PEFT ``LoraConfig``) does the same before the model
-    exists; ``lora_rank`` / ``lora_dropout`` / ``lora_targets`` adjust the recipes' LoRA (rank 16, dropout 0.05,
-    every linear of the block) and must agree with a given config. ``method`` (default: ``lora`` when any of them is
-    given, else ``full``). A config hf_dist cannot plan (IA3, prefix tuning, DoRA, a target matching no module) is
-    refused by name.
-    ``pure_bf16=True`` plans bf16 weights and bf16 Adam state without fp32 master weights (less memory,
-    less accurate updates); by default mixed precision keeps fp32 masters. A module's loaded dtype is
-    read (``Plan.model_dtype``); dtypes other than float32/bfloat16/float16 raise ValueError.
-
-    ``seq_len``: tokens per sequence (default 2048, or the model's ``max_position_embeddings`` when fewer); one
-    beyond the positions of a config that scales no RoPE is refused before anything is searched
-    (:func:`hf_dist.planning.config_checks.resolve_seq_len`, the recipes' check of ``--max_seq_length`` too).
-
-    Model parallelism: ``tp_size`` / ``cp_size`` / ``sp_size`` pin a size (1 turns the dimension off); left
-    None, the sizes the model, hardware and installed libraries allow (:mod:`hf_dist.planning.model_parallel`)
-    are searched when no data-parallel layout fits without offload or the global batch is smaller than the
-    GPUs; a global batch the GPUs do not divide is refused (with the nearest sizes they do) when a data-parallel
-    layout fits at one they divide, rather than split the model for it. ``host_memory_gib`` (RAM per node) and ``nvme_gbps`` (the nodes' NVMe bandwidth; given, NVMe offload
-    is searched when nothing else fits) describe the hardware when ``hardware`` is not passed. ``offload_device``
-    pins where offloaded states go: ``"nvme"`` plans ZeRO-Infinity (ZeRO-3 only, with offload ``optimizer`` or
-    ``optimizer+params``; ``Plan.swap_bytes`` is the space its swap files need per node), ``"cpu"`` never
-    searches NVMe. ``features``: what
-    the libraries accept (default: the installed ones, ``hf_dist.planning.features.installed_features()``).
-    ``fused_lm_head=True``: the loss runs through TRL's fused LM head (``SFTTrainer``; ``auto_args(config_class=
-    SFTConfig)`` sets it), which never holds the logits. ``async_save=True``: checkpoints are staged in host RAM and
-    written in the background (``attach(trainer, async_save=True)``); the staging copy counts against each node's
-    host RAM (``Plan.staging_bytes``). ``train_tokens``: the tokens the run will train on; the
-    plan then states the estimated wall time and GPU-hours of its choice and of the alternatives
-    (:meth:`Plan.time_to_finish`). Tracing the choice (``hf_dist.plan(..., verify=True)``) is
-    :func:`hf_dist.tracing.checked_plan.plan`'s, a floor above. ``trust_remote_code=True`` lets a folder's ``auto_map``
-    classes be imported; without it they never are (:mod:`hf_dist.planning.remote_code`).
+    LoRA (:mod:`hf_dist.planning.lora`): a ``PeftModel``'s own config is planned; ``peft_config`` does the same
+    before the model exists; ``lora_rank`` / ``lora_dropout`` / ``lora_targets`` adjust the recipes' LoRA and must
+    agree with a given config. A config hf_dist cannot plan (IA3, prefix tuning, DoRA, a target matching no module)
+    is refused by name. A module's loaded dtype is read (``Plan.model_dtype``); dtypes other than
+    float32/bfloat16/float16 raise ValueError. ``seq_len`` beyond the positions of a config that scales no RoPE is
+    refused before anything is searched (:func:`hf_dist.planning.config_checks.resolve_seq_len`, the recipes'
+    check of ``--max_seq_length`` too). Tracing the choice (``verify``) is :func:`hf_dist.tracing.checked_plan.plan`'s
+    (``hf_dist.plan``), a floor above; this search refuses ``verify=True``.
     Raises PlanError (a ValueError) naming the minimum hardware when nothing fits.
     """
-    sizes = (tp_size, cp_size, sp_size)
-    lora_keywords = dict(lora_rank=lora_rank, lora_dropout=lora_dropout, lora_targets=lora_targets)
-    method, lora = resolve(model, method, peft_config, **lora_keywords)
-    _check_arguments(method, safety_margin, train_tokens, seq_len, global_batch_size, micro_batch_size, *sizes)
-    hw = hardware or detect_hardware(gpus=gpus, gpu_memory_gib=gpu_memory_gib, nodes=nodes,
-                                     host_memory_gib=host_memory_gib, nvme_gbps=nvme_gbps)  # fmt: skip
-    space = search_space(hw, method, strategy, offload, offload_device, activation_checkpointing, use_liger_kernel,
-                         sync_each_batch)  # fmt: skip
-    check_pure_bf16_hardware(pure_bf16, hw)
-    model_dtype, spec = loaded_dtype(model), model_spec(model, trust_remote_code=trust_remote_code)
-    seq_len = resolve_seq_len(seq_len, spec if spec.config is None else spec.config)
-    features = installed_features() if features is None else features
+    r = PlanRequest.of(request, keywords)
+    lora_keywords = dict(lora_rank=r.lora_rank, lora_dropout=r.lora_dropout, lora_targets=r.lora_targets)
+    method, lora = resolve(model, r.method, r.peft_config, **lora_keywords)
+    _check_arguments(method, r)
+    hw = r.hardware or detect_hardware(**r.hardware_keywords())
+    space = search_space(hw, method, r.strategy, r.offload, r.offload_device, r.activation_checkpointing,
+                         r.use_liger_kernel, r.sync_each_batch)  # fmt: skip
+    check_pure_bf16_hardware(r.pure_bf16, hw)
+    model_dtype, spec = loaded_dtype(model), model_spec(model, trust_remote_code=r.trust_remote_code)
+    seq_len = resolve_seq_len(r.seq_len, spec if spec.config is None else spec.config)
+    features = installed_features() if r.features is None else r.features
     placement = place(spec, lora) if lora is not None else None
-    setup = _setup(spec, hw, model_dtype, features, pure_bf16, safety_margin, method, optimizer, seq_len, placement,
-                   global_batch_size, micro_batch_size, fused_lm_head, async_save)  # fmt: skip
+    setup = _setup(spec, hw, model_dtype, features, method, seq_len, placement, r)
+    sizes = (r.tp_size, r.cp_size, r.sp_size)
     options = size_options(spec, hw, seq_len, features, method=method)
     pinned = pinned_sizes(spec, options, *(v or 1 for v in sizes)) if any(v is not None for v in sizes) else None
-    search = Search(setup, *space, strategy is not None, features, offload_device)
+    search = Search(setup, *space, r.strategy is not None, features, r.offload_device)
     candidates, dims = search.run(options, pinned)
-    chosen = _choose(
-        setup, search, candidates, dims, pinned is not None, offload not in (None, "none") or bool(offload_device)
-    )
-    liger_note = liger_gain(setup, chosen) if use_liger_kernel is None and _liger_missing(hw, spec) else ""
-    notes = (liger_note, near_miss(setup, candidates, chosen, safety_margin), lora_without_offload(setup, chosen))
+    offload_pinned = r.offload not in (None, "none") or bool(r.offload_device)
+    chosen = _choose(setup, search, candidates, dims, pinned is not None, offload_pinned)
+    liger_note = liger_gain(setup, chosen) if r.use_liger_kernel is None and _liger_missing(hw, spec) else ""
+    notes = (liger_note, near_miss(setup, candidates, chosen, r.safety_margin), lora_without_offload(setup, chosen))
     return _result(
-        setup, chosen, candidates, dims, hardware_precision(hw)[0], notes, pure_bf16, model_dtype, train_tokens
+        setup, chosen, candidates, dims, hardware_precision(hw)[0], notes, r.pure_bf16, model_dtype, r.train_tokens
     )
 
 
-def _setup(spec, hw, model_dtype, features, pure_bf16, safety_margin, method, optimizer, seq_len, lora,
-           global_batch, micro_batch, fused_lm_head, async_save) -> Setup:  # fmt: skip
+def _setup(spec, hw, model_dtype, features, method, seq_len, lora, r: PlanRequest) -> Setup:
     """The run every candidate shares: its precision on ``hw`` (fp32 masters unless pure bf16) and usable memory."""
     _, pb, master = hardware_precision(hw)
     return Setup(
-        spec, hw, method, optimizer, seq_len, lora, pb, master and not pure_bf16,
-        4 if model_dtype == "float32" else pb, usable=(1 - safety_margin) * hw.gpu_memory_gib * GIB,
-        trainable=trainable_params(spec, method, lora), global_batch=global_batch, micro_batch=micro_batch,
-        checkpoint_children=features.fsdp2_checkpoints_children, embedding_unit=features.fsdp2_embedding_unit,
-        fused_lm_head=bool(fused_lm_head), async_save=bool(async_save),
+        spec, hw, method, r.optimizer, seq_len, lora, pb, master and not r.pure_bf16,
+        4 if model_dtype == "float32" else pb, usable=(1 - r.safety_margin) * hw.gpu_memory_gib * GIB,
+        trainable=trainable_params(spec, method, lora), global_batch=r.global_batch_size,
+        micro_batch=r.micro_batch_size, checkpoint_children=features.fsdp2_checkpoints_children,
+        embedding_unit=features.fsdp2_embedding_unit, fused_lm_head=bool(r.fused_lm_head),
+        async_save=bool(r.async_save),
     )  # fmt: skip
 
 
-def _check_arguments(method, safety_margin, train_tokens, seq_len, global_batch, micro_batch, *sizes) -> None:
-    """Refuse a bad method, margin, token count, sequence length, batch size or model-parallel size (``sizes``: tp,
-    cp, sp)."""
+def _check_arguments(method: str, r: PlanRequest) -> None:
+    """Refuse a bad method, margin, token count, sequence length, batch size or model-parallel size, and a trace
+    asked of the search."""
+    if r.verify:
+        raise ValueError(
+            "the planner's search traces nothing: call hf_dist.plan(..., verify=True) to trace the choice"
+        )
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
-    if not 0 <= safety_margin < 1:
-        raise ValueError(f"safety_margin must be in [0, 1), got {safety_margin!r}")
-    if train_tokens is not None and (
-        isinstance(train_tokens, bool) or not isinstance(train_tokens, int | float) or not train_tokens >= 1
-    ):
-        raise ValueError(f"train_tokens must be a positive number of tokens (e.g. 2e9), got {train_tokens!r}")
-    for name, value in (("seq_len", seq_len), ("global_batch_size", global_batch), ("micro_batch_size", micro_batch)):
-        if not _positive_int_or_none(value):
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    for name, value in zip(("tp_size", "cp_size", "sp_size"), sizes, strict=True):
-        if not _positive_int_or_none(value):
-            raise ValueError(f"{name} must be a positive int (1 = off) or None (search), got {value!r}")
+    if not 0 <= r.safety_margin < 1:
+        raise ValueError(f"safety_margin must be in [0, 1), got {r.safety_margin!r}")
+    tokens = r.train_tokens
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int | float) or not tokens >= 1):
+        raise ValueError(f"train_tokens must be a positive number of tokens (e.g. 2e9), got {tokens!r}")
+    for name in ("seq_len", "global_batch_size", "micro_batch_size"):
+        if not _positive_int_or_none(getattr(r, name)):
+            raise ValueError(f"{name} must be a positive int, got {getattr(r, name)!r}")
+    for name in ("tp_size", "cp_size", "sp_size"):
+        if not _positive_int_or_none(getattr(r, name)):
+            raise ValueError(f"{name} must be a positive int (1 = off) or None (search), got {getattr(r, name)!r}")
 
 
 def _positive_int_or_none(value) -> bool:

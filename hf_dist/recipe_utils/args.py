@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
 from dataclasses import fields
 from typing import Any
 
+from hf_dist.planning.request import PlanRequest
 from hf_dist.recipe_utils.checks import check_engine_runs_here
 
 STRATEGY_FLAGS = ("fsdp", "fsdp_config", "deepspeed")  # TrainingArguments flags that choose a strategy
@@ -126,30 +128,22 @@ def training_arguments(
     training_kwargs: dict[str, Any],
     explicit: set[str],
     model: Any,
+    request: PlanRequest,
     *,
-    method: str,
-    seq_len: int,
-    strategy: str | None,
-    peft_config: Any = None,
     deepspeed_on_cpu: bool = False,
-    sizes: dict[str, int | None] | None = None,
-    async_save: bool = False,
-    offloading: dict[str, str | None] | None = None,
-    trust_remote_code: bool = False,
+    nvme_path: str | None = None,
 ):
-    """``TrainingArguments`` = recipe defaults < ``hf_dist.auto_args`` (the plan) < explicit user flags.
+    """``TrainingArguments`` = recipe defaults < ``hf_dist.auto_args`` (the plan of ``request``) < explicit user flags.
 
-    The plan is skipped when the user chose the strategy with ``--fsdp``/``--deepspeed`` or an
-    accelerate FSDP/DeepSpeed config; ``--strategy`` pins the plan's strategy instead.
-    ``sizes``: the recipes' ``--tp_size``/``--cp_size``/``--sp_size`` (None: the plan searches them).
-    ``peft_config``: the ``peft.LoraConfig`` the recipe will apply (``--lora_r``, ``--lora_alpha``, ``--lora_dropout``,
-    ``--lora_target_modules``): the plan is made for that LoRA.
-    ``async_save``: the plan counts the staging copy of background saves in host RAM. ``offloading``: the recipes'
-    ``--offload``/``--offload_device``/``--nvme_path`` (None: the plan's choice).
+    ``request``: what the recipe's flags ask the plan for (:meth:`~hf_dist.recipe_utils.flags.ModelArguments.
+    plan_request`: ``--strategy``, the ``--tp_size``/``--cp_size``/``--sp_size``/``--offload``/``--offload_device``
+    pins, the method, sequence length and LoRA); the micro batch of ``training_kwargs`` is pinned in it here.
+    The plan is skipped when the user chose the strategy with ``--fsdp``/``--deepspeed`` or an accelerate
+    FSDP/DeepSpeed config; the sizes asked for must then be the ones that config runs.
+    ``nvme_path`` (``--nvme_path``): ZeRO-Infinity's swap folder when the plan offloads to NVMe.
     ``deepspeed_on_cpu`` (the recipes' ``--deepspeed_on_cpu``, tests and CPU development only) lets a
     DeepSpeed run count every CPU rank (:func:`hf_dist.runtime.cpu_fsdp.cpu_deepspeed_training_kwargs`);
     without it DeepSpeed on several CPU ranks is refused here, before DeepSpeed's own batch-size error.
-    ``trust_remote_code`` (``--trust_remote_code``): the plan may import the model config's ``auto_map`` code.
     """
 
     from hf_dist.runtime.launch import check_one_process_launch
@@ -159,18 +153,16 @@ def training_arguments(
     if not (explicit & set(STRATEGY_FLAGS)) and not _accelerate_config_strategy():
         import hf_dist
 
-        request = dict(method=method, seq_len=seq_len, strategy=strategy, peft_config=peft_config, sizes=sizes,
-                       async_save=async_save, offloading=offloading)  # fmt: skip
-        plan_kwargs = _plan_kwargs(kwargs, explicit, request)
         planned = hf_dist.auto_args(
-            model, trust_remote_code=trust_remote_code, engine_on_cpu=deepspeed_on_cpu, **plan_kwargs
+            model, with_batch(request, kwargs, explicit), engine_on_cpu=deepspeed_on_cpu, nvme_path=nvme_path
         )  # --fsdp_on_cpu turned FSDP on already (cpu_test_modes)
         kwargs.update({k: v for k, v in planned.items() if k not in explicit})
     if kwargs.get("deepspeed") and not _has_accelerator() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         kwargs.update(_deepspeed_on_cpu_kwargs(deepspeed_on_cpu))
     if "dataloader_pin_memory" not in explicit and not _has_accelerator():
         kwargs["dataloader_pin_memory"] = False  # pinning needs a GPU; on CPU torch warns from every DataLoader
-    return _built(kwargs, sizes or {}, explicit)
+    sizes = {name: getattr(request, name) for name in ("tp_size", "cp_size", "sp_size")}
+    return _built(kwargs, sizes, explicit)
 
 
 def _built(kwargs: dict[str, Any], sizes: dict[str, int | None], explicit: set[str]) -> Any:
@@ -191,22 +183,14 @@ def _built(kwargs: dict[str, Any], sizes: dict[str, int | None], explicit: set[s
     return args
 
 
-def _plan_kwargs(kwargs: dict[str, Any], explicit: set[str], request: dict[str, Any]) -> dict[str, Any]:
-    """``hf_dist.auto_args`` keywords for the recipe's flags (``request``: :func:`training_arguments`' keywords of the
-    same names); ``kwargs``' micro batch, when set, is pinned."""
-    plan_kwargs = {k: request[k] for k in ("method", "seq_len", "strategy")}
-    for group in ("sizes", "offloading"):  # --tp_size/--cp_size/--sp_size; --offload, --offload_device, --nvme_path
-        plan_kwargs.update({k: v for k, v in (request[group] or {}).items() if v is not None})
-    if request["method"] != "full" and request["peft_config"] is not None:
-        plan_kwargs["peft_config"] = request["peft_config"]
-    if request["async_save"]:
-        plan_kwargs["async_save"] = True
-    if "per_device_train_batch_size" in kwargs:  # a user flag or a recipe default pins the micro batch
-        plan_kwargs.update(_batch_kwargs(kwargs["per_device_train_batch_size"], explicit, plan_kwargs))
-    return plan_kwargs
+def with_batch(request: PlanRequest, kwargs: dict[str, Any], explicit: set[str]) -> PlanRequest:
+    """``request`` with the micro batch of ``kwargs`` (a user flag or a recipe default), when set, pinned."""
+    if "per_device_train_batch_size" not in kwargs:
+        return request
+    return dataclasses.replace(request, **_batch_kwargs(kwargs["per_device_train_batch_size"], explicit, request))
 
 
-def _batch_kwargs(micro_batch: int, explicit: set[str], plan_kwargs: dict[str, Any]) -> dict[str, int]:
+def _batch_kwargs(micro_batch: int, explicit: set[str], request: PlanRequest) -> dict[str, int]:
     """The planner's batch keywords for a micro batch the user (in ``explicit``) or the recipe's defaults chose.
 
     A recipe default means that many sequences per data-parallel rank. Where the pinned layout runs only smaller
@@ -216,11 +200,11 @@ def _batch_kwargs(micro_batch: int, explicit: set[str], plan_kwargs: dict[str, A
     """
     from hf_dist.planning.model_parallel import micro_batch_limit
 
-    limit = micro_batch_limit("cuda" if _has_accelerator() else "cpu", plan_kwargs.get("sp_size") or 1)
+    limit = micro_batch_limit("cuda" if _has_accelerator() else "cpu", request.sp_size or 1)
     users = explicit & {"per_device_train_batch_size", "gradient_accumulation_steps"}
     if users or limit is None or micro_batch <= limit[0]:
         return {"micro_batch_size": micro_batch}
-    shared = math.prod(plan_kwargs.get(f"{n}_size") or 1 for n in ("tp", "cp", "sp"))
+    shared = math.prod(getattr(request, f"{n}_size") or 1 for n in ("tp", "cp", "sp"))
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world % shared:  # the plan refuses those sizes, naming them
         return {"micro_batch_size": micro_batch}

@@ -4,12 +4,15 @@ line), and the ``TrainingArguments`` values every recipe starts from (embedded t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hf_dist.planning.layout import STRATEGIES
 from hf_dist.planning.lora import DEFAULT_TARGETS, RECIPE_ALPHA, RECIPE_DROPOUT, RECIPE_RANK
+from hf_dist.planning.request import PlanRequest, request_help
 
 LLAMA_LORA_TARGETS = DEFAULT_TARGETS  # every linear of a Llama block: the LoRA hf_dist plans unless told otherwise
 STRATEGY_CHOICES = STRATEGIES  # the registry's user-facing names
+LAYOUT_PINS = ("strategy", "tp_size", "cp_size", "sp_size", "offload", "offload_device")  # PlanRequest fields
 
 
 # The schedule every recipe uses on the embedded tiny model and task (recipes override a few keys).
@@ -101,30 +104,13 @@ class ModelArguments:
     )
     tiny_hidden_size: int = field(default=128, metadata={"help": "Embedded model only: hidden size."})
     tiny_num_layers: int = field(default=2, metadata={"help": "Embedded model only: decoder layers."})
-    strategy: str | None = field(
-        default=None,
-        metadata={"help": f"Force a strategy ({', '.join(STRATEGY_CHOICES)}); default: the plan's choice."},
-    )
-
-    tp_size: int | None = field(
-        default=None, metadata={"help": "Tensor parallel size (inside a node; 1 = off); default: the plan's choice."}
-    )
-    cp_size: int | None = field(
-        default=None, metadata={"help": "Context parallel size (FSDP2, GPUs); default: the plan's choice."}
-    )
-    sp_size: int | None = field(
-        default=None, metadata={"help": "Ulysses sequence parallel size (DeepSpeed); default: the plan's choice."}
-    )
-    offload: str | None = field(
-        default=None,
-        metadata={"help": "Pin offload: none | optimizer | optimizer+params; default: the plan's choice."},
-    )
-    offload_device: str | None = field(
-        default=None,
-        metadata={
-            "help": "Pin where offloaded states go: cpu | nvme (ZeRO-Infinity, with --nvme_path); default: searched."
-        },
-    )
+    # the layout pins: hf_dist.planning.request.PlanRequest's fields, with its help (None: the plan's choice)
+    strategy: str | None = field(default=None, metadata={"help": request_help("strategy")})
+    tp_size: int | None = field(default=None, metadata={"help": request_help("tp_size")})
+    cp_size: int | None = field(default=None, metadata={"help": request_help("cp_size")})
+    sp_size: int | None = field(default=None, metadata={"help": request_help("sp_size")})
+    offload: str | None = field(default=None, metadata={"help": request_help("offload")})
+    offload_device: str | None = field(default=None, metadata={"help": request_help("offload_device")})
     nvme_path: str | None = field(
         default=None,
         metadata={
@@ -155,15 +141,15 @@ class ModelArguments:
     def embedded(self) -> bool:
         return self.model_name_or_path is None
 
-    @property
-    def sizes(self) -> dict[str, int | None]:
-        """``--tp_size``/``--cp_size``/``--sp_size`` as planner keywords (None: the plan's choice)."""
-        return {"tp_size": self.tp_size, "cp_size": self.cp_size, "sp_size": self.sp_size}
-
-    @property
-    def offloading(self) -> dict[str, str | None]:
-        """``--offload``/``--offload_device``/``--nvme_path`` as ``auto_args`` keywords (None: the plan's choice)."""
-        return {"offload": self.offload, "offload_device": self.offload_device, "nvme_path": self.nvme_path}
+    def plan_request(self, method: str, seq_len: int, *, peft_config: Any = None, async_save: bool = False):
+        """What these flags ask the plan for: the layout pins (None: searched), the method and sequence length, the
+        LoRA (``peft_config``, when ``method`` is not ``full``) and background saves (``async_save``: their staging
+        copy counts in host RAM)."""
+        pins = {name: getattr(self, name) for name in LAYOUT_PINS}
+        return PlanRequest(
+            method=method, seq_len=seq_len, peft_config=peft_config if method != "full" else None,
+            async_save=async_save, trust_remote_code=self.trust_remote_code, **pins,
+        )  # fmt: skip
 
 
 @dataclass

@@ -19,34 +19,27 @@ from hf_dist.planning.choice import best, reason_for
 from hf_dist.planning.dtypes import GIB
 from hf_dist.planning.plan_result import Plan, PlanError, format_bytes
 from hf_dist.planning.planner import plan as search_plan
+from hf_dist.planning.request import PlanRequest
 from hf_dist.tracing.result import TraceError, TraceTimeout
 from hf_dist.tracing.setup import TraceUnsupported
 
 MAX_TRACED = 3
 
 
-def plan(
-    model: Any,
-    *,
-    verify: bool = False,
-    verify_time_limit_s: float = 120.0,
-    verify_isolate: bool = True,
-    trust_remote_code: bool = False,
-    **planner_keywords: Any,
-) -> Plan:
-    """:func:`hf_dist.planning.planner.plan` (``planner_keywords``: its keywords), then, with ``verify=True``, the
-    chosen layout traced on the real model with fake tensors (:mod:`hf_dist.tracing`, seconds to a minute; at most
-    ``verify_time_limit_s`` per trace), moving to the next candidate when the trace does not fit (``Plan.trace``,
-    ``Plan.verification``; docs/planner.md, "Tracing"); ``verify_isolate=False`` traces in this process instead of
-    a worker (only where no process group exists and nothing else runs: ``hf-dist plan``, which saves the worker's
-    imports). ``trust_remote_code=True`` lets a folder's ``auto_map``
-    classes be imported, by the planner and the trace alike; without it they never are
-    (:mod:`hf_dist.planning.remote_code`)."""
-    result = search_plan(model, trust_remote_code=trust_remote_code, **planner_keywords)
-    if not verify:
+def plan(model: Any, request: PlanRequest | None = None, *, verify_isolate: bool = True, **keywords: Any) -> Plan:
+    """:func:`hf_dist.planning.planner.plan` of ``request`` (``keywords``: its fields, set over it), then, with
+    ``verify=True``, the chosen layout traced on the real model with fake tensors (:mod:`hf_dist.tracing`, seconds to
+    a minute; at most ``verify_time_limit_s`` per trace), moving to the next candidate when the trace does not fit
+    (``Plan.trace``, ``Plan.verification``; docs/planner.md, "Tracing"); ``verify_isolate=False`` traces in this
+    process instead of a worker (only where no process group exists and nothing else runs: ``hf-dist plan``, which
+    saves the worker's imports). ``trust_remote_code=True`` lets a folder's ``auto_map`` classes be imported, by the
+    planner and the trace alike; without it they never are (:mod:`hf_dist.planning.remote_code`)."""
+    r = PlanRequest.of(request, keywords)
+    result = search_plan(model, dataclasses.replace(r, verify=False))
+    if not r.verify:
         return result
-    return verify_plan(result, time_limit_s=verify_time_limit_s, isolate=verify_isolate,
-                       trust_remote_code=trust_remote_code)  # fmt: skip
+    return verify_plan(result, time_limit_s=r.verify_time_limit_s, isolate=verify_isolate,
+                       trust_remote_code=r.trust_remote_code)  # fmt: skip
 
 
 def verify_plan(plan: Plan, *, time_limit_s: float, isolate: bool = True, trust_remote_code: bool = False) -> Plan:

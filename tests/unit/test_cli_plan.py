@@ -1,5 +1,6 @@
 """`hf-dist plan` and `hf-dist env` through the real entry point."""
 
+import dataclasses
 import json
 
 import pytest
@@ -245,8 +246,8 @@ def test_plan_has_a_flag_for_every_pin_auto_args_accepts(tmp_path, monkeypatch):
         received.update(kwargs)
         return "hw"
 
-    def fake_plan(spec, **kwargs):
-        received.update(kwargs)
+    def fake_plan(spec, request, **kwargs):
+        received.update({f.name: getattr(request, f.name) for f in dataclasses.fields(request)})
         raise Done
 
     monkeypatch.setattr(hardware, "detect_hardware", fake_detect)

@@ -25,11 +25,11 @@ def test_recipe_arguments_without_deepspeed_keep_it_unimported_and_unpinned(tmp_
     """What a DDP recipe run does before its Trainer: no deepspeed import, no pinned memory on CPU."""
     code = f"""
 import sys
-from hf_dist import recipe_utils as ru
+from hf_dist import PlanRequest, recipe_utils as ru
 from hf_dist.testing import tiny_llama_config
 _, kwargs, explicit = ru.parse_recipe_args((ru.ModelArguments,), ["--output_dir", {str(tmp_path)!r}],
                                           embedded_defaults=dict(ru.EMBEDDED_TRAINING_DEFAULTS), real_defaults={{}})
-args = ru.training_arguments(kwargs, explicit, tiny_llama_config(), method="full", seq_len=32, strategy="ddp")
+args = ru.training_arguments(kwargs, explicit, tiny_llama_config(), PlanRequest(method="full", seq_len=32, strategy="ddp"))
 from accelerate.utils import extract_model_from_parallel
 import torch
 extract_model_from_parallel(torch.nn.Linear(2, 2))  # what Trainer.__init__ calls via unwrap_model

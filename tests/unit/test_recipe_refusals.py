@@ -201,21 +201,20 @@ def test_a_recipe_default_micro_batch_becomes_the_global_batch_under_cpu_sp(monk
     """--sp_size 2 on 2 CPU ranks planned the recipe's micro-batch 16 and died after 72 s in torch's `view`; a user
     --per_device_train_batch_size 1 ran with global batch 1. The default now keeps global batch 16 by accumulation."""
     import hf_dist
-    from hf_dist.recipe_utils.args import _plan_kwargs
+    from hf_dist.planning.request import PlanRequest
+    from hf_dist.recipe_utils.args import with_batch
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    sizes = {"tp_size": None, "cp_size": None, "sp_size": 2}
     default = {"per_device_train_batch_size": 16}
 
     def plan_kwargs(explicit):
-        request = dict(method="full", seq_len=64, strategy="zero2", peft_config=None, sizes=sizes, async_save=False,
-                       offloading=None)  # fmt: skip
-        return _plan_kwargs(default, explicit, request)
+        request = PlanRequest(method="full", seq_len=64, strategy="zero2", sp_size=2)
+        return with_batch(request, default, explicit).given()
 
     assert plan_kwargs(set())["global_batch_size"] == 16 and "micro_batch_size" not in plan_kwargs(set())
     assert plan_kwargs({"per_device_train_batch_size"})["micro_batch_size"] == 16  # the user's: pinned
     assert plan_kwargs({"gradient_accumulation_steps"})["micro_batch_size"] == 16  # so is a split with theirs
-    recipe = {**plan_kwargs(set()), "seq_len": 64}
+    recipe = plan_kwargs(set())
     p = hf_dist.plan(tiny_llama_config(), gpus=2, features=LibraryFeatures(), **recipe)
     assert (p.micro_batch_size, p.gradient_accumulation_steps) == (1, 16)  # x data parallel 1 = global batch 16
     if not installed_features().sequence_parallel:  # the lowest set has no Ulysses: the recipe refuses, saying why

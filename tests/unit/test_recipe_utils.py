@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from hf_dist import PlanRequest
 from hf_dist import recipe_utils as ru
 from hf_dist.data import DEFAULT_CHAT_TEMPLATE, build_tokenizer
 from hf_dist.testing import REPO_ROOT, tiny_llama_config
@@ -69,10 +70,8 @@ def test_the_lora_recipe_plans_the_lora_its_flags_give(tmp_path, monkeypatch):
         monkeypatch.delenv(key, raising=False)
     planned = []
 
-    def auto_args(model, **kwargs):
-        planned.append(
-            hf_dist.plan(model, **{k: v for k, v in kwargs.items() if k not in ("trust_remote_code", "engine_on_cpu")})
-        )
+    def auto_args(model, request, **kwargs):
+        planned.append(hf_dist.plan(model, request))
         raise KeyboardInterrupt  # the plan is what this test reads: stop before anything trains
 
     monkeypatch.setattr(hf_dist, "auto_args", auto_args)
@@ -198,7 +197,7 @@ def test_a_micro_batch_the_user_or_recipe_sets_is_honoured_even_when_it_is_8(mon
         (ru.ModelArguments,), argv, embedded_defaults=embedded, real_defaults=REAL
     )
     config = tiny_llama_config(num_hidden_layers=1)
-    args = ru.training_arguments(kwargs, explicit, config, method="full", seq_len=32, strategy="ddp")
+    args = ru.training_arguments(kwargs, explicit, config, PlanRequest(method="full", seq_len=32, strategy="ddp"))
     assert args.per_device_train_batch_size == expected
 
 
@@ -210,8 +209,8 @@ def test_without_a_micro_batch_from_user_or_recipe_the_plan_chooses_it(monkeypat
     )
     assert "per_device_train_batch_size" not in kwargs  # transformers' default 8 is not a choice anyone made
     config = tiny_llama_config(num_hidden_layers=1)
-    args = ru.training_arguments(kwargs, explicit, config, method="full", seq_len=32, strategy="ddp")
-    planned = __import__("hf_dist").auto_args(config, method="full", seq_len=32, strategy="ddp")
+    args = ru.training_arguments(kwargs, explicit, config, PlanRequest(method="full", seq_len=32, strategy="ddp"))
+    planned = __import__("hf_dist").auto_args(config, PlanRequest(method="full", seq_len=32, strategy="ddp"))
     assert args.per_device_train_batch_size == planned["per_device_train_batch_size"]
 
 
@@ -226,7 +225,9 @@ def test_micro_batch_of_8_is_honoured_not_taken_for_transformers_default(tmp_pat
     *_, kwargs, explicit = ru.parse_recipe_args(
         (ru.ModelArguments,), argv, embedded_defaults={}, real_defaults=recipe_defaults
     )
-    args = ru.training_arguments(kwargs, explicit, tiny_llama_config(), method="full", seq_len=32, strategy="ddp")
+    args = ru.training_arguments(
+        kwargs, explicit, tiny_llama_config(), PlanRequest(method="full", seq_len=32, strategy="ddp")
+    )
     assert args.per_device_train_batch_size == 8  # the plan alone would choose a micro batch of 1
 
 
@@ -237,7 +238,9 @@ def test_cpu_test_mode_and_export_check_are_explicit_flags(tmp_path, monkeypatch
     monkeypatch.setenv("HF_DIST_FSDP_ON_CPU", "1")  # read by test scripts that opt in; the recipes do not
     _, run_args, kwargs, explicit = parse(["--output_dir", str(tmp_path)], (ru.ModelArguments, ru.RunArguments))
     assert not run_args.fsdp_on_cpu and not run_args.check_export
-    ru.training_arguments(kwargs, explicit, tiny_llama_config(), method="full", seq_len=32, strategy="ddp")
+    ru.training_arguments(
+        kwargs, explicit, tiny_llama_config(), PlanRequest(method="full", seq_len=32, strategy="ddp")
+    )
     assert not fsdp_on_cpu_enabled()
     _, run_args, _, _ = parse(["--fsdp_on_cpu", "--check_export"], (ru.ModelArguments, ru.RunArguments))
     assert run_args.fsdp_on_cpu and run_args.check_export
@@ -261,7 +264,9 @@ def test_deepspeed_on_cpu_ranks_needs_the_explicit_flag(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")  # as under a 2-rank CPU launch; nothing is started
     _, kwargs, explicit = parse(["--output_dir", str(tmp_path)], (ru.ModelArguments,))
     with pytest.raises(ValueError, match="pass --deepspeed_on_cpu"):
-        ru.training_arguments(kwargs, explicit, tiny_llama_config(), method="full", seq_len=32, strategy="zero3")
+        ru.training_arguments(
+            kwargs, explicit, tiny_llama_config(), PlanRequest(method="full", seq_len=32, strategy="zero3")
+        )
 
 
 def test_model_parallel_flags_reach_the_plan_and_the_loader(monkeypatch):
@@ -280,7 +285,8 @@ def test_model_parallel_flags_reach_the_plan_and_the_loader(monkeypatch):
     model_args, kwargs, explicit = ru.parse_recipe_args(
         (ru.ModelArguments,), ["--tp_size", "2"], embedded_defaults=EMBEDDED, real_defaults=REAL
     )
-    assert model_args.sizes == {"tp_size": 2, "cp_size": None, "sp_size": None}
+    request = model_args.plan_request("full", 32)
+    assert (request.tp_size, request.cp_size, request.sp_size) == (2, None, None)
     planned = __import__("hf_dist").auto_args(tiny_llama_config(), gpus=2, **{"tp_size": 2, "strategy": "ddp"})
     assert planned["parallelism_config"].tp_size == 2 and planned["save_only_model"] is True
     args = SimpleNamespace(parallelism_config=ParallelismConfig(tp_size=2), deepspeed=None)
@@ -355,11 +361,9 @@ def test_recipe_sizes_the_users_own_config_does_not_run_are_refused(tmp_path):
     kwargs = {"output_dir": str(tmp_path), "deepspeed": deepspeed_config("zero2"), "report_to": []}
     with pytest.raises(ValueError, match=r"--tp_size 2 asks for what your own strategy config \(deepspeed\) does not "
                        r"run \(tp 1\).*hf-dist config --strategy zero2 --tp-size 2"):  # fmt: skip
-        ru.training_arguments(kwargs, {"deepspeed"}, None, method="full", seq_len=16, strategy=None,
-                              sizes={"tp_size": 2, "cp_size": None, "sp_size": None})  # fmt: skip
+        ru.training_arguments(kwargs, {"deepspeed"}, None, PlanRequest(method="full", seq_len=16, tp_size=2))  # fmt: skip
     with_tp = {**kwargs, "deepspeed": deepspeed_config("zero2", tp_size=2)}
-    args = ru.training_arguments(with_tp, {"deepspeed"}, None, method="full", seq_len=16, strategy=None,
-                                 sizes={"tp_size": 2, "cp_size": None, "sp_size": None})  # fmt: skip
+    args = ru.training_arguments(with_tp, {"deepspeed"}, None, PlanRequest(method="full", seq_len=16, tp_size=2))  # fmt: skip
     assert args.deepspeed["tensor_parallel"] == {"autotp_size": 2}
 
 
@@ -373,7 +377,7 @@ def test_the_printed_plan_describes_the_users_own_strategy(tmp_path):
         "deepspeed": deepspeed_config("zero2", mixed_precision="no"),
         "report_to": [],
     }
-    args = ru.training_arguments(kwargs, {"deepspeed"}, None, method="full", seq_len=16, strategy=None)
+    args = ru.training_arguments(kwargs, {"deepspeed"}, None, PlanRequest(method="full", seq_len=16, strategy=None))
     text = ru.describe_plan(tiny_llama_config(), method="full", seq_len=16, args=args)
     assert "plan: chosen: zero2" in text, text
 
@@ -387,21 +391,15 @@ def test_offload_flags_reach_the_plan(tmp_path, monkeypatch):
     flags = ["--output_dir", str(tmp_path), "--strategy", "zero3", "--offload", "optimizer+params"]
     flags += ["--offload_device", "nvme", "--nvme_path", str(tmp_path)]
     model_args, kwargs, explicit = parse(flags, (ru.ModelArguments,))
-    assert model_args.offloading == {
-        "offload": "optimizer+params",
-        "offload_device": "nvme",
-        "nvme_path": str(tmp_path),
-    }
+    request = model_args.plan_request("full", 32)
+    assert (request.strategy, request.offload, request.offload_device) == ("zero3", "optimizer+params", "nvme")
     config = tiny_llama_config(num_hidden_layers=1)
     with pytest.raises(ValueError, match="training already runs on CPU"):  # this machine: CPU ranks
-        ru.training_arguments(
-            kwargs, explicit, config, method="full", seq_len=32, strategy="zero3", offloading=model_args.offloading
-        )
+        ru.training_arguments(kwargs, explicit, config, request, nvme_path=model_args.nvme_path)
     seen = {}
-    monkeypatch.setattr(hf_dist, "auto_args", lambda model, **kw: seen.update(kw) or {})
-    ru.training_arguments(
-        kwargs, explicit, config, method="full", seq_len=32, strategy="zero3", offloading=model_args.offloading
-    )
-    assert {k: seen[k] for k in model_args.offloading} == model_args.offloading
+    monkeypatch.setattr(hf_dist, "auto_args", lambda model, request, **kw: seen.update(request.given(), **kw) or {})
+    ru.training_arguments(kwargs, explicit, config, request, nvme_path=model_args.nvme_path)
+    pins = {"offload": "optimizer+params", "offload_device": "nvme", "nvme_path": str(tmp_path)}
+    assert {k: seen[k] for k in pins} == pins
     with pytest.raises(ValueError, match="--offload_device 'disk' is not one of cpu, nvme"):
         parse(["--output_dir", str(tmp_path), "--offload_device", "disk"], (ru.ModelArguments,))

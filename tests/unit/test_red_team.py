@@ -95,13 +95,12 @@ def recipe_sizes(config_kind: str, sizes: dict):
 
     def run(tmp: Path):
         import hf_dist.recipe_utils as ru
+        from hf_dist import PlanRequest
         from hf_dist.configs.deepspeed import deepspeed_config
 
         ds = {"zero2": deepspeed_config("zero2"), "zero2 sp": deepspeed_config("zero2", sp_size=2)}[config_kind]
         kwargs = {"output_dir": str(tmp), "deepspeed": ds, "report_to": []}
-        all_sizes = {"tp_size": None, "cp_size": None, "sp_size": None, **sizes}
-        return ru.training_arguments(kwargs, {"deepspeed"}, None, method="full", seq_len=16, strategy=None,
-                                     sizes=all_sizes)  # fmt: skip
+        return ru.training_arguments(kwargs, {"deepspeed"}, None, PlanRequest(method="full", seq_len=16, **sizes))
 
     return run
 

@@ -128,7 +128,7 @@ def test_the_flag_is_true_or_false_never_none(tmp_path, marker, value):
 
 
 def test_meta_model_never_derives_the_permission_from_the_config():
-    for function in (model_source.meta_model, modelinfo.model_spec, model_source.load_config, hf_dist.plan,
+    for function in (model_source.meta_model, modelinfo.model_spec, model_source.load_config, hf_dist.PlanRequest,
                      hf_dist.estimate_memory, hf_dist.trace_memory, hf_dist.convert, hf_dist.verify):  # fmt: skip
         assert inspect.signature(function).parameters["trust_remote_code"].default is False, function.__name__
 
