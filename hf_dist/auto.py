@@ -77,7 +77,8 @@ def auto_args(model: Any, request: PlanRequest | None = None, **overrides: Any) 
     features = installed_features()
     asked = read_request(overrides, request)  # 1. the keywords sorted: planner, auto_args', TrainingArguments'
     plan = _plan(model, asked)  # 2. the plan
-    ours = _generate(plan, asked, model, features)  # 3. the plan as TrainingArguments kwargs
+    plan = _with_wrap_classes(plan, model, asked.own)  # 3. the FSDP wrap classes, recorded in the plan
+    ours = _generate(plan, asked, features)  # the plan as TrainingArguments kwargs
     final, merge_conflicts = _merge(plan, ours, asked)  # 4. the user's fields merged in
     validate(  # 5. every contradiction at once, before anything touches the model
         plan,
@@ -143,14 +144,13 @@ def _engine_on_cpu(plan: Any, request: Request) -> bool:
     return fsdp_on_cpu_enabled()
 
 
-def _generate(plan: Any, request: Request, model: Any, features: Any) -> dict[str, Any]:
-    """What hf_dist sets from the plan: :func:`~hf_dist.configs.training_args.training_kwargs`, with the FSDP wrap
-    classes found in the model, ZeRO-Infinity's checked swap folder, and what CPU ranks need."""
+def _generate(plan: Any, request: Request, features: Any) -> dict[str, Any]:
+    """What hf_dist sets from the plan: :func:`~hf_dist.configs.training_args.training_kwargs`, with the plan's FSDP
+    wrap classes, ZeRO-Infinity's checked swap folder, and what CPU ranks need."""
     from hf_dist.runtime.cpu_fsdp import cpu_launch_kwargs
 
     layout = plan.layout
-    wrap = _wrap_classes(plan, model, request.own) if layout.strategy.is_fsdp else None
-    out = training_kwargs(plan, request, features, wrap_classes=wrap, nvme=_nvme(plan, request))
+    out = training_kwargs(plan, request, features, wrap_classes=plan.wrap_classes, nvme=_nvme(plan, request))
     out.update(cpu_launch_kwargs(layout.strategy.is_deepspeed))  # CPU ranks that train as one job
     out["dataloader_pin_memory"] = plan.hardware.device == "cuda"  # pinning needs CUDA (warns on CPU)
     return out
@@ -236,6 +236,17 @@ def build_parallelism_config(data: dict[str, Any]) -> Any:
 
         data["sp_handler"] = DeepSpeedSequenceParallelConfig(sp_attn_implementation=attn)
     return ParallelismConfig(**data)
+
+
+def _with_wrap_classes(plan: Any, model: Any, own: dict[str, Any]) -> Any:
+    """``plan`` with the FSDP wrap classes its run uses (the user's ``wrap_classes=``, checked against the model, or
+    the ones found in it), so that ``attach`` checks the live run against what was emitted, not a fresh guess."""
+    import dataclasses
+
+    if not plan.layout.strategy.is_fsdp:
+        return plan
+    wrap = _wrap_classes(plan, model, own)
+    return dataclasses.replace(plan, wrap_classes=None if wrap is None else list(wrap))
 
 
 def _wrap_classes(plan: Any, model: Any, own: dict[str, Any]) -> list[str] | None:

@@ -115,8 +115,11 @@ def _max_length(args: Any) -> int | str | None:
     return "None (no truncation)" if value is None else value
 
 
-def planned_wrap_classes(model: Any) -> list[str] | None:
-    """The wrap classes hf_dist would pick for ``model`` (None without a model)."""
+def planned_wrap_classes(model: Any, plan: Any = None) -> list[str] | None:
+    """The wrap classes ``plan`` recorded (``auto_args``' choice, a user's ``wrap_classes=`` included), else the ones
+    hf_dist would pick for ``model`` (None without either)."""
+    if getattr(plan, "wrap_classes", None) is not None:
+        return sorted(plan.wrap_classes)
     if model is None:
         return None
     # a model FSDP2 already wrapped: fully_shard swaps each unit's class for ``FSDP<Name>`` (torch _fully_shard.py)
@@ -200,7 +203,7 @@ class PlanCallback(TrainerCallback):
         if self.strict:
             check_launch(args)
         live = live_setup(args, model, optimizer)
-        planned_wrap = planned_wrap_classes(model) if live["wrap_classes"] is not None else None
+        planned_wrap = planned_wrap_classes(model, self.plan) if live["wrap_classes"] is not None else None
         self.mismatches = plan_mismatches(self.plan, live, planned_wrap)
         if self.mismatches and self.strict:
             raise mismatch_error(self.mismatches)

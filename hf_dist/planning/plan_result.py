@@ -149,6 +149,7 @@ class Plan:
     train_tokens: int | None = None  # tokens the run trains on: time_to_finish() and explain() state the wall time
     trainable_params: int = 0  # what sum(p.numel() for p in model.parameters() if p.requires_grad) will count
     sync_each_batch: bool = False  # FSDP2 reduce-scatters every micro-batch (accelerate's sync_each_batch)
+    wrap_classes: list[str] | None = None  # FSDP wrap classes auto_args emitted (a user's wrap_classes= included)
 
     @property
     def lora_rank(self) -> int | None:

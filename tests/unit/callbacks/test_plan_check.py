@@ -148,3 +148,28 @@ def test_every_call_a_plan_check_hint_names_exists(monkeypatch):
     for dotted in set(re.findall(r"hf_dist\.[\w.]+[\w]", text)):
         module, _, name = dotted.rpartition(".")
         assert hasattr(importlib.import_module(module), name), dotted
+
+
+def test_a_users_wrap_classes_are_recorded_in_the_plan_and_attach_checks_against_them(tmp_path, monkeypatch):
+    """``auto_args(wrap_classes=[...])`` emitted the user's classes, but attach compared the live run with classes
+    detected afresh in the model, so a run exactly as planned was refused. The plan now records what was emitted;
+    the live side is what accelerate's FSDP plugin reads from the emitted ``fsdp_config``."""
+    from transformers import TrainerState
+
+    from hf_dist.runtime import dist
+
+    m = model()
+    users = ["LlamaMLP", "LlamaDecoderLayer"]
+    kwargs = hf_dist.auto_args(m, strategy="fsdp_full_shard", wrap_classes=users, engine_on_cpu=True, **PLAN)
+    emitted = kwargs["fsdp_config"]["transformer_layer_cls_to_wrap"]
+    assert emitted == users and last_plan().wrap_classes == users
+    monkeypatch.setattr(dist, "live_wrap_classes", lambda: sorted(emitted))
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[])
+    check = PlanCallback(last_plan(), strict=False)
+    check.on_train_begin(args, TrainerState(is_world_process_zero=False), control=None, model=m)
+    assert not [x for x in check.mismatches if x.startswith("FSDP wrap classes")], check.mismatches
+    detected = PlanCallback(hf_dist.plan(m, strategy="fsdp_full_shard", **PLAN), strict=False)  # no auto_args
+    detected.on_train_begin(args, TrainerState(is_world_process_zero=False), control=None, model=m)
+    assert "FSDP wrap classes: planned ['LlamaDecoderLayer'], running ['LlamaDecoderLayer', 'LlamaMLP']" in (
+        detected.mismatches
+    )
