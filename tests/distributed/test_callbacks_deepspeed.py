@@ -6,6 +6,7 @@ the full module every rank holds)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,12 +22,15 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """ZeRO-2 and ZeRO-3 runs of lifecycle_train.py, in one 2-rank launch (scripts/runs.py)."""
+    """ZeRO-2 and ZeRO-3 runs of lifecycle_train.py, and ZeRO-2 under DeepSpeed's own LR scheduler, in one 2-rank
+    launch (scripts/runs.py)."""
     from tests.distributed.conftest import torchrun_runs
 
-    outs = {stage: tmp_path_factory.mktemp(stage) for stage in ("zero2", "zero3")}
+    outs = {stage: tmp_path_factory.mktemp(stage) for stage in ("zero2", "zero3", "ds_scheduler")}
     runs = [["lifecycle_train", "--output-dir", str(out), "--max-steps", "4", "--save-steps", "2", "--deepspeed", stage,
-             "--export"] for stage, out in outs.items()]  # fmt: skip
+             "--export"] for stage, out in outs.items() if stage != "ds_scheduler"]  # fmt: skip
+    runs.append(["lifecycle_train", "--output-dir", str(outs["ds_scheduler"]), "--max-steps", "4", "--save-steps", "2",
+                 "--deepspeed", "zero2", "--ds-scheduler"])  # fmt: skip
     spec = tmp_path_factory.mktemp("deepspeed") / "runs.json"
     torchrun_runs(runs, spec, env={"ACCELERATE_USE_CPU": "0"}, outputs=list(outs.values()))
     return outs
@@ -73,3 +77,20 @@ def test_exports_load_and_equal_offline_conversion(run, tmp_path):
     assert not torch.equal(
         first["model.layers.0.self_attn.q_proj.weight"], last["model.layers.0.self_attn.q_proj.weight"]
     )
+
+
+def test_a_deepspeed_scheduler_checkpoint_has_no_scheduler_pt_and_is_proven_without_its_manifest(runs, tmp_path):
+    """What the Trainer writes when the DeepSpeed config names its own scheduler: no scheduler.pt (its state is in
+    DeepSpeed's model-states file). Without hf_dist's manifest (a run without attach), the proof accepts it and
+    auto_resume resumes it, rather than taking the missing file for an incomplete save."""
+    from hf_dist.checkpoint.lifecycle.proof import unproven_reasons
+    from hf_dist.checkpoint.safety.loading import safe_load
+
+    written = runs["ds_scheduler"] / "checkpoint-4"
+    assert not (written / "scheduler.pt").exists() and (runs["zero2"] / "checkpoint-4" / "scheduler.pt").is_file()
+    states = safe_load(written / "global_step4" / "mp_rank_00_model_states.pt")
+    assert states["lr_scheduler"]["last_batch_iteration"] == 3  # WarmupLR stepped 4 times, from -1
+    ckpt = tmp_path / "checkpoint-4"  # as a run without attach leaves it: no manifest, no hf_dist run record
+    shutil.copytree(written, ckpt, ignore=shutil.ignore_patterns(MANIFEST_NAME))
+    assert unproven_reasons(ckpt, 2) == []
+    assert hf_dist.auto_resume(tmp_path, strategy="zero2", world_size=2) == str(ckpt)

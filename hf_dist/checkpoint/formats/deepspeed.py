@@ -89,6 +89,9 @@ class DeepSpeedReader(Reader):
             tensor = model_states["module"][name]
             self._specs[name] = TensorSpec(tuple(tensor.shape), tensor.dtype)
         self.aliases = dict(model_states.get("shared_params") or {})
+        # DeepSpeed's own LR scheduler (a DeepSpeed config with a "scheduler" section) saves its state here, and the
+        # Trainer then writes no scheduler.pt (transformers' _save_scheduler)
+        self.holds_scheduler = model_states.get("lr_scheduler") is not None
         info.stage, info.world_size = self.stage, self.world_size
         info.train_dtype = self.train_dtype
         self.release()

@@ -66,10 +66,12 @@ def unproven_reasons(folder: str | Path, world_size: int) -> list[str]:
 def _family_reasons(folder: Path, family: CheckpointFamily) -> list[str]:
     """The files a save of ``family`` always writes, absent from ``folder``."""
     sharded_at_load = (folder / SHARDED_OPTIMIZER_DIR).is_dir()
+    zero = (folder / LATEST).is_file() or family.is_zero
     reasons = []
-    if not any((folder / name).is_file() for name in (*SCHEDULER_FILES, SHARDED_SCHEDULER)):
+    scheduled = any((folder / name).is_file() for name in (*SCHEDULER_FILES, SHARDED_SCHEDULER))
+    if not scheduled and not (zero and _deepspeed_holds_scheduler(folder)):  # DeepSpeed's own scheduler: no file
         reasons.append("scheduler.pt is missing (the LR schedule would restart)")
-    if (folder / LATEST).is_file() or family.is_zero:
+    if zero:
         reasons += _zero_reasons(folder)
     elif family is CheckpointFamily.DCP:
         for name in ("pytorch_model_fsdp_0", "optimizer_0"):
@@ -84,6 +86,19 @@ def _family_reasons(folder: Path, family: CheckpointFamily) -> list[str]:
         if not any((folder / name).is_file() for name in OPTIMIZER_FILES):
             reasons.append("optimizer.pt is missing (Adam would restart from zero moments)")
     return reasons
+
+
+def _deepspeed_holds_scheduler(folder: Path) -> bool:
+    """Whether DeepSpeed's own LR scheduler ran and saved its state in the model-states file: under a DeepSpeed
+    config with a ``scheduler`` section the Trainer writes no ``scheduler.pt`` (transformers' ``_save_scheduler``).
+    False where the files cannot be read: :func:`_zero_reasons` then says what is wrong with them."""
+    from hf_dist.checkpoint.formats.deepspeed import DeepSpeedReader
+    from hf_dist.checkpoint.safety.errors import CorruptCheckpointError, UnsafePickleError
+
+    try:
+        return DeepSpeedReader(read_layout(folder)).holds_scheduler  # the reader releases its files when built
+    except (FileNotFoundError, ValueError, CorruptCheckpointError, UnsafePickleError):
+        return False
 
 
 def _zero_reasons(folder: Path) -> list[str]:

@@ -186,6 +186,9 @@ def main(argv: list[str] | None = None) -> None:
         "--fsdp", action="store_true", help="FSDP2 full shard on CPU (hf_dist.runtime.cpu_fsdp), DCP checkpoints"
     )
     strategy.add_argument("--deepspeed", choices=["zero2", "zero3"], help="DeepSpeed ZeRO (fp32 on CPU)")
+    parser.add_argument(
+        "--ds-scheduler", action="store_true", help="DeepSpeed's own LR scheduler (WarmupLR in its config's scheduler)"
+    )
     opts = parser.parse_args(argv)
     out = Path(opts.output_dir)
     init_distributed_for_restarts()  # before TrainingArguments, which would initialize it
@@ -197,6 +200,9 @@ def main(argv: list[str] | None = None) -> None:
 
         # accelerate drops DeepSpeed when use_cpu=True; the launcher sets ACCELERATE_USE_CPU=0 as well
         strategy_kwargs = {"deepspeed": deepspeed_config(opts.deepspeed, mixed_precision="no"), "use_cpu": False}
+        if opts.ds_scheduler:  # the Trainer fills the "auto" values (transformers' HfTrainerDeepSpeedConfig)
+            warmup = {"warmup_min_lr": 0, "warmup_max_lr": "auto", "warmup_num_steps": "auto"}
+            strategy_kwargs["deepspeed"]["scheduler"] = {"type": "WarmupLR", "params": warmup}
         strategy_kwargs.update(cpu_deepspeed_training_kwargs())
     elif opts.fsdp:
         from hf_dist.configs.fsdp import fsdp_config

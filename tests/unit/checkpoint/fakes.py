@@ -44,9 +44,11 @@ def make_zero_checkpoint(
     shared: dict[str, str] | None = None,
     mp_rank: int = 0,
     universal_info: dict | None = None,
+    lr_scheduler: dict | None = None,
 ) -> Path:
     """Write ``root/{latest, config.json, tag/*}`` as deepspeed would; returns the tag folder. ``mp_rank``: the
-    AutoTP rank whose files these are (``state`` holds its slices); ``universal_info``: AutoTP's split rules."""
+    AutoTP rank whose files these are (``state`` holds its slices); ``universal_info``: AutoTP's split rules;
+    ``lr_scheduler``: the state of DeepSpeed's own LR scheduler (a DeepSpeed config with a ``scheduler`` section)."""
     tag_dir = Path(root) / tag
     tag_dir.mkdir(parents=True, exist_ok=True)
     (Path(root) / "latest").write_text(tag)
@@ -66,6 +68,7 @@ def make_zero_checkpoint(
         "dp_world_size": world_size,
         "ds_config": {"bf16": {"enabled": bf16}, "zero_optimization": {"stage": stage}},
         "ds_version": "0.19.8",
+        "lr_scheduler": lr_scheduler,
     }
     if universal_info is not None:
         model_states["universal_checkpoint_info"] = universal_info
