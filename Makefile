@@ -22,10 +22,12 @@ PIP_LINKS := $(or $(PIP_FIND_LINKS),$(if $(UV),$(shell $(PYTHON) -m pip config g
 UV_LINKS := $(if $(PIP_LINKS),--find-links $(PIP_LINKS))
 mkvenv = $(if $(UV),$(UV) venv -q --seed --allow-existing --python $(PYTHON) $(1),$(PYTHON) -m venv $(1) && $(1)/bin/python -m pip install -q --upgrade pip)
 pip_install = $(if $(UV),$(UV) pip install -q $(UV_LINKS) --python $(1)/bin/python,$(1)/bin/python -m pip install -q)
-# The last install of a venv compiles every installed module to bytecode, as pip does by default and uv does not: where
+# Each install of a venv compiles the modules it installed to bytecode, as pip does by default and uv does not (uv's
+# --compile-bytecode covers the packages of its own command only, so the torch step needs it too): where
 # PYTHONDONTWRITEBYTECODE is set (many containers), Python never writes a .pyc itself, so without this every process
-# compiles torch, transformers and DeepSpeed from source again (16 s of CPU to import the Trainer and DeepSpeed instead
-# of 6; the tests start hundreds of processes). hf_dist's own modules too (an editable install is not compiled).
+# compiles torch, sympy, transformers and DeepSpeed from source again (importing the Trainer: 16.6 s of CPU with torch
+# and its dependencies uncompiled, 10.0 s compiled; the tests start hundreds of processes). hf_dist's own modules too
+# (an editable install is not compiled).
 compile_all = $(if $(UV),--compile-bytecode)
 compile_repo = $(1)/bin/python -m compileall -q -j 0 hf_dist tests recipes
 
@@ -41,14 +43,14 @@ AIO_BUILD := from deepspeed.ops.op_builder import AsyncIOBuilder as B; b = B(); 
 
 $(STAMP): pyproject.toml $(NEWEST)
 	$(call mkvenv,$(VENV))
-	$(call pip_install,$(VENV)) "$(TORCH_SPEC)"
+	$(call pip_install,$(VENV)) $(compile_all) "$(TORCH_SPEC)"
 	$(call pip_install,$(VENV)) $(compile_all) $(if $(NEWEST),-c $(NEWEST)) -e ".[dev,trl]"
 	$(call compile_repo,$(VENV))
 	touch $(STAMP)
 
 $(MIN_STAMP): pyproject.toml constraints/min.txt
 	$(call mkvenv,$(MIN_VENV))
-	$(call pip_install,$(MIN_VENV)) -c constraints/min.txt torch
+	$(call pip_install,$(MIN_VENV)) $(compile_all) -c constraints/min.txt torch
 	$(call pip_install,$(MIN_VENV)) $(compile_all) -c constraints/min.txt -e ".[dev]"
 	$(call compile_repo,$(MIN_VENV))
 	touch $(MIN_STAMP)
