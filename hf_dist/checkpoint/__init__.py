@@ -1,8 +1,8 @@
 """Everything about checkpoint files. Submodules import torch lazily.
 
-- ``formats/``: what a checkpoint folder holds and how to read it. ``formats.layout`` answers which layout a folder
+- ``formats/``: what a checkpoint folder holds and how to read it. ``formats.contents`` answers which layout a folder
   has and which files it must hold (format, family, world size, tag/step, per-rank files), read from file names by
-  :func:`hf_dist.checkpoint.formats.layout.read_layout`: the one model convert, reshard and resume use; every file
+  :func:`hf_dist.checkpoint.formats.contents.read_contents`: the one model convert, reshard and resume use; every file
   name and pattern it reads in ``formats.names``. Beside it
   the reader interface (``reader``), one reader per training format (``deepspeed``, ``autotp``, ``dcp``, ``hf``)
   and the parameter specs of known model families (``param_specs``).

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def resume_advice(layout, world_size: int) -> str:
-    """What resuming ``layout`` (a :class:`hf_dist.checkpoint.formats.layout.CheckpointLayout`) on ``world_size`` needs."""
+    """What resuming ``layout`` (a :class:`hf_dist.checkpoint.formats.contents.CheckpointContents`) on ``world_size`` needs."""
     if world_size < 1:
         raise ValueError(f"--check needs a world size >= 1, got {world_size}")
     if not layout.family.is_zero:

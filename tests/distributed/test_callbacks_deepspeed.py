@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import hf_dist
-from hf_dist.checkpoint.formats.layout import read_layout
+from hf_dist.checkpoint.formats.contents import read_contents
 from hf_dist.checkpoint.formats.names import MANIFEST_NAME
 
 pytestmark = pytest.mark.distributed
@@ -50,7 +50,7 @@ def test_deepspeed_really_ran_and_checkpoints_are_marked(run):
         assert (marker["strategy"], marker["world_size"]) == (stage, 2)
         assert marker["layout"] == ("zero3" if stage == "zero3" else "zero12")
         assert f"global_step{step}/zero_pp_rank_1_mp_rank_00_optim_states.pt" in marker["files"]
-    assert read_layout(out / "checkpoint-4").world_size == 2
+    assert read_contents(out / "checkpoint-4").world_size == 2
     assert hf_dist.auto_resume(out, strategy=stage) == str(out / "checkpoint-4")
 
 

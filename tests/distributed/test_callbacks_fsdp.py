@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import hf_dist
-from hf_dist.checkpoint.formats.layout import read_layout
+from hf_dist.checkpoint.formats.contents import read_contents
 from hf_dist.checkpoint.formats.names import MANIFEST_NAME
 from hf_dist.testing import REPO_ROOT, torchrun
 
@@ -38,7 +38,7 @@ def test_fsdp_really_ran_and_its_dcp_checkpoints_are_marked(run_dir):
     marker = json.loads((run_dir / "checkpoint-4" / MANIFEST_NAME).read_text())
     assert (marker["strategy"], marker["layout"], marker["world_size"]) == ("fsdp_full_shard", "fsdp", 2)
     assert {"pytorch_model_fsdp_0/__0_0.distcp", "pytorch_model_fsdp_0/__1_0.distcp"} <= set(marker["files"])
-    assert read_layout(run_dir / "checkpoint-4").world_size == 2
+    assert read_contents(run_dir / "checkpoint-4").world_size == 2
     assert hf_dist.auto_resume(run_dir, strategy="fsdp_full_shard") == str(run_dir / "checkpoint-4")
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.checkpoint.conversion import conversion_plan, transform
+from hf_dist.checkpoint.formats.contents import CheckpointContents, read_contents
 from hf_dist.checkpoint.formats.hf import config_dir, side_file
-from hf_dist.checkpoint.formats.layout import CheckpointLayout, read_layout
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
 from hf_dist.checkpoint.lifecycle.manifest import require_match
 from hf_dist.checkpoint.output.paths import check_output_path
@@ -31,7 +31,7 @@ BATCH_BYTES = 64 * 1024**2
 class ConversionReport:
     """What was read and what was written."""
 
-    source: CheckpointLayout
+    source: CheckpointContents
     dst: Path
     to: str
     kind: str
@@ -55,7 +55,7 @@ class ConversionReport:
         return "\n".join(lines)
 
 
-def open_reader(info: CheckpointLayout, *, trust_pickles: bool = False) -> Reader:
+def open_reader(info: CheckpointContents, *, trust_pickles: bool = False) -> Reader:
     """The reader of ``info``'s format, once no link in the checkpoint leads outside it (every file a reader opens
     is then inside: the names come from listing the folder, DeepSpeed's ``latest`` and DCP's metadata are
     confined where they are read)."""
@@ -107,7 +107,7 @@ def convert(
     start = time.perf_counter()
     _check_arguments(dtype, to, adapter, merge_adapter)
     dst = check_output_path(dst, sources=[src], overwrite=overwrite)
-    info = read_layout(src, tag=tag)
+    info = read_contents(src, tag=tag)
     sources = (src, info.path, info.root)
     check_output_path(dst, sources=sources, overwrite=overwrite)
     if model_config is not None:
@@ -175,7 +175,7 @@ def _is_float(dtype: Any) -> bool:
     return dtype.is_floating_point
 
 
-def _plan(info: CheckpointLayout, specs: dict[str, TensorSpec], *, adapter: bool, merge_adapter: bool,
+def _plan(info: CheckpointContents, specs: dict[str, TensorSpec], *, adapter: bool, merge_adapter: bool,
           trust_remote_code: bool):  # fmt: skip
     peft = conversion_plan.is_peft(specs)
     if (adapter or merge_adapter) and not peft:
@@ -198,7 +198,7 @@ def _plan(info: CheckpointLayout, specs: dict[str, TensorSpec], *, adapter: bool
     return conversion_plan.model_plan(specs, expected, tied)
 
 
-def _adapter_config(info: CheckpointLayout) -> dict:
+def _adapter_config(info: CheckpointContents) -> dict:
     path = _find_adapter_config(info)
     if path is None:
         raise ValueError(f"no adapter_config.json found next to {info.path}; copy the run's adapter_config.json there")
@@ -207,7 +207,7 @@ def _adapter_config(info: CheckpointLayout) -> dict:
     return read_json(path)
 
 
-def _find_adapter_config(info: CheckpointLayout) -> Path | None:
+def _find_adapter_config(info: CheckpointContents) -> Path | None:
     near = (info.path if info.path.is_dir() else info.path.parent, info.root, info.root.parent)
     for directory in (*((info.config_dir,) if info.config_dir is not None else ()), *near):
         if side := side_file(directory, "adapter_config.json"):

@@ -15,8 +15,8 @@ from typing import Any
 
 from hf_dist.checkpoint.conversion import conversion_plan, transform
 from hf_dist.checkpoint.conversion.convert import BATCH_BYTES, open_reader
+from hf_dist.checkpoint.formats.contents import CheckpointContents, read_contents
 from hf_dist.checkpoint.formats.hf import config_dir
-from hf_dist.checkpoint.formats.layout import CheckpointLayout, read_layout
 from hf_dist.checkpoint.formats.reader import Reader
 
 
@@ -78,7 +78,7 @@ class _Side:
     """One checkpoint: its reader and the mapping HF name -> source name."""
 
     def __init__(self, path: str | Path, trust_pickles: bool) -> None:
-        self.info: CheckpointLayout = read_layout(path)
+        self.info: CheckpointContents = read_contents(path)
         self.reader: Reader = open_reader(self.info, trust_pickles=trust_pickles)
         self.names: dict[str, str] = {}
 

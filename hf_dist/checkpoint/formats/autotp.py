@@ -16,15 +16,15 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from hf_dist.checkpoint.formats.contents import CheckpointContents
 from hf_dist.checkpoint.formats.deepspeed import DeepSpeedReader
-from hf_dist.checkpoint.formats.layout import CheckpointLayout
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
 
 REPLICATED, ROW_PARALLEL = "tp_replicated_parameter_patterns", "parameter_with_row_parallelism_patterns"
 
 
 class AutoTPReader(Reader):
-    def __init__(self, info: CheckpointLayout, *, trust_pickles: bool = False) -> None:
+    def __init__(self, info: CheckpointContents, *, trust_pickles: bool = False) -> None:
         super().__init__()
         self.parts = [DeepSpeedReader(info, trust_pickles=trust_pickles, mp_rank=m) for m in range(info.tp_size)]
         first = self.parts[0]
@@ -44,7 +44,7 @@ class AutoTPReader(Reader):
         info.world_size = first.world_size * info.tp_size
         first.release()
 
-    def _split_dims(self, first: DeepSpeedReader, info: CheckpointLayout) -> dict[str, int | None]:
+    def _split_dims(self, first: DeepSpeedReader, info: CheckpointContents) -> dict[str, int | None]:
         """Per tensor: the dim its TP ranks split it along, None when every rank holds it whole."""
         states = first._load(first.model_file0)
         rules = states.get("universal_checkpoint_info") or {}

@@ -21,7 +21,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.formats.layout import CheckpointLayout
+from hf_dist.checkpoint.formats.contents import CheckpointContents
 from hf_dist.checkpoint.formats.names import DCP_METADATA, DCP_SHARD_FILE_RE
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
 from hf_dist.checkpoint.safety.dcp_metadata import load_metadata
@@ -30,7 +30,7 @@ from hf_dist.checkpoint.safety.paths import ConfinedFolder
 
 
 class DCPReader(Reader):
-    def __init__(self, info: CheckpointLayout, *, trust_pickles: bool = False) -> None:
+    def __init__(self, info: CheckpointContents, *, trust_pickles: bool = False) -> None:
         super().__init__()
         self.folder = info.path
         self._data = ConfinedFolder(info.path)

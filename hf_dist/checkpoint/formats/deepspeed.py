@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.formats.layout import CheckpointLayout
+from hf_dist.checkpoint.formats.contents import CheckpointContents
 from hf_dist.checkpoint.formats.names import OPTIM_FILE_RE, PIPELINE_LAYER_GLOB, ZERO3_MODEL_FILE_RE, tp_model_file
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
 from hf_dist.checkpoint.safety.loading import safe_load
@@ -55,7 +55,7 @@ class DeepSpeedReader(Reader):
     """The data-parallel ZeRO checkpoint of one tensor-parallel rank ``mp_rank`` (0: the only one without AutoTP;
     :class:`hf_dist.checkpoint.formats.autotp.AutoTPReader` merges the ranks of an AutoTP checkpoint)."""
 
-    def __init__(self, info: CheckpointLayout, *, trust_pickles: bool = False, mp_rank: int = 0) -> None:
+    def __init__(self, info: CheckpointContents, *, trust_pickles: bool = False, mp_rank: int = 0) -> None:
         super().__init__()
         self.info = info
         self.trust_pickles = trust_pickles

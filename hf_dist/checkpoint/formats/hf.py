@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.formats.layout import CheckpointLayout
+from hf_dist.checkpoint.formats.contents import CheckpointContents
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
 from hf_dist.checkpoint.safety.loading import CorruptCheckpointError, safe_load
 from hf_dist.checkpoint.safety.paths import ConfinedFolder
@@ -31,7 +31,7 @@ MODEL_FILES = ("generation_config.json",)
 class HFReader(Reader):
     """Safetensors (single or sharded, read lazily with ``safe_open``) or ``pytorch_model*.bin``."""
 
-    def __init__(self, info: CheckpointLayout, *, trust_pickles: bool = False) -> None:
+    def __init__(self, info: CheckpointContents, *, trust_pickles: bool = False) -> None:
         super().__init__()
         self.folder = info.path
         self.trust_pickles = trust_pickles
@@ -42,7 +42,7 @@ class HFReader(Reader):
                 self._specs[name] = spec
         self.train_dtype = None
 
-    def _weight_files(self, info: CheckpointLayout) -> list[Path]:
+    def _weight_files(self, info: CheckpointContents) -> list[Path]:
         given = info.files[0]
         if given.name.endswith(".index.json"):
             weight_map = read_weight_map(given)
@@ -98,7 +98,7 @@ class HFReader(Reader):
 class TorchFileReader(HFReader):
     """An FSDP full state dict (``pytorch_model_fsdp.bin``): one torch pickle, memory-mapped."""
 
-    def __init__(self, info: CheckpointLayout, *, trust_pickles: bool = False) -> None:
+    def __init__(self, info: CheckpointContents, *, trust_pickles: bool = False) -> None:
         Reader.__init__(self)
         self.folder = info.path.parent
         self.trust_pickles = trust_pickles

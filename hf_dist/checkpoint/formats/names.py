@@ -1,6 +1,6 @@
 """The one place that names a checkpoint's files: every file name, pattern and glob (per-rank files, DeepSpeed tags,
 DCP shards and metadata, the Trainer's state, hf_dist's markers, the ``checkpoint-N`` folders of an output_dir,
-what only a training run writes). The layout reader (:mod:`hf_dist.checkpoint.formats.layout`), the readers,
+what only a training run writes). The layout reader (:mod:`hf_dist.checkpoint.formats.contents`), the readers,
 writers, markers, resume, reshard and the output-path check ask this module instead of spelling names of their own.
 """
 

@@ -5,7 +5,7 @@ sizes and SHA-256 (:mod:`hf_dist.checkpoint.lifecycle.manifest`), or, without a 
 complete (:mod:`hf_dist.checkpoint.lifecycle.proof`), and that belongs to the run that last trained in the folder
 (:mod:`hf_dist.checkpoint.output.runs`), so ``trainer.train(resume_from_checkpoint=auto_resume(out))`` is always
 safe. Given the run's strategy or ``TrainingArguments`` it also checks that the checkpoint's family
-(:class:`~hf_dist.planning.layout.CheckpointFamily`, read by :func:`hf_dist.checkpoint.formats.layout.read_layout`) is
+(:class:`~hf_dist.planning.layout.CheckpointFamily`, read by :func:`hf_dist.checkpoint.formats.contents.read_contents`) is
 the one that strategy writes and reads, and that a ZeRO checkpoint matches the world size or was resharded.
 """
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.atomic_io import atomic_write_json
-from hf_dist.checkpoint.formats.layout import read_layout
+from hf_dist.checkpoint.formats.contents import read_contents
 from hf_dist.checkpoint.formats.names import (
     LATEST,
     LATEST_UNIVERSAL,
@@ -181,7 +181,7 @@ def write_manifest(
     computed; the rest is hashed here), written atomically; then the note goes. Raises RuntimeError, writing
     nothing, when a rank's files are missing."""
     folder = Path(folder)
-    layout = read_layout(folder, strict=False)
+    layout = read_contents(folder, strict=False)
     missing = layout.missing_rank_files(world_size)
     if missing:
         raise RuntimeError(
@@ -269,7 +269,7 @@ def incomplete_reasons(folder: str | os.PathLike, *, files: Iterable[str] | None
     if unlisted:
         reasons.append(f"{', '.join(unlisted[:3])}{' ...' if len(unlisted) > 3 else ''} not in the manifest "
                        "(written after it: another save or another run)")  # fmt: skip
-    reasons += [f"{what} is missing" for what in read_layout(folder, strict=False).missing_rank_files(
+    reasons += [f"{what} is missing" for what in read_contents(folder, strict=False).missing_rank_files(
         manifest.get("world_size") or 1)]  # fmt: skip
     return reasons + _derived_reasons(folder)
 

@@ -1,7 +1,7 @@
 """A checkpoint without a manifest (a plain Trainer run, an older hf_dist), proved complete from what its strategy
 writes, or not at all.
 
-:func:`unproven_reasons` asks the layout model (:func:`hf_dist.checkpoint.formats.layout.read_layout`) which family
+:func:`unproven_reasons` asks the layout model (:func:`hf_dist.checkpoint.formats.contents.read_contents`) which family
 the folder is and checks that every file that family's save writes is there and readable:
 
 - always: ``trainer_state.json`` naming step N (the Trainer writes it after every other file of the save), the
@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hf_dist.checkpoint.formats.layout import read_layout
+from hf_dist.checkpoint.formats.contents import read_contents
 from hf_dist.checkpoint.formats.names import (
     DCP_METADATA,
     HF_WEIGHT_NAMES,
@@ -49,7 +49,7 @@ def unproven_reasons(folder: str | Path, world_size: int) -> list[str]:
     if (folder / WRITING_NAME).is_file():
         return [f"{WRITING_NAME}: a save was writing into this folder and did not finish"]
     reasons = _trainer_state_reasons(folder) + _size_only_marker_reasons(folder)
-    layout = read_layout(folder, strict=False)
+    layout = read_contents(folder, strict=False)
     ranks = layout.world_size or 1
     if layout.family is CheckpointFamily.FULL:
         ranks = max(world_size, ranks)
@@ -96,13 +96,13 @@ def _deepspeed_holds_scheduler(folder: Path) -> bool:
     from hf_dist.checkpoint.safety.errors import CorruptCheckpointError, UnsafePickleError
 
     try:
-        return DeepSpeedReader(read_layout(folder)).holds_scheduler  # the reader releases its files when built
+        return DeepSpeedReader(read_contents(folder)).holds_scheduler  # the reader releases its files when built
     except (FileNotFoundError, ValueError, CorruptCheckpointError, UnsafePickleError):
         return False
 
 
 def _zero_reasons(folder: Path) -> list[str]:
-    from hf_dist.checkpoint.formats.layout import latest_tag
+    from hf_dist.checkpoint.formats.contents import latest_tag
 
     if not (folder / LATEST).is_file():
         return [f"{LATEST} is missing (DeepSpeed names its tag folder there)"]
@@ -114,7 +114,7 @@ def _zero_reasons(folder: Path) -> list[str]:
 
 def _swap_file_reasons(folder: Path) -> list[str]:
     """ZeRO-Infinity: every rank's swap files as long as the partitions its optimizer file records."""
-    layout = read_layout(folder)
+    layout = read_contents(folder)
     if not (layout.path / "offloaded_tensors").is_dir():
         return []
     from hf_dist.checkpoint.formats.deepspeed import DeepSpeedReader

@@ -30,14 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.atomic_io import atomic_dir, atomic_write_text
-from hf_dist.checkpoint.formats.layout import CheckpointLayout, read_layout
+from hf_dist.checkpoint.formats.contents import CheckpointContents, read_contents
 from hf_dist.checkpoint.formats.names import LATEST_UNIVERSAL, UNIVERSAL_SUFFIX, ZERO_OPTIM
 from hf_dist.checkpoint.lifecycle.manifest import require_match, write_manifest
 from hf_dist.checkpoint.lifecycle.resume_checks import check_autotp_matches, check_strategy_matches, gate_checkpoint
 from hf_dist.checkpoint.safety.paths import PathEscapeError
 
 
-def inspect_checkpoint(checkpoint_dir: str | Path) -> CheckpointLayout:
+def inspect_checkpoint(checkpoint_dir: str | Path) -> CheckpointContents:
     """The layout of ``checkpoint_dir`` (a Trainer ``checkpoint-N`` folder), checked for resharding.
 
     A ZeRO checkpoint must hold its optimizer partitions: without them there is nothing to reshard.
@@ -46,7 +46,7 @@ def inspect_checkpoint(checkpoint_dir: str | Path) -> CheckpointLayout:
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint folder {path} does not exist; pass a Trainer checkpoint-N folder")
     try:
-        layout = read_layout(path)
+        layout = read_contents(path)
     except PathEscapeError:
         raise
     except ValueError as exc:

@@ -2,7 +2,7 @@
 
 - :func:`gate_checkpoint`: the checkpoint loads as its resume will load it (early refusal);
 - :func:`check_resume_compatible`: the checkpoint's family (:class:`~hf_dist.planning.layout.CheckpointFamily`, read
-  by :func:`hf_dist.checkpoint.formats.layout.read_layout`) is the one the run's strategy reads, and a ZeRO
+  by :func:`hf_dist.checkpoint.formats.contents.read_contents`) is the one the run's strategy reads, and a ZeRO
   checkpoint matches the world size or was resharded; :func:`check_strategy_matches` asks it with the strategy of
   the run's ``TrainingArguments`` (:func:`strategy_of_args`);
 - :func:`check_autotp_matches`: a DeepSpeed AutoTP checkpoint is resumed on the layout that wrote it.
@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.formats.layout import CheckpointLayout, read_layout
+from hf_dist.checkpoint.formats.contents import CheckpointContents, read_contents
 from hf_dist.checkpoint.formats.names import LATEST_UNIVERSAL
 from hf_dist.planning.layout import strategy, zero_stage_strategy
 
@@ -93,7 +93,7 @@ def check_resume_compatible(
 ) -> None:
     """Raise RuntimeError when ``strategy_name`` on ``world_size`` ranks cannot load ``checkpoint_dir``."""
     wanted = strategy(strategy_name).checkpoint
-    layout = read_layout(checkpoint_dir, strict=False)
+    layout = read_contents(checkpoint_dir, strict=False)
     if layout.family is not wanted:
         raise RuntimeError(
             f"cannot resume a {strategy_name} run from {checkpoint_dir}:\n"
@@ -123,7 +123,7 @@ def check_resume_compatible(
         )
 
 
-def check_strategy_matches(layout: CheckpointLayout, training_args: Any) -> None:
+def check_strategy_matches(layout: CheckpointContents, training_args: Any) -> None:
     """The family check of ``auto_resume(strategy=...)`` (:func:`check_resume_compatible`), with the strategy
     ``training_args`` asks for."""
     if training_args is None:
@@ -133,7 +133,7 @@ def check_strategy_matches(layout: CheckpointLayout, training_args: Any) -> None
         check_resume_compatible(layout.root, strategy)
 
 
-def check_autotp_matches(layout: CheckpointLayout, training_args: Any, world_size: int) -> None:
+def check_autotp_matches(layout: CheckpointContents, training_args: Any, world_size: int) -> None:
     """DeepSpeed loads an AutoTP checkpoint only at the TP size and world size it was written with."""
     if not layout.family.is_zero or training_args is None:
         return

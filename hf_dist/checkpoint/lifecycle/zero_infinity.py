@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.formats.layout import read_layout
+from hf_dist.checkpoint.formats.contents import read_contents
 from hf_dist.checkpoint.formats.names import optim_file
 from hf_dist.checkpoint.safety.loading import safe_load
 
@@ -117,8 +117,8 @@ def _clone(value: Any) -> Any:
 
 
 def _optim_file(checkpoint_dir: Path, rank: int) -> Path:
-    """This rank's ``*_optim_states.pt`` in the tag :func:`~hf_dist.checkpoint.formats.layout.read_layout` resolves."""
-    tag_dir = read_layout(checkpoint_dir).path
+    """This rank's ``*_optim_states.pt`` in the tag :func:`~hf_dist.checkpoint.formats.contents.read_contents` resolves."""
+    tag_dir = read_contents(checkpoint_dir).path
     path = optim_file(tag_dir, rank)
     if path is not None:
         return path

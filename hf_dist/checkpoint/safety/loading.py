@@ -171,7 +171,7 @@ def _load_dcp_values(folder: Path) -> None:
 
 def _check_confined(root: Path) -> None:
     """No link under ``root`` leads out, and DeepSpeed's ``latest`` names a folder inside it."""
-    from hf_dist.checkpoint.formats.layout import check_tags_confined
+    from hf_dist.checkpoint.formats.contents import check_tags_confined
 
     folder = root if root.is_dir() else root.parent
     check_tree_confined(folder)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_dist.callbacks.resume import CompleteCheckpointCallback
-from hf_dist.checkpoint.formats.layout import read_layout
+from hf_dist.checkpoint.formats.contents import read_contents
 from hf_dist.checkpoint.formats.names import MANIFEST_NAME
 from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
 from hf_dist.checkpoint.lifecycle.manifest import incomplete_reasons, is_complete, write_manifest
@@ -91,7 +91,7 @@ def test_a_checkpoint_missing_a_ranks_files_gets_no_manifest(tmp_path, layout, d
     files = dict(layout)
     del files[dropped]
     ckpt = fake_checkpoint(tmp_path, 4, files)
-    assert read_layout(ckpt, strict=False).missing_rank_files(2)
+    assert read_contents(ckpt, strict=False).missing_rank_files(2)
     with pytest.raises(RuntimeError, match="not complete: missing .*rank 1"):
         seal(ckpt, world_size=2)
     assert not (ckpt / MANIFEST_NAME).exists()
@@ -113,7 +113,7 @@ def test_auto_resume_returns_newest_complete_and_skips_partial(tmp_path):
     ("files", "family", "world"), [(DDP2, "full", 2), (ZERO3, "zero3", 2), (ZERO2, "zero12", 2), (FSDP, "fsdp", 2)]
 )
 def test_layout_detection(tmp_path, files, family, world):
-    layout = read_layout(fake_checkpoint(tmp_path, 1, files), strict=False)
+    layout = read_contents(fake_checkpoint(tmp_path, 1, files), strict=False)
     assert (layout.family.value, layout.world_size) == (family, world)
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from hf_dist.callbacks.resume import ShardedResumeCallback
-from hf_dist.checkpoint.formats.layout import read_layout
+from hf_dist.checkpoint.formats.contents import read_contents
 from hf_dist.checkpoint.formats.names import SHARDED_OPTIM
 from hf_dist.checkpoint.lifecycle import sharded_state
 from hf_dist.planning.layout import CheckpointFamily
@@ -61,11 +61,11 @@ def test_layout_requires_every_ranks_optimizer_shard(tmp_path):
     (tmp_path / "hf_dist_optimizer").mkdir()
     (tmp_path / "hf_dist_optimizer" / ".metadata").write_bytes(b"m")
     (tmp_path / "hf_dist_optimizer" / "__0_0.distcp").write_bytes(b"o")
-    layout = read_layout(tmp_path, strict=False)
+    layout = read_contents(tmp_path, strict=False)
     assert layout.family is CheckpointFamily.FULL  # the weights are a plain HF file; DDP loads them too
     assert layout.missing_rank_files(2) == [f"{SHARDED_OPTIM} of rank 1"]
     (tmp_path / "hf_dist_optimizer" / "__1_0.distcp").write_bytes(b"o")
-    assert read_layout(tmp_path, strict=False).missing_rank_files(2) == []
+    assert read_contents(tmp_path, strict=False).missing_rank_files(2) == []
 
 
 @pytest.fixture

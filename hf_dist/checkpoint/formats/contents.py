@@ -1,6 +1,6 @@
 """What a checkpoint holds, read from its file names alone: the one model of checkpoint layouts.
 
-:func:`read_layout` answers for the converter (``hf-dist convert``/``verify``: which reader opens it),
+:func:`read_contents` answers for the converter (``hf-dist convert``/``verify``: which reader opens it),
 for ``hf-dist reshard`` (how many ranks wrote a ZeRO checkpoint, is there a universal copy) and for
 resuming (the :class:`~hf_dist.planning.layout.CheckpointFamily` a strategy must match, and which rank's
 files are missing). No file is opened; the readers fill in what only the files tell (exact ZeRO stage,
@@ -67,7 +67,7 @@ _OWN_KINDS = {"deepspeed": (ZERO_OPTIM, ZERO3_MODEL), "dcp": (DCP_MODEL,)}
 
 
 @dataclass
-class CheckpointLayout:
+class CheckpointContents:
     """What was found at a path. ``path`` is the folder (or file) holding the tensors, ``root`` the Trainer
     ``checkpoint-N`` folder around it (or ``path`` itself).
 
@@ -129,7 +129,7 @@ class CheckpointLayout:
         return ", ".join(parts) + f" at {self.path}"
 
 
-def read_layout(path: str | Path, *, tag: str | None = None, strict: bool = True) -> CheckpointLayout:
+def read_contents(path: str | Path, *, tag: str | None = None, strict: bool = True) -> CheckpointContents:
     """The layout at ``path``; raise with what was found and what is accepted.
 
     ``strict=False`` (for the resume bookkeeping, which must answer for any ``checkpoint-N`` folder, even a
@@ -151,7 +151,7 @@ def read_layout(path: str | Path, *, tag: str | None = None, strict: bool = True
         except (ValueError, FileNotFoundError):
             if strict:
                 raise
-            layout = CheckpointLayout(None, path, path)
+            layout = CheckpointContents(None, path, path)
     layout.rank_files = _rank_files(layout)
     layout.family = _family(layout)
     world_ranks = layout.rank_files.get(_WORLD_KIND[layout.family])
@@ -171,17 +171,17 @@ def read_layout(path: str | Path, *, tag: str | None = None, strict: bool = True
     return layout
 
 
-def _detect_file(path: Path) -> CheckpointLayout:
+def _detect_file(path: Path) -> CheckpointContents:
     if path.suffix == ".safetensors" or path.name.endswith(".index.json"):
-        return CheckpointLayout("hf", path.parent, path.parent, files=[path])
+        return CheckpointContents("hf", path.parent, path.parent, files=[path])
     if path.suffix in (".bin", ".pt", ".pth"):
-        return CheckpointLayout("fsdp_full", path, path.parent, files=[path])
+        return CheckpointContents("fsdp_full", path, path.parent, files=[path])
     raise ValueError(f"cannot read checkpoint file {path}: expected .safetensors, .bin, .pt or a folder")
 
 
-def _detect_dir(path: Path, tag: str | None) -> CheckpointLayout | None:
+def _detect_dir(path: Path, tag: str | None) -> CheckpointContents | None:
     if (path / DCP_METADATA).is_file():
-        return CheckpointLayout("dcp", path, _outer(path), files=sorted(path.glob("*.distcp")))
+        return CheckpointContents("dcp", path, _outer(path), files=sorted(path.glob("*.distcp")))
     if any(path.glob("*_model_states.pt")) or any(path.glob("*_optim_states.pt")):
         if tag is not None and tag != path.name:
             raise ValueError(f"--tag {tag!r} does not match the DeepSpeed tag folder given ({path.name}); drop --tag")
@@ -197,13 +197,13 @@ def _detect_dir(path: Path, tag: str | None) -> CheckpointLayout | None:
         return _deepspeed_layout(path / _choose_tag(path, tag, tag_dirs), path)
     dcp_dirs = sorted(d for d in path.glob(DCP_DIR_PATTERN) if (d / DCP_METADATA).is_file())
     if dcp_dirs:
-        return CheckpointLayout("dcp", dcp_dirs[0], path, files=sorted(dcp_dirs[0].glob("*.distcp")))
+        return CheckpointContents("dcp", dcp_dirs[0], path, files=sorted(dcp_dirs[0].glob("*.distcp")))
     for name in FSDP_FULL_NAMES:
         if (path / name).is_file():
-            return CheckpointLayout("fsdp_full", path / name, path, files=[path / name])
+            return CheckpointContents("fsdp_full", path / name, path, files=[path / name])
     for name in HF_WEIGHT_NAMES:
         if (path / name).is_file():
-            return CheckpointLayout("hf", path, path, files=[path / name], is_adapter=name.startswith("adapter_"))
+            return CheckpointContents("hf", path, path, files=[path / name], is_adapter=name.startswith("adapter_"))
     return None
 
 
@@ -225,7 +225,7 @@ def _choose_tag(root: Path, tag: str | None, tag_dirs: list[str]) -> str:
     return tag
 
 
-def _deepspeed_layout(tag_dir: Path, root: Path) -> CheckpointLayout:
+def _deepspeed_layout(tag_dir: Path, root: Path) -> CheckpointContents:
     optim_files = sorted(
         (p for p in tag_dir.iterdir() if OPTIM_FILE_RE.match(p.name)),
         key=lambda p: (int(OPTIM_FILE_RE.match(p.name)["rank"]), int(OPTIM_FILE_RE.match(p.name)["mp"])),
@@ -237,7 +237,7 @@ def _deepspeed_layout(tag_dir: Path, root: Path) -> CheckpointLayout:
             "keep only the files of one run"
         )
     prefix = prefixes.pop() if prefixes else ""
-    return CheckpointLayout(
+    return CheckpointContents(
         "deepspeed",
         tag_dir,
         _outer(root) if root == tag_dir else root,
@@ -258,7 +258,7 @@ def _tp_size(tag_dir: Path, optim_files: list[Path]) -> int:
     return len(ranks) or 1
 
 
-def _rank_files(layout: CheckpointLayout) -> dict[str, dict[int, list[Path]]]:
+def _rank_files(layout: CheckpointContents) -> dict[str, dict[int, list[Path]]]:
     """Per-rank files of the checkpoint: in the root, in its known subfolders and in the folder given itself."""
     scans: dict[Path, set[str]] = {}
     if layout.root.is_dir():
@@ -283,7 +283,7 @@ def _rank_files(layout: CheckpointLayout) -> dict[str, dict[int, list[Path]]]:
     return found
 
 
-def _family(layout: CheckpointLayout) -> CheckpointFamily:
+def _family(layout: CheckpointContents) -> CheckpointFamily:
     ranks = layout.rank_files
     if ranks[ZERO3_MODEL]:
         return CheckpointFamily.ZERO3
@@ -322,19 +322,19 @@ def _outer(path: Path) -> Path:
     return path
 
 
-def _nearby_dirs(layout: CheckpointLayout) -> list[Path]:
+def _nearby_dirs(layout: CheckpointContents) -> list[Path]:
     dirs = [layout.path if layout.path.is_dir() else layout.path.parent, layout.root, layout.root.parent]
     return list(dict.fromkeys(dirs))
 
 
-def _find_config_dir(layout: CheckpointLayout) -> Path | None:
+def _find_config_dir(layout: CheckpointContents) -> Path | None:
     for directory in _nearby_dirs(layout):
         if (directory / "config.json").is_file():
             return directory
     return None
 
 
-def _find_step(layout: CheckpointLayout) -> int | None:
+def _find_step(layout: CheckpointContents) -> int | None:
     step = saved_step(layout.root)
     if step is not None:
         return step

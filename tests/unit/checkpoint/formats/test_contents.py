@@ -1,6 +1,6 @@
 import pytest
 
-from hf_dist.checkpoint.formats.layout import read_layout
+from hf_dist.checkpoint.formats.contents import read_contents
 from hf_dist.planning.layout import CheckpointFamily
 
 
@@ -8,7 +8,7 @@ def test_checkpoint_dir_inner_dir_and_tag_dir_are_all_accepted(zero_ckpt):
     root, _ = zero_ckpt
     (root / "trainer_state.json").write_text('{"global_step": 3}')
     for path in (root, root / "global_step3"):
-        info = read_layout(path)
+        info = read_contents(path)
         assert (info.format, info.stage, info.tag, info.step) == ("deepspeed", 3, "global_step3", 3)
         assert info.path == root / "global_step3" and info.config_dir == root and info.train_dtype == "bf16"
 
@@ -16,29 +16,29 @@ def test_checkpoint_dir_inner_dir_and_tag_dir_are_all_accepted(zero_ckpt):
 def test_wrong_tag_lists_available_tags(zero_ckpt):
     root, _ = zero_ckpt
     with pytest.raises(ValueError, match=r"tag 'global_step9' not found .*\['global_step3'\]"):
-        read_layout(root, tag="global_step9")
+        read_contents(root, tag="global_step9")
 
 
 def test_latest_naming_a_missing_tag(zero_ckpt):
     root, _ = zero_ckpt
     (root / "latest").write_text("global_step7")
     with pytest.raises(FileNotFoundError, match=r"latest names tag 'global_step7'.*pass --tag"):
-        read_layout(root)
-    assert read_layout(root, tag="global_step3").tag == "global_step3"
+        read_contents(root)
+    assert read_contents(root, tag="global_step3").tag == "global_step3"
 
 
 def test_trainer_output_dir_gets_a_hint(zero_ckpt):
     root, _ = zero_ckpt
     with pytest.raises(ValueError, match=r"Trainer output_dir, pass one of its checkpoints.*checkpoint-3"):
-        read_layout(root.parent)
+        read_contents(root.parent)
 
 
 def test_missing_path_and_unknown_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        read_layout(tmp_path / "nope")
+        read_contents(tmp_path / "nope")
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(ValueError, match=r"no supported checkpoint found .*notes\.txt.*Expected a DeepSpeed"):
-        read_layout(tmp_path)
+        read_contents(tmp_path)
 
 
 # -- the one layout model: family, world size and per-rank files from file names alone -------------------------
@@ -67,7 +67,7 @@ def test_each_family_and_world_size_from_file_names(tmp_path, names, fmt, family
     root = _touch(tmp_path / "checkpoint-4", *names)
     if "latest" in names:
         (root / "latest").write_text("global_step4")
-    layout = read_layout(root)
+    layout = read_contents(root)
     assert (layout.format, layout.family.value, layout.world_size, layout.step) == (fmt, family, world, 4)
     assert layout.missing_rank_files(world or 1) == []
 
@@ -83,7 +83,7 @@ def test_missing_rank_files_name_the_kind_and_the_rank(tmp_path):
         "global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt",
     )
     (root / "latest").write_text("global_step2")
-    layout = read_layout(root)
+    layout = read_contents(root)
     assert (layout.family, layout.stage, layout.world_size) == (CheckpointFamily.ZERO3, 3, 2)
     assert sorted(layout.rank_files["rng state"]) == [0, 2]
     assert layout.missing_rank_files(2) == [
@@ -96,11 +96,11 @@ def test_missing_rank_files_name_the_kind_and_the_rank(tmp_path):
 def test_lenient_read_answers_for_a_half_written_folder(tmp_path):
     root = _touch(tmp_path / "checkpoint-1", "rng_state_0.pth", "optimizer.pt")
     with pytest.raises(ValueError, match="no supported checkpoint found"):
-        read_layout(root)
-    layout = read_layout(root, strict=False)
+        read_contents(root)
+    layout = read_contents(root, strict=False)
     assert (layout.format, layout.family, layout.world_size) == (None, CheckpointFamily.FULL, 1)
     (root / "latest").write_text("global_step9")  # names a tag that was never written
-    assert read_layout(root, strict=False).format is None
+    assert read_contents(root, strict=False).format is None
 
 
 def test_universal_copy_is_found_and_not_taken_for_a_tag(tmp_path):
@@ -110,9 +110,9 @@ def test_universal_copy_is_found_and_not_taken_for_a_tag(tmp_path):
         "global_step3/zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "global_step3_universal/mp_rank_00_model_states.pt",
     )
-    assert read_layout(root).universal_tag is None
+    assert read_contents(root).universal_tag is None
     (root / "latest_universal").write_text("global_step3_universal")
-    layout = read_layout(root)  # no `latest`: the only tag is global_step3, the universal copy is no tag
+    layout = read_contents(root)  # no `latest`: the only tag is global_step3, the universal copy is no tag
     assert (layout.tag, layout.universal_tag, layout.world_size) == ("global_step3", "global_step3_universal", 1)
 
 
