@@ -221,14 +221,18 @@ def extend_manifest(folder: Path, rels: Iterable[str]) -> None:
 
 
 def read_manifest(folder: Path) -> Any:
-    """The parsed manifest of ``folder``, None when there is none; raises ValueError when it is unreadable."""
-    path = Path(folder) / MANIFEST_NAME
+    """The parsed manifest of ``folder`` (or an older hf_dist's size-only marker), None when there is none; raises
+    ValueError when it is unreadable or a link out of ``folder``. The one parser of the file."""
+    try:
+        path = ConfinedFolder(Path(folder)).path(MANIFEST_NAME)
+    except PathEscapeError as exc:
+        raise ValueError(f"unreadable {MANIFEST_NAME}: {exc}") from None
     if not path.is_file():
         return None
     try:
         return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"unreadable {MANIFEST_NAME}: {exc}") from None
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nesting past the parser's depth
+        raise ValueError(f"unreadable {MANIFEST_NAME}: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 
 def has_manifest(folder: Path) -> bool:

@@ -38,6 +38,7 @@ from hf_dist.checkpoint.formats.names import (
     dcp_folders_without_metadata,
 )
 from hf_dist.checkpoint.formats.trainer_state import TrainerStateError, read_trainer_state
+from hf_dist.checkpoint.lifecycle.manifest import read_manifest
 from hf_dist.checkpoint.safety.paths import ConfinedFolder
 from hf_dist.planning.layout import CheckpointFamily
 
@@ -160,11 +161,10 @@ def _trainer_state_reasons(folder: Path) -> list[str]:
 
 def _size_only_marker_reasons(folder: Path) -> list[str]:
     """An older hf_dist's marker (version 1: sizes only): the sizes it lists, checked."""
-    path = folder / MANIFEST_NAME
     try:
-        marker = json.loads(path.read_text()) if path.is_file() else None
-    except (OSError, ValueError):
-        return [f"unreadable {MANIFEST_NAME}"]
+        marker = read_manifest(folder)
+    except ValueError as exc:
+        return [str(exc)]
     if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
         return []
     reasons = []

@@ -21,6 +21,7 @@ from hf_dist.checkpoint.lifecycle import async_save
 from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
 from hf_dist.checkpoint.lifecycle.manifest import incomplete_reasons, is_complete, read_manifest
 from hf_dist.checkpoint.lifecycle.proof import unproven_reasons
+from hf_dist.checkpoint.safety.paths import PathEscapeError
 from hf_dist.cli.main import main
 
 SAVE = dict(save_strategy="steps", save_steps=2, save_total_limit=5)
@@ -208,3 +209,27 @@ def test_config_force_never_writes_into_a_checkpoint(make_trainer, tmp_path, cap
     assert "is in (or is a file of) a training checkpoint or run folder" in capsys.readouterr().err
     assert target.read_bytes() == before and is_complete(out / "checkpoint-4")
     assert main(["config", "--strategy", "ddp", "--out", str(out / "checkpoint-4" / "ddp.yaml"), "--force"]) == 1
+
+
+@pytest.mark.parametrize("plant", ["link out", "nested", "not json"])
+def test_one_parser_reads_the_manifest_and_a_bad_one_is_one_reason_wherever_it_is_read(tmp_path, plant):
+    """The proof of a checkpoint without a manifest parsed the file itself (issue 38); now read_manifest is the one
+    parser: a manifest linked out of its folder, nested past the parser's depth or not JSON is one reason, both where
+    a manifest is checked and where an older size-only marker is."""
+    ckpt = tmp_path / "checkpoint-2"
+    ckpt.mkdir()
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text(json.dumps({"version": 2, "files": {}}))
+    if plant == "link out":
+        (ckpt / MANIFEST_NAME).symlink_to(outside)
+    else:
+        (ckpt / MANIFEST_NAME).write_text("[" * 100_000 if plant == "nested" else "{not json")
+    with pytest.raises(ValueError, match=f"unreadable {MANIFEST_NAME}: ") as caught:
+        read_manifest(ckpt)
+    assert len(str(caught.value).splitlines()) == 1 and len(str(caught.value)) < 400
+    assert incomplete_reasons(ckpt) == [str(caught.value)]
+    if plant == "link out":  # the proof's confinement check of every file refuses the folder outright
+        with pytest.raises(PathEscapeError, match="outside the checkpoint"):
+            unproven_reasons(ckpt, 1)
+    else:
+        assert str(caught.value) in unproven_reasons(ckpt, 1)
