@@ -11,6 +11,8 @@ Rules, in order (each candidate's ``reason`` says which one decided):
    DeepSpeed: FSDP2 is native to the Trainer on transformers 5 (no extra dependency, DCP
    checkpoints). DeepSpeed ZeRO wins when it is cheaper (ZeRO-1/2 all-gather once per optimizer step)
    or when only the optimizer must be offloaded (FSDP2 offloads parameters and optimizer together).
+5. A layout with more sharding or parallelism beats a simpler one only by more than the throughput model's measured
+   error (``choice.LAYOUT_ERROR``, 15 %).
 Each (strategy, offload, checkpointing, Liger, tp/cp/sp sizes) uses the micro-batch that fits with the highest
 estimated tokens/s; gradient accumulation keeps the global batch: global = micro * accumulation * dp, dp being
 the data-parallel size (world / (tp * cp * sp)). Tensor / context / sequence parallelism and NVMe offload are
