@@ -17,6 +17,7 @@ from typing import Any
 from hf_dist.checkpoint.conversion import conversion_plan, transform
 from hf_dist.checkpoint.formats.contents import CheckpointContents, read_contents
 from hf_dist.checkpoint.formats.hf import config_dir, side_file
+from hf_dist.checkpoint.formats.names import MANIFEST_NAME
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
 from hf_dist.checkpoint.lifecycle.manifest import require_match
 from hf_dist.checkpoint.output.paths import check_output_path
@@ -42,6 +43,7 @@ class ConversionReport:
     files: list[str] = field(default_factory=list)
     dropped_tied: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    unverified: str = ""  # why the content read could not be shown to be what the run wrote (no manifest)
 
     def summary(self) -> str:
         lines = [
@@ -52,6 +54,8 @@ class ConversionReport:
         ]
         if self.dropped_tied:
             lines.append(f"tied:  {', '.join(self.dropped_tied)} written once (tied to its source)")
+        if self.unverified:
+            lines.append(f"note:  {self.unverified}")
         return "\n".join(lines)
 
 
@@ -157,6 +161,26 @@ def _report(
         files=files,
         dropped_tied=conversion.dropped_tied,
         seconds=seconds,
+        unverified=_unverified(info),
+    )
+
+
+def _unverified(info: Any) -> str:
+    """What a sharded checkpoint without hf_dist's manifest leaves unproven: each file's length and header are
+    checked, but not that the files are the ones the run wrote (the manifest's hashes would show that)."""
+    from hf_dist.checkpoint.lifecycle.manifest import read_manifest
+
+    if info.format not in ("deepspeed", "dcp") or info.path.is_file():
+        return ""
+    try:
+        if read_manifest(info.root) is not None:
+            return ""  # open_reader matched every file to it
+    except ValueError:
+        return ""  # refused by open_reader already
+    return (
+        f"not verified: {info.root} has no {MANIFEST_NAME} (written under hf_dist.callbacks.attach), so nothing shows "
+        "its rank files are the ones the run wrote; lengths and headers were checked, but two ranks' files exchanged, "
+        "or a partition overwritten with as many other values, convert as read"
     )
 
 

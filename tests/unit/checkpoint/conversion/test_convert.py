@@ -7,6 +7,7 @@ from safetensors.torch import load_file, save_file
 
 from hf_dist.checkpoint.conversion.convert import convert
 from hf_dist.checkpoint.conversion.verify import verify
+from hf_dist.checkpoint.formats.names import MANIFEST_NAME
 from hf_dist.checkpoint.output.paths import UnsafeOutputError
 from hf_dist.cli.main import main
 
@@ -224,3 +225,19 @@ def test_disk_full_up_front_and_while_writing_leave_nothing(zero_ckpt, tmp_path,
     ):
         convert(root, tmp_path / "out", dtype="fp32", progress=False)
     assert len(calls) == 3 and sorted(os.listdir(tmp_path)) == ["checkpoint-3"]  # no DST, no temp folder
+
+
+def test_a_sharded_checkpoint_without_a_manifest_converts_and_says_it_could_not_be_verified(
+    zero_ckpt, tmp_path, capsys
+):
+    """Issue 38: same-length but wrong rank files in a checkpoint without a manifest converted silently. The files
+    alone cannot show it; the conversion now says so, and with the manifest of the save it is not said."""
+    from hf_dist.checkpoint.lifecycle.manifest import write_manifest
+
+    root, _ = zero_ckpt
+    assert main(["convert", str(root), str(tmp_path / "plain"), "--no-progress"]) == 0
+    note = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:  not verified: ")]
+    assert len(note) == 1 and f"has no {MANIFEST_NAME}" in note[0] and "two ranks' files exchanged" in note[0]
+    write_manifest(root, hashed={}, world_size=2)
+    report = convert(root, tmp_path / "marked", progress=False)
+    assert report.unverified == "" and "not verified" not in report.summary()
