@@ -245,7 +245,7 @@ CATALOG: dict[str, Entry] = {
     ),
     "python benchmarks/convert_bench.py --sizes 150M 500M --runs 3": CannotRun(
         "a benchmark: trains and converts 148M and 494M-parameter checkpoints 3 times each (tens of minutes)",
-        output=("docs/convert.md", "Checkpoints: Llama, vocab 32000, head_dim 64, 14 layers"),
+        output=("docs/measurements.md", "Checkpoints: Llama, vocab 32000, head_dim 64, 14 layers"),
     ),
     # -- docs/recipes.md: packing ---------------------------------------------------------------------------------
     "pip install -e .[bench]": CannotRun(
