@@ -43,8 +43,8 @@ def auto_args(model: Any, request: PlanRequest | None = None, **overrides: Any) 
     ``PeftModel``'s own LoRA is planned, and ``peft_config=`` (a PEFT ``LoraConfig``) plans one before the model exists.
     Plan keywords (the fields of :class:`~hf_dist.planning.request.PlanRequest` but ``features``, each with its help
     text there; or ``request``, a ``PlanRequest``, whose fields set to other than their defaults count as keywords of
-    the same names, a field given both ways with different values refused) go to the planner (``verify=True`` traces the chosen layout on the real
-    model with fake tensors and takes the next one if the trace does not fit) (``use_liger_kernel``
+    the same names, a field given both ways with different values refused) go to the planner (``verify=True`` traces
+    the chosen layout on the real model with fake tensors and takes the next one if the trace does not fit) (``use_liger_kernel``
     pins the TrainingArguments flag of the same name; by default the planner turns it on where it
     helps); ``plan=`` passes a ready :class:`~hf_dist.planning.planner.Plan`
     instead. ``wrap_classes`` overrides FSDP wrap-class detection, ``cpu_adam=False`` keeps a torch
@@ -78,9 +78,9 @@ def auto_args(model: Any, request: PlanRequest | None = None, **overrides: Any) 
     asked = read_request(overrides, request)  # 1. the keywords sorted: planner, auto_args', TrainingArguments'
     plan = _plan(model, asked)  # 2. the plan
     plan = _with_wrap_classes(plan, model, asked.own)  # 3. the FSDP wrap classes, recorded in the plan
-    ours = _generate(plan, asked, features)  # the plan as TrainingArguments kwargs
-    final, merge_conflicts = _merge(plan, ours, asked)  # 4. the user's fields merged in
-    validate(  # 5. every contradiction at once, before anything touches the model
+    ours = _generate(plan, asked, features)  # 4. the plan as TrainingArguments kwargs
+    final, merge_conflicts = _merge(plan, ours, asked)  # 5. the user's fields merged in
+    validate(  # 6. every contradiction at once, before anything touches the model
         plan,
         asked,
         final,
@@ -90,8 +90,8 @@ def auto_args(model: Any, request: PlanRequest | None = None, **overrides: Any) 
         cpu_ranks=cpu_ranks(),
         engine_on_cpu=_engine_on_cpu(plan, asked),
     )
-    _prepare(model, plan, final, asked)  # 6. the model and the live objects
-    planned.remember(plan)  # 7. where attach(trainer) finds it
+    _prepare(model, plan, final, asked)  # 7. the model and the live objects
+    planned.remember(plan)  # 8. where attach(trainer) finds it
     return final
 
 
