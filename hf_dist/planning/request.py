@@ -203,10 +203,10 @@ def add_request_flags(parser: argparse.ArgumentParser) -> None:
         elif f.default is False:
             kwargs["action"] = "store_true"
         else:
-            kwargs.update(type=_type(f), default=f.default, metavar=flag.removeprefix("--").replace("-", "_").upper())
+            kwargs.update(type=_type(f), default=f.default)
             kwargs.update({k: meta[k] for k in ("choices", "nargs", "metavar") if k in meta})
-            if "choices" in meta:
-                del kwargs["metavar"]
+            if "choices" not in meta:  # argparse lists the choices in place of a metavar
+                kwargs.setdefault("metavar", flag.removeprefix("--").replace("-", "_").upper())
         groups[meta["section"]].add_argument(flag, **kwargs)
 
 
