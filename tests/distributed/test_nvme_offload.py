@@ -174,7 +174,7 @@ def test_losses_match_the_cpu_offload_run(runs):
         assert abs(a - b) <= LOSS_RTOL * abs(b), (nvme["losses"], cpu["losses"])
 
 
-def test_checkpoint_holds_the_swapped_state_and_converts(runs, tmp_path):
+def test_checkpoint_holds_the_swapped_state_and_converts(runs, tmp_path, capsys):
     from safetensors.torch import load_file
 
     from hf_dist.checkpoint.conversion.convert import convert
@@ -187,6 +187,10 @@ def test_checkpoint_holds_the_swapped_state_and_converts(runs, tmp_path):
         assert len(swapped) == 3 and all(name.endswith(".tensor.swp") for name in swapped), swapped
     out = tmp_path / "hf"
     assert main(["convert", checkpoint, str(out)]) == 0
+    # no manifest (the run was not under attach): every master read from the swap files was compared with the weights
+    # the Trainer gathered at the same save
+    checked = [line for line in capsys.readouterr().out.splitlines() if line.startswith("checked: ")]
+    assert len(checked) == 1 and "equal the weights the Trainer gathered" in checked[0], checked
     converted, gathered = load_file(out / "model.safetensors"), load_file(f"{checkpoint}/model.safetensors")
     assert converted.keys() == gathered.keys()
     for name, tensor in gathered.items():  # the fp32 masters read from the swap files, bit-equal
@@ -223,6 +227,8 @@ def test_a_truncated_or_altered_swap_file_never_reaches_deepspeed(runs, tmp_path
     refused by auto_resume and convert, naming it; without one, a truncated file is refused by the layout's proof
     (the length its partition needs), never handed to DeepSpeed."""
     from hf_dist.checkpoint.conversion.convert import convert
+    from hf_dist.checkpoint.conversion.gathered import GatheredCopyMismatch
+    from hf_dist.checkpoint.formats.names import MANIFEST_NAME
     from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
     from hf_dist.checkpoint.safety.errors import CorruptCheckpointError
     from tests.unit.checkpoint.fakes import seal
@@ -245,6 +251,12 @@ def test_a_truncated_or_altered_swap_file_never_reaches_deepspeed(runs, tmp_path
     with pytest.raises(RuntimeError, match=rf"(?s)none can be proven complete.*{rel} differs from the manifest"):
         auto_resume(altered.parent, world_size=2)
     with pytest.raises(CorruptCheckpointError, match=rf"does not match its hf_dist_complete.json: {rel} differs"):
+        convert(altered, tmp_path / "hf", progress=False)
+    assert not (tmp_path / "hf").exists()
+    # without the manifest, the master read from the altered swap file differs from the weights the Trainer gathered
+    # beside it at the same save: refused too (issue 38), where it converted silently before
+    (altered / MANIFEST_NAME).unlink()
+    with pytest.raises(GatheredCopyMismatch, match=r"read from the rank files differs from its copy in .*model"):
         convert(altered, tmp_path / "hf", progress=False)
     assert not (tmp_path / "hf").exists()
 

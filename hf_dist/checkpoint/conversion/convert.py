@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.checkpoint.conversion import conversion_plan, transform
+from hf_dist.checkpoint.conversion.gathered import GatheredCheck, checked_reader
 from hf_dist.checkpoint.formats.contents import CheckpointContents, read_contents
 from hf_dist.checkpoint.formats.hf import config_dir, side_file
 from hf_dist.checkpoint.formats.names import MANIFEST_NAME
@@ -44,6 +45,7 @@ class ConversionReport:
     dropped_tied: list[str] = field(default_factory=list)
     seconds: float = 0.0
     unverified: str = ""  # why the content read could not be shown to be what the run wrote (no manifest)
+    checked: str = ""  # what the content read was compared with instead (gathered weights beside the rank files)
 
     def summary(self) -> str:
         lines = [
@@ -54,6 +56,8 @@ class ConversionReport:
         ]
         if self.dropped_tied:
             lines.append(f"tied:  {', '.join(self.dropped_tied)} written once (tied to its source)")
+        if self.checked:
+            lines.append(f"checked: {self.checked}")
         if self.unverified:
             lines.append(f"note:  {self.unverified}")
         return "\n".join(lines)
@@ -124,6 +128,8 @@ def convert(
             info, specs, adapter=adapter, merge_adapter=merge_adapter, trust_remote_code=trust_remote_code
         )
         out_specs = _output_specs(conversion, reader.train_dtype, dtype)
+        if unverified := _unverified(info):
+            reader = checked_reader(info, reader, _unchanged_sources(conversion), trust_pickles=trust_pickles)
         if to == "dcp":
             from hf_dist.checkpoint.write.dcp import write_dcp
 
@@ -133,7 +139,18 @@ def convert(
             files = _write_hf(info, reader, conversion, out_specs, dst, max_shard_size, tokenizer, overwrite, progress)
     finally:
         reader.close()
-    return _report(info, dst, to, conversion, out_specs, files, time.perf_counter() - start)
+    report = _report(info, dst, to, conversion, out_specs, files, time.perf_counter() - start)
+    if isinstance(reader, GatheredCheck) and reader.checked:
+        report.checked = reader.note(report.num_tensors)
+        report.unverified = "" if len(reader.checked) == report.num_tensors else unverified
+    else:
+        report.unverified = unverified
+    return report
+
+
+def _unchanged_sources(conversion: Any) -> dict[str, list[str]]:
+    """Each output tensor built from one source tensor without a merge, and that source."""
+    return {out: t.sources for out, t in conversion.tensors.items() if t.merge is None and len(t.sources) == 1}
 
 
 def _output_specs(conversion: Any, train_dtype: Any, dtype: str) -> dict[str, TensorSpec]:
@@ -161,7 +178,6 @@ def _report(
         files=files,
         dropped_tied=conversion.dropped_tied,
         seconds=seconds,
-        unverified=_unverified(info),
     )
 
 

@@ -241,3 +241,34 @@ def test_a_sharded_checkpoint_without_a_manifest_converts_and_says_it_could_not_
     write_manifest(root, hashed={}, world_size=2)
     report = convert(root, tmp_path / "marked", progress=False)
     assert report.unverified == "" and "not verified" not in report.summary()
+
+
+def test_a_checkpoint_without_a_manifest_is_checked_against_the_weights_the_trainer_gathered_beside_it(
+    zero_ckpt, tmp_path, capsys
+):
+    """Issue 38: where a ZeRO checkpoint without a manifest also holds the Trainer's gathered weights
+    (model.safetensors beside global_step3/), every tensor read from the rank files is compared with its gathered
+    copy. Two ranks' same-length optimizer files exchanged (which converted silently before) are refused, naming a
+    tensor, and nothing is written."""
+    root, state = zero_ckpt
+    save_file({k: v.to(torch.bfloat16) for k, v in state.items()}, root / "model.safetensors")
+    report = convert(root, tmp_path / "checked", progress=False)
+    total = len(state)
+    assert report.checked.startswith(f"{total} of the {total} tensors written, read from the rank files, equal")
+    assert report.unverified == "" and "not verified" not in report.summary()
+    assert f"checked: {total} of the {total}" in report.summary()
+
+    # the fp32 output would be copied file to file; under the check every tensor is read and compared
+    assert convert(root, tmp_path / "fp32", dtype="fp32", progress=False).checked == report.checked
+
+    tag = root / "global_step3"
+    rank0, rank1 = (tag / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))
+    assert rank0.stat().st_size == rank1.stat().st_size
+    rank0.rename(tag / "swap")
+    rank1.rename(rank0)
+    (tag / "swap").rename(rank1)
+    assert main(["convert", str(root), str(tmp_path / "exchanged"), "--no-progress"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "read from the rank files differs from its copy in" in err[0], err
+    assert "max difference" in err[0] and "Nothing was written" in err[0]
+    assert sorted(os.listdir(tmp_path)) == ["checked", "checkpoint-3", "fp32"]  # no output, no temp folder
