@@ -12,7 +12,8 @@ sampler (seed 42), AdamW lr 5e-5 linear, 2 steps, fp32. The SP run is ZeRO-1 wit
 share one sample per step, each attending over half of its tokens after DeepSpeed's all-to-all.
 Micro-batch 1 because micro-batch 2 fails in transformers' loss on CPU ranks: DeepSpeed's SP data adapter keeps each
 rank's slice as a strided view there (docs/parallelism.md).
-Rank 0 writes the losses, grad norms and the sequence length the embedding layer saw on each rank. ``--packed``:
+Rank 0 writes the losses, grad norms, the eval loss over 4 of the rows (not ``--packed``) and the sequence lengths
+the embedding layer saw in training and in evaluation. ``--packed``:
 variable-length sequences packed into the rows instead (one process: transformers' own packed-sequence mask; SP: the
 document-aware sdpa over each gathered row).
 """
@@ -106,8 +107,14 @@ def main() -> None:
         disable_tqdm=True,
         **kwargs,
     )
-    trainer = Trainer(model=model, args=training_args, train_dataset=dataset, data_collator=collator)
+    eval_dataset = None if args.packed else fixed_rows()[:4]
+    trainer = Trainer(
+        model=model, args=training_args, train_dataset=dataset, eval_dataset=eval_dataset, data_collator=collator
+    )
     trainer.train()
+    train_seq_lens = sorted(set(seen))
+    seen.clear()
+    eval_loss = trainer.evaluate()["eval_loss"] if eval_dataset else None
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     report = {
         "world_size": trainer.accelerator.num_processes,
@@ -116,8 +123,10 @@ def main() -> None:
         "total_train_batch_size": trainer.get_total_train_batch_size(training_args),
         "losses": [float(e["loss"]) for e in logs],
         "grad_norms": [float(e["grad_norm"]) for e in logs],
-        "embedding_seq_lens": sorted(set(seen)),
+        "embedding_seq_lens": train_seq_lens,
+        "eval_seq_lens": sorted(set(seen)),
         "attn_implementation": model.config._attn_implementation,
+        "eval_loss": eval_loss,
     }
     if trainer.is_world_process_zero():
         if args.sp:  # ZeRO-1 keeps whole weights in every rank's module: the reference for the conversion
