@@ -12,6 +12,7 @@ import pytest
 
 from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
 from hf_dist.checkpoint.lifecycle.manifest import checkpoint_files, incomplete_reasons, is_complete, read_manifest
+from hf_dist.checkpoint.lifecycle.reshard import reshard
 from hf_dist.checkpoint.safety.paths import PathEscapeError
 from hf_dist.cli.main import main
 from tests.unit.checkpoint.fakes import make_trainer_zero_checkpoint, seal
@@ -53,7 +54,8 @@ def test_a_tag_folder_linked_to_a_temporary_folder_is_hashed_through_the_link(tm
 
 def test_latest_naming_a_temporary_folder_is_listed_and_refused(tmp_path, tiny_state, capsys):
     """``latest`` names ``.global_step4.tmp``: the manifest lists that folder's shards (not only the JSON files), and
-    reading the checkpoint refuses the tag: auto_resume, convert and the manifest check, in one line each."""
+    reading the checkpoint refuses the tag: auto_resume (at the same and at another world size), reshard (in place and
+    into a copy), convert and the manifest check, in one line each."""
     ckpt = make_trainer_zero_checkpoint(tmp_path, tiny_state, 4)
     (ckpt / "global_step4").rename(ckpt / ".global_step4.tmp")
     (ckpt / "latest").write_text(".global_step4.tmp")
@@ -68,6 +70,12 @@ def test_latest_naming_a_temporary_folder_is_listed_and_refused(tmp_path, tiny_s
         incomplete_reasons(ckpt)
     with pytest.raises(PathEscapeError, match=said):
         auto_resume(tmp_path, announce=False)
+    with pytest.raises(PathEscapeError, match=said):  # resuming on another world size: the reshard path
+        auto_resume(tmp_path, world_size=3, announce=False)
+    for copy in (None, tmp_path / "copy"):
+        with pytest.raises(PathEscapeError, match=said):
+            reshard(ckpt, copy)
+    assert not (tmp_path / "copy").exists()
     out = tmp_path / "hf"
     assert main(["convert", str(ckpt), str(out), "--no-progress"]) == 1
     err = capsys.readouterr().err.strip()

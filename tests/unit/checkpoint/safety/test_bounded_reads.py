@@ -64,5 +64,6 @@ def test_auto_resume_skips_such_a_checkpoint_naming_why(manifest, tmp_path, tiny
         seal(crafted, world_size=1, step=3)
     with caplog.at_level("WARNING"):
         assert auto_resume(crafted.parent) == str(good)
+        assert auto_resume(crafted.parent, world_size=3) == str(good)  # DCP resumes at any world size: same check
     assert f"skipping {crafted}: " in caplog.text
     assert f"refusing to read DCP metadata {metadata}: expected 1099511627776 bytes" in caplog.text
