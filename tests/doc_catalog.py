@@ -180,7 +180,7 @@ CATALOG: dict[str, Entry] = {
     ),
     "hf-dist bench --nproc 2 --steps 5 --warmup 2 --json bench.json --autotune best.yaml": CannotRun(
         "a benchmark: 12 launches, 2 min 45 s on 2 idle cores; its 4-launch form is the next line",
-        output=("docs/bench.md", "wrote best.yaml (ddp)"),
+        output=("docs/measurements.md", "wrote best.yaml (ddp)"),
     ),
     "hf-dist bench --nproc 2 --strategies ddp,fsdp_full_shard --steps 2 --warmup 1 --seq-len 32 --autotune "
     "best.yaml --json bench.json": RanBy("tests/distributed/test_bench.py::test_bench_cli_measures_and_autotunes"),
@@ -253,7 +253,7 @@ CATALOG: dict[str, Entry] = {
     ),
     "nice -n 5 python benchmarks/packing.py": CannotRun(
         "a benchmark: three 2-rank runs on 4,017 real conversations at seq_len 2,048 (21 min on 2 shared cores)",
-        output=("docs/recipes.md", "| recipe packed (`sft.py --dataset chat.jsonl`) | 7,746 | 3.07x |"),
+        output=("docs/measurements.md", "| recipe packed (`sft.py --dataset chat.jsonl`) | 7,746 | 3.07x |"),
     ),
     "python -m pytest -q tests/unit/checkpoint": SUITE,
     "python -m pytest -q tests/distributed/test_convert.py": SUITE,
