@@ -12,8 +12,9 @@ check, and ``ok`` is believed only while ``beats`` moves. The rank that finds th
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
+
+from hf_dist.runtime.bootstrap import round_name
 
 logger = logging.getLogger("hf_dist")
 
@@ -45,8 +46,8 @@ class ProgressBoard:
                                "is judged alone", exc)  # fmt: skip
         if store is None:
             store = dist.HashStore()
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted job may reuse the store
-        return cls(dist.PrefixStore(f"hf_dist_watchdog/attempt_{attempt}", store))
+        # a restarted job may reuse the store: keyed by the launch round all ranks agree on
+        return cls(dist.PrefixStore(f"hf_dist_watchdog/{round_name()}", store))
 
     def report(self, ok: bool) -> None:
         """Whether this rank makes progress within its allowance; counted on each change, and beating while ok."""

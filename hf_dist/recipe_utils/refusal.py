@@ -55,7 +55,9 @@ def refusal_text(refusal: RecipeRefusal) -> str:
 
 
 def run_recipe(main: Callable[[], Any]) -> None:
-    """A recipe's ``if __name__ == "__main__"``: ``main()``, then the process group torn down on every rank together.
+    """A recipe's ``if __name__ == "__main__"``: under torchrun the process group started for restarts
+    (:func:`~hf_dist.runtime.bootstrap.init_distributed_for_restarts`), ``main()``, then the group torn down on every
+    rank together.
 
     A :class:`RecipeRefusal` is said once, to stderr, and the rank exits with status :data:`REFUSAL_EXIT`, leaving the
     process group without waiting for the others. Rank 0 says it at once. Every rank refuses the same arguments, so
@@ -63,8 +65,10 @@ def run_recipe(main: Callable[[], Any]) -> None:
     other ranks, and a rank that exited first would have had rank 0 stopped before it spoke. A rank still running
     after the grace period met a refusal rank 0 did not, and says it itself.
     """
+    from hf_dist.runtime.bootstrap import init_distributed_for_restarts
     from hf_dist.runtime.dist import shutdown
 
+    init_distributed_for_restarts()  # under torchrun: a restart round cannot read a dead round's rendezvous keys
     try:
         main()
     except RecipeRefusal as refusal:

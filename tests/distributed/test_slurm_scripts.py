@@ -9,7 +9,8 @@ for the repository root, with recipe flags appended as ``sbatch SCRIPT FLAGS...`
 Each script trains the embedded default recipe 3 steps with ``--save_steps 2`` (checkpoints 2 and 3), then runs again
 as a requeue does (same job id, so the same ``out/<job id>``) with ``--max_steps 5``: the second run must say
 ``[hf_dist] resuming from out/<id>/checkpoint-3`` and end at step 5. The accelerate script runs its default
-``hsdp_2node.yaml``, whose 2 x 8 mesh the script refits to the 2 x 2 allocation (an HSDP (2, 2) mesh).
+``hsdp_2node.yaml``, whose 2 x 8 mesh the script refits to the 2 x 2 allocation (an HSDP (2, 2) mesh). The torchrun
+script also survives a rank killed inside the job (``--max_restarts``), with the lifecycle script as its ``SCRIPT``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.distributed
 
 STANDINS = Path(__file__).parent / "scripts" / "slurm_standins"
 SLURM = REPO_ROOT / "examples" / "slurm"
+LIFECYCLE = REPO_ROOT / "tests" / "distributed" / "scripts" / "lifecycle_train.py"
 TIMEOUT_S = 300
 RECIPE = ("--tiny_hidden_size", "64", "--num_train_examples", "64", "--num_eval_examples", "8", "--save_steps", "2")
 # script -> (GPUs per node, recipe flags of that launch on CPU)
@@ -40,10 +42,12 @@ SCRIPTS = {
 }
 
 
-def sbatch(script: str, ws: Path, job_id: str, gpus: int, *flags: str) -> tuple[int, str]:
-    """Run ``script`` as sbatch would on a 2-node allocation of ``gpus`` per node; (exit code, its output)."""
+def sbatch(script: str, ws: Path, job_id: str, gpus: int, *flags: str, env: dict | None = None) -> tuple[int, str]:
+    """Run ``script`` as sbatch would on a 2-node allocation of ``gpus`` per node, with ``env`` added to SLURM's
+    variables; (exit code, its output)."""
     env = cpu_env(
         {
+            **(env or {}),
             "PATH": os.pathsep.join([str(STANDINS), str(Path(sys.executable).parent), os.environ["PATH"]]),
             "SLURM_JOB_ID": job_id,
             "SLURM_JOB_NAME": "hf-dist",
@@ -68,10 +72,10 @@ def sbatch(script: str, ws: Path, job_id: str, gpus: int, *flags: str) -> tuple[
     return proc.returncode, log.read_text()
 
 
-def run_job(script: str, ws: Path, job_id: str, gpus: int, *flags: str) -> str:
-    code, text = sbatch(script, ws, job_id, gpus, *flags)
+def run_job(script: str, ws: Path, job_id: str, gpus: int, *flags: str, env: dict | None = None) -> str:
+    code, text = sbatch(script, ws, job_id, gpus, *flags, env=env)
     if code != 0 and GLOO_ABORT in text:  # gloo's rare abort at exit (hf_dist.testing.GLOO_ABORT): once more
-        code, text = sbatch(script, ws, job_id, gpus, *flags)
+        code, text = sbatch(script, ws, job_id, gpus, *flags, env=env)
     assert code == 0, f"{script} exited {code}:\n{text[-6000:]}"
     return text
 
@@ -100,6 +104,20 @@ def test_sbatch_script_trains_on_two_nodes_and_a_requeue_resumes(script, tmp_pat
     if gpus > 1:  # hsdp_2node.yaml's 2 x 8 mesh, refitted by the script to 2 x 2: FSDP2 on 4 ranks, both runs
         for text in (first, second):
             assert "[hf_dist] running fsdp_full_shard (fsdp2, LlamaForCausalLM)" in text, text[-3000:]
+
+
+def test_torchrun_script_restarts_a_rank_killed_inside_the_job_and_resumes(tmp_path):
+    """kill -9 inside a job, not a requeue: rank 1 SIGKILLs itself at the end of step 3 (the lifecycle script as the
+    sbatch script's ``SCRIPT``). The script's ``--max_restarts 3`` restarts both nodes' workers in the same job (c10d
+    rendezvous), and the new attempt resumes from checkpoint-2 and ends at step 6."""
+    job = "4343"
+    out = tmp_path / "out" / job
+    flags = ("--max-steps", "6", "--save-steps", "2", "--kill", "3:1")
+    text = run_job("torchrun_multinode.sbatch", tmp_path, job, 1, *flags, env={"SCRIPT": str(LIFECYCLE)})
+    attempts = [json.loads(line) for line in (out / "attempts.jsonl").read_text().splitlines()]
+    assert (out / "killed_step_3").exists(), text[-3000:]
+    assert [a["resume"] for a in attempts] == [None, f"out/{job}/checkpoint-2"], (attempts, text[-3000:])
+    assert json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())["global_step"] == 6
 
 
 def test_accelerate_script_refuses_a_mesh_the_allocation_cannot_hold(tmp_path):

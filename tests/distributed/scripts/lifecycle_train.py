@@ -9,7 +9,8 @@ the middle of checkpoint-STEP's save, after the model and optimizer files, befor
 ``--packed`` trains on packed conversations and logs the conversation ids each step of each rank trained on.
 ``--hang STEP:RANK`` blocks RANK at STEP's start in the first attempt; ``--slow-save STEP:RANK:SECONDS`` and
 ``--slow-first-step SECONDS`` make a save and the first step after a resume slow, for the hang watchdog's phases.
-Every attempt resumes with ``hf_dist.auto_resume`` and appends what it saw to ``attempts.jsonl``.
+Every attempt resumes with ``hf_dist.auto_resume`` and appends what it saw to ``attempts.jsonl``. It takes the
+``--output_dir DIR --resume_from_checkpoint auto`` the SLURM scripts pass a recipe, so it runs as their ``SCRIPT``.
 """
 
 from __future__ import annotations
@@ -155,7 +156,12 @@ def main(argv: list[str] | None = None) -> None:
     """One Trainer run; the process group stays up (scripts/runs.py runs several in one launch)."""
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` prints where a hung rank is
     parser = argparse.ArgumentParser()
-    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--output-dir", "--output_dir", dest="output_dir", required=True)
+    parser.add_argument(
+        "--resume_from_checkpoint",
+        choices=["auto"],
+        help="what examples/slurm's scripts pass to the recipe; every attempt here resumes with auto_resume anyway",
+    )
     parser.add_argument("--max-steps", type=int, default=8)
     parser.add_argument("--save-steps", type=int, default=2)
     parser.add_argument("--kill", action="append", default=[], type=parse_kill)
