@@ -212,15 +212,12 @@ def staging_per_node(s: Setup, combo: Combo, mem: MemoryEstimate) -> int:
 
 def candidate(s: Setup, combo: Combo) -> Candidate:
     layout = combo.layout(s.hw)
-    extra = dict(tp_size=combo.tp, cp_size=combo.cp, sp_size=combo.sp, offload_device="nvme" if combo.nvme else "cpu")
-    extra["sync_each_batch"] = combo.sync
-    strategy, offload, ckpt, liger = combo.strategy, combo.offload, combo.ckpt, combo.liger
     try:
         limit = micro_batch_limit(s.hw.device, combo.sp)
         mbs = micro_batch_options(s.global_batch, s.micro_batch, layout.dp_size, limit)
     except ValueError as e:
         mem = estimate(s, combo, s.micro_batch or 1)
-        return Candidate(strategy, offload, ckpt, s.micro_batch or 1, mem, False, str(e), None, liger, **extra)
+        return Candidate(combo, s.micro_batch or 1, mem, False, str(e), None)
     largest = estimate(s, combo, mbs[-1])
     staging = staging_per_node(s, combo, largest)
     host_need = largest.cpu * s.hw.gpus_per_node + staging
@@ -231,7 +228,7 @@ def candidate(s: Setup, combo: Combo) -> Candidate:
             f"loading needs {load.text()}, more than the usable {format_bytes(host_usable)} of host RAM per node "
             "(ZeRO-3 reads the weights on rank 0 only; pass --host-memory / plan(host_memory_gib=...) if it is larger)"
         )
-        return Candidate(strategy, offload, ckpt, mbs[-1], largest, False, reason, None, liger, **extra)
+        return Candidate(combo, mbs[-1], largest, False, reason, None)
     if host_need > host_usable:
         held = (
             ["NVMe offload's pinned buffers and gradients" if combo.nvme else "offloaded states"]
@@ -243,7 +240,7 @@ def candidate(s: Setup, combo: Combo) -> Candidate:
             f"{what} need {format_bytes(host_need)} of host RAM per node, more than the usable {format_bytes(host_usable)} "
             "(pass --host-memory / plan(host_memory_gib=...) if it is larger)"
         )
-        return Candidate(strategy, offload, ckpt, mbs[-1], largest, False, reason, None, liger, **extra)
+        return Candidate(combo, mbs[-1], largest, False, reason, None)
     best = None
     for mb in mbs:  # largest first; memory only grows with the micro-batch
         accum = (s.global_batch // (mb * layout.dp_size)) if s.global_batch else 1
@@ -254,11 +251,11 @@ def candidate(s: Setup, combo: Combo) -> Candidate:
             continue
         time = step_seconds(s, combo, mb, accum, mem)
         if best is None or time.tokens_per_s > best.time.tokens_per_s * (1 + TIE_FRACTION):
-            best = Candidate(strategy, offload, ckpt, mb, mem, True, "", time.comm, liger, time, **extra)
+            best = Candidate(combo, mb, mem, True, "", time.comm, time)
     if best is not None:
         return best
     short = mem.total - s.usable
     reason = f"needs {format_bytes(mem.total)} per rank at micro_batch {mbs[-1]}, {format_bytes(short)} over the usable memory"
     # a near miss (under 1 % of the card) gets its speed, for the plan's margin note (near_miss)
     time = step_seconds(s, combo, mbs[-1], accum, mem) if short < 0.01 * s.hw.gpu_memory_gib * GIB else None
-    return Candidate(strategy, offload, ckpt, mbs[-1], mem, False, reason, None, liger, time, **extra)
+    return Candidate(combo, mbs[-1], mem, False, reason, None, time)

@@ -38,11 +38,13 @@ class Combo(NamedTuple):
             chosen.tp_size, chosen.cp_size, chosen.sp_size, chosen.offload_device == "nvme", chosen.sync_each_batch,
         )  # fmt: skip
 
-    def layout(self, hw: Hardware, world: int | None = None, nodes: int | None = None) -> Layout:
+    def layout(self, hw: Hardware, world: int | None = None, nodes: int | None = None, **precision: Any) -> Layout:
+        """This point on ``hw`` (or ``world`` ranks on ``nodes``); ``precision``: Layout's ``mixed_precision`` and
+        ``pure_bf16``."""
         return Layout(
             self.strategy, world or hw.world_size, nodes or hw.nodes, self.offload, self.ckpt,
             tp_size=self.tp, cp_size=self.cp, sp_size=self.sp, offload_device="nvme" if self.nvme else "cpu",
-            sync_each_batch=self.sync,
+            sync_each_batch=self.sync, **precision,
         )  # fmt: skip
 
 
@@ -61,35 +63,49 @@ def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes / GIB:.2f} GiB" if abs(num_bytes) >= GIB else f"{num_bytes / 1024**2:.1f} MiB"
 
 
+# What a candidate's and a plan's JSON say of their layout, flat, as they read them (the point; the plan's layout)
+POINT_FIELDS = ("strategy", "offload", "activation_checkpointing", "tp_size", "cp_size", "sp_size", "offload_device",
+                "sync_each_batch")  # fmt: skip
+LAYOUT_FIELDS = (*POINT_FIELDS, "world_size", "nodes", "mixed_precision", "pure_bf16")
+
+
 class PlanError(ValueError):
     """Nothing fits; the message names the minimum hardware that would."""
 
 
 @dataclass
 class Candidate:
-    strategy: str
-    offload: str
-    activation_checkpointing: bool
+    """One point of the search (:class:`Combo`, whose :meth:`Combo.layout` is its layout) with what it was found to
+    need and give: its largest fitting micro-batch, memory, speed, and why it was chosen or not."""
+
+    key: Combo
     micro_batch_size: int
     memory: MemoryEstimate
     fits: bool
     reason: str
     comm_seconds: float | None
-    use_liger_kernel: bool = False
     time: StepTime | None = None
-    tp_size: int = 1
-    cp_size: int = 1
-    sp_size: int = 1
-    offload_device: str = "cpu"
-    sync_each_batch: bool = False
+
+    # The point's fields, as the plan's tables and JSON name them
+    strategy = property(lambda self: self.key.strategy)
+    offload = property(lambda self: self.key.offload)
+    activation_checkpointing = property(lambda self: self.key.ckpt)
+    use_liger_kernel = property(lambda self: self.key.liger)
+    tp_size = property(lambda self: self.key.tp)
+    cp_size = property(lambda self: self.key.cp)
+    sp_size = property(lambda self: self.key.sp)
+    offload_device = property(lambda self: "nvme" if self.key.nvme else "cpu")
+    sync_each_batch = property(lambda self: self.key.sync)
 
     @property
     def tokens_per_s(self) -> float | None:
         return None if self.time is None else self.time.tokens_per_s
 
-    @property
-    def key(self) -> Combo:
-        return Combo.of(self)
+    def to_dict(self) -> dict:
+        found = {"micro_batch_size": self.micro_batch_size, "fits": self.fits, "reason": self.reason,
+                 "comm_seconds": self.comm_seconds}  # fmt: skip
+        point = {name: getattr(self, name) for name in (*POINT_FIELDS, "use_liger_kernel")}
+        return {**point, **found, "memory": self.memory.to_dict(), "tokens_per_s": self.tokens_per_s}
 
     @property
     def model_parallel(self) -> int:
@@ -109,20 +125,15 @@ class Candidate:
 
 @dataclass
 class Plan:
-    strategy: str
-    offload: str
-    activation_checkpointing: bool
+    layout: Layout  # the chosen layout: strategy, sizes, offload (and its device), checkpointing, precision
     micro_batch_size: int
     gradient_accumulation_steps: int
     global_batch_size: int
     num_params: int
     memory: MemoryEstimate
     candidates: list[Candidate]
-    world_size: int
-    nodes: int
     method: str
     seq_len: int
-    mixed_precision: str  # "bf16" | "fp16" | "no"
     hardware: Hardware
     model: ModelSpec
     optimizer: str
@@ -134,12 +145,7 @@ class Plan:
     liger_note: str = ""  # what Liger kernels would gain when they are not available
     margin_note: str = ""  # a faster layout that misses the usable memory by under 1 % of the card, and its margin
     offload_note: str = ""  # a LoRA plan that offloads: what QLoRA or Liger would fit without offload
-    pure_bf16: bool = False  # bf16 weights and Adam state, no fp32 master weights (only when asked for)
     model_dtype: str | None = None  # dtype the given module was loaded in; None for a name/config/count
-    tp_size: int = 1  # tensor parallel group (inside a node)
-    cp_size: int = 1  # context parallel group (FSDP2, torch ring attention)
-    sp_size: int = 1  # Ulysses sequence parallel group (DeepSpeed)
-    offload_device: str = "cpu"  # where offloaded states live: "cpu", or "nvme" (ZeRO-Infinity)
     dimensions: list[str] = field(default_factory=list)  # why each model-parallel dimension was or was not used
     trace: Any = None  # hf_dist.tracing.TraceResult of the chosen layout, with plan(verify=True)
     verification: str = ""  # what plan(verify=True) traced, rejected, or could not trace, and why
@@ -148,21 +154,25 @@ class Plan:
     fused_lm_head: bool = False  # the loss runs through TRL's fused LM head (SFTTrainer): no logits held
     train_tokens: int | None = None  # tokens the run trains on: time_to_finish() and explain() state the wall time
     trainable_params: int = 0  # what sum(p.numel() for p in model.parameters() if p.requires_grad) will count
-    sync_each_batch: bool = False  # FSDP2 reduce-scatters every micro-batch (accelerate's sync_each_batch)
     wrap_classes: list[str] | None = None  # FSDP wrap classes auto_args emitted (a user's wrap_classes= included)
 
     @property
     def lora_rank(self) -> int | None:
         return None if self.lora is None else self.lora.rank
 
-    @property
-    def layout(self) -> Layout:
-        """The chosen layout as one typed object (strategy, sizes, offload, checkpointing, precision)."""
-        return Layout(
-            self.strategy, self.world_size, self.nodes, self.offload, self.activation_checkpointing,
-            self.mixed_precision, self.pure_bf16, self.tp_size, self.cp_size, self.sp_size, self.offload_device,
-            self.sync_each_batch,
-        )  # fmt: skip
+    # The layout's fields, read through the plan as they always were (``plan.strategy`` is the strategy's name).
+    strategy = property(lambda self: self.layout.strategy.name)
+    offload = property(lambda self: self.layout.offload)
+    activation_checkpointing = property(lambda self: self.layout.activation_checkpointing)
+    world_size = property(lambda self: self.layout.world_size)
+    nodes = property(lambda self: self.layout.nodes)
+    mixed_precision = property(lambda self: self.layout.mixed_precision)  # "bf16" | "fp16" | "no"
+    pure_bf16 = property(lambda self: self.layout.pure_bf16)  # bf16 weights and Adam state, no fp32 masters
+    tp_size = property(lambda self: self.layout.tp_size)  # tensor parallel group (inside a node)
+    cp_size = property(lambda self: self.layout.cp_size)  # context parallel group (FSDP2, torch ring attention)
+    sp_size = property(lambda self: self.layout.sp_size)  # Ulysses sequence parallel group (DeepSpeed)
+    offload_device = property(lambda self: self.layout.offload_device)  # "cpu", or "nvme" (ZeRO-Infinity)
+    sync_each_batch = property(lambda self: self.layout.sync_each_batch)  # FSDP2 reduce-scatters every micro-batch
 
     @property
     def swap_bytes(self) -> int:
@@ -209,8 +219,9 @@ class Plan:
 
     def to_dict(self) -> dict:
         """JSON-serializable summary (the transformers config object is left out)."""
-        skip = ("memory", "candidates", "hardware", "model", "trace", "load", "lora")
-        out = {k: v for k, v in asdict(self).items() if k not in skip}
+        skip = ("layout", "memory", "candidates", "hardware", "model", "trace", "load", "lora")
+        out = {name: getattr(self, name) for name in LAYOUT_FIELDS}
+        out.update((k, v) for k, v in asdict(self).items() if k not in skip)
         out["lora"] = self.lora.to_dict() if self.lora is not None else None
         out["trace"] = self.trace.to_dict() if self.trace is not None else None
         out["memory"] = self.memory.to_dict()
@@ -221,14 +232,7 @@ class Plan:
         out["time_to_finish"] = None if finish is None else {"seconds": finish[0], "gpu_hours": finish[1]}
         out["load"] = None if self.load is None else {**asdict(self.load), "path": self.load.path.name}
         out["model"] = {k: v for k, v in asdict(self.model).items() if k != "config"}
-        out["candidates"] = [
-            {
-                **{k: v for k, v in asdict(c).items() if k not in ("memory", "time")},
-                "memory": c.memory.to_dict(),
-                "tokens_per_s": c.tokens_per_s,
-            }
-            for c in self.candidates
-        ]
+        out["candidates"] = [c.to_dict() for c in self.candidates]
         json.dumps(out)  # fail here, not in the caller, if something is not serializable
         return out
 

@@ -159,15 +159,14 @@ def _result(s: Setup, c: Candidate, candidates, dims, mp, notes, pure_bf16, mode
     global_batch = s.global_batch or c.micro_batch_size * dp
     liger_note, margin_note, offload_note = notes
     return Plan(
-        strategy=c.strategy, offload=c.offload, activation_checkpointing=c.activation_checkpointing,
+        layout=c.key.layout(hw, mixed_precision=mp, pure_bf16=pure_bf16),
         micro_batch_size=c.micro_batch_size, gradient_accumulation_steps=global_batch // (c.micro_batch_size * dp),
         global_batch_size=global_batch, num_params=s.spec.num_params, memory=c.memory, candidates=candidates,
-        world_size=hw.world_size, nodes=hw.nodes, method=s.method, seq_len=s.seq_len, mixed_precision=mp, hardware=hw,
+        method=s.method, seq_len=s.seq_len, hardware=hw,
         model=s.spec, optimizer=s.optimizer, lora=s.lora.lora if s.lora else None, reason=c.reason,
-        usable_gib=s.usable / GIB, trainable_params=s.trainable, sync_each_batch=c.sync_each_batch,
+        usable_gib=s.usable / GIB, trainable_params=s.trainable,
         use_liger_kernel=c.use_liger_kernel, tokens_per_s=c.tokens_per_s, liger_note=liger_note,
-        margin_note=margin_note, offload_note=offload_note, pure_bf16=pure_bf16, model_dtype=model_dtype,
-        tp_size=c.tp_size, cp_size=c.cp_size, sp_size=c.sp_size, offload_device=c.offload_device,
+        margin_note=margin_note, offload_note=offload_note, model_dtype=model_dtype,
         dimensions=dims + chosen_dimensions(c), load=load_for(s, c.key),
         staging_bytes=staging_per_node(s, c.key, c.memory) if s.async_save else None,
         fused_lm_head=s.fused_lm_head, train_tokens=None if train_tokens is None else int(train_tokens),

@@ -105,16 +105,11 @@ def _chosen(plan: Plan) -> Any:
 def _with_choice(plan: Plan, c: Any, reason: str, *, trace: Any = None, note: str = "", rejected=()) -> Plan:
     """``plan`` re-pointed at candidate ``c`` (the batch split recomputed for its micro-batch and sizes)."""
     c.reason = reason
-    dp = _layout(plan, c).dp_size
+    layout = c.key.layout(plan.hardware, mixed_precision=plan.mixed_precision, pure_bf16=plan.pure_bf16)
     moved = [f"traced and rejected {r}" for r in rejected]
     return dataclasses.replace(
-        plan, strategy=c.strategy, offload=c.offload, activation_checkpointing=c.activation_checkpointing,
-        micro_batch_size=c.micro_batch_size, gradient_accumulation_steps=plan.global_batch_size // (c.micro_batch_size * dp),
-        memory=c.memory, reason=reason, use_liger_kernel=c.use_liger_kernel, tokens_per_s=c.tokens_per_s,
-        tp_size=c.tp_size, cp_size=c.cp_size, sp_size=c.sp_size, offload_device=c.offload_device,
-        sync_each_batch=c.sync_each_batch, trace=trace, verification="; ".join([*moved, note]),
+        plan, layout=layout, micro_batch_size=c.micro_batch_size, memory=c.memory, reason=reason,
+        gradient_accumulation_steps=plan.global_batch_size // (c.micro_batch_size * layout.dp_size),
+        use_liger_kernel=c.use_liger_kernel, tokens_per_s=c.tokens_per_s, trace=trace,
+        verification="; ".join([*moved, note]),
     )  # fmt: skip
-
-
-def _layout(plan: Plan, c: Any) -> Any:
-    return c.key.layout(plan.hardware)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -60,11 +61,8 @@ def test_plan_mismatches_cover_every_planned_value(tiny_plan):
     live = {"strategy": "ddp", "world_size": 8, "mixed_precision": "bf16", "wrap_classes": ["LlamaMLP"],
             "micro_batch_size": 4, "gradient_accumulation_steps": 3, "activation_checkpointing": True,
             "tp_size": 2, "cp_size": 1, "sp_size": 1, "optimizer": "sgd", "max_length": 1024}  # fmt: skip
-    tiny_plan.strategy = "fsdp_full_shard"
-    try:
-        got = plan_mismatches(tiny_plan, live, planned_wrap=["LlamaDecoderLayer"])
-    finally:
-        tiny_plan.strategy = "ddp"
+    fsdp = dataclasses.replace(tiny_plan, layout=dataclasses.replace(tiny_plan.layout, strategy="fsdp_full_shard"))
+    got = plan_mismatches(fsdp, live, planned_wrap=["LlamaDecoderLayer"])
     assert got == [
         "strategy: planned fsdp_full_shard, running ddp",
         "world size: planned 1, running 8",

@@ -318,16 +318,19 @@ def test_accelerate_yaml_refuses_what_the_features_lack():
 
 @pytest.fixture
 def plan_with_layout(monkeypatch):
-    """A real plan whose layout is replaced (the planner choosing the sizes is tested with the planner)."""
-    from hf_dist.planning.planner import Plan, plan
+    """A real plan whose layout is replaced in every plan made (the planner choosing the sizes is tested with the
+    planner)."""
+    from hf_dist.planning import planner
     from hf_dist.testing import tiny_llama_config
 
     def make(strategy, **layout_kwargs):
-        p = plan(tiny_llama_config(), strategy=strategy, gpus=4, gpu_memory_gib=80, seq_len=64, global_batch_size=16)
+        p = planner.plan(tiny_llama_config(), strategy=strategy, gpus=4, gpu_memory_gib=80, seq_len=64,
+                         global_batch_size=16)  # fmt: skip
         layout = Layout(strategy, p.world_size, p.nodes, p.offload, p.activation_checkpointing, p.mixed_precision)
         layout = dataclasses.replace(layout, **layout_kwargs)
-        monkeypatch.setattr(Plan, "layout", property(lambda self: layout))
-        return p, layout
+        result = planner._result
+        monkeypatch.setattr(planner, "_result", lambda *a, **k: dataclasses.replace(result(*a, **k), layout=layout))
+        return dataclasses.replace(p, layout=layout), layout
 
     yield make
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
