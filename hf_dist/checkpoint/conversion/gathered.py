@@ -16,7 +16,7 @@ from typing import Any
 
 from hf_dist.checkpoint.formats.contents import CheckpointContents
 from hf_dist.checkpoint.formats.hf import HFReader
-from hf_dist.checkpoint.formats.names import HF_WEIGHT_NAMES
+from hf_dist.checkpoint.formats.names import CHECKPOINT_DIR_RE, HF_WEIGHT_NAMES
 from hf_dist.checkpoint.formats.reader import Reader
 from hf_dist.checkpoint.safety.paths import ConfinedFolder
 
@@ -28,8 +28,11 @@ class GatheredCopyMismatch(ValueError):
 
 
 def gathered_weights(info: CheckpointContents) -> Path | None:
-    """The gathered model weights file in ``info.root`` beside DeepSpeed's tag folder, when there is one."""
-    if info.format != "deepspeed" or info.path.is_file() or info.root == info.path:
+    """The gathered model weights in a Trainer ``checkpoint-N`` folder beside its own tag ``global_stepN`` (one save
+    wrote both), when there are some. A DeepSpeed folder of several tags, or weights saved at another step, is not
+    compared."""
+    own_folder = CHECKPOINT_DIR_RE.match(info.root.name)
+    if info.format != "deepspeed" or own_folder is None or info.tag != f"global_step{own_folder.group(1)}":
         return None
     folder = ConfinedFolder(info.root)
     return next((path for path in map(folder.path, _MODEL_WEIGHTS) if path.is_file()), None)

@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -260,6 +261,13 @@ def test_a_checkpoint_without_a_manifest_is_checked_against_the_weights_the_trai
 
     # the fp32 output would be copied file to file; under the check every tensor is read and compared
     assert convert(root, tmp_path / "fp32", dtype="fp32", progress=False).checked == report.checked
+    # weights beside a tag of another step (a DeepSpeed folder of several saves) are not taken for this save's copy
+    engine = tmp_path / "engine"
+    shutil.copytree(root, engine)
+    other = convert(engine, tmp_path / "engine-out", progress=False)
+    assert other.checked == "" and other.unverified.startswith("not verified: ")
+    shutil.rmtree(engine)
+    shutil.rmtree(tmp_path / "engine-out")
 
     tag = root / "global_step3"
     rank0, rank1 = (tag / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))
