@@ -30,9 +30,11 @@ class GatheredCopyMismatch(ValueError):
 def gathered_weights(info: CheckpointContents) -> Path | None:
     """The gathered model weights in a Trainer ``checkpoint-N`` folder beside its own tag ``global_stepN`` (one save
     wrote both), when there are some. A DeepSpeed folder of several tags, or weights saved at another step, is not
-    compared."""
+    compared; nor is AutoTP, whose Trainer save was never compared with its rank files on a real run."""
     own_folder = CHECKPOINT_DIR_RE.match(info.root.name)
-    if info.format != "deepspeed" or own_folder is None or info.tag != f"global_step{own_folder.group(1)}":
+    if info.format != "deepspeed" or info.tp_size > 1 or own_folder is None:
+        return None
+    if info.tag != f"global_step{own_folder.group(1)}":
         return None
     folder = ConfinedFolder(info.root)
     return next((path for path in map(folder.path, _MODEL_WEIGHTS) if path.is_file()), None)
