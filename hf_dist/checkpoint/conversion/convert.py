@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.checkpoint.conversion import conversion_plan, transform
-from hf_dist.checkpoint.conversion.gathered import GatheredCheck, checked_reader
+from hf_dist.checkpoint.conversion.gathered import checked_reader, verification_notes
 from hf_dist.checkpoint.formats.contents import CheckpointContents, read_contents
 from hf_dist.checkpoint.formats.hf import config_dir, side_file
 from hf_dist.checkpoint.formats.names import MANIFEST_NAME
@@ -140,17 +140,13 @@ def convert(
     finally:
         reader.close()
     report = _report(info, dst, to, conversion, out_specs, files, time.perf_counter() - start)
-    if isinstance(reader, GatheredCheck) and reader.checked:
-        report.checked = reader.note(report.num_tensors)
-        report.unverified = "" if len(reader.checked) == report.num_tensors else unverified
-    else:
-        report.unverified = unverified
+    report.checked, report.unverified = verification_notes(reader, unverified, report.num_tensors)
     return report
 
 
-def _unchanged_sources(conversion: Any) -> dict[str, list[str]]:
-    """Each output tensor built from one source tensor without a merge, and that source."""
-    return {out: t.sources for out, t in conversion.tensors.items() if t.merge is None and len(t.sources) == 1}
+def _unchanged_sources(conversion: Any) -> dict[str, str]:
+    """The source of each output tensor built from one source tensor without a merge -> the output's name."""
+    return {t.sources[0]: out for out, t in conversion.tensors.items() if t.merge is None and len(t.sources) == 1}
 
 
 def _output_specs(conversion: Any, train_dtype: Any, dtype: str) -> dict[str, TensorSpec]:

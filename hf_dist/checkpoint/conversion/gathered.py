@@ -101,12 +101,19 @@ def _mismatch(name: str, value: Any, copy: Any, weights: Path) -> str:
     )
 
 
-def checked_reader(info: CheckpointContents, reader: Reader, sources: dict[str, list[str]], *,
+def checked_reader(info: CheckpointContents, reader: Reader, names: dict[str, str], *,
                    trust_pickles: bool = False) -> Reader:  # fmt: skip
     """``reader`` wrapped in a :class:`GatheredCheck` when ``info`` is a ZeRO checkpoint without a manifest that holds
-    gathered weights; ``sources`` maps each output tensor written unchanged to its one source name."""
+    gathered weights; ``names`` maps the source of each output tensor written unchanged to its output name."""
     weights = gathered_weights(info)
     if weights is None:
         return reader
-    names = {source: out for out, (source,) in sources.items()}
     return GatheredCheck(reader, weights, names, trust_pickles=trust_pickles)
+
+
+def verification_notes(reader: Reader, unverified: str, written: int) -> tuple[str, str]:
+    """The conversion summary's ``(checked, note)``: what the check compared, and ``unverified`` unless it compared
+    all ``written`` tensors."""
+    if not isinstance(reader, GatheredCheck) or not reader.checked:
+        return "", unverified
+    return reader.note(written), "" if len(reader.checked) == written else unverified

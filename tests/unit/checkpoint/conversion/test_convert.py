@@ -280,3 +280,29 @@ def test_a_checkpoint_without_a_manifest_is_checked_against_the_weights_the_trai
     assert len(err) == 1 and "read from the rank files differs from its copy in" in err[0], err
     assert "max difference" in err[0] and "Nothing was written" in err[0]
     assert sorted(os.listdir(tmp_path)) == ["checked", "checkpoint-3", "fp32"]  # no output, no temp folder
+
+
+def test_the_gathered_weights_are_read_as_safely_as_the_checkpoint(zero_ckpt, tmp_path, capsys):
+    """The gathered file is one more file a handed folder holds: a payload planted in a gathered pytorch_model.bin
+    never runs (refused in one line, nothing written), and a gathered model.safetensors linked out of the checkpoint is
+    refused naming the link."""
+    from tests.unit.checkpoint.safety.payloads import plant
+
+    root, state = zero_ckpt
+    marker = tmp_path / "PAYLOAD_RAN"
+    torch.save({k: v.to(torch.bfloat16) for k, v in state.items()}, root / "pytorch_model.bin")
+    plant(root / "pytorch_model.bin", marker)
+    assert main(["convert", str(root), str(tmp_path / "out"), "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"refusing to load {root / 'pytorch_model.bin'}" in err, err
+    assert "nothing in it ran" in err
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+    (root / "pytorch_model.bin").unlink()
+    outside = tmp_path / "elsewhere.safetensors"
+    save_file({k: v.to(torch.bfloat16) for k, v in state.items()}, outside)
+    (root / "model.safetensors").symlink_to(outside)
+    assert main(["convert", str(root), str(tmp_path / "out"), "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert f"refusing to read {root / 'model.safetensors'}" in err and str(outside) in err, err
+    assert not (tmp_path / "out").exists()
