@@ -40,7 +40,7 @@ def test_bench_cli_measures_and_autotunes(tmp_path, capsys):
 
 
 def test_cpu_throughput_benchmark_runs_as_documented():
-    """docs/planner.md's `python benchmarks/cpu_throughput.py`, with fewer steps: the probe's rate and, for 1 and 2
+    """docs/measurements.md's `python benchmarks/cpu_throughput.py`, with fewer steps: the probe's rate and, for 1 and 2
     ranks, the estimate, the measurement and their ratio (the figures are the docs'; timings are not asserted)."""
     import re
     import subprocess
@@ -48,7 +48,7 @@ def test_cpu_throughput_benchmark_runs_as_documented():
 
     from hf_dist.testing import REPO_ROOT
 
-    assert "`python benchmarks/cpu_throughput.py`" in (REPO_ROOT / "docs" / "planner.md").read_text()
+    assert "`python benchmarks/cpu_throughput.py`" in (REPO_ROOT / "docs" / "measurements.md").read_text()
     cmd = [sys.executable, "benchmarks/cpu_throughput.py", "--steps", "2", "--warmup", "1", "--repeats", "1"]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

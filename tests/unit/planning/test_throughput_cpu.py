@@ -1,4 +1,4 @@
-"""The planner's tokens/s on CPU ranks against the run recorded in docs/planner.md ("Throughput on CPU ranks").
+"""The planner's tokens/s on CPU ranks against the run recorded in docs/measurements.md.
 
 The estimate starts from a CPU rank's measured dense peak (hardware.cpu_core_gflops times the cores the rank gets) and
 the GPUs' GEMM efficiency; nothing is fitted to the recorded run. It used a fixed 1 TFLOP/s per CPU rank and said
@@ -44,7 +44,7 @@ def test_cpu_estimate_is_within_2x_of_the_recorded_run(ranks):
 
 
 def test_the_recorded_figures_are_the_docs():
-    text = (REPO_ROOT / "docs" / "planner.md").read_text()
+    text = (REPO_ROOT / "docs" / "measurements.md").read_text()
     assert "python benchmarks/cpu_throughput.py" in text and f"{RECORDED_CORE_GFLOPS} GFLOP/s" in text
     assert all(f"{tokens:,}" in text for tokens in RECORDED_TOKENS_PER_S.values())
 
