@@ -177,29 +177,14 @@ def _check_deepspeed_json(args: argparse.Namespace) -> None:
 
 def _pure_bf16_accelerate(args: argparse.Namespace, s) -> tuple[str, str]:
     """(mixed_precision for the YAML, header note) for --pure-bf16 --format accelerate."""
+    from hf_dist.configs.accelerate import pure_bf16_yaml
+
     if args.mixed_precision != "bf16":
         raise ValueError(
             f"--pure-bf16 keeps bf16 weights and Adam state and needs --mixed-precision bf16, got "
             f"{args.mixed_precision!r}; drop --mixed-precision or --pure-bf16."
         )
-    if s.is_deepspeed:
-        raise ValueError(
-            f"--pure-bf16 with {args.strategy} needs DeepSpeed's bf16_master_weights_and_grads and "
-            "bf16_optimizer_states, which accelerate's inline DeepSpeed keys cannot set; write a JSON with "
-            f"`hf-dist config --strategy {args.strategy} --format deepspeed --pure-bf16 --out ds.json` and pass it as "
-            "TrainingArguments(deepspeed='ds.json') (or hf_dist.auto_args(model, pure_bf16=True))."
-        )
-    if s.is_ddp:
-        return (
-            "bf16",
-            "\nPure bf16: load the model with dtype=torch.bfloat16; DDP then keeps bf16 weights and Adam state.",
-        )
-    # accelerate upcasts FSDP2 parameters to fp32 whenever mixed_precision != "no"
-    return "no", (
-        "\nPure bf16: load the model with dtype=torch.bfloat16. mixed_precision is 'no' on purpose: with bf16, "
-        "accelerate\nupcasts the FSDP2 shards to fp32 (fp32 master weights and Adam state); the bf16 weights set "
-        "the compute dtype."
-    )
+    return pure_bf16_yaml(s)
 
 
 def run(args: argparse.Namespace) -> int:

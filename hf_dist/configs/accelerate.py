@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.atomic_io import atomic_write_text
+from hf_dist.configs.from_layout import ACCELERATE_FIELDS, layout_kwargs
 from hf_dist.configs.training_args import strategy_args
 from hf_dist.planning.features import NEWEST_TESTED_FEATURES, LibraryFeatures
 from hf_dist.planning.layout import STRATEGIES, Engine, Layout, Strategy, strategy
@@ -54,7 +55,7 @@ SHIPPED: dict[str, dict[str, Any]] = {
 
 
 def accelerate_config(
-    strategy: str,
+    strategy: str | Layout,
     *,
     offload: str = "none",
     num_processes: int | None = None,
@@ -85,21 +86,16 @@ def accelerate_config(
     ``tp_size``/``cp_size``/``sp_size`` become ``parallelism_config_*`` keys (DeepSpeed TP is AutoTP, which
     accelerate's inline DeepSpeed keys cannot set: pass ``deepspeed_config_file`` of a JSON with it).
     ``offload_device="nvme"`` (ZeRO-3) offloads to ``nvme_path``.
+
+    ``strategy`` may be a ``Layout`` (``plan.layout``): the keywords it holds come from it (world size as
+    ``num_processes``; :mod:`hf_dist.configs.from_layout`).
     """
+    if isinstance(strategy, Layout):
+        return _for_layout(strategy, locals())
     check_choice("strategy", strategy, STRATEGIES)
     gpus_per_node, num_processes = _process_counts(nodes, num_processes, gpus_per_node)
-    layout = Layout(
-        strategy,
-        num_processes,
-        nodes,
-        offload,
-        activation_checkpointing,
-        mixed_precision,
-        tp_size=tp_size,
-        cp_size=cp_size,
-        sp_size=sp_size,
-        offload_device=offload_device,
-    )
+    layout = Layout(strategy, num_processes, nodes, offload, activation_checkpointing, mixed_precision,
+                    tp_size=tp_size, cp_size=cp_size, sp_size=sp_size, offload_device=offload_device)  # fmt: skip
     s = layout.strategy
     emitted = strategy_args(layout, features=features, wrap_classes=wrap_classes, nvme_path=nvme_path)
     _check_inline_deepspeed(s, tp_size, sp_size, deepspeed_config_file)
@@ -109,6 +105,39 @@ def accelerate_config(
     )
     cfg.update(_machine_keys(nodes, num_processes, main_process_ip, main_process_port))
     return cfg
+
+
+def _for_layout(layout: Layout, passed: dict[str, Any]) -> dict[str, Any]:
+    """:func:`accelerate_config` of a Layout: the keywords it holds from it, the others as passed; a pure-bf16 layout
+    gets the YAML precision :func:`pure_bf16_yaml` names."""
+    held = layout_kwargs(accelerate_config, layout, passed, ACCELERATE_FIELDS)
+    if layout.pure_bf16:
+        held["mixed_precision"] = pure_bf16_yaml(layout.strategy)[0]
+    rest = {k: v for k, v in passed.items() if k != "strategy" and k not in held}
+    return accelerate_config(layout.strategy.name, **held, **rest)
+
+
+def pure_bf16_yaml(s: Strategy) -> tuple[str, str]:
+    """(``mixed_precision`` for the YAML, a note for its header) of a pure-bf16 run (bf16 weights and Adam state)
+    under ``s``; refused for ZeRO, whose bf16 master weights only a DeepSpeed JSON can set."""
+    if s.is_deepspeed:
+        raise ValueError(
+            f"pure bf16 with {s.name} needs DeepSpeed's bf16_master_weights_and_grads and "
+            "bf16_optimizer_states, which accelerate's inline DeepSpeed keys cannot set; write a JSON with "
+            f"`hf-dist config --strategy {s.name} --format deepspeed --pure-bf16 --out ds.json` and pass it as "
+            "TrainingArguments(deepspeed='ds.json') (or hf_dist.auto_args(model, pure_bf16=True))."
+        )
+    if s.is_ddp:
+        return (
+            "bf16",
+            "\nPure bf16: load the model with dtype=torch.bfloat16; DDP then keeps bf16 weights and Adam state.",
+        )
+    # accelerate upcasts FSDP2 parameters to fp32 whenever mixed_precision != "no"
+    return "no", (
+        "\nPure bf16: load the model with dtype=torch.bfloat16. mixed_precision is 'no' on purpose: with bf16, "
+        "accelerate\nupcasts the FSDP2 shards to fp32 (fp32 master weights and Adam state); the bf16 weights set "
+        "the compute dtype."
+    )
 
 
 def _environment_keys(s: Strategy, mixed_precision: str, deepspeed_config_file: str | None) -> dict[str, Any]:

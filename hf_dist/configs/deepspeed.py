@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hf_dist.configs.from_layout import DEEPSPEED_FIELDS, layout_kwargs
 from hf_dist.planning.layout import MIXED_PRECISIONS, OFFLOAD_DEVICES, OFFLOADS, Engine, Layout, by_engine, strategy
 from hf_dist.planning.nvme import (
     NVME_OPTIMIZER_BUFFER_COUNT,
@@ -43,7 +44,7 @@ def zero_stage(strategy_name: str) -> int:
 
 
 def deepspeed_config(
-    strategy: str,
+    strategy: str | Layout,
     *,
     offload: str = "none",
     mixed_precision: str = "bf16",
@@ -73,7 +74,16 @@ def deepspeed_config(
     ``nvme_param_buffer``: elements per parameter swap buffer, at least the model's largest parameter partition
     (``auto_args`` passes :func:`hf_dist.planning.model_states.nvme_param_buffer`; the 1e8 default holds any tensor of up
     to 1e8 elements per rank).
+
+    ``strategy`` may be a :class:`~hf_dist.planning.layout.Layout` (``plan.layout``): its offload, precision, sizes and
+    offload device are used (:mod:`hf_dist.configs.from_layout`). The JSON is DeepSpeed's part of the layout; its
+    ``TrainingArguments`` flags (activation checkpointing, ``parallelism_config``) come from
+    :func:`hf_dist.configs.training_args.strategy_args`.
     """
+    if isinstance(strategy, Layout):
+        held = layout_kwargs(deepspeed_config, strategy, locals(), DEEPSPEED_FIELDS)
+        engine = {"cpu_adam": cpu_adam, "nvme_path": nvme_path, "nvme_param_buffer": nvme_param_buffer}
+        return deepspeed_config(strategy.strategy.name, **held, **engine)
     stage = zero_stage(strategy)
     _check_offload(strategy, stage, offload, mixed_precision)
     cfg = _base_config(_zero_section(stage, offload, offload_device, nvme_path, nvme_param_buffer))

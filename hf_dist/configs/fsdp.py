@@ -21,8 +21,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from hf_dist.configs.from_layout import FSDP_FIELDS, layout_kwargs
 from hf_dist.planning.features import NEWEST_TESTED_FEATURES, LibraryFeatures
-from hf_dist.planning.layout import MIXED_PRECISIONS, Engine, by_engine
+from hf_dist.planning.layout import MIXED_PRECISIONS, Engine, Layout, by_engine
 from hf_dist.planning.layout import strategy as registry_entry
 from hf_dist.validation import check_choice
 
@@ -36,7 +37,7 @@ FSDP_STRATEGIES = tuple(s.name for s in by_engine(Engine.FSDP2))
 
 
 def fsdp_config(
-    strategy: str,
+    strategy: str | Layout,
     *,
     wrap_classes: Sequence[str] | None = None,
     activation_checkpointing: bool = False,
@@ -55,7 +56,16 @@ def fsdp_config(
     and the optimizer step together. ``mixed_precision`` is validated here but set through ``bf16``/``fp16``
     on ``TrainingArguments``. ``features``: what the installed libraries accept
     (``hf_dist.planning.features.installed_features()``; default: the newest tested versions).
+
+    ``strategy`` may be a :class:`~hf_dist.planning.layout.Layout` (``plan.layout``): its offload, activation
+    checkpointing and precision are used (:mod:`hf_dist.configs.from_layout`). These are FSDP's keys of the layout;
+    its mesh (``parallelism_config``) and ``sync_each_batch`` come from
+    :func:`hf_dist.configs.training_args.strategy_args`.
     """
+    if isinstance(strategy, Layout):
+        held = layout_kwargs(fsdp_config, strategy, locals(), FSDP_FIELDS)
+        rest = {"state_dict_type": state_dict_type, "cpu_ram_efficient_loading": cpu_ram_efficient_loading}
+        return fsdp_config(strategy.strategy.name, wrap_classes=wrap_classes, **held, **rest, features=features)
     check_choice("FSDP strategy", strategy, FSDP_STRATEGIES, "DDP and ZeRO strategies are not FSDP.")
     s = registry_entry(strategy)
     check_choice(

@@ -144,13 +144,7 @@ def _checkpointing(layout: Layout, features: LibraryFeatures) -> dict[str, Any]:
 
 def _fsdp_args(layout: Layout, features: LibraryFeatures, wrap_classes, cpu_ram_efficient_loading) -> dict[str, Any]:
     out = fsdp_config(
-        layout.strategy.name,
-        wrap_classes=wrap_classes,
-        activation_checkpointing=layout.activation_checkpointing,
-        offload=layout.offload,
-        mixed_precision=layout.mixed_precision,
-        cpu_ram_efficient_loading=cpu_ram_efficient_loading,
-        features=features,
+        layout, wrap_classes=wrap_classes, cpu_ram_efficient_loading=cpu_ram_efficient_loading, features=features
     )
     if features.fsdp_version == 2 and (layout.dp_replicate_size > 1 or _model_parallel(layout)):
         out["parallelism_config"] = parallelism_kwargs(layout)
@@ -169,17 +163,7 @@ def sync_each_batch_config() -> dict[str, Any]:
 
 
 def _deepspeed_args(layout: Layout, features: LibraryFeatures, engine: dict[str, Any]) -> dict[str, Any]:
-    ds = deepspeed_config(
-        layout.strategy.name,
-        offload=layout.offload,
-        mixed_precision=layout.mixed_precision,
-        pure_bf16=layout.pure_bf16,
-        tp_size=layout.tp_size,
-        sp_size=layout.sp_size,
-        offload_device=layout.offload_device,
-        **engine,
-    )
-    out = {"deepspeed": ds, **_checkpointing(layout, features)}
+    out = {"deepspeed": deepspeed_config(layout, **engine), **_checkpointing(layout, features)}
     if layout.sp_size > 1:
         out["parallelism_config"] = parallelism_kwargs(layout)
     return out

@@ -388,3 +388,29 @@ class Layout:
             parts.append("gradients reduce-scattered every micro-batch")
         parts.append("pure bf16" if self.pure_bf16 else self.mixed_precision)
         return ", ".join(parts)
+
+
+class ReadsLayout:
+    """The fields of ``self.layout``, read through the holder as they always were (``holder.strategy`` is the
+    strategy's name): :class:`~hf_dist.planning.plan_result.Plan` and :class:`~hf_dist.tracing.setup.TraceSetup`."""
+
+    layout: Layout
+    strategy = property(lambda self: self.layout.strategy.name)
+    world_size = property(lambda self: self.layout.world_size)
+    nodes = property(lambda self: self.layout.nodes)
+    offload = property(lambda self: self.layout.offload)
+    activation_checkpointing = property(lambda self: self.layout.activation_checkpointing)
+    mixed_precision = property(lambda self: self.layout.mixed_precision)  # "bf16" | "fp16" | "no"
+    pure_bf16 = property(lambda self: self.layout.pure_bf16)  # bf16 weights and Adam state, no fp32 masters
+    tp_size = property(lambda self: self.layout.tp_size)  # tensor parallel group (inside a node)
+    cp_size = property(lambda self: self.layout.cp_size)  # context parallel group (FSDP2, torch ring attention)
+    sp_size = property(lambda self: self.layout.sp_size)  # Ulysses sequence parallel group (DeepSpeed)
+    offload_device = property(lambda self: self.layout.offload_device)  # "cpu", or "nvme" (ZeRO-Infinity)
+    sync_each_batch = property(lambda self: self.layout.sync_each_batch)  # FSDP2 reduce-scatters every micro-batch
+
+
+# the names ReadsLayout gives, as a flat constructor or a JSON takes them
+LAYOUT_KEYWORDS = (
+    "strategy", "world_size", "nodes", "offload", "activation_checkpointing", "mixed_precision", "pure_bf16",
+    "tp_size", "cp_size", "sp_size", "offload_device", "sync_each_batch",
+)  # fmt: skip

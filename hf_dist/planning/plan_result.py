@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 from hf_dist.planning.dtypes import GIB
 from hf_dist.planning.hardware import Hardware
-from hf_dist.planning.layout import Layout
+from hf_dist.planning.layout import Layout, ReadsLayout
 from hf_dist.planning.load_memory import LoadMemory
 from hf_dist.planning.lora import LoraSpec
 from hf_dist.planning.memory_estimate import MemoryEstimate
@@ -124,7 +124,7 @@ class Candidate:
 
 
 @dataclass
-class Plan:
+class Plan(ReadsLayout):
     layout: Layout  # the chosen layout: strategy, sizes, offload (and its device), checkpointing, precision
     micro_batch_size: int
     gradient_accumulation_steps: int
@@ -159,20 +159,6 @@ class Plan:
     @property
     def lora_rank(self) -> int | None:
         return None if self.lora is None else self.lora.rank
-
-    # The layout's fields, read through the plan as they always were (``plan.strategy`` is the strategy's name).
-    strategy = property(lambda self: self.layout.strategy.name)
-    offload = property(lambda self: self.layout.offload)
-    activation_checkpointing = property(lambda self: self.layout.activation_checkpointing)
-    world_size = property(lambda self: self.layout.world_size)
-    nodes = property(lambda self: self.layout.nodes)
-    mixed_precision = property(lambda self: self.layout.mixed_precision)  # "bf16" | "fp16" | "no"
-    pure_bf16 = property(lambda self: self.layout.pure_bf16)  # bf16 weights and Adam state, no fp32 masters
-    tp_size = property(lambda self: self.layout.tp_size)  # tensor parallel group (inside a node)
-    cp_size = property(lambda self: self.layout.cp_size)  # context parallel group (FSDP2, torch ring attention)
-    sp_size = property(lambda self: self.layout.sp_size)  # Ulysses sequence parallel group (DeepSpeed)
-    offload_device = property(lambda self: self.layout.offload_device)  # "cpu", or "nvme" (ZeRO-Infinity)
-    sync_each_batch = property(lambda self: self.layout.sync_each_batch)  # FSDP2 reduce-scatters every micro-batch
 
     @property
     def swap_bytes(self) -> int:

@@ -7,10 +7,10 @@ a real process group of its own.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
-from hf_dist.planning.layout import MIXED_PRECISIONS, Engine, Layout
+from hf_dist.planning.layout import LAYOUT_KEYWORDS, Engine, Layout, ReadsLayout
 from hf_dist.planning.lora import DEFAULT_TARGETS, LoraSpec
 from hf_dist.tracing.liger.version import version_refusal
 from hf_dist.validation import check_choice, check_positive_int
@@ -44,12 +44,14 @@ def check_traceable(setup: TraceSetup, config: Any) -> None:
         raise TraceUnsupported.refusing(setup.layout, reason)
 
 
-@dataclass(frozen=True)
-class TraceSetup:
+@dataclass(frozen=True, init=False)
+class TraceSetup(ReadsLayout):
     """One rank of a layout, prepared the way ``hf_dist.auto_args()`` + the Trainer run it.
 
-    ``mixed_precision``: ``bf16``/``fp16`` (autocast with fp32 weights under DDP, FSDP2's
-    ``MixedPrecisionPolicy`` with fp32 shards) or ``no`` (fp32); ``pure_bf16``: bf16 weights and Adam state.
+    ``layout``: the run's :class:`~hf_dist.planning.layout.Layout`; or pass its fields flat
+    (``TraceSetup("zero3", world_size=8, ...)``), and they are read back the same way (``setup.world_size``).
+    ``mixed_precision``: ``bf16``/``fp16`` (autocast with fp32 weights under DDP, FSDP2's ``MixedPrecisionPolicy``
+    with fp32 shards) or ``no`` (fp32); ``pure_bf16``: bf16 weights and Adam state.
     ``base_dtype``: the dtype the model is loaded in (a LoRA base stays in it; trainable weights are fp32 under
     mixed precision). ``device``: the hardware planned for (``cuda`` or ``cpu``), which decides the optimizer the
     Trainer builds there. ``lora``: the LoRA applied (:class:`~hf_dist.planning.lora.LoraSpec`, or its dict;
@@ -57,39 +59,45 @@ class TraceSetup:
     ``sync_each_batch``: FSDP2 reduce-scatters every micro-batch (accelerate's ``sync_each_batch``: no ``no_sync``).
     """
 
-    strategy: str
-    world_size: int = 1
-    nodes: int = 1
+    layout: Layout
     method: str = "full"
     seq_len: int = 2048
     micro_batch_size: int = 1
     gradient_accumulation_steps: int = 1
-    activation_checkpointing: bool = False
-    mixed_precision: str = "bf16"
-    pure_bf16: bool = False
     base_dtype: str = "bfloat16"
     lora: LoraSpec | None = None
-    offload: str = "none"
     use_liger_kernel: bool = False
-    tp_size: int = 1
-    cp_size: int = 1
-    sp_size: int = 1
     attention: str | None = None  # None: what transformers runs for the model (sdpa, or eager where it refuses sdpa)
     device: str = "cuda"
     optimizer: str = "adamw"
     fused_lm_head: bool = False  # TRL's fused LM head (not traceable here: untraceable_reason)
-    sync_each_batch: bool = False
 
-    def __post_init__(self) -> None:
+    def __init__(self, strategy: str | None = None, *, layout: Layout | None = None, **values: Any) -> None:
+        flat = {k: values.pop(k) for k in LAYOUT_KEYWORDS if k in values}
+        if layout is None:
+            if strategy is None:
+                raise TypeError("TraceSetup() needs a strategy (or layout=Layout(...))")
+            layout = Layout(strategy, **flat)
+        elif strategy is not None or flat:
+            raise TypeError(
+                f"TraceSetup(layout=...) takes no layout fields beside it; got {sorted(flat) or 'strategy'}"
+            )
+        own = {f.name: f.default for f in fields(self) if f.name != "layout"}
+        unknown = sorted(set(values) - set(own))
+        if unknown:
+            raise TypeError(
+                f"TraceSetup() got unknown keyword(s) {unknown}; allowed: {list(LAYOUT_KEYWORDS) + list(own)}"
+            )
+        object.__setattr__(self, "layout", layout)
+        for name, default in own.items():
+            object.__setattr__(self, name, values.get(name, default))
         check_choice("method", self.method, ("full", "lora", "qlora"))
-        check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         check_choice("base_dtype", self.base_dtype, DTYPES)
         check_choice("device", self.device, ("cuda", "cpu"))
         check_choice("optimizer", self.optimizer, ("adamw", "adamw_8bit", "sgd"))
         for name in ("seq_len", "micro_batch_size", "gradient_accumulation_steps"):
             check_positive_int(name, getattr(self, name))
         self._set_lora()
-        self.layout  # noqa: B018  (the layout checks world size, nodes and parallel sizes, naming the arithmetic)
 
     def _set_lora(self) -> None:
         """The LoRA of a LoRA method (a dict from :meth:`to_dict` read back; the recipes' when not given)."""
@@ -103,14 +111,6 @@ class TraceSetup:
         if lora is not None and not isinstance(lora, LoraSpec):
             raise ValueError(f"lora must be a LoraSpec or its dict, got {type(lora).__name__}")
         object.__setattr__(self, "lora", lora)
-
-    @property
-    def layout(self) -> Layout:
-        return Layout(
-            self.strategy, self.world_size, self.nodes, self.offload, self.activation_checkpointing,
-            self.mixed_precision, self.pure_bf16, self.tp_size, self.cp_size, self.sp_size,
-            sync_each_batch=self.sync_each_batch,
-        )  # fmt: skip
 
     def untraceable_reason(self) -> str | None:
         """Why this layout cannot be traced on this machine, or None. Each reason was found by trying
@@ -172,11 +172,14 @@ class TraceSetup:
         )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "lora": self.lora.to_dict() if self.lora is not None else None}
+        """The wire format: the layout's fields flat, then the run's (what :meth:`from_dict` reads back)."""
+        run = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "layout"}
+        lora = self.lora.to_dict() if self.lora is not None else None
+        return {**{k: getattr(self, k) for k in LAYOUT_KEYWORDS}, **run, "lora": lora}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TraceSetup:
-        known = {f.name for f in fields(cls)}
+        known = set(LAYOUT_KEYWORDS) | {f.name for f in fields(cls)} - {"layout"}
         return cls(**{k: v for k, v in data.items() if k in known})
 
     @classmethod
@@ -193,9 +196,9 @@ class TraceSetup:
             seq_len=plan.seq_len, micro_batch_size=c.micro_batch_size, gradient_accumulation_steps=accumulation,
             activation_checkpointing=c.activation_checkpointing, mixed_precision=plan.mixed_precision,
             pure_bf16=plan.pure_bf16, base_dtype=plan.model_dtype or pb, lora=plan.lora,
-            offload=c.offload, use_liger_kernel=c.use_liger_kernel, tp_size=c.tp_size, cp_size=c.cp_size,
-            sp_size=c.sp_size, device=plan.hardware.device, optimizer=plan.optimizer, fused_lm_head=plan.fused_lm_head,
-            sync_each_batch=c.sync_each_batch,
+            offload=c.offload, offload_device=c.offload_device, use_liger_kernel=c.use_liger_kernel,
+            tp_size=c.tp_size, cp_size=c.cp_size, sp_size=c.sp_size, device=plan.hardware.device,
+            optimizer=plan.optimizer, fused_lm_head=plan.fused_lm_head, sync_each_batch=c.sync_each_batch,
         )  # fmt: skip
         values.update(overrides)
         return cls(**values)

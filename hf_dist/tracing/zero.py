@@ -45,10 +45,7 @@ def engine_config(setup: TraceSetup, model: Any) -> dict[str, Any]:
     from hf_dist.configs.deepspeed import deepspeed_config
     from hf_dist.tracing.prepare import _no_accelerate_env
 
-    planned = deepspeed_config(
-        setup.strategy, offload=setup.offload, mixed_precision=setup.mixed_precision, pure_bf16=setup.pure_bf16,
-        tp_size=setup.tp_size, sp_size=setup.sp_size,
-    )  # fmt: skip
+    planned = deepspeed_config(setup.layout)
     with tempfile.TemporaryDirectory() as tmp, _no_accelerate_env():
         plain = TrainingArguments(
             output_dir=tmp, report_to="none", per_device_train_batch_size=setup.micro_batch_size,
