@@ -30,11 +30,21 @@ def _full_state_dict(model: Any, running: Strategy) -> dict | None:
 
 def ended_with(args: Any, state: Any) -> Path:
     """The checkpoint whose weights the Trainer holds at the end: the best one under ``load_best_model_at_end`` (the
-    Trainer loads it back before ``on_train_end``), else the last step's."""
+    Trainer loads it back before ``on_train_end``), else the last step's. A best checkpoint that is not a
+    ``checkpoint-N`` of this run's ``output_dir`` with a matching manifest
+    (:func:`~hf_dist.checkpoint.safety.trainer_loads.best_checkpoint_problem`: its name was read from a file) is never
+    exported: the last step's is, with one warning (``attach`` drops such a name before the Trainer loads it)."""
+    last = Path(args.output_dir) / f"checkpoint-{state.global_step}"
     best = getattr(state, "best_model_checkpoint", None)
-    if getattr(args, "load_best_model_at_end", False) and best:
-        return Path(best)
-    return Path(args.output_dir) / f"checkpoint-{state.global_step}"
+    if not (getattr(args, "load_best_model_at_end", False) and best):
+        return last
+    from hf_dist.checkpoint.safety.trainer_loads import best_checkpoint_problem
+
+    problem = best_checkpoint_problem(best, args.output_dir)
+    if problem is not None:
+        logger.warning("hf_dist: not exporting best_model_checkpoint %s: %s; exporting %s", best, problem, last)
+        return last
+    return Path(best)
 
 
 class ExportCallback(TrainerCallback):

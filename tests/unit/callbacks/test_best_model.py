@@ -156,3 +156,34 @@ def test_a_planted_best_checkpoint_does_not_make_the_trainer_delete_the_runs_che
     assert (run / "checkpoint-3" / "model.safetensors").is_file()
     state = json.loads((run / "checkpoint-3" / "trainer_state.json").read_text())
     assert "elsewhere" not in str(state.get("best_model_checkpoint"))  # not carried into the next checkpoint
+
+
+@pytest.mark.parametrize("planted", [_outside, _linked, _changed_after_manifest, _without_manifest])
+def test_an_export_never_converts_a_planted_best_checkpoint(planted, run, tmp_path, caplog):
+    """The exports' choice of checkpoint (``ExportCallback`` at train end, a recipe's ``final_checkpoint``: ZeRO-3
+    converts it) does not trust ``best_model_checkpoint`` either, with or without ``attach``: the last step's is
+    exported, with one warning; this run's own best with a matching manifest still is."""
+    from types import SimpleNamespace
+
+    from hf_dist.callbacks.export import ended_with
+    from hf_dist.recipe_utils.export import final_checkpoint
+
+    args = SimpleNamespace(output_dir=str(run), load_best_model_at_end=True)
+    best = planted(run, tmp_path)
+    trainer = SimpleNamespace(args=args, state=SimpleNamespace(global_step=2, best_model_checkpoint=str(best)))
+    with caplog.at_level(logging.WARNING, logger="hf_dist"):
+        assert ended_with(args, trainer.state) == final_checkpoint(trainer) == run / "checkpoint-2"
+    warnings = [r.getMessage() for r in caplog.records if "not exporting best_model_checkpoint" in r.getMessage()]
+    assert len(warnings) == 2 and str(best) in warnings[0]  # one per call
+
+
+def test_an_export_of_this_runs_best_checkpoint_is_that_checkpoint(run):
+    from types import SimpleNamespace
+
+    from hf_dist.callbacks.export import ended_with
+
+    args = SimpleNamespace(output_dir=str(run), load_best_model_at_end=True)
+    assert ended_with(args, SimpleNamespace(global_step=2, best_model_checkpoint=str(run / "checkpoint-1"))) == (
+        run / "checkpoint-1"
+    )
+    assert ended_with(args, SimpleNamespace(global_step=2, best_model_checkpoint=None)) == run / "checkpoint-2"
