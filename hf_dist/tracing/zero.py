@@ -93,7 +93,7 @@ def rank_zero(setup: TraceSetup):
     level = logger.level
     logger.setLevel(logging.WARNING)
     try:
-        with process_functions_restored():
+        with process_functions_restored(), _launch_noise_quiet():
             yield
     finally:
         logger.setLevel(level)
@@ -102,6 +102,25 @@ def rank_zero(setup: TraceSetup):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _launch_noise_quiet():
+    """What the traced engine would make a plan print that says nothing of the user's run: transformers' warning that
+    ``TrainingArguments`` built under the (fake) process group is not a distributed launch, and torch's deprecation
+    of the collectives DeepSpeed calls (:data:`hf_dist.runtime.library_warnings.DEPRECATED_COLLECTIVES`). Both
+    restored afterwards."""
+    from hf_dist.runtime.library_warnings import DEPRECATED_COLLECTIVES
+
+    training_args = logging.getLogger("transformers.training_args")
+    level = training_args.level
+    training_args.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=DEPRECATED_COLLECTIVES, category=FutureWarning)
+            yield
+    finally:
+        training_args.setLevel(level)
 
 
 @contextlib.contextmanager
