@@ -10,7 +10,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +63,15 @@ class ConversionReport:
         return "\n".join(lines)
 
 
-def open_reader(info: CheckpointContents, *, trust_pickles: bool = False) -> Reader:
+def open_reader(info: CheckpointContents, *, trust_pickles: bool = False) -> tuple[CheckpointContents, Reader]:
     """The reader of ``info``'s format, once no link in the checkpoint leads outside it (every file a reader opens
     is then inside: the names come from listing the folder, DeepSpeed's ``latest`` and DCP's metadata are
-    confined where they are read)."""
+    confined where they are read), and ``info`` refined by what the reader found (``Reader.found``)."""
+    reader = _reader(info, trust_pickles)
+    return replace(info, **reader.found), reader
+
+
+def _reader(info: CheckpointContents, trust_pickles: bool) -> Reader:
     if info.path.is_file():
         confined(info.path, info.root)
     else:  # the Trainer checkpoint around the folder holds it (swap files, DeepSpeed tags)
@@ -119,11 +124,11 @@ def convert(
     sources = (src, info.path, info.root)
     check_output_path(dst, sources=sources, overwrite=overwrite)
     if model_config is not None:
-        info.config_dir = config_dir(model_config)
-    reader = open_reader(info, trust_pickles=trust_pickles)
+        info = replace(info, config_dir=config_dir(model_config))
+    info, reader = open_reader(info, trust_pickles=trust_pickles)
     try:
         specs = reader.specs()
-        info.num_params = sum(s.numel for s in specs.values())
+        info = replace(info, num_params=sum(s.numel for s in specs.values()))
         conversion = _plan(
             info, specs, adapter=adapter, merge_adapter=merge_adapter, trust_remote_code=trust_remote_code
         )

@@ -9,7 +9,7 @@ fp32 model plus one batch), and compares their logits on a fixed input.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,9 +77,11 @@ class VerifyReport:
 class _Side:
     """One checkpoint: its reader and the mapping HF name -> source name."""
 
+    info: CheckpointContents
+    reader: Reader
+
     def __init__(self, path: str | Path, trust_pickles: bool) -> None:
-        self.info: CheckpointContents = read_contents(path)
-        self.reader: Reader = open_reader(self.info, trust_pickles=trust_pickles)
+        self.info, self.reader = open_reader(read_contents(path), trust_pickles=trust_pickles)
         self.names: dict[str, str] = {}
 
     def map_names(self, config_dir: Path | None, other: set[str] | None = None, *, trust_remote_code: bool) -> None:
@@ -128,7 +130,7 @@ def verify(
     side_a, side_b = _Side(a, trust_pickles), _Side(b, trust_pickles)
     config = config or side_a.info.config_dir or side_b.info.config_dir
     for side in (side_a, side_b):
-        side.info.config_dir = config
+        side.info = replace(side.info, config_dir=config)
     trust = {"trust_remote_code": trust_remote_code}
     side_b.map_names(config, **trust)
     side_a.map_names(config, set(side_b.names), **trust)

@@ -41,7 +41,7 @@ class AutoTPReader(Reader):
                 shape[dim] = sum(part.specs()[name].shape[dim] for part in self.parts)
             self._specs[name] = TensorSpec(tuple(shape), spec.dtype)
         self.aliases, self.train_dtype = first.aliases, first.train_dtype
-        info.world_size = first.world_size * info.tp_size
+        self.found = {**first.found, "world_size": first.world_size * info.tp_size}
         first.release()
 
     def _split_dims(self, first: DeepSpeedReader, info: CheckpointContents) -> dict[str, int | None]:

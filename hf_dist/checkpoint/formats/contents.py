@@ -27,7 +27,7 @@ parallelism) holds ``model.safetensors`` and hf_dist's optimizer DCP ``hf_dist_o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hf_dist.checkpoint.formats.names import (
@@ -66,13 +66,14 @@ _WORLD_KIND = {
 _OWN_KINDS = {"deepspeed": (ZERO_OPTIM, ZERO3_MODEL), "dcp": (DCP_MODEL,)}
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointContents:
-    """What was found at a path. ``path`` is the folder (or file) holding the tensors, ``root`` the Trainer
-    ``checkpoint-N`` folder around it (or ``path`` itself).
+    """What was found at a path, never changed once read. ``path`` is the folder (or file) holding the tensors,
+    ``root`` the Trainer ``checkpoint-N`` folder around it (or ``path`` itself).
 
-    ``rank_files``: per-rank file kind -> rank -> its files. ``stage``, ``train_dtype``, ``world_size`` and
-    ``num_params`` are refined by the readers once they open the files.
+    ``rank_files``: per-rank file kind -> rank -> its files. ``stage``, ``train_dtype`` and ``world_size`` are refined
+    once a reader opened the files: :func:`hf_dist.checkpoint.conversion.convert.open_reader` returns a new contents
+    with what the reader found (``Reader.found``).
     """
 
     format: str | None  # one of FORMATS; None: no weights (a Trainer folder of optimizer/RNG files only)
@@ -152,22 +153,26 @@ def read_contents(path: str | Path, *, tag: str | None = None, strict: bool = Tr
             if strict:
                 raise
             layout = CheckpointContents(None, path, path)
-    layout.rank_files = _rank_files(layout)
-    layout.family = _family(layout)
-    world_ranks = layout.rank_files.get(_WORLD_KIND[layout.family])
+    return _with_rank_files(layout, path.is_dir())
+
+
+def _with_rank_files(layout: CheckpointContents, is_dir: bool) -> CheckpointContents:
+    """``layout`` with what its per-rank files, tags and the folders around it tell."""
+    layout = replace(layout, rank_files=_rank_files(layout))
+    family = _family(layout)
+    world_ranks = layout.rank_files.get(_WORLD_KIND[family])
+    world_size = layout.world_size
     if world_ranks:
-        layout.world_size = max(world_ranks) + 1
-    elif layout.family is CheckpointFamily.FULL and (layout.root / "rng_state.pth").is_file():
-        layout.world_size = 1
-    if layout.family is CheckpointFamily.ZERO3:
-        layout.stage = 3
-    layout.universal_tag = _universal_tag(layout.root) if layout.family.is_zero else None
-    layout.step = _find_step(layout)
-    layout.config_dir = _find_config_dir(layout)
-    if path.is_dir():
-        layout.is_adapter = layout.is_adapter or any(
-            (d / "adapter_config.json").is_file() for d in _nearby_dirs(layout)
-        )
+        world_size = max(world_ranks) + 1
+    elif family is CheckpointFamily.FULL and (layout.root / "rng_state.pth").is_file():
+        world_size = 1
+    layout = replace(
+        layout, family=family, world_size=world_size, stage=3 if family is CheckpointFamily.ZERO3 else layout.stage,
+        universal_tag=_universal_tag(layout.root) if family.is_zero else None,
+    )  # fmt: skip
+    layout = replace(layout, step=_find_step(layout), config_dir=_find_config_dir(layout))
+    if is_dir and not layout.is_adapter:
+        layout = replace(layout, is_adapter=any((d / "adapter_config.json").is_file() for d in _nearby_dirs(layout)))
     return layout
 
 

@@ -50,7 +50,7 @@ class DCPReader(Reader):
                 f"{self.folder} holds optimizer state (Adam moments keyed 'optimizer.state...'), not model weights; "
                 f"convert or verify the checkpoint folder it belongs to ({self.folder.parent})"
             )
-        info.world_size = self._world_size(metadata)
+        self.found = {"world_size": self._world_size(metadata)}
         self._chunks: dict[str, list] = {}  # name -> [(chunk offsets, _StorageInfo)]
         for index, storage in (metadata.storage_data or {}).items():
             if index.fqn in self._specs:  # non-tensor values (a step, param_groups) carry no offset: not weights

@@ -92,8 +92,7 @@ class DeepSpeedReader(Reader):
         # DeepSpeed's own LR scheduler (a DeepSpeed config with a "scheduler" section) saves its state here, and the
         # Trainer then writes no scheduler.pt (transformers' _save_scheduler)
         self.holds_scheduler = model_states.get("lr_scheduler") is not None
-        info.stage, info.world_size = self.stage, self.world_size
-        info.train_dtype = self.train_dtype
+        self.found = {"stage": self.stage, "world_size": self.world_size, "train_dtype": self.train_dtype}
         self.release()
 
     # -- layout -------------------------------------------------------------------------------

@@ -34,10 +34,14 @@ class Reader:
 
     train_dtype: str | None = None  # "bf16" | "fp16" | "fp32" when the checkpoint says so
     aliases: dict[str, str]  # tied/shared names -> the name that holds the data
+    # what opening the files told of the checkpoint (CheckpointContents fields: stage, world_size, train_dtype);
+    # the contents it was given are never changed
+    found: dict[str, Any]
 
     def __init__(self) -> None:
         self._specs: dict[str, TensorSpec] = {}
         self.aliases = {}
+        self.found = {}
 
     def specs(self) -> dict[str, TensorSpec]:
         return self._specs

@@ -158,3 +158,21 @@ def test_trainer_state_is_read_in_one_place_and_says_what_is_wrong(tmp_path, mon
     monkeypatch.setattr(trainer_state, "MAX_BYTES", 10)
     with pytest.raises(TrainerStateError, match="over the 10 a Trainer writes"):
         read_trainer_state(folder)
+
+
+def test_contents_are_frozen_and_opening_the_files_refines_a_copy(zero_ckpt):
+    """Readers return what they found (``Reader.found``) instead of writing into the contents they were given."""
+    import dataclasses
+
+    from hf_dist.checkpoint.conversion.convert import open_reader
+
+    root, _ = zero_ckpt
+    info = read_contents(root)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        info.world_size = 99
+    before = dataclasses.asdict(info)
+    refined, reader = open_reader(info)
+    reader.close()
+    assert dataclasses.asdict(info) == before  # the contents read stay what was read
+    assert (refined.stage, refined.world_size, refined.train_dtype) == (3, reader.world_size, reader.train_dtype)
+    assert refined.train_dtype is not None and refined == dataclasses.replace(info, **reader.found)
