@@ -12,7 +12,7 @@ from typing import Any
 
 from hf_dist.planning.layout import Layout
 
-# keyword -> the Layout attribute it comes from; the names match but for accelerate's num_processes
+# the keywords of each factory that a Layout holds, by the Layout's names (but num_processes: its world_size)
 DEEPSPEED_FIELDS = ("offload", "mixed_precision", "pure_bf16", "tp_size", "sp_size", "offload_device")
 FSDP_FIELDS = ("offload", "activation_checkpointing", "mixed_precision")
 ACCELERATE_FIELDS = (
@@ -22,7 +22,9 @@ ACCELERATE_FIELDS = (
 _ATTRIBUTE = {"num_processes": "world_size"}
 
 
-def layout_kwargs(factory: Callable[..., Any], layout: Layout, passed: Mapping[str, Any], keywords: tuple[str, ...]):
+def layout_kwargs(
+    factory: Callable[..., Any], layout: Layout, passed: Mapping[str, Any], keywords: tuple[str, ...]
+) -> dict[str, Any]:
     """``{keyword: the layout's value}`` for ``factory``'s ``keywords``. ``passed``: the factory's arguments as called;
     a keyword left at its default takes the layout's value, one passed with another value than the layout's is
     refused."""
