@@ -38,6 +38,8 @@ MIN_LAUNCHES := -k "baseline or ddp or fsdp_full_shard or (zero3 and not offload
 # ZeRO-Infinity (NVMe offload) needs DeepSpeed's async_io op, which builds against libaio: installed here with apt
 # where apt-get runs as root (Debian/Ubuntu); elsewhere the NVMe tests skip and say what to install.
 AIO_BUILD := from deepspeed.ops.op_builder import AsyncIOBuilder as B; b = B(); b.is_compatible(False) and b.load(verbose=False)
+# torch waits forever on the build lock of a killed JIT build (an interrupted make test): such locks go first
+CLEAR_LOCKS := from hf_dist.testing import clear_stale_build_locks; clear_stale_build_locks()
 
 .PHONY: install install-min libaio aio-op demo test test-min lint bench
 
@@ -77,6 +79,7 @@ libaio:
 # (a second call only loads it). Built before the tests rather than beside them: the straggler test times its ranks.
 # .ci/run starts this target in the background during `make test-min`, so CI does not wait for it.
 aio-op: install libaio
+	@$(PY) -c "$(CLEAR_LOCKS)"
 	@$(PY) -c "$(AIO_BUILD)"
 
 test: install libaio aio-op
@@ -86,6 +89,7 @@ test: install libaio aio-op
 # another version get their own cache so the two venvs do not rebuild each other's
 test-min: install-min
 	$(MIN_PY) -m pytest -q tests/unit
+	TORCH_EXTENSIONS_DIR=$(abspath $(MIN_VENV))/torch_extensions $(MIN_PY) -c "$(CLEAR_LOCKS)"
 	TORCH_EXTENSIONS_DIR=$(abspath $(MIN_VENV))/torch_extensions \
 		$(MIN_PY) -m pytest -q tests/distributed/test_strategies.py tests/distributed/test_planted_resume.py $(MIN_LAUNCHES)
 

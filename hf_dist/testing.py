@@ -265,6 +265,37 @@ def _failure(what: str, cmd: Sequence[str], stdout: str, stderr: str, keep: int 
     ).strip()
 
 
+# A JIT build of one of DeepSpeed's ops takes about 3.5 minutes here; a build lock older than this was left by a killed
+# build (an interrupted `make test`), and torch's FileBaton.wait would wait on it forever
+STALE_BUILD_LOCK_S = 30 * 60
+
+
+def clear_stale_build_locks(
+    root: str | os.PathLike | None = None, *, older_than_s: float = STALE_BUILD_LOCK_S
+) -> list[Path]:
+    """Remove the ``lock`` files that killed JIT extension builds left under ``root`` (default: ``TORCH_EXTENSIONS_DIR``,
+    else torch's build root), each named on stderr; a younger lock (a build running now) is kept. ``make aio-op`` and
+    ``make test-min`` call it before DeepSpeed's ops are loaded. Returns the removed paths."""
+    import time
+
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    removed = []
+    for lock in sorted(Path(root).glob("**/lock")):
+        try:
+            age = time.time() - lock.stat().st_mtime
+            if age <= older_than_s:
+                continue
+            lock.unlink()
+        except FileNotFoundError:  # released meanwhile
+            continue
+        removed.append(lock)
+        print(f"removed {lock}: a build lock {age / 60:.0f} min old, left by a killed build", file=sys.stderr)
+    return removed
+
+
 def cpu_has_onednn_fp16() -> bool:
     """Whether this CPU computes fp16 through oneDNN (``torch.ops.mkldnn._is_mkldnn_fp16_supported()``).
 

@@ -1,4 +1,5 @@
-"""hf_dist.testing: a failed launch says why a rank died in the first lines of the error."""
+"""hf_dist.testing: a failed launch says why a rank died in the first lines of the error; a lock a killed build left
+is removed before the next build waits on it."""
 
 from __future__ import annotations
 
@@ -114,3 +115,23 @@ def test_torchrun_launches_a_gloo_abort_again_without_the_first_attempts_files(t
     assert log.read_text() == "xx"
     assert "['kept.txt']" in proc.stdout  # the retry started from what was there before, not the first attempt's
     assert kept.read_text() == "from before"
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path, capsys):
+    """torch's FileBaton waits forever on the lock of a killed JIT build (a `make test` stuck 25 min here on one left
+    at 10:22 by an interrupted build); `make aio-op` and `make test-min` remove such locks before loading the ops."""
+    import os
+    import time
+
+    from hf_dist.testing import STALE_BUILD_LOCK_S, clear_stale_build_locks
+
+    stale, live = tmp_path / "py311_cpu" / "async_io" / "lock", tmp_path / "py311_cpu" / "pin_memory" / "lock"
+    for lock in (stale, live):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    old = time.time() - STALE_BUILD_LOCK_S - 60
+    os.utime(stale, (old, old))
+    assert clear_stale_build_locks(tmp_path) == [stale]
+    assert not stale.exists() and live.exists()  # a build running now keeps its lock
+    assert f"removed {stale}: a build lock 31 min old, left by a killed build" in capsys.readouterr().err
+    assert clear_stale_build_locks(tmp_path / "nothing-built-yet") == []
