@@ -101,15 +101,17 @@ def attach(
     Refuses at once a launch of several ranks that the Trainer trains as separate one-process copies
     (:func:`hf_dist.callbacks.plan.check_launch`), and a second job writing the same output folder
     (:func:`hf_dist.checkpoint.output.lock.claim_output_dir`: every rank raises ``OutputBusyError`` naming
-    the job that holds it; a rank whose launcher dies stops). Guards the Trainer's checkpoint loads
-    (:func:`hf_dist.checkpoint.safety.trainer_loads.guard_trainer`): while a resume or the best model loads, every
-    unpickle the Trainer, accelerate or DeepSpeed makes is torch's ``weights_only`` load with hf_dist's allowlist,
-    and every file must lie inside the checkpoint. Makes the resume of a finished run (a checkpoint at ``max_steps``)
-    train nothing, where the Trainer would train one step past it
-    (:func:`hf_dist.checkpoint.lifecycle.finished.guard_finished`). Refuses ranks whose trainable parameters differ
-    where the engine would train a mix of them (:func:`hf_dist.runtime.replicas.check_replicas_agree`: FSDP2 without
+    the job that holds it; a rank whose launcher dies stops), and ranks whose trainable parameters differ where the
+    engine would train a mix of them (:func:`hf_dist.runtime.replicas.check_replicas_agree`: FSDP2 without
     ``cpu_ram_efficient_loading``, the one engine that does not broadcast rank 0's copy; seed before creating the
-    adapter), and the resume of a checkpoint whose ``config.json`` is of another model (:func:`hf_dist.checkpoint.lifecycle.model_config.guard_resume_model`).
+    adapter).
+
+    Extends the Trainer's class with :class:`hf_dist.callbacks.extension.TrainerExtension` (every method hf_dist
+    changes, each calling ``super()``): while a resume or the best model loads, every unpickle the Trainer,
+    accelerate or DeepSpeed makes is torch's ``weights_only`` load with hf_dist's allowlist, and every file must lie
+    inside the checkpoint; the resume of a finished run (a checkpoint at ``max_steps``) trains nothing, where the
+    Trainer would train one step past it; the resume of a checkpoint whose ``config.json`` is of another model is
+    refused before anything is built or loaded.
 
     ``plan``: the run is checked against it at train start (:class:`~hf_dist.callbacks.plan.PlanCallback`: world size,
     strategy, precision, checkpointing, batch split, tp/cp/sp, FSDP wrap classes, the optimizer that steps, TRL's
@@ -136,23 +138,20 @@ def attach(
 
 def _guard(trainer: Any) -> None:
     """What :func:`attach` checks and guards before any callback is inserted, in this order."""
+    from hf_dist.callbacks.extension import extend
     from hf_dist.callbacks.plan import check_launch
-    from hf_dist.checkpoint.lifecycle.finished import guard_finished
-    from hf_dist.checkpoint.lifecycle.model_config import guard_resume_model
     from hf_dist.checkpoint.output.lock import claim_output_dir
-    from hf_dist.checkpoint.safety.trainer_loads import guard_trainer
     from hf_dist.runtime.replicas import check_replicas_agree
 
     check_launch(trainer.args)  # several ranks launched, each training alone: refused before anything else
     check_replicas_agree(trainer.model)  # ranks holding different trainable parameters, before FSDP2 mixes them
     claim_output_dir(trainer.args.output_dir)  # one live job per output folder; ranks stop with their launcher
-    guard_trainer(trainer)  # every checkpoint load of a resume: weights_only with the allowlist, paths confined
-    guard_finished(trainer)  # a resumed run already at max_steps trains nothing (the Trainer would train one more)
+    # the checkpoint loads of a resume (weights_only, confined), a finished run, a checkpoint of another model
+    extend(trainer, guards=True)
     if getattr(trainer, "is_deepspeed_enabled", False):
         from hf_dist.runtime.library_warnings import quiet_deprecated_collectives
 
         quiet_deprecated_collectives()  # torch's deprecation of DeepSpeed's collectives: once, not at every step
-    guard_resume_model(trainer)  # a checkpoint of another model refused before the Trainer builds or loads anything
 
 
 def _insert(trainer: Any, callbacks: list[TrainerCallback]) -> None:

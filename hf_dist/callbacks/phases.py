@@ -8,8 +8,8 @@ phase's own durations, and the straggler detector (:mod:`hf_dist.callbacks.strag
 in a save, an evaluation or an export as lateness.
 
 The code that runs a phase says so, ``with phase(Phase.SAVE): ...`` (the checkpoint callbacks, the exports), and
-:func:`instrument` wraps a Trainer's ``evaluate``, ``_save_checkpoint`` and ``_load_best_model`` once. Progress
-inside a phase (a step's begin and end, an evaluation batch, a log) is a :meth:`PhaseClock.beat`. :data:`CLOCK`, one
+the Trainer extension (:mod:`hf_dist.callbacks.extension`) runs a Trainer's ``evaluate``, ``_save_checkpoint`` and
+``_load_best_model`` as phases. Progress inside a phase (a step's begin and end, an evaluation batch, a log) is a :meth:`PhaseClock.beat`. :data:`CLOCK`, one
 per process, knows the phase under way, the silence since the last beat, and for each phase the longest silence of
 its finished instances.
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import functools
 import sys
 import threading
 import time
@@ -151,28 +150,6 @@ def phase(which: Phase, clock: PhaseClock | None = None) -> Iterator[None]:
         finished = True
     finally:
         clock.leave(which, finished=finished)
-
-
-_TRAINER_PHASES = {"evaluate": Phase.EVALUATE, "_save_checkpoint": Phase.SAVE, "_load_best_model": Phase.LOAD}
-
-
-def instrument(trainer: Any) -> None:
-    """Once per Trainer: its evaluations, checkpoint saves and its load of the best checkpoint run as phases,
-    wherever they are called from (the training loop, ``eval_on_start``, a recipe's final evaluation)."""
-    if trainer is None or getattr(trainer, "_hf_dist_phases", False):
-        return
-    for name, which in _TRAINER_PHASES.items():
-        setattr(trainer, name, _in_phase(getattr(trainer, name), which))
-    trainer._hf_dist_phases = True
-
-
-def _in_phase(method: Callable, which: Phase) -> Callable:
-    @functools.wraps(method)
-    def run(*args, **kwargs):
-        with phase(which):
-            return method(*args, **kwargs)
-
-    return run
 
 
 def running_trainer() -> Any:

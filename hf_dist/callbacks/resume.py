@@ -28,6 +28,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from hf_dist.callbacks.extension import TrainerExtension
 from hf_dist.callbacks.phases import Phase, phase
 from hf_dist.checkpoint.lifecycle import manifest, model_config, sharded_state, zero_infinity
 from hf_dist.checkpoint.output import runs
@@ -49,8 +50,8 @@ class CompleteCheckpointCallback(TrainerCallback):
     """Brackets every save (see the module docstring): the manifest, written last, is what makes a checkpoint
     complete. Must be registered on every rank (as Trainer callbacks always are): it calls barriers.
 
-    Added with :func:`hf_dist.callbacks.attach`, it wraps the Trainer's ``_save_checkpoint`` so the old manifest goes
-    before any save writes a file (every ``save_strategy``, ``"best"`` included); added with
+    Added with :func:`hf_dist.callbacks.attach`, the Trainer's ``_save_checkpoint`` calls :meth:`bracketed_save`, so
+    the old manifest goes before any save writes a file (every ``save_strategy``, ``"best"`` included); added with
     ``Trainer(callbacks=...)`` it does so at the step or epoch end that decides to save.
     """
 
@@ -58,7 +59,6 @@ class CompleteCheckpointCallback(TrainerCallback):
         self.trainer = None  # set by attach()
         self.run: str | None = None
         self.save_id: str | None = None
-        self._wrapped = False
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero and args.save_total_limit == 1:
@@ -68,8 +68,6 @@ class CompleteCheckpointCallback(TrainerCallback):
             )
         if state.is_world_process_zero and args.should_save:
             self._record_run(args, state)
-        if self.trainer is not None and not self._wrapped:  # once per Trainer, however many times it trains
-            self._wrap_save()
 
     def _record_run(self, args, state) -> None:
         self.run = manifest.new_id()
@@ -86,15 +84,18 @@ class CompleteCheckpointCallback(TrainerCallback):
 
     # ---- before the save writes: the old manifest goes ----
 
-    def _wrap_save(self) -> None:
-        trainer, save = self.trainer, self.trainer._save_checkpoint
+    def bracketed_save(self, save: Any, model: Any, trial: Any) -> Any:
+        """The Trainer's ``_save_checkpoint`` (``save``) bracketed: called by the Trainer extension
+        (:class:`hf_dist.callbacks.extension.TrainerExtension`) of the Trainer attach gave this callback."""
+        trainer = self.trainer
+        self.begin(trainer.args, trainer.state, Path(trainer._get_output_dir(trial)), trainer.model)
+        return self._save(save, model, trial)
 
-        def bracketed_save(model, trial):
-            self.begin(trainer.args, trainer.state, Path(trainer._get_output_dir(trial)), trainer.model)
-            return self._save(save, model, trial)
-
-        trainer._save_checkpoint = bracketed_save
-        self._wrapped = True
+    @property
+    def _brackets_saves(self) -> bool:
+        """Whether the Trainer calls :meth:`bracketed_save` (attach); else the step or epoch end that decides to save
+        brackets it."""
+        return isinstance(self.trainer, TrainerExtension)
 
     def _save(self, save: Any, model: Any, trial: Any) -> Any:
         return save(model, trial)
@@ -113,11 +114,11 @@ class CompleteCheckpointCallback(TrainerCallback):
         _dist.barrier()
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        if control.should_save and not self._wrapped:  # without attach: the save this step end decided on
+        if control.should_save and not self._brackets_saves:  # without attach: the save this step end decided on
             self.begin(args, state, Path(args.output_dir), model)
 
     def on_epoch_end(self, args, state, control, model=None, **kwargs):
-        if control.should_save and not self._wrapped:
+        if control.should_save and not self._brackets_saves:
             self.begin(args, state, Path(args.output_dir), model)
 
     # ---- after every rank wrote: the manifest ----

@@ -8,6 +8,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from hf_dist.callbacks import phases
+from hf_dist.callbacks.extension import extend
 from hf_dist.callbacks.memory import _add_to_logs
 from hf_dist.callbacks.stragglers import Arrivals, hostnames, report, stragglers
 from hf_dist.data.packing import real_tokens
@@ -134,7 +135,7 @@ class ThroughputCallback(TrainerCallback):
             outer = getattr(self.trainer, "model_wrapped", None) or model  # DDP / DeepSpeed engine, or the model
             if outer is not None:  # first among its hooks: before FSDP2's own pre-forward all-gather
                 self._arrival_handle = outer.register_forward_pre_hook(self._arrival_hook, prepend=True)
-        phases.instrument(self.trainer or phases.running_trainer())  # its evaluations and saves are phases
+        extend(self.trainer or phases.running_trainer())  # its evaluations and saves are phases
         self._hosts = hostnames()
         self._phases_seen = phases.CLOCK.entered
         self._last_time = time.perf_counter()

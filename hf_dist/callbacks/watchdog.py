@@ -39,6 +39,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from hf_dist.callbacks import phases
+from hf_dist.callbacks.extension import extend
 from hf_dist.callbacks.phases import Phase
 from hf_dist.callbacks.progress_board import ProgressBoard
 
@@ -90,7 +91,7 @@ class HangWatchdogCallback(TrainerCallback):
     # ------------------------------------------------------------------ Trainer events
     def on_train_begin(self, args, state, control, **kwargs):
         self._arm(args, state.global_step)
-        phases.instrument(self.trainer or phases.running_trainer())
+        extend(self.trainer or phases.running_trainer())
         self.clock.start_training()
         self._start_thread()
 
@@ -250,7 +251,7 @@ def watching(trainer: Any) -> Iterator[None]:
     if watchdog is None:
         yield
         return
-    phases.instrument(trainer)
+    extend(trainer)
     with watchdog.window(trainer.args, trainer.state.global_step):
         yield
 

@@ -34,11 +34,10 @@ CONTRACT = {
 
 
 def _wrapped_by_hf_dist() -> set[str]:
-    """The names hf_dist's own modules list as the Trainer methods they wrap."""
-    from hf_dist.callbacks.phases import _TRAINER_PHASES
-    from hf_dist.checkpoint.safety.trainer_loads import BEST_MODEL_LOAD, RESUMED_STATE_HOOK, TRAINER_LOADS
+    """The Trainer methods hf_dist's one extension class overrides."""
+    from hf_dist.callbacks.extension import EXTENDED
 
-    return {f"Trainer.{name}" for name in (*TRAINER_LOADS, BEST_MODEL_LOAD, RESUMED_STATE_HOOK, *_TRAINER_PHASES)}
+    return {f"Trainer.{name}" for name in EXTENDED}
 
 
 def _resolve(name: str):
@@ -61,3 +60,14 @@ def test_the_installed_transformers_keeps_what_hf_dist_relies_on(name):
     assert tuple(params[: len(leading)]) == leading, (
         f"{name} takes {params} in {version}; hf_dist relies on {list(leading)} first ({who})"
     )
+
+
+@pytest.mark.parametrize("name", sorted(_wrapped_by_hf_dist()))
+def test_the_extension_takes_what_it_passes_on_under_the_trainers_names(name):
+    """Each method of the extension names its leading parameters as the Trainer does, so a caller passing them by
+    keyword reaches the Trainer's method unchanged."""
+    from hf_dist.callbacks.extension import TrainerExtension
+
+    leading, who = CONTRACT[name]
+    params = [p for p in inspect.signature(getattr(TrainerExtension, name.split(".")[1])).parameters if p != "self"]
+    assert tuple(params[: len(leading)]) == leading, f"TrainerExtension.{name} takes {params}; {who}"

@@ -8,15 +8,14 @@ comparison is ``DefaultFlowCallback.on_step_end`` (``global_step >= max_steps``)
 Trainer then saves as ``checkpoint-61``. No callback event comes between the start of training and that first
 step with a way to stop it: ``control.should_training_stop`` is read only after a micro-batch has run.
 
-:func:`guard_finished` (installed by :func:`hf_dist.callbacks.attach`) closes that gap at the one place the loop
-asks for batches: while ``global_step >= max_steps`` the Trainer gets none and is told to stop, so a resume of a
+:func:`stop_if_finished` (asked by a Trainer given to :func:`hf_dist.callbacks.attach`) closes that gap at the one
+place the loop asks for batches: while ``global_step >= max_steps`` the Trainer gets none and is told to stop, so a resume of a
 finished run loads the checkpoint (weights, optimizer, scheduler, under every strategy) and trains nothing.
 :func:`finished_at` answers the same question from the files alone, before any model is built (the recipes).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from pathlib import Path
@@ -60,25 +59,15 @@ def finished_message(step: int, max_steps: int, checkpoint: str | os.PathLike | 
     )
 
 
-def guard_finished(trainer: Any) -> None:
-    """Make ``trainer`` train nothing while ``global_step >= max_steps`` (a resumed finished run): its
-    ``get_batch_samples`` returns no batch, training is told to stop, and rank 0 prints :func:`finished_message`
-    once. Idempotent."""
-    original = getattr(trainer, "get_batch_samples", None)
-    if original is None or getattr(original, "_hf_dist_finished_guard", False):
-        return
-    said = []
-
-    @functools.wraps(original)
-    def batches(*args: Any, **kwargs: Any) -> Any:
-        state = trainer.state
-        if not (state.max_steps and state.global_step >= state.max_steps):
-            return original(*args, **kwargs)
-        trainer.control.should_training_stop = True
-        if not said and trainer.args.process_index == 0:
-            print(finished_message(state.global_step, state.max_steps), flush=True)
-        said.append(True)
-        return [], None
-
-    batches._hf_dist_finished_guard = True
-    trainer.get_batch_samples = batches
+def stop_if_finished(trainer: Any) -> bool:
+    """Whether ``trainer`` is at or past ``max_steps`` (a resumed finished run): then training is told to stop and
+    rank 0 prints :func:`finished_message` once. The Trainer extension asks it before every batch
+    (``get_batch_samples`` returns no batch when it is True)."""
+    state = trainer.state
+    if not (state.max_steps and state.global_step >= state.max_steps):
+        return False
+    trainer.control.should_training_stop = True
+    if not getattr(trainer, "_hf_dist_said_finished", False) and trainer.args.process_index == 0:
+        print(finished_message(state.global_step, state.max_steps), flush=True)
+    trainer._hf_dist_said_finished = True
+    return True

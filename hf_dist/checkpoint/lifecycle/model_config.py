@@ -5,13 +5,12 @@
   ``hf-dist convert checkpoint-N OUT`` needs no ``--model-config``;
 - :func:`check_same_model`: a checkpoint whose ``config.json`` describes another architecture is refused before
   the Trainer loads it, naming both (the Trainer would fail with a size mismatch on every rank, after building
-  everything); :func:`guard_resume_model` (installed by :func:`hf_dist.callbacks.attach`) runs it at the start of
-  ``trainer.train(resume_from_checkpoint=...)``.
+  everything); :func:`check_resumed_model` runs it at the start of ``trainer.train(resume_from_checkpoint=...)``
+  of a Trainer given to :func:`hf_dist.callbacks.attach`.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -78,23 +77,14 @@ def check_same_model(checkpoint: str | Path, model: Any) -> None:
         )
 
 
-def guard_resume_model(trainer: Any) -> None:
-    """Check, at the start of ``trainer.train(resume_from_checkpoint=...)``, that the checkpoint is of
-    ``trainer.model`` (:func:`check_same_model`), before anything is prepared or loaded. Idempotent."""
-    train = trainer.train
-    if getattr(train, "_hf_dist_same_model", False):
-        return
+def check_resumed_model(trainer: Any, resume_from_checkpoint: Any) -> None:
+    """At the start of ``trainer.train(resume_from_checkpoint=...)``: the checkpoint it resumes (``True``: the newest
+    of ``output_dir``, the Trainer's pick) must be of ``trainer.model`` (:func:`check_same_model`), before anything
+    is prepared or loaded."""
+    checkpoint = resume_from_checkpoint
+    if checkpoint is True and Path(trainer.args.output_dir).is_dir():
+        from transformers.trainer_utils import get_last_checkpoint
 
-    @functools.wraps(train)
-    def checked_train(resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-        checkpoint = resume_from_checkpoint
-        if checkpoint is True and Path(trainer.args.output_dir).is_dir():  # the Trainer's pick: the newest one
-            from transformers.trainer_utils import get_last_checkpoint
-
-            checkpoint = get_last_checkpoint(trainer.args.output_dir)
-        if checkpoint:
-            check_same_model(checkpoint, trainer.model)
-        return train(resume_from_checkpoint, *args, **kwargs)
-
-    checked_train._hf_dist_same_model = True
-    trainer.train = checked_train
+        checkpoint = get_last_checkpoint(trainer.args.output_dir)
+    if checkpoint:
+        check_same_model(checkpoint, trainer.model)

@@ -3,55 +3,36 @@
 A resume makes the Trainer, accelerate and DeepSpeed load a checkpoint folder: the Trainer's weights, optimizer,
 scheduler, scaler and RNG files (``torch.load(weights_only=True)``, no path check), accelerate's FSDP model and
 optimizer (DCP: ``.metadata`` with ``pickle.load``, non-tensor values with ``torch.load(weights_only=False)``) and
-DeepSpeed's ``load_checkpoint`` (``torch.load(weights_only=False)`` of whatever ``latest`` names). Each of those
-entry points is wrapped so that, while it runs, every load is torch's ``weights_only`` load with hf_dist's
-allowlist and confined to the checkpoint it was given, and a checkpoint with a manifest is read only when it
-matches it (:func:`hf_dist.checkpoint.lifecycle.manifest.require_match`); :func:`hf_dist.callbacks.attach` calls
-:func:`guard_trainer`. The methods wrapped are the Trainer's own names (transformers 5.x); a Trainer without one
-of them is refused rather than left half-guarded.
+DeepSpeed's ``load_checkpoint`` (``torch.load(weights_only=False)`` of whatever ``latest`` names). The Trainer
+extension (:class:`hf_dist.callbacks.extension.TrainerExtension`, applied by :func:`hf_dist.callbacks.attach`) runs
+each of those entry points inside :func:`checkpoint_loads`: every load is torch's ``weights_only`` load with
+hf_dist's allowlist and confined to the checkpoint it was given, and a checkpoint with a manifest is read only when
+it matches it (:func:`hf_dist.checkpoint.lifecycle.manifest.require_match`). The DeepSpeed load is a module
+function of ``transformers.trainer``: :func:`deepspeed_load_guarded` replaces it only while ``train()`` runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from hf_dist.checkpoint.safety.loading import active_root, guarded_loads
 
-# Trainer methods that load from the checkpoint path they are given (the best model: from the state's best path)
-TRAINER_LOADS = ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state")
-BEST_MODEL_LOAD = "_load_best_model"
+DEEPSPEED_LOAD = "deepspeed_load_checkpoint"  # transformers.trainer's function that resumes a DeepSpeed engine
 
 
-def guard_trainer(trainer: Any) -> None:
-    """Wrap ``trainer``'s checkpoint loads (and, once per process, the Trainer's DeepSpeed load) in guarded loads."""
-    if getattr(trainer, "_hf_dist_loads_guarded", False):
-        return
-    for name in (*TRAINER_LOADS, BEST_MODEL_LOAD):
-        if not callable(getattr(trainer, name, None)):
-            raise RuntimeError(_missing(f"Trainer.{name}"))
-    for name in TRAINER_LOADS:
-        setattr(trainer, name, _guarded(getattr(trainer, name), lambda args, kwargs: _first(args, kwargs)))
-    best = _guarded(getattr(trainer, BEST_MODEL_LOAD), lambda args, kwargs: trainer.state.best_model_checkpoint)
-    setattr(trainer, BEST_MODEL_LOAD, _only_this_runs_best(trainer, best))
-    resumed = getattr(trainer, RESUMED_STATE_HOOK, None)
-    if callable(resumed):  # transformers 5: called right after a resume reads trainer_state.json
-        setattr(trainer, RESUMED_STATE_HOOK, _checking_the_resumed_best(trainer, resumed))
-    _guard_deepspeed_load()
-    trainer._hf_dist_loads_guarded = True
-
-
-# The Trainer method called right after a resume has read trainer_state.json into trainer.state
-RESUMED_STATE_HOOK = "_load_callback_state"
-
-
-def _keep_best_only_if_this_runs(trainer: Any) -> bool:
+def keep_best_only_if_this_runs(trainer: Any) -> bool:
     """Whether ``state.best_model_checkpoint`` may stand: None, or a ``checkpoint-N`` of this run's ``output_dir``
     whose manifest matches (:func:`best_checkpoint_problem`). Otherwise it is dropped with one warning
     (``state.best_model_checkpoint = None``): the Trainer keeps the weights it trained, and neither its checkpoint
     rotation nor its end-of-training deletions (``save_total_limit=1`` removes every checkpoint that is not the best)
-    nor an export name it."""
+    nor an export name it.
+
+    Called as soon as a resume has read ``trainer_state.json`` (a planted best would otherwise be saved into every
+    later checkpoint's state), and before the best model loads."""
     best = trainer.state.best_model_checkpoint
     if not best:
         return True
@@ -67,32 +48,6 @@ def _keep_best_only_if_this_runs(trainer: Any) -> bool:
     )  # fmt: skip
     trainer.state.best_model_checkpoint = None
     return False
-
-
-def _checking_the_resumed_best(trainer: Any, method: Any) -> Any:
-    """A resume: the best checkpoint the resumed ``trainer_state.json`` names is checked as soon as it is read (a
-    planted one would otherwise be saved into every later checkpoint's state, and, under ``save_total_limit=1``,
-    have the Trainer delete every checkpoint of the run at its end)."""
-
-    @functools.wraps(method)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        _keep_best_only_if_this_runs(trainer)
-        return method(*args, **kwargs)
-
-    return run
-
-
-def _only_this_runs_best(trainer: Any, load: Any) -> Any:
-    """The best-model load, run only when ``state.best_model_checkpoint`` (read from a resumed ``trainer_state.json``,
-    so any path a handed folder names) still is this run's (:func:`_keep_best_only_if_this_runs`)."""
-
-    @functools.wraps(load)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if not _keep_best_only_if_this_runs(trainer):
-            return None
-        return load(*args, **kwargs)
-
-    return run
 
 
 def best_checkpoint_problem(best: Any, output_dir: Any) -> str | None:
@@ -119,27 +74,20 @@ def best_checkpoint_problem(best: Any, output_dir: Any) -> str | None:
     return None
 
 
-def _first(args: tuple, kwargs: dict) -> Any:
-    return args[0] if args else next(iter(kwargs.values()), None)
-
-
 _VERIFIED: set[tuple[str, float]] = set()  # (checkpoint, its manifest's mtime) matched against the disk
 
 
-def _guarded(method: Any, checkpoint_of: Any) -> Any:
-    """``method`` run under guarded loads of the checkpoint it reads; a checkpoint with a manifest must match it
-    first (once per checkpoint and manifest: the later loads of a resume read the verified files)."""
-
-    @functools.wraps(method)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        checkpoint = checkpoint_of(args, kwargs)
-        if not checkpoint or active_root() is not None:
-            return method(*args, **kwargs)
-        _verify_once(Path(checkpoint))
-        with guarded_loads(checkpoint):
-            return method(*args, **kwargs)
-
-    return run
+@contextlib.contextmanager
+def checkpoint_loads(checkpoint: Any) -> Iterator[None]:
+    """The block's loads guarded for ``checkpoint`` (a checkpoint with a manifest must match it first, once per
+    checkpoint and manifest: the later loads of a resume read the verified files). No checkpoint, or inside another
+    guarded load: the block runs as it is."""
+    if not checkpoint or active_root() is not None:
+        yield
+        return
+    _verify_once(Path(checkpoint))
+    with guarded_loads(checkpoint):
+        yield
 
 
 def _verify_once(checkpoint: Path) -> None:
@@ -158,28 +106,42 @@ def _verified_key(checkpoint: Path) -> tuple[str, float]:
     return (str(checkpoint), manifest.stat().st_mtime if manifest.is_file() else 0.0)
 
 
-def _guard_deepspeed_load() -> None:
-    """``transformers.trainer.deepspeed_load_checkpoint(engine, path)`` (the Trainer's DeepSpeed resume, called
-    from its training loop) guarded for ``path``; installed once, it guards every Trainer of the process."""
+@contextlib.contextmanager
+def deepspeed_load_guarded() -> Iterator[None]:
+    """While the block runs, ``transformers.trainer.deepspeed_load_checkpoint(engine, path)`` (the Trainer's
+    DeepSpeed resume, called from its training loop) loads ``path`` under :func:`checkpoint_loads` and then repairs a
+    ZeRO-Infinity optimizer; the library's own function is put back when the block ends, however it ends."""
     import transformers.trainer as trainer_module
 
-    load = getattr(trainer_module, "deepspeed_load_checkpoint", None)
-    if load is None:
-        raise RuntimeError(_missing("transformers.trainer.deepspeed_load_checkpoint"))
-    if getattr(load, "_hf_dist_guarded", False):
+    load = check_deepspeed_load()
+    if getattr(load, "_hf_dist_guarded", False):  # a train() inside a train()
+        yield
         return
 
     @functools.wraps(load)
-    def load_and_repair(engine: Any, *args: Any, **kwargs: Any) -> Any:
-        result = load(engine, *args, **kwargs)
-        _repair_zero_infinity(engine, args[0] if args else kwargs.get("checkpoint_path"))
+    def guarded(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        checkpoint = args[0] if args else kwargs.get("checkpoint_path")
+        with checkpoint_loads(checkpoint):
+            result = load(engine, *args, **kwargs)
+            _repair_zero_infinity(engine, checkpoint)
         return result
 
-    guarded = _guarded(
-        load_and_repair, lambda args, kwargs: args[1] if len(args) > 1 else kwargs.get("checkpoint_path")
-    )
     guarded._hf_dist_guarded = True
-    trainer_module.deepspeed_load_checkpoint = guarded
+    setattr(trainer_module, DEEPSPEED_LOAD, guarded)
+    try:
+        yield
+    finally:
+        setattr(trainer_module, DEEPSPEED_LOAD, load)
+
+
+def check_deepspeed_load() -> Any:
+    """``transformers.trainer.deepspeed_load_checkpoint``; refused, naming the installed transformers, without it."""
+    import transformers.trainer as trainer_module
+
+    load = getattr(trainer_module, DEEPSPEED_LOAD, None)
+    if not callable(load):
+        raise RuntimeError(missing(f"transformers.trainer.{DEEPSPEED_LOAD}"))
+    return load
 
 
 def _repair_zero_infinity(engine: Any, checkpoint: Any) -> None:
@@ -194,7 +156,7 @@ def _repair_zero_infinity(engine: Any, checkpoint: Any) -> None:
         restore_resident_subgroups(optimizer, checkpoint)
 
 
-def _missing(what: str) -> str:
+def missing(what: str) -> str:
     import transformers
 
     return (

@@ -145,11 +145,10 @@ def test_staging_refusal_comes_before_the_first_step(make_trainer, monkeypatch):
     assert trainer.state.global_step == 0
 
 
-def test_a_second_train_call_wraps_the_save_once(make_trainer):
+def test_a_second_train_call_brackets_each_save_once(make_trainer):
     trainer = make_trainer(**SAVE)
     (callback,) = [c for c in attach(trainer, async_save=True) if isinstance(c, AsyncCheckpointCallback)]
     trainer.train()
-    wrapped = trainer._save_checkpoint
     trainer.train()
-    assert trainer._save_checkpoint is wrapped and len(callback.stalls) == 4 and len(callback.written_s) == 4
+    assert "_save_checkpoint" not in vars(trainer) and len(callback.stalls) == 4 and len(callback.written_s) == 4
     assert all(is_complete(Path(trainer.args.output_dir, f"checkpoint-{s}")) for s in (2, 4))

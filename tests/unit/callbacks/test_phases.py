@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hf_dist.callbacks.phases import Phase, PhaseClock, instrument, phase
+from hf_dist.callbacks.extension import TrainerExtension, extend
+from hf_dist.callbacks.phases import CLOCK, Phase, PhaseClock, phase
 
 
 class Ticks:
@@ -53,11 +54,26 @@ def test_a_phase_that_fails_teaches_nothing():
     assert clock.longest == {} and clock.current is None
 
 
-def test_a_trainer_is_instrumented_once(make_trainer):
+def test_a_trainer_is_extended_once_and_its_evaluations_are_phases(make_trainer):
     trainer = make_trainer()
-    instrument(trainer)
-    wrapped = trainer.evaluate, trainer._save_checkpoint
-    instrument(trainer)
-    instrument(None)
-    assert (trainer.evaluate, trainer._save_checkpoint) == wrapped
-    assert trainer.evaluate.__wrapped__.__name__ == "evaluate"
+    cls = type(trainer)
+    extend(trainer)
+    extended = type(trainer)
+    extend(trainer)
+    assert extend(None) is None
+    assert (
+        type(trainer) is extended
+        and extended.__name__ == cls.__name__
+        and extended.__mro__[1:3]
+        == (
+            TrainerExtension,
+            cls,
+        )
+    )
+    assert "evaluate" not in vars(trainer) and not trainer._hf_dist_guards  # a class, not instance patches; no guards
+    entered = CLOCK.entered
+    trainer.evaluate(eval_dataset=trainer.train_dataset)
+    assert CLOCK.entered == entered + 1 and CLOCK.longest.get(Phase.EVALUATE) is not None
+    other = make_trainer()
+    extend(other, guards=True)
+    assert type(other) is extended and other._hf_dist_guards  # one class per Trainer class

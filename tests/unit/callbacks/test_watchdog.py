@@ -160,15 +160,20 @@ def test_the_recipes_export_after_training_is_watched_as_an_export(make_trainer,
     assert stacks(tmp_path / "out", 1).startswith("rank 0: no progress in export for 101.0 s (allowance 100.0 s)")
 
 
-def test_loading_the_best_checkpoint_at_the_end_is_its_own_phase(make_trainer, clock, exits):
+def test_loading_the_best_checkpoint_at_the_end_is_its_own_phase(make_trainer, clock, exits, monkeypatch):
+    from transformers import Trainer
+
     watch = HangWatchdogCallback(**SCALED)
     trainer = make_trainer(
         [watch], max_steps=4, save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2,
         eval_dataset=TokenDataset(2), load_best_model_at_end=True,
     )  # fmt: skip
     verdicts: list[bool] = []
-    # 90 s: over a step's 30 s, under a first checkpoint load's 100 s
-    trainer._load_best_model = slow(clock, watch, iter([90.0]), verdicts, then=trainer._load_best_model)
+    # 90 s: over a step's 30 s, under a first checkpoint load's 100 s; slowed in the Trainer's own method, which the
+    # extension's phase runs around
+    monkeypatch.setattr(
+        Trainer, "_load_best_model", slow(clock, watch, iter([90.0]), verdicts, then=Trainer._load_best_model)
+    )
     trainer.train()
     assert verdicts == [False] and exits == []
     assert CLOCK.longest[Phase.LOAD] == 90.0

@@ -70,14 +70,16 @@ def test_the_guarded_deepspeed_load_repairs_a_zero_infinity_resume_under_its_gua
 
     monkeypatch.setattr(trainer_module, "deepspeed_load_checkpoint", load)
     monkeypatch.setattr(zero_infinity, "restore_resident_subgroups", repair)
-    trainer_loads._guard_deepspeed_load()
     nvme = SimpleNamespace(swap_optimizer=True)
-    trainer_module.deepspeed_load_checkpoint(SimpleNamespace(optimizer=nvme), str(tmp_path))
+    with trainer_loads.deepspeed_load_guarded():
+        trainer_module.deepspeed_load_checkpoint(SimpleNamespace(optimizer=nvme), str(tmp_path))
+    assert trainer_module.deepspeed_load_checkpoint is load  # the library's own function is back
     assert calls == [("deepspeed", str(tmp_path)), ("repair", str(tmp_path), tmp_path)]
     ZeroInfinityResumeCallback().on_train_begin(
         SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(global_step=2), None, optimizer=nvme
     )
     assert len(calls) == 2  # not repaired twice
     cpu_offload = SimpleNamespace(swap_optimizer=False)
-    trainer_module.deepspeed_load_checkpoint(SimpleNamespace(optimizer=cpu_offload), str(tmp_path))
+    with trainer_loads.deepspeed_load_guarded():
+        trainer_module.deepspeed_load_checkpoint(SimpleNamespace(optimizer=cpu_offload), str(tmp_path))
     assert calls[2:] == [("deepspeed", str(tmp_path))]

@@ -218,18 +218,6 @@ def test_a_link_under_the_checkpoint_leading_out_is_refused_on_entry(tmp_path):
         check_loadable(ckpt)
 
 
-def test_trainer_load_methods_exist_in_this_transformers():
-    """guard_trainer wraps these by name: a transformers without one must fail here, not run unguarded."""
-    import transformers.trainer as trainer_module
-    from transformers import Trainer
-
-    from hf_dist.checkpoint.safety.trainer_loads import BEST_MODEL_LOAD, TRAINER_LOADS
-
-    for name in (*TRAINER_LOADS, BEST_MODEL_LOAD):
-        assert callable(getattr(Trainer, name, None)), name
-    assert callable(getattr(trainer_module, "deepspeed_load_checkpoint", None))
-
-
 def test_payload_class_is_live():
     """The payload used by every test really runs when unpickled without an allowlist."""
     import pickle
