@@ -247,6 +247,9 @@ def _corrupt(source: Any, exc: BaseException) -> CorruptCheckpointError:
 class _Guard:
     def __init__(self, root: Path, trust_pickles: bool) -> None:
         self.root, self.trust_pickles = root, trust_pickles
+        # the threads that already ran when the guard was entered, other than its own: their loads are not the
+        # ones hf_dist drives, and pass as they are; a thread started after (a library's helper) is guarded
+        self.bystanders = frozenset(threading.enumerate()) - {threading.current_thread()}
         self.reading: str | None = None  # the DCP file being read (its payloads arrive as bytes)
         self.refusals: list[BaseException] = []  # what this guard refused, whatever the library made of it
 
@@ -281,7 +284,10 @@ def guarded_loads(root: str | os.PathLike, *, trust_pickles: bool = False) -> It
     """While active, every ``torch.load`` of any library is ``weights_only`` with the allowlist and must read
     inside ``root``; DCP reads ``.metadata`` with hf_dist's restricted unpickler and opens files inside ``root``
     only. Links under ``root`` are checked on entry. ``trust_pickles`` keeps the library's own ``weights_only``
-    (paths stay confined). Nests; the innermost root applies."""
+    (paths stay confined). Nests; the innermost root applies.
+
+    It applies to the thread that enters it and to every thread started while it is active; threads that were
+    already running (a data loader's, a background writer's, the user's) load as they would without it."""
     root = Path(root)
     _check_confined(root)
     guard = _Guard(root, trust_pickles)
@@ -298,7 +304,7 @@ def guarded_loads(root: str | os.PathLike, *, trust_pickles: bool = False) -> It
         raise
     finally:
         with _LOCK:
-            _STACK.pop()
+            _STACK.remove(guard)  # another thread's guard may have been entered after this one
             if not _STACK:
                 _uninstall()
 
@@ -344,8 +350,15 @@ def _enter_in_worker(root: str, trust_pickles: bool) -> None:
 
 
 def active_root() -> Path | None:
-    """The checkpoint the innermost :func:`guarded_loads` confines loads to, or None outside one."""
-    return _STACK[-1].root if _STACK else None
+    """The checkpoint the innermost :func:`guarded_loads` confines this thread's loads to, or None outside one."""
+    guard = _current_guard()
+    return guard.root if guard is not None else None
+
+
+def _current_guard() -> _Guard | None:
+    """The innermost guard that applies to this thread (not one it was a bystander of), or None."""
+    thread = threading.current_thread()
+    return next((guard for guard in reversed(_STACK[:]) if thread not in guard.bystanders), None)
 
 
 def _install() -> None:
@@ -385,7 +398,7 @@ def _redirected_load(f: Any, map_location: Any = None, pickle_module: Any = None
     """``torch.load`` under :func:`guarded_loads`: confined, and ``weights_only`` unless the user trusts the file."""
     import torch
 
-    guard = _STACK[-1] if _STACK else None
+    guard = _current_guard()
     load = _original_load()
     if guard is None:
         return load(f, map_location, pickle_module, **kwargs)
@@ -424,7 +437,7 @@ def _read_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
     """``FileSystemReader.read_metadata`` under :func:`guarded_loads`: the restricted unpickler, paths confined."""
     from hf_dist.checkpoint.safety.dcp_metadata import read_reader_metadata
 
-    guard = _STACK[-1] if _STACK else None
+    guard = _current_guard()
     if guard is None:
         return _SAVED["read_metadata"](self, *args, **kwargs)
     with _recorded(guard):
@@ -432,7 +445,7 @@ def _read_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _create_stream(self: Any, path: Any, mode: str) -> Any:
-    guard = _STACK[-1] if _STACK else None
+    guard = _current_guard()
     if guard is not None and "r" in mode:
         with _recorded(guard):
             confined(path, guard.root)

@@ -82,6 +82,53 @@ def test_the_guard_confines_library_loads_and_nests(tmp_path):
     assert loading.active_root() is None
 
 
+def test_a_guard_applies_to_its_thread_and_the_threads_it_starts_not_to_threads_already_running(tmp_path):
+    """Safe for other threads: a thread that ran before the guard (a data loader's, the user's) loads as it would
+    without it, while the guarded thread and any thread started inside the guard (a library's helper) are confined;
+    two threads' guards do not unwind each other's."""
+    import threading
+
+    root, outside = tmp_path / "ckpt", tmp_path / "other.pt"
+    root.mkdir()
+    torch.save({"w": torch.ones(2)}, outside)
+    ready, go, said = threading.Event(), threading.Event(), {}
+
+    def bystander() -> None:
+        ready.set()
+        go.wait()
+        said["bystander"] = (loading.active_root(), float(torch.load(outside)["w"].sum()))
+
+    def started_inside() -> None:
+        try:
+            torch.load(outside)
+            said["started inside"] = "loaded"
+        except PathEscapeError:
+            said["started inside"] = "refused"
+
+    running = threading.Thread(target=bystander)
+    running.start()
+    ready.wait()
+    with guarded_loads(root):
+        go.set()
+        running.join()
+        helper = threading.Thread(target=started_inside)
+        helper.start()
+        helper.join()
+        with pytest.raises(PathEscapeError):
+            torch.load(outside)
+    assert said == {"bystander": (None, 2.0), "started inside": "refused"}
+
+    other = loading.guarded_loads(tmp_path)  # entered by another thread, left before this one's guard
+    with guarded_loads(root):
+        helper = threading.Thread(target=other.__enter__)
+        helper.start()
+        helper.join()
+        assert loading.active_root() == root  # the other thread's guard is not this thread's
+        other.__exit__(None, None, None)
+        assert loading.active_root() == root
+    assert loading.active_root() is None and not loading._STACK
+
+
 def test_trust_pickles_keeps_the_librarys_load_but_stays_confined(tmp_path):
     path = tmp_path / "x.pt"
     torch.save({"args": argparse.Namespace(lr=1.0)}, path)
