@@ -247,8 +247,7 @@ def _corrupt(source: Any, exc: BaseException) -> CorruptCheckpointError:
 class _Guard:
     def __init__(self, root: Path, trust_pickles: bool) -> None:
         self.root, self.trust_pickles = root, trust_pickles
-        # the threads that already ran when the guard was entered, other than its own: their loads are not the
-        # ones hf_dist drives, and pass as they are; a thread started after (a library's helper) is guarded
+        # threads already running at entry, but its own: not hf_dist's loads (a thread started later is guarded)
         self.bystanders = frozenset(threading.enumerate()) - {threading.current_thread()}
         self.reading: str | None = None  # the DCP file being read (its payloads arrive as bytes)
         self.refusals: list[BaseException] = []  # what this guard refused, whatever the library made of it
@@ -284,10 +283,8 @@ def guarded_loads(root: str | os.PathLike, *, trust_pickles: bool = False) -> It
     """While active, every ``torch.load`` of any library is ``weights_only`` with the allowlist and must read
     inside ``root``; DCP reads ``.metadata`` with hf_dist's restricted unpickler and opens files inside ``root``
     only. Links under ``root`` are checked on entry. ``trust_pickles`` keeps the library's own ``weights_only``
-    (paths stay confined). Nests; the innermost root applies.
-
-    It applies to the thread that enters it and to every thread started while it is active; threads that were
-    already running (a data loader's, a background writer's, the user's) load as they would without it."""
+    (paths stay confined). Nests; the innermost root applies. It applies to the thread that enters it and to threads
+    started while it is active; threads already running (a data loader's, the user's) load as without it."""
     root = Path(root)
     _check_confined(root)
     guard = _Guard(root, trust_pickles)
