@@ -296,6 +296,10 @@ CATALOG: dict[str, Entry] = {
     "deepspeed --hostfile": RanBy(f"{MULTINODE}test_deepspeed_hostfile_two_nodes_zero3"),
     "sbatch --nodes 4 examples/slurm/accelerate_multinode.sbatch": CannotRun(SLURM),
     "CONFIG=accelerate_configs/zero3.yaml sbatch examples/slurm/accelerate_multinode.sbatch": CannotRun(SLURM),
+    "sbatch examples/slurm/deepspeed_multinode.sbatch --max_steps 1000 --save_steps 100": RanBy(
+        f"{SLURM_SCRIPTS}test_sbatch_script_trains_on_two_nodes_and_a_requeue_resumes",
+        "the script run as sbatch would, srun/scontrol stand-ins, 2 nodes on loopback, --max_steps 3 then 5",
+    ),
     "sbatch examples/slurm/torchrun_multinode.sbatch --max_steps 1000 --save_steps 100": RanBy(
         f"{SLURM_SCRIPTS}test_sbatch_script_trains_on_two_nodes_and_a_requeue_resumes",
         "the script run as sbatch would, srun/scontrol stand-ins, 2 nodes on loopback, --max_steps 3 then 5",

@@ -39,6 +39,12 @@ RECIPE = ("--tiny_hidden_size", "64", "--num_train_examples", "64", "--num_eval_
 SCRIPTS = {
     "torchrun_multinode.sbatch": (1, ()),
     "accelerate_multinode.sbatch": (2, ("--fsdp_on_cpu",)),  # hsdp_2node.yaml: FSDP2 on CPU ranks is opt-in
+    "deepspeed_multinode.sbatch": (1, ("--deepspeed_on_cpu",)),  # ZeRO-3 from the JSON the script writes
+}
+ENV = {"deepspeed_multinode.sbatch": {"MIXED_PRECISION": "no"}}  # CPU ranks train in fp32
+RUNS = {  # hsdp_2node.yaml's 2 x 8 mesh, refitted by the script to 2 x 2: FSDP2 on 4 ranks; the JSON's ZeRO-3
+    "accelerate_multinode.sbatch": "[hf_dist] running fsdp_full_shard (fsdp2, LlamaForCausalLM)",
+    "deepspeed_multinode.sbatch": "[hf_dist] running zero3 (deepspeed, LlamaForCausalLM)",
 }
 
 
@@ -92,28 +98,36 @@ def test_sbatch_script_trains_on_two_nodes_and_a_requeue_resumes(script, tmp_pat
     job = "4242"
     out = tmp_path / "out" / job
 
-    first = run_job(script, tmp_path, job, gpus, *RECIPE, *cpu_flags, "--max_steps", "3")
+    first = run_job(script, tmp_path, job, gpus, *RECIPE, *cpu_flags, "--max_steps", "3", env=ENV.get(script))
     assert f"[hf_dist] no checkpoint-N folder in out/{job}: starting from scratch" in first, first[-3000:]
     assert f"{2 * gpus} process(es)" in first, first[-3000:]
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
 
     # the requeue: the same job id, hence the same folder, and a longer run
-    second = run_job(script, tmp_path, job, gpus, *RECIPE, *cpu_flags, "--max_steps", "5")
+    second = run_job(script, tmp_path, job, gpus, *RECIPE, *cpu_flags, "--max_steps", "5", env=ENV.get(script))
     assert f"[hf_dist] resuming from out/{job}/checkpoint-3 at step 3" in second, second[-3000:]
     assert trained_steps(out) == 5
-    if gpus > 1:  # hsdp_2node.yaml's 2 x 8 mesh, refitted by the script to 2 x 2: FSDP2 on 4 ranks, both runs
-        for text in (first, second):
-            assert "[hf_dist] running fsdp_full_shard (fsdp2, LlamaForCausalLM)" in text, text[-3000:]
+    for text in (first, second):  # what ran, both times
+        assert RUNS.get(script, "") in text, text[-3000:]
 
 
-def test_torchrun_script_restarts_a_rank_killed_inside_the_job_and_resumes(tmp_path):
+# script -> what the kill test adds to its environment (accelerate: its DDP multi-node YAML, 1 rank per node)
+KILL_ENV = {
+    "torchrun_multinode.sbatch": {},
+    "accelerate_multinode.sbatch": {"CONFIG": "accelerate_configs/multi_node_template.yaml"},
+}
+
+
+@pytest.mark.parametrize("script", list(KILL_ENV))
+def test_script_restarts_a_rank_killed_inside_the_job_and_resumes(script, tmp_path):
     """kill -9 inside a job, not a requeue: rank 1 SIGKILLs itself at the end of step 3 (the lifecycle script as the
     sbatch script's ``SCRIPT``). The script's ``--max_restarts 3`` restarts both nodes' workers in the same job (c10d
-    rendezvous), and the new attempt resumes from checkpoint-2 and ends at step 6."""
+    rendezvous; accelerate runs torchrun), and the new attempt resumes from checkpoint-2 and ends at step 6."""
+    (tmp_path / "accelerate_configs").symlink_to(REPO_ROOT / "accelerate_configs", target_is_directory=True)
     job = "4343"
     out = tmp_path / "out" / job
     flags = ("--max-steps", "6", "--save-steps", "2", "--kill", "3:1")
-    text = run_job("torchrun_multinode.sbatch", tmp_path, job, 1, *flags, env={"SCRIPT": str(LIFECYCLE)})
+    text = run_job(script, tmp_path, job, 1, *flags, env={"SCRIPT": str(LIFECYCLE), **KILL_ENV[script]})
     attempts = [json.loads(line) for line in (out / "attempts.jsonl").read_text().splitlines()]
     assert (out / "killed_step_3").exists(), text[-3000:]
     assert [a["resume"] for a in attempts] == [None, f"out/{job}/checkpoint-2"], (attempts, text[-3000:])
