@@ -293,7 +293,10 @@ CATALOG: dict[str, Entry] = {
     "srun --ntasks-per-node=1": CannotRun(SLURM),
     "accelerate launch --machine_rank $SLURM_NODEID": RanBy(f"{MULTINODE}test_accelerate_two_nodes_hsdp_yaml"),
     "torchrun --rdzv_backend c10d": CannotRun(f"{TWO_HOSTS} (a SLURM allocation)"),
-    "deepspeed --hostfile": RanBy(f"{MULTINODE}test_deepspeed_hostfile_two_nodes_zero3"),
+    "deepspeed --hostfile --no_ssh --node_rank $SLURM_NODEID": RanBy(
+        f"{SLURM_SCRIPTS}test_sbatch_script_trains_on_two_nodes_and_a_requeue_resumes",
+        "deepspeed_multinode.sbatch runs it on each of 2 loopback nodes through the srun stand-in",
+    ),
     "sbatch --nodes 4 examples/slurm/accelerate_multinode.sbatch": CannotRun(SLURM),
     "CONFIG=accelerate_configs/zero3.yaml sbatch examples/slurm/accelerate_multinode.sbatch": CannotRun(SLURM),
     "sbatch examples/slurm/deepspeed_multinode.sbatch --max_steps 1000 --save_steps 100": RanBy(
