@@ -16,9 +16,10 @@ from hf_dist.planning.modelinfo import model_spec
 from hf_dist.planning.remote_code import RemoteCodeError
 from hf_dist.tracing.result import TraceError, TraceResult, TraceTimeout
 from hf_dist.tracing.setup import TraceSetup, TraceUnsupported, check_traceable
+from hf_dist.tracing.speed import DEFAULT_LIMIT_S
 from hf_dist.tracing.trace import trace_here
 
-DEFAULT_TIME_LIMIT_S = 120.0
+DEFAULT_TIME_LIMIT_S = DEFAULT_LIMIT_S
 # the worker's start (importing torch, transformers, accelerate, peft) on top of the trace's own limit
 STARTUP_ALLOWANCE_S = 60.0
 # a launcher's variables would make the worker a rank of the caller's job

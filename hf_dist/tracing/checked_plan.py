@@ -22,6 +22,7 @@ from hf_dist.planning.planner import plan as search_plan
 from hf_dist.planning.request import PlanRequest
 from hf_dist.tracing.result import TraceError, TraceTimeout
 from hf_dist.tracing.setup import TraceUnsupported
+from hf_dist.tracing.speed import scaled_limit
 
 MAX_TRACED = 3
 
@@ -29,7 +30,8 @@ MAX_TRACED = 3
 def plan(model: Any, request: PlanRequest | None = None, *, verify_isolate: bool = True, **keywords: Any) -> Plan:
     """:func:`hf_dist.planning.planner.plan` of ``request`` (``keywords``: its fields, set over it), then, with
     ``verify=True``, the chosen layout traced on the real model with fake tensors (:mod:`hf_dist.tracing`, seconds to
-    a minute; at most ``verify_time_limit_s`` per trace), moving to the next candidate when the trace does not fit
+    a minute; at most ``verify_time_limit_s`` per trace, by default 120 s stretched by this machine's speed now:
+    :func:`hf_dist.tracing.speed.scaled_limit`), moving to the next candidate when the trace does not fit
     (``Plan.trace``, ``Plan.verification``; docs/planner.md, "Tracing"); ``verify_isolate=False`` traces in this
     process instead of a worker (only where no process group exists and nothing else runs: ``hf-dist plan``, which
     saves the worker's imports). ``trust_remote_code=True`` lets a folder's ``auto_map`` classes be imported, by the
@@ -38,8 +40,8 @@ def plan(model: Any, request: PlanRequest | None = None, *, verify_isolate: bool
     result = search_plan(model, dataclasses.replace(r, verify=False))
     if not r.verify:
         return result
-    return verify_plan(result, time_limit_s=r.verify_time_limit_s, isolate=verify_isolate,
-                       trust_remote_code=r.trust_remote_code)  # fmt: skip
+    limit = r.verify_time_limit_s if r.verify_time_limit_s is not None else scaled_limit()
+    return verify_plan(result, time_limit_s=limit, isolate=verify_isolate, trust_remote_code=r.trust_remote_code)
 
 
 def verify_plan(plan: Plan, *, time_limit_s: float, isolate: bool = True, trust_remote_code: bool = False) -> Plan:
