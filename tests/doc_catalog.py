@@ -222,6 +222,7 @@ CATALOG: dict[str, Entry] = {
     "fsdp_wrap_classes; cfg=LlamaConfig(hidden_size=8192,intermediate_size=28672,num_hidden_layers=80,"
     "num_attention_heads=64,num_key_value_heads=8,vocab_size=128256); t=time.perf_counter(); "
     'print(fsdp_wrap_classes(cfg), time.perf_counter()-t)"': Run((Exits(says=("['LlamaDecoderLayer']",)),)),
+    'python -c "from hf_dist.tracing.speed import dispatch_rate as r; print(r())"': Run((Exits(),)),
     # -- docs/convert.md ---------------------------------------------------------------------------------------
     "hf-dist convert out/checkpoint-500/global_step500 out/hf-model": Run(
         (HfFolder("out/hf-model"),), setup=(OUT_CKPT,)

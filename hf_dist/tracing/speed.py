@@ -12,9 +12,10 @@ from __future__ import annotations
 import time
 
 DEFAULT_LIMIT_S = 120.0
-# fake-tensor dispatches per second of dispatch_rate() on the quiet 2-core machine of docs/measurements.md (the
-# tracer's timings there were taken on it): python -c "from hf_dist.tracing.speed import dispatch_rate as r; print(r())"
-REFERENCE_DISPATCHES_PER_S = 20_000.0
+# fake-tensor dispatches per second of dispatch_rate() on the idle 2-core machine of docs/measurements.md (the
+# tracer's timings there were taken on it): 3,800-7,200 over 27 probes, this the top of them (2026-11-29):
+# python -c "from hf_dist.tracing.speed import dispatch_rate as r; print(r())"
+REFERENCE_DISPATCHES_PER_S = 7_000.0
 MAX_SCALE = 5.0
 PROBE_S = 0.2
 
