@@ -9,9 +9,9 @@ in a save, an evaluation or an export as lateness.
 
 The code that runs a phase says so, ``with phase(Phase.SAVE): ...`` (the checkpoint callbacks, the exports), and
 the Trainer extension (:mod:`hf_dist.callbacks.extension`) runs a Trainer's ``evaluate``, ``_save_checkpoint`` and
-``_load_best_model`` as phases. Progress inside a phase (a step's begin and end, an evaluation batch, a log) is a :meth:`PhaseClock.beat`. :data:`CLOCK`, one
-per process, knows the phase under way, the silence since the last beat, and for each phase the longest silence of
-its finished instances.
+``_load_best_model`` as phases. Progress inside a phase (a step's begin and end, an evaluation batch, a log) is a
+:meth:`PhaseClock.beat`. :data:`CLOCK`, one per process, knows the phase under way, the silence since the last beat,
+and for each phase the longest silence of its finished instances.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ Trainer then saves as ``checkpoint-61``. No callback event comes between the sta
 step with a way to stop it: ``control.should_training_stop`` is read only after a micro-batch has run.
 
 :func:`stop_if_finished` (asked by a Trainer given to :func:`hf_dist.callbacks.attach`) closes that gap at the one
-place the loop asks for batches: while ``global_step >= max_steps`` the Trainer gets none and is told to stop, so a resume of a
-finished run loads the checkpoint (weights, optimizer, scheduler, under every strategy) and trains nothing.
+place the loop asks for batches: while ``global_step >= max_steps`` the Trainer gets none and is told to stop, so a
+resume of a finished run loads the checkpoint (weights, optimizer, scheduler, under every strategy) and trains
+nothing.
 :func:`finished_at` answers the same question from the files alone, before any model is built (the recipes).
 """
 
