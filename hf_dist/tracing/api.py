@@ -16,10 +16,9 @@ from hf_dist.planning.modelinfo import model_spec
 from hf_dist.planning.remote_code import RemoteCodeError
 from hf_dist.tracing.result import TraceError, TraceResult, TraceTimeout
 from hf_dist.tracing.setup import TraceSetup, TraceUnsupported, check_traceable
-from hf_dist.tracing.speed import DEFAULT_LIMIT_S
+from hf_dist.tracing.speed import DEFAULT_LIMIT_S, check_time_limit
 from hf_dist.tracing.trace import trace_here
 
-DEFAULT_TIME_LIMIT_S = DEFAULT_LIMIT_S
 # the worker's start (importing torch, transformers, accelerate, peft) on top of the trace's own limit
 STARTUP_ALLOWANCE_S = 60.0
 # a launcher's variables would make the worker a rank of the caller's job
@@ -42,7 +41,7 @@ def trace_memory(
     plan: Any = None,
     *,
     candidate: Any = None,
-    time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    time_limit_s: float = DEFAULT_LIMIT_S,
     isolate: bool = True,
     trust_remote_code: bool = False,
     peft_config: Any = None,
@@ -72,8 +71,7 @@ def trace_memory(
     if spec.lora is not None:  # a target that matches nothing, or no linear, is refused here, by name
         place(model_spec(config, trust_remote_code=trust_remote_code), spec.lora)
     check_traceable(spec, config)
-    if time_limit_s <= 0:
-        raise ValueError(f"time_limit_s must be positive, got {time_limit_s!r}")
+    time_limit_s = check_time_limit(time_limit_s)
     if not isolate:
         return trace_here(config, spec, time_limit_s=time_limit_s, trust_remote_code=trust_remote_code)
     return _run_worker(config, _code_folder(model, config, trust_remote_code), trust_remote_code, spec, time_limit_s)

@@ -22,7 +22,7 @@ from hf_dist.planning.planner import plan as search_plan
 from hf_dist.planning.request import PlanRequest
 from hf_dist.tracing.result import TraceError, TraceTimeout
 from hf_dist.tracing.setup import TraceUnsupported
-from hf_dist.tracing.speed import scaled_limit
+from hf_dist.tracing.speed import check_time_limit, scaled_limit
 
 MAX_TRACED = 3
 
@@ -37,10 +37,13 @@ def plan(model: Any, request: PlanRequest | None = None, *, verify_isolate: bool
     saves the worker's imports). ``trust_remote_code=True`` lets a folder's ``auto_map`` classes be imported, by the
     planner and the trace alike; without it they never are (:mod:`hf_dist.planning.remote_code`)."""
     r = PlanRequest.of(request, keywords)
+    given = r.verify_time_limit_s
+    if r.verify and given is not None:  # refused before the search, not after it
+        check_time_limit(given, "verify_time_limit_s (--verify-time-limit)")
     result = search_plan(model, dataclasses.replace(r, verify=False))
     if not r.verify:
         return result
-    limit = r.verify_time_limit_s if r.verify_time_limit_s is not None else scaled_limit()
+    limit = given if given is not None else scaled_limit()
     return verify_plan(result, time_limit_s=limit, isolate=verify_isolate, trust_remote_code=r.trust_remote_code)
 
 

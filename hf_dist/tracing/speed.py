@@ -9,6 +9,7 @@ longer instead of giving up, a quiet one keeps the limit.
 
 from __future__ import annotations
 
+import math
 import time
 
 DEFAULT_LIMIT_S = 120.0
@@ -41,3 +42,13 @@ def scaled_limit(base_s: float = DEFAULT_LIMIT_S, rate: float | None = None) -> 
     unless given), between 1x and :data:`MAX_SCALE` x."""
     rate = dispatch_rate() if rate is None else rate
     return base_s * min(max(REFERENCE_DISPATCHES_PER_S / max(rate, 1e-9), 1.0), MAX_SCALE)
+
+
+def check_time_limit(seconds: float, name: str = "time_limit_s") -> float:
+    """``seconds`` when it is a positive, finite number; else a ValueError naming ``name``, the value and the fix."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (0 < seconds < math.inf):
+        raise ValueError(
+            f"{name} must be a positive, finite number of seconds, got {seconds!r}; pass e.g. 300, or leave it unset "
+            f"for {DEFAULT_LIMIT_S:.0f} s stretched by this machine's speed"
+        )
+    return float(seconds)

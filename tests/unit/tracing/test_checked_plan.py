@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 import hf_dist
+import hf_dist.tracing.checked_plan as checked_plan
 from hf_dist.cli.main import main
 from hf_dist.planning.dtypes import GIB
 from hf_dist.testing import public_config, tiny_llama_config
@@ -133,7 +134,12 @@ def test_cli_verify_8b_on_64_gpus(tmp_path, capsys):
     assert 0.95 < ratio < 1.05
 
 
-def test_verify_time_limit_must_be_positive():
-    with pytest.raises(ValueError, match="time_limit_s must be positive"):
-        hf_dist.trace_memory(tiny_llama_config(), strategy="ddp", time_limit_s=0)
+@pytest.mark.parametrize("limit", [0, -5.0, float("nan"), float("inf")])
+def test_verify_time_limit_must_be_positive(limit, monkeypatch):
+    with pytest.raises(ValueError, match=r"time_limit_s must be a positive, finite number of seconds, got .*pass e"):
+        hf_dist.trace_memory(tiny_llama_config(), strategy="ddp", time_limit_s=limit)
     assert dataclasses.is_dataclass(TraceResult)
+    # a plan with --verify refuses it before the search, naming the flag
+    monkeypatch.setattr(checked_plan, "search_plan", lambda *a, **k: pytest.fail("searched before refusing"))
+    with pytest.raises(ValueError, match=r"verify_time_limit_s \(--verify-time-limit\) must be a positive"):
+        checked_plan.plan(tiny_llama_config(), verify=True, verify_time_limit_s=limit)
