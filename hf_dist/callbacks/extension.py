@@ -122,8 +122,8 @@ _CLASSES: dict[type, type] = {}
 
 def extend(trainer: Any, *, guards: bool = False) -> Any:
     """Make ``trainer`` an instance of its class extended by :class:`TrainerExtension` (once; ``guards``: turn the
-    checkpoint guards on, as :func:`hf_dist.callbacks.attach` does). ``None`` is returned as it is. A Trainer
-    class without one of :data:`EXTENDED` is refused, naming it and the installed transformers."""
+    checkpoint guards on, as :func:`hf_dist.callbacks.attach` does). ``None`` is returned as it is. A class without
+    one of :data:`EXTENDED` is refused, naming the class, the methods it lacks and the installed transformers."""
     if trainer is None:
         return None
     if not isinstance(trainer, TrainerExtension):
@@ -137,9 +137,15 @@ def extend(trainer: Any, *, guards: bool = False) -> Any:
 def extended_class(cls: type) -> type:
     """``(TrainerExtension, cls)``, made once per class and named as ``cls``."""
     if cls not in _CLASSES:
-        for name in EXTENDED:
-            if not callable(getattr(cls, name, None)):
-                raise RuntimeError(trainer_loads.missing(f"{cls.__name__}.{name}"))
+        lacking = [name for name in EXTENDED if not callable(getattr(cls, name, None))]
+        if lacking:
+            import transformers
+
+            raise RuntimeError(
+                f"cannot extend {cls.__qualname__}: it has no {', '.join(lacking)}, which hf_dist extends (a "
+                f"transformers.Trainer has them); pass a Trainer or a subclass of it, with a transformers version "
+                f"hf_dist tests (installed: {transformers.__version__}; `hf-dist env` lists them)"
+            )
         namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
         _CLASSES[cls] = type(cls.__name__, (TrainerExtension, cls), namespace)
     return _CLASSES[cls]

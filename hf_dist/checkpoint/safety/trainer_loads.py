@@ -140,7 +140,7 @@ def check_deepspeed_load() -> Any:
 
     load = getattr(trainer_module, DEEPSPEED_LOAD, None)
     if not callable(load):
-        raise RuntimeError(missing(f"transformers.trainer.{DEEPSPEED_LOAD}"))
+        raise RuntimeError(_missing(f"transformers.trainer.{DEEPSPEED_LOAD}"))
     return load
 
 
@@ -156,7 +156,7 @@ def _repair_zero_infinity(engine: Any, checkpoint: Any) -> None:
         restore_resident_subgroups(optimizer, checkpoint)
 
 
-def missing(what: str) -> str:
+def _missing(what: str) -> str:
     import transformers
 
     return (
