@@ -3,6 +3,7 @@ layer cap; and the sequence length a plan or a run may use (the model's position
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 MAX_LAYERS = 10_000  # far past any released model (hundreds); 200,000 layers took over 90 s to build on meta
@@ -12,17 +13,22 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def _dtype_problem(value: Any) -> bool:
-    import torch
+# torch's floating dtypes by name, so a config.json is checked without importing torch; any other name asks torch
+FLOAT_DTYPE_NAMES = frozenset({"bfloat16", "double", "float", "float16", "float32", "float64", "half"})
 
-    if value is None or isinstance(value, torch.dtype):
+
+def _dtype_problem(value: Any) -> bool:
+    loaded = sys.modules.get("torch")  # a torch.dtype object means torch is imported
+    if value is None or (loaded is not None and isinstance(value, loaded.dtype)):
         return False
     if not isinstance(value, str):
         return True
     name = value.removeprefix("torch.")
-    return name != "auto" and not (
-        isinstance(getattr(torch, name, None), torch.dtype) and getattr(torch, name).is_floating_point
-    )
+    if name == "auto" or name in FLOAT_DTYPE_NAMES:
+        return False
+    import torch
+
+    return not (isinstance(getattr(torch, name, None), torch.dtype) and getattr(torch, name).is_floating_point)
 
 
 def _rope_thetas(get: Any) -> list[Any]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from hf_dist.planning.feature_store import load_features, store_features
+
 
 @dataclass(frozen=True)
 class LibraryFeatures:
@@ -88,6 +90,17 @@ def check_features(layout, features: LibraryFeatures) -> None:
 
 @functools.cache
 def installed_features() -> LibraryFeatures:
+    """What the installed transformers / accelerate / torch accept: :func:`probe_features`, kept on disk per set of
+    installed versions (:mod:`hf_dist.planning.feature_store`), so a plan need not import them to ask."""
+    stored = load_features(LibraryFeatures)
+    if stored is not None:
+        return stored
+    probed = probe_features()
+    store_features(probed)
+    return probed
+
+
+def probe_features() -> LibraryFeatures:
     """What the installed transformers / accelerate / torch accept (probed for features, not version numbers)."""
     import dataclasses
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from dataclasses import dataclass
 
 # Dense bf16 tensor-core TFLOPs per device from the vendors' datasheets (no sparsity). Matched by
@@ -190,7 +191,20 @@ def nodes_from_env(env: dict[str, str] | None = None) -> int | None:
     return None
 
 
+# a CUDA or ROCm driver shows itself here on Linux; without any of them torch sees no GPU, so it is not imported
+_DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/kfd")
+
+
+def _may_have_gpu() -> bool:
+    """False only where torch certainly sees no GPU: Linux without an NVIDIA or AMD driver, and torch not imported."""
+    if "torch" in sys.modules or not sys.platform.startswith("linux"):
+        return True
+    return any(os.path.exists(path) for path in _DRIVER_FILES)
+
+
 def _detect_cuda() -> dict | None:
+    if not _may_have_gpu():
+        return None
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:

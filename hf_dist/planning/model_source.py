@@ -63,6 +63,15 @@ def load_config(path_or_name: str, *, trust_remote_code: bool = False) -> Any:
     return _hub_config(path_or_name, trust)
 
 
+def local_config_dict(path_or_name: str) -> tuple[dict, str] | None:
+    """(the config.json of a local folder or file, as read, unchecked; where it was read) or None for a hub name.
+    Nothing is imported: :func:`hf_dist.planning.families.describe` may plan it without transformers."""
+    config_file = os.path.join(path_or_name, "config.json") if os.path.isdir(path_or_name) else path_or_name
+    if not os.path.isfile(config_file):
+        return None
+    return _read_json(config_file), f"model config {config_file}"
+
+
 def _read_json(path: str) -> dict:
     with open(path, encoding="utf-8") as fh:
         try:

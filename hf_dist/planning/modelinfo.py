@@ -11,26 +11,21 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import Any
 
-from hf_dist.planning.config_checks import check_dimensions
-from hf_dist.planning.model_source import check_causal_lm, config_from_dict, is_config, load_config, meta_model
+from hf_dist.planning.config_checks import check_config_dict, check_dimensions
+from hf_dist.planning.families import FAMILIES, Counts, Inventory, Module, describe
+from hf_dist.planning.model_source import (
+    check_causal_lm,
+    config_from_dict,
+    is_config,
+    load_config,
+    local_config_dict,
+    meta_model,
+)
 from hf_dist.planning.moe import MlaShape, MoeLayout, mla_shape, moe_layout
 from hf_dist.planning.precision import is_module
 from hf_dist.planning.remote_code import check_trust_flag
-
-
-class Module(NamedTuple):
-    """One module of a model as PEFT matches it: its name (``target_modules`` / ``modules_to_save`` keys; relative to
-    a decoder layer for the layers' own modules), its kind (``linear``: ``nn.Linear`` or transformers' ``Conv1D``,
-    ``embedding``, ``other``), its parameters (children included) and, for a linear, its features and bias."""
-
-    name: str
-    kind: str
-    params: int
-    in_features: int = 0
-    out_features: int = 0
-    bias: bool = False
 
 
 @dataclass(frozen=True)
@@ -50,7 +45,7 @@ class ModelSpec:
     embedding_params: int = 0  # input embedding only; an untied lm_head has as many again
     model_type: str | None = None
     name: str | None = None
-    config: Any = None  # the transformers PretrainedConfig when known
+    config: Any = None  # the transformers PretrainedConfig when known (its fields' view: hf_dist.planning.families)
     head_dim: int = 0  # attention head size (hidden_size // heads unless the config says otherwise)
     norms_per_layer: int = 2  # normalisation modules in one decoder layer (Gemma 2/3 have 4)
     logit_softcapping: bool = False  # the LM head applies tanh soft-capping to the logits (Gemma 2)
@@ -150,10 +145,16 @@ def model_spec(model: Any, *, trust_remote_code: bool = False) -> ModelSpec:
         count = _count_in_text(os.fspath(model))
         if count is not None:  # "7.5e9" on the command line: a bare count, never a hub name
             return ModelSpec(num_params=count)
+        local = local_config_dict(os.fspath(model))
+        described = _described_spec(*local, name=str(model)) if local is not None else None
+        if described is not None:
+            return described
         config = load_config(os.fspath(model), trust_remote_code=trust)
         return spec_from_config(config, name=str(model), trust_remote_code=trust)
     if isinstance(model, dict):
-        return spec_from_config(config_from_dict(model), trust_remote_code=trust)
+        return _described_spec(model, "model config") or spec_from_config(
+            config_from_dict(model), trust_remote_code=trust
+        )
     if is_config(model):
         return spec_from_config(model, trust_remote_code=trust)
     if is_module(model):
@@ -195,24 +196,28 @@ def spec_from_config(config: Any, *, name: str | None = None, trust_remote_code:
     return _spec(config, _COUNT_CACHE[key], name=name or getattr(config, "_name_or_path", None) or None)
 
 
-class _Counts(NamedTuple):
-    total: int  # params, tied embeddings once, adapters excluded
-    layer: int  # params of one decoder layer
-    embedding: int  # input embedding params
-    norms: int  # normalisation modules per layer
-    lora_linears: tuple[tuple[str, int, int], ...]  # (name, in, out) of the layer's LoRA-targetable linears
-    attention: str  # "sdpa", or "eager" when the model class does not support sdpa (``_supports_sdpa``)
-    inventory: _Inventory
+def _described_spec(data: dict, where: str, name: str | None = None) -> ModelSpec | None:
+    """The spec of a config :func:`hf_dist.planning.families.describe` models, without transformers; else None.
+    ``where`` names the config in a refusal of its fields."""
+    if data.get("model_type") not in FAMILIES:
+        return None
+    check_config_dict(data, where=where)
+    found = describe(data, name)
+    if found is None:
+        return None
+    view, counts = found
+    check_dimensions(view, name=name)
+    return _spec(view, counts, name=name)
 
 
 # keyed on the config JSON so repeated plans of the same config (CLI, tests) count once
-_COUNT_CACHE: dict[tuple[str, str, bool], _Counts] = {}
+_COUNT_CACHE: dict[tuple[str, str, bool], Counts] = {}
 
 
 _ADAPTER_MARKERS = ("lora_", "modules_to_save", "prompt_encoder", "ia3_")
 
 
-def _module_counts(model: Any) -> _Counts:
+def _module_counts(model: Any) -> Counts:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     total = sum(p.numel() for n, p in base.named_parameters() if not any(m in n for m in _ADAPTER_MARKERS))
     layers = _decoder_layers(base)
@@ -228,19 +233,10 @@ def _module_counts(model: Any) -> _Counts:
     embed = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
     embedding = embed.weight.numel() if embed is not None and hasattr(embed, "weight") else 0
     attention = "sdpa" if getattr(type(base), "_supports_sdpa", True) else "eager"
-    return _Counts(total, layer, embedding, norms, linears, attention, _inventory(base, layers, index))
+    return Counts(total, layer, embedding, norms, linears, attention, _inventory(base, layers, index))
 
 
-class _Inventory(NamedTuple):
-    layer_prefix: str
-    layer_modules: tuple[Module, ...]
-    outer_modules: tuple[Module, ...]
-    input_module: str
-    output_module: str
-    bias_params: int
-
-
-def _inventory(base: Any, layers: Any, index: int = 0) -> _Inventory:
+def _inventory(base: Any, layers: Any, index: int = 0) -> Inventory:
     """Every module PEFT could adapt or save, named as PEFT's matching sees them (:class:`Module`): one decoder
     layer's (relative names; the layers share one class; layer ``index``, the largest) and those outside the layers.
     A PEFT-wrapped module is described by what it wraps (a LoRA layer's ``base_layer``, a ``ModulesToSaveWrapper``'s
@@ -262,7 +258,7 @@ def _inventory(base: Any, layers: Any, index: int = 0) -> _Inventory:
     biases = sum(p.numel() for n, p in base.named_parameters()
                  if (n == "bias" or n.endswith(".bias")) and not any(m in n for m in _ADAPTER_MARKERS))  # fmt: skip
     ends = [names.get(id(e), "") if e is not None else "" for e in embeddings]
-    return _Inventory(prefix, tuple(in_layer), tuple(outer), ends[0], ends[1], biases)
+    return Inventory(prefix, tuple(in_layer), tuple(outer), ends[0], ends[1], biases)
 
 
 def _unwrapped(module: Any) -> tuple[Any, bool]:
@@ -326,7 +322,7 @@ def spec_from_module(model: Any) -> ModelSpec:
     return _spec(config, counts, name=getattr(config, "_name_or_path", None) or None)
 
 
-def _spec(config: Any, counts: _Counts, *, name: str | None) -> ModelSpec:
+def _spec(config: Any, counts: Counts, *, name: str | None) -> ModelSpec:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = int(getattr(text, "hidden_size", 0) or 0)
     heads = int(getattr(text, "num_attention_heads", 0) or 0)

@@ -6,6 +6,7 @@ Pure policy over typed inputs, read by the planner; :mod:`hf_dist.runtime.precis
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 # dtypes the memory model has byte counts for (hf_dist.planning.memory: param_bytes 2 or 4)
@@ -19,9 +20,9 @@ def dtype_name(dtype: Any) -> str:
 
 
 def is_module(model: Any) -> bool:
-    import torch
-
-    return isinstance(model, torch.nn.Module)
+    """Whether ``model`` is a torch module; torch is not imported to say no (a module means torch is loaded)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(model, torch.nn.Module)
 
 
 def float_params(model: Any):

@@ -286,22 +286,16 @@ def test_nvme_without_libaio_is_refused(tmp_path):
 def test_probe_is_by_feature(monkeypatch):
     from hf_dist.planning import features as support
 
-    support.installed_features.cache_clear()
     monkeypatch.setattr(support, "_parallelism_fields", lambda: {"dp_replicate_size", "dp_shard_size", "tp_size"})
-    try:
-        features = support.installed_features()
-        assert not features.parallelism_config and not features.sequence_parallel  # accelerate < 1.10 shape
-        monkeypatch.setattr(support, "_parallelism_fields", lambda: {"tp_size", "cp_size"})  # 1.10/1.11: no sp
-        support.installed_features.cache_clear()
-        features = support.installed_features()
-        assert features.parallelism_config and not features.sequence_parallel
-        with pytest.raises(ValueError, match="sp_size 2 needs"):
-            strategy_args(Layout("zero2", 2, sp_size=2), features=features)
-        monkeypatch.setattr(support, "_deepspeed_has", lambda relative: False)
-        support.installed_features.cache_clear()
-        assert not support.installed_features().deepspeed_autotp
-    finally:
-        support.installed_features.cache_clear()
+    features = support.probe_features()
+    assert not features.parallelism_config and not features.sequence_parallel  # accelerate < 1.10 shape
+    monkeypatch.setattr(support, "_parallelism_fields", lambda: {"tp_size", "cp_size"})  # 1.10/1.11: no sp
+    features = support.probe_features()
+    assert features.parallelism_config and not features.sequence_parallel
+    with pytest.raises(ValueError, match="sp_size 2 needs"):
+        strategy_args(Layout("zero2", 2, sp_size=2), features=features)
+    monkeypatch.setattr(support, "_deepspeed_has", lambda relative: False)
+    assert not support.probe_features().deepspeed_autotp
 
 
 def test_accelerate_yaml_refuses_what_the_features_lack():

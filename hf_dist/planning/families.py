@@ -1,0 +1,231 @@
+"""Llama, Mistral and Qwen2 described from their config.json alone: no transformers, no torch.
+
+Importing transformers' config and modelling classes takes longer than a whole plan (issue 39: ``hf-dist plan`` on a
+local config.json in seconds). For these three families every module the meta model holds follows from the config,
+so :func:`describe` counts them by arithmetic into the same :class:`Counts` the meta model gives
+(:func:`hf_dist.planning.modelinfo.spec_from_config`). ``tests/unit/planning/test_families.py`` builds both for each
+family, with and without biases, ties and explicit head sizes, and compares every field on the installed
+transformers.
+
+Only a config this file models exactly is described: a known ``model_type`` and causal-LM architecture, every key
+one the family's config class takes with a value of the type it expects, RoPE unscaled or scaled in a way that only
+changes positions. Anything else (another family, remote code, a quantisation config, a key not listed here) returns
+None and is built on the meta device, with transformers' own checks, as before.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from numbers import Real
+from typing import Any, NamedTuple
+
+
+class Module(NamedTuple):
+    """One module of a model as PEFT matches it: its name (``target_modules`` / ``modules_to_save`` keys; relative to
+    a decoder layer for the layers' own modules), its kind (``linear``: ``nn.Linear`` or transformers' ``Conv1D``,
+    ``embedding``, ``other``), its parameters (children included) and, for a linear, its features and bias."""
+
+    name: str
+    kind: str
+    params: int
+    in_features: int = 0
+    out_features: int = 0
+    bias: bool = False
+
+
+class Inventory(NamedTuple):
+    """Every module PEFT could adapt or save: the decoder layers' ModuleList name, one layer's modules (relative
+    names), the modules outside the layers, the input and output embeddings' names, the params named ``bias``."""
+
+    layer_prefix: str
+    layer_modules: tuple[Module, ...]
+    outer_modules: tuple[Module, ...]
+    input_module: str
+    output_module: str
+    bias_params: int
+
+
+class Counts(NamedTuple):
+    """What counting a model's modules tells the planner."""
+
+    total: int  # params, tied embeddings once, adapters excluded
+    layer: int  # params of one decoder layer (the largest)
+    embedding: int  # input embedding params
+    norms: int  # normalisation modules per layer
+    lora_linears: tuple[tuple[str, int, int], ...]  # (name, in, out) of the layer's LoRA-targetable linears
+    attention: str  # "sdpa", or "eager" when the model class does not support sdpa (``_supports_sdpa``)
+    inventory: Inventory
+
+
+@dataclass(frozen=True)
+class Family:
+    """A decoder family: its causal LM's class name and its config class's defaults for the keys that shape it."""
+
+    causal_lm: str
+    defaults: dict[str, Any]
+    nullable: frozenset[str] = frozenset()  # keys whose value may be null (transformers 5's validators refuse others)
+    qkv_bias: bool | None = None  # q/k/v projections carry a bias (None: the config's ``attention_bias``)
+
+
+_LLAMA_STYLE = dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                    tie_word_embeddings=False, hidden_act="silu")  # fmt: skip
+FAMILIES = {
+    "llama": Family(
+        "LlamaForCausalLM",
+        dict(
+            _LLAMA_STYLE,
+            intermediate_size=11008,
+            num_key_value_heads=None,
+            max_position_embeddings=2048,
+            attention_bias=False,
+            mlp_bias=False,
+            head_dim=None,
+            pretraining_tp=1,
+        ),
+        frozenset({"num_key_value_heads", "head_dim"}),
+    ),
+    "mistral": Family(
+        "MistralForCausalLM",
+        dict(
+            _LLAMA_STYLE,
+            intermediate_size=14336,
+            num_key_value_heads=8,
+            max_position_embeddings=131072,
+            head_dim=None,
+            sliding_window=4096,
+        ),
+        frozenset({"head_dim", "sliding_window"}),
+        qkv_bias=False,
+    ),
+    "qwen2": Family(
+        "Qwen2ForCausalLM",
+        dict(
+            _LLAMA_STYLE,
+            vocab_size=151936,
+            intermediate_size=22016,
+            num_key_value_heads=None,
+            max_position_embeddings=32768,
+            sliding_window=None,
+            use_sliding_window=False,
+            max_window_layers=28,
+        ),
+        frozenset({"num_key_value_heads", "sliding_window"}),
+        qkv_bias=True,
+    ),
+}
+_NONE = type(None)
+_SIZE = "a positive int"
+# the type transformers takes for each key a family above reads (_SIZE: a positive int); keys outside a family's
+# defaults and outside _ANY_FAMILY are not modelled
+_TYPES = {
+    "vocab_size": _SIZE, "hidden_size": _SIZE, "intermediate_size": _SIZE, "num_hidden_layers": _SIZE,
+    "num_attention_heads": _SIZE, "num_key_value_heads": (_SIZE, _NONE), "head_dim": (_SIZE, _NONE),
+    "max_position_embeddings": _SIZE, "tie_word_embeddings": bool, "hidden_act": str, "attention_bias": bool,
+    "mlp_bias": bool, "pretraining_tp": _SIZE, "sliding_window": (_SIZE, _NONE), "use_sliding_window": bool,
+    "max_window_layers": _SIZE,
+    # keys every family takes that change no module and no shape
+    "model_type": str, "architectures": list, "transformers_version": str, "torch_dtype": (str, _NONE),
+    "dtype": (str, _NONE), "attention_dropout": float, "initializer_range": float, "rms_norm_eps": float,
+    "rope_theta": float, "use_cache": bool, "bos_token_id": (int, list, _NONE), "eos_token_id": (int, list, _NONE),
+    "pad_token_id": (int, _NONE), "rope_scaling": (dict, _NONE), "rope_parameters": (dict, _NONE),
+}  # fmt: skip
+_ANY_FAMILY = ("model_type", "architectures", "transformers_version", "torch_dtype", "dtype", "attention_dropout",
+               "initializer_range", "rms_norm_eps", "rope_theta", "use_cache", "bos_token_id", "eos_token_id",
+               "pad_token_id", "rope_scaling", "rope_parameters")  # fmt: skip
+_DTYPES = (None, "float32", "bfloat16", "float16")
+# RoPE scalings transformers builds from these keys alone; they change positions, never a module
+_ROPE_KEYS = {
+    "default": set(),
+    "linear": {"factor"},
+    "dynamic": {"factor"},
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+}
+
+
+def describe(data: dict, name: str | None = None) -> tuple[Any, Counts] | None:
+    """(the config's fields, family defaults filled in, as an attribute view; its :class:`Counts`) for a config of a
+    family above that this file models exactly, else None (build it on the meta device)."""
+    family = FAMILIES.get(data.get("model_type"))
+    if family is None or not _modelled(data, family):
+        return None
+    # each of the three config classes has a tensor-parallel plan (``base_model_tp_plan``)
+    view = types.SimpleNamespace(**{**family.defaults, **data}, _name_or_path=name or "", base_model_tp_plan=True)
+    view.num_key_value_heads = view.num_key_value_heads or view.num_attention_heads
+    view.dtype = data.get("dtype", data.get("torch_dtype"))
+    if view.num_attention_heads % view.num_key_value_heads:
+        return None  # refused by check_dimensions in the words it uses for every config
+    if getattr(view, "head_dim", None) is None:
+        view.head_dim = view.hidden_size // view.num_attention_heads
+    return view, _counts(view, family)
+
+
+def _modelled(data: dict, family: Family) -> bool:
+    """Whether every key of ``data`` is one this file models, with a value of the type transformers takes."""
+    known = all(key in family.defaults or key in _ANY_FAMILY for key in data)
+    return (
+        known
+        and all(_typed(value, _TYPES[key]) for key, value in data.items())
+        and all(data[key] is not None for key in family.defaults if key in data and key not in family.nullable)
+        and data.get("architectures", [family.causal_lm]) == [family.causal_lm]
+        and data.get("hidden_act", "silu") == "silu"
+        and data.get("dtype", data.get("torch_dtype")) in _DTYPES
+        and all(_plain_rope(data.get(key)) for key in ("rope_scaling", "rope_parameters"))
+    )
+
+
+def _typed(value: Any, types_: Any) -> bool:
+    """``value`` is one of ``types_`` (:data:`_SIZE`: a positive int; float: any real number; never a bool unless
+    bool is asked for)."""
+    for kind in types_ if isinstance(types_, tuple) else (types_,):
+        if kind == _SIZE:
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+                return True
+        elif kind is float:
+            if isinstance(value, Real) and not isinstance(value, bool):
+                return True
+        elif isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
+            return True
+    return False
+
+
+def _plain_rope(params: dict | None) -> bool:
+    """True for no RoPE parameters, or a scaling listed in :data:`_ROPE_KEYS` with exactly its keys, all numbers."""
+    if params is None:
+        return True
+    kind = params.get("rope_type", params.get("type", "default"))
+    values = {k: v for k, v in params.items() if k not in ("rope_type", "type", "rope_theta")}
+    numbers = all(isinstance(v, Real) and not isinstance(v, bool) for v in values.values())
+    return kind in _ROPE_KEYS and set(values) == _ROPE_KEYS[kind] and numbers
+
+
+def _linear(name: str, in_features: int, out_features: int, bias: bool) -> Module:
+    return Module(name, "linear", in_features * out_features + (out_features if bias else 0), in_features,
+                  out_features, bias)  # fmt: skip
+
+
+def _counts(v: Any, family: Family) -> Counts:
+    """The modules transformers' Llama-style decoder builds from ``v``, counted as the meta model would be."""
+    hidden, inner, q_out = v.hidden_size, v.intermediate_size, v.num_attention_heads * v.head_dim
+    kv_out = v.num_key_value_heads * v.head_dim
+    qkv_bias = getattr(v, "attention_bias", False) if family.qkv_bias is None else family.qkv_bias
+    o_bias, mlp_bias = getattr(v, "attention_bias", False), getattr(v, "mlp_bias", False)
+    attention = (_linear("self_attn.q_proj", hidden, q_out, qkv_bias), _linear("self_attn.k_proj", hidden, kv_out,
+                 qkv_bias), _linear("self_attn.v_proj", hidden, kv_out, qkv_bias),
+                 _linear("self_attn.o_proj", q_out, hidden, o_bias))  # fmt: skip
+    mlp = (_linear("mlp.gate_proj", hidden, inner, mlp_bias), _linear("mlp.up_proj", hidden, inner, mlp_bias),
+           _linear("mlp.down_proj", inner, hidden, mlp_bias))  # fmt: skip
+    norm = Module("input_layernorm", "other", hidden), Module("post_attention_layernorm", "other", hidden)
+    layer_modules = (Module("self_attn", "other", sum(m.params for m in attention)), *attention,
+                     Module("mlp", "other", sum(m.params for m in mlp)), *mlp, Module("mlp.act_fn", "other", 0),
+                     *norm)  # fmt: skip
+    layer = sum(m.params for m in (*attention, *mlp, *norm))
+    embedding = v.vocab_size * hidden
+    outer = (Module("model.embed_tokens", "embedding", embedding, v.vocab_size, hidden),
+             Module("model.norm", "other", hidden), Module("model.rotary_emb", "other", 0),
+             _linear("lm_head", hidden, v.vocab_size, False))  # fmt: skip
+    biases = v.num_hidden_layers * sum(m.out_features for m in (*attention, *mlp) if m.bias)
+    inventory = Inventory("model.layers", layer_modules, outer, "model.embed_tokens", "lm_head", biases)
+    total = embedding * (1 if v.tie_word_embeddings else 2) + v.num_hidden_layers * layer + hidden
+    linears = tuple((m.name.rsplit(".", 1)[-1], m.in_features, m.out_features) for m in (*attention, *mlp))
+    return Counts(total, layer, embedding, 2, linears, "sdpa", inventory)

@@ -1,0 +1,109 @@
+"""Llama, Mistral and Qwen2 described from config.json alone (hf_dist.planning.families) give exactly the spec the
+meta model gives on the installed transformers; every config the file does not model goes the meta-model way."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hf_dist.planning.config_checks import position_limit
+from hf_dist.planning.families import FAMILIES, describe
+from hf_dist.planning.model_source import config_from_dict
+from hf_dist.planning.modelinfo import model_spec, spec_from_config
+
+SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+             vocab_size=101)  # fmt: skip
+CASES = {
+    "small": SMALL,
+    "defaults": {},  # every size the config class's default (a 7B-class model, counted on meta)
+    "tied": dict(SMALL, tie_word_embeddings=True),
+    "hub-like": dict(SMALL, architectures=None, torch_dtype="bfloat16", rms_norm_eps=1e-5, rope_theta=500000.0,
+                     bos_token_id=1, eos_token_id=[2, 3], use_cache=True, initializer_range=0.02,
+                     transformers_version="4.45.0", attention_dropout=0.0, max_position_embeddings=8192),
+    "float32": dict(SMALL, dtype="float32"),
+    "llama3-rope": dict(SMALL, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+}  # fmt: skip
+ONLY = {  # keys one family's config class takes
+    "llama": {
+        "biased": dict(SMALL, attention_bias=True, mlp_bias=True),
+        "head_dim": dict(SMALL, head_dim=24),
+        "mha": dict(SMALL, num_key_value_heads=None),
+    },
+    "mistral": {"head_dim": dict(SMALL, head_dim=24), "sliding": dict(SMALL, sliding_window=None, head_dim=None)},
+    "qwen2": {
+        "sliding": dict(SMALL, sliding_window=32, use_sliding_window=False, max_window_layers=2),
+        "mha": dict(SMALL, num_key_value_heads=None),
+    },
+}
+
+
+def _cases():
+    for family in FAMILIES:
+        for case, fields in {**CASES, **ONLY[family]}.items():
+            yield pytest.param(family, fields, id=f"{family}-{case}")
+
+
+def _config(family: str, fields: dict) -> dict:
+    data = {"model_type": family, **fields}
+    if "architectures" in data:
+        data["architectures"] = [FAMILIES[family].causal_lm]
+    return data
+
+
+@pytest.mark.parametrize("family, fields", _cases())
+def test_a_described_config_is_the_spec_of_its_meta_model(family, fields, tmp_path):
+    data = _config(family, fields)
+    assert describe(data) is not None, "this config must be described without transformers"
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    described, built = model_spec(str(tmp_path)), spec_from_config(config_from_dict(data), name=str(tmp_path))
+    for field in dataclasses.fields(built):
+        if field.name != "config":
+            assert getattr(described, field.name) == getattr(built, field.name), field.name
+    assert position_limit(described.config) == position_limit(built.config)  # what a plan reads of the rest
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model_type": "gemma"},  # another family
+        {"auto_map": {"AutoModelForCausalLM": "modeling.Mine"}},  # remote code
+        {"quantization_config": {"quant_method": "bitsandbytes"}},  # a key this file does not model
+        {"architectures": ["LlamaForSequenceClassification"]},
+        {"hidden_act": "gelu"},
+        {"torch_dtype": "float8_e4m3fn"},
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},  # keys transformers requires are missing
+        {"intermediate_size": "big"},
+        {"attention_bias": 1},
+        {"rms_norm_eps": True},
+        {"head_dim": 0},
+        {"num_attention_heads": 3},  # not a multiple of the KV heads: refused in check_dimensions' words
+    ],
+)
+def test_a_config_this_file_does_not_model_is_left_to_the_meta_model(change):
+    assert describe({"model_type": "llama", **SMALL, **change}) is None
+
+
+def test_a_null_that_transformers_refuses_is_left_to_the_meta_model():
+    data = {"model_type": "mistral", **SMALL, "num_key_value_heads": None}
+    assert describe(data) is None
+    try:  # transformers 5.24 refuses it in its own words, as before; 5.0 takes it
+        model_spec(data)
+    except ValueError as exc:
+        assert "invalid mistral config" in str(exc)
+
+
+def test_planning_a_described_config_imports_neither_torch_nor_transformers(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **SMALL}))
+    code = (
+        "import sys; from hf_dist.planning.modelinfo import model_spec; "
+        f"s = model_spec({str(tmp_path)!r}); assert s.num_params > 0; "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
