@@ -58,6 +58,14 @@ class Counts(NamedTuple):
     inventory: Inventory
 
 
+class ConfigFields(types.SimpleNamespace):
+    """A config.json's fields, its family's defaults filled in, read as attributes the way a transformers config is.
+    ``source`` is the dict it was read from: :func:`hf_dist.planning.model_source.resolve_config` builds the
+    transformers config from it where one is needed (a trace, FSDP's wrap classes)."""
+
+    source: dict
+
+
 @dataclass(frozen=True)
 class Family:
     """A decoder family: its causal LM's class name and its config class's defaults for the keys that shape it."""
@@ -143,14 +151,15 @@ _ROPE_KEYS = {
 }
 
 
-def describe(data: dict, name: str | None = None) -> tuple[Any, Counts] | None:
+def describe(data: dict, name: str | None = None) -> tuple[ConfigFields, Counts] | None:
     """(the config's fields, family defaults filled in, as an attribute view; its :class:`Counts`) for a config of a
     family above that this file models exactly, else None (build it on the meta device)."""
     family = FAMILIES.get(data.get("model_type"))
     if family is None or not _modelled(data, family):
         return None
     # each of the three config classes has a tensor-parallel plan (``base_model_tp_plan``)
-    view = types.SimpleNamespace(**{**family.defaults, **data}, _name_or_path=name or "", base_model_tp_plan=True)
+    fields = {**family.defaults, **data, "_name_or_path": name or "", "base_model_tp_plan": True}
+    view = ConfigFields(**fields, source=dict(data))
     view.num_key_value_heads = view.num_key_value_heads or view.num_attention_heads
     view.dtype = data.get("dtype", data.get("torch_dtype"))
     if view.num_attention_heads % view.num_key_value_heads:

@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 from hf_dist.planning.config_checks import check_config_dict
+from hf_dist.planning.families import ConfigFields
 from hf_dist.planning.remote_code import check_config_class, check_trust_flag, uses_folder_class
 
 
@@ -165,9 +166,12 @@ def check_causal_lm(config: Any, *, trust_remote_code: bool = False) -> bool:
 
 
 def resolve_config(model: Any, *, trust_remote_code: bool = False) -> Any:
-    """The transformers config of a config object, a config dict, a local folder / config.json or a hub name."""
+    """The transformers config of a config object, a config dict, a local folder / config.json, a hub name, or the
+    fields a plan described without transformers (:class:`~hf_dist.planning.families.ConfigFields`)."""
     if is_config(model):
         return model
+    if isinstance(model, ConfigFields):
+        return config_from_dict(model.source)
     if isinstance(model, dict):
         return config_from_dict(model)
     if isinstance(model, (str, os.PathLike)):

@@ -12,8 +12,9 @@ import pytest
 
 from hf_dist.planning.config_checks import position_limit
 from hf_dist.planning.families import FAMILIES, describe
-from hf_dist.planning.model_source import config_from_dict
+from hf_dist.planning.model_source import config_from_dict, resolve_config
 from hf_dist.planning.modelinfo import model_spec, spec_from_config
+from hf_dist.testing import PUBLIC_CONFIGS, public_config
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
              vocab_size=101)  # fmt: skip
@@ -107,3 +108,39 @@ def test_planning_a_described_config_imports_neither_torch_nor_transformers(tmp_
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("name", [n for n, c in PUBLIC_CONFIGS.items() if c["model_type"] in FAMILIES])
+def test_each_public_config_of_these_families_is_described_as_its_meta_model(name):
+    described, built = model_spec(dict(PUBLIC_CONFIGS[name])), spec_from_config(public_config(name))
+    assert described.config is not built.config and described.num_params == built.num_params
+    assert dataclasses.replace(described, config=None) == dataclasses.replace(built, config=None)
+
+
+def test_a_described_config_becomes_the_transformers_config_where_one_is_needed(tmp_path):
+    data = _config("qwen2", CASES["hub-like"])
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    fields = model_spec(str(tmp_path)).config  # what a trace and FSDP's wrap classes are handed by the plan
+    assert resolve_config(fields).to_dict() == config_from_dict(data).to_dict()
+
+
+@pytest.mark.parametrize(
+    "name, request_",
+    [
+        ("llama-3-8b", ["--gpus", "8", "--gpu-memory", "80", "--global-batch", "64"]),
+        ("qwen2.5-7b", ["--gpus", "1", "--gpu-memory", "24", "--method", "lora"]),
+        ("llama-3.2-1b", ["--gpus", "2", "--gpu-memory", "24", "--method", "qlora"]),
+        ("mistral-7b", ["--gpus", "16", "--nodes", "2", "--gpu-memory", "40", "--global-batch", "32"]),
+    ],
+)
+def test_the_plan_of_a_described_config_is_the_plan_of_its_meta_model(name, request_, tmp_path, capsys, monkeypatch):
+    from hf_dist.cli.main import main
+    from hf_dist.planning import modelinfo
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(PUBLIC_CONFIGS[name])))
+    plans = []
+    for _ in range(2):
+        assert main(["plan", str(tmp_path), *request_, "--json"]) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+        monkeypatch.setattr(modelinfo, "describe", lambda data, name=None: None)  # the second plan: the meta model
+    assert plans[0] == plans[1]
