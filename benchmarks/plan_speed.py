@@ -1,6 +1,6 @@
 """How long ``hf-dist plan`` on a local config.json takes, next to importing the libraries it no longer needs.
 
-    python benchmarks/plan_speed.py --runs 5        # ~1 min on 2 cores
+    python benchmarks/plan_speed.py --runs 5        # ~2 min on 2 cores
 
 Each run is a fresh process, as a user's shell starts it, for the README's headline request (Llama-3-8B's
 config.json written by hand, 8 x 80 GB, global batch 64):

@@ -142,6 +142,14 @@ CATALOG: dict[str, Entry] = {
         "a benchmark: one 2-4 rank launch per model and layout, 14 min 55 s on 2 cores",
         output=("docs/measurements.md", "14 min 55 s on 2 busy CPU cores on 2026-11-25"),
     ),
+    "python benchmarks/plan_speed.py --runs 5": CannotRun(
+        "a benchmark: 20 fresh processes, about 2 min on 2 cores",
+        output=("docs/measurements.md", "| plan | 0.48 | 0.10 |"),
+    ),
+    "hf-dist plan ./llama-3-8b --gpus 8 --gpu-memory 80 --global-batch 64 --seq-len 4096 --verify": CannotRun(
+        "a measurement: two traces of an 8B model, about 2 min on 2 quiet cores",
+        output=("docs/measurements.md", "126 s wall, 178 s CPU"),
+    ),
     "hf-dist plan MODEL ... --verify": RanBy("tests/unit/tracing/test_checked_plan.py::test_cli_verify_8b_on_64_gpus"),
     CONVERT: Run((HfFolder("out/hf-model"),), setup=(OUT_CKPT,)),
     "hf-dist convert out/checkpoint-500 out/adapter --adapter": Run(

@@ -90,3 +90,20 @@ def test_hardware_validation_and_peak_table():
     assert peak_tflops_for("NVIDIA L40S") == 362.0
     assert peak_tflops_for("NVIDIA GeForce RTX 4090") == 165.0
     assert peak_tflops_for("mystery accelerator") is None
+
+
+def test_torch_is_asked_only_where_a_gpu_driver_shows(tmp_path):
+    """On Linux without an NVIDIA or AMD driver torch sees no GPU, so detection does not import it (seconds of a
+    plan); with a driver file present (a stand-in here) it asks torch, which answers for this CPU machine."""
+    import subprocess
+    import sys
+
+    driver = tmp_path / "nvidiactl"
+    code = (
+        "import sys; from hf_dist.planning import hardware as h; h._DRIVER_FILES = (sys.argv[1],); "
+        "print(h._detect_cuda(), 'torch' in sys.modules)"
+    )
+    run = [sys.executable, "-c", code, str(driver)]
+    assert subprocess.run(run, capture_output=True, text=True, check=True).stdout.split() == ["None", "False"]
+    driver.write_text("")
+    assert subprocess.run(run, capture_output=True, text=True, check=True).stdout.split() == ["None", "True"]
