@@ -1,7 +1,7 @@
-"""Llama, Mistral and Qwen2 described from their config.json alone: no transformers, no torch.
+"""Llama, Mistral, Qwen2 and Qwen3 described from their config.json alone: no transformers, no torch.
 
 Importing transformers' config and modelling classes takes longer than a whole plan (issue 39: ``hf-dist plan`` on a
-local config.json in seconds). For these three families every module the meta model holds follows from the config,
+local config.json in seconds). For these four families every module the meta model holds follows from the config,
 so :func:`describe` counts them by arithmetic into the same :class:`Counts` the meta model gives
 (:func:`hf_dist.planning.modelinfo.spec_from_config`). ``tests/unit/planning/test_families.py`` builds both for each
 family, with and without biases, ties and explicit head sizes, and compares every field on the installed
@@ -74,6 +74,7 @@ class Family:
     defaults: dict[str, Any]
     nullable: frozenset[str] = frozenset()  # keys whose value may be null (transformers 5's validators refuse others)
     qkv_bias: bool | None = None  # q/k/v projections carry a bias (None: the config's ``attention_bias``)
+    qk_norm: bool = False  # queries and keys are normalised per head (Qwen3's q_norm / k_norm)
 
 
 _LLAMA_STYLE = dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
@@ -121,6 +122,23 @@ FAMILIES = {
         frozenset({"num_key_value_heads", "sliding_window"}),
         qkv_bias=True,
     ),
+    "qwen3": Family(
+        "Qwen3ForCausalLM",
+        dict(
+            _LLAMA_STYLE,
+            vocab_size=151936,
+            intermediate_size=22016,
+            num_key_value_heads=32,
+            max_position_embeddings=32768,
+            attention_bias=False,
+            head_dim=128,  # Qwen3's own default, whatever the hidden size
+            sliding_window=None,
+            use_sliding_window=False,
+            max_window_layers=28,
+        ),
+        frozenset({"sliding_window"}),
+        qk_norm=True,
+    ),
 }
 _NONE = type(None)
 _SIZE = "a positive int"
@@ -157,7 +175,7 @@ def describe(data: dict, name: str | None = None) -> tuple[ConfigFields, Counts]
     family = FAMILIES.get(data.get("model_type"))
     if family is None or not _modelled(data, family):
         return None
-    # each of the three config classes has a tensor-parallel plan (``base_model_tp_plan``)
+    # each of these config classes has a tensor-parallel plan (``base_model_tp_plan``)
     fields = {**family.defaults, **data, "_name_or_path": name or "", "base_model_tp_plan": True}
     view = ConfigFields(**fields, source=dict(data))
     view.num_key_value_heads = view.num_key_value_heads or view.num_attention_heads
@@ -222,13 +240,15 @@ def _counts(v: Any, family: Family) -> Counts:
     attention = (_linear("self_attn.q_proj", hidden, q_out, qkv_bias), _linear("self_attn.k_proj", hidden, kv_out,
                  qkv_bias), _linear("self_attn.v_proj", hidden, kv_out, qkv_bias),
                  _linear("self_attn.o_proj", q_out, hidden, o_bias))  # fmt: skip
+    per_head = (Module("self_attn.q_norm", "other", v.head_dim), Module("self_attn.k_norm", "other", v.head_dim))
+    per_head = per_head if family.qk_norm else ()
     mlp = (_linear("mlp.gate_proj", hidden, inner, mlp_bias), _linear("mlp.up_proj", hidden, inner, mlp_bias),
            _linear("mlp.down_proj", inner, hidden, mlp_bias))  # fmt: skip
     norm = Module("input_layernorm", "other", hidden), Module("post_attention_layernorm", "other", hidden)
-    layer_modules = (Module("self_attn", "other", sum(m.params for m in attention)), *attention,
+    layer_modules = (Module("self_attn", "other", sum(m.params for m in (*attention, *per_head))), *attention, *per_head,
                      Module("mlp", "other", sum(m.params for m in mlp)), *mlp, Module("mlp.act_fn", "other", 0),
                      *norm)  # fmt: skip
-    layer = sum(m.params for m in (*attention, *mlp, *norm))
+    layer = sum(m.params for m in (*attention, *per_head, *mlp, *norm))
     embedding = v.vocab_size * hidden
     outer = (Module("model.embed_tokens", "embedding", embedding, v.vocab_size, hidden),
              Module("model.norm", "other", hidden), Module("model.rotary_emb", "other", 0),
@@ -237,4 +257,4 @@ def _counts(v: Any, family: Family) -> Counts:
     inventory = Inventory("model.layers", layer_modules, outer, "model.embed_tokens", "lm_head", biases)
     total = embedding * (1 if v.tie_word_embeddings else 2) + v.num_hidden_layers * layer + hidden
     linears = tuple((m.name.rsplit(".", 1)[-1], m.in_features, m.out_features) for m in (*attention, *mlp))
-    return Counts(total, layer, embedding, 2, linears, "sdpa", inventory)
+    return Counts(total, layer, embedding, len(norm) + len(per_head), linears, "sdpa", inventory)

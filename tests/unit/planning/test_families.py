@@ -1,4 +1,4 @@
-"""Llama, Mistral and Qwen2 described from config.json alone (hf_dist.planning.families) give exactly the spec the
+"""Llama, Mistral, Qwen2 and Qwen3 described from config.json alone (hf_dist.planning.families) give exactly the spec the
 meta model gives on the installed transformers; every config the file does not model goes the meta-model way."""
 
 from __future__ import annotations
@@ -39,6 +39,11 @@ ONLY = {  # keys one family's config class takes
     "qwen2": {
         "sliding": dict(SMALL, sliding_window=32, use_sliding_window=False, max_window_layers=2),
         "mha": dict(SMALL, num_key_value_heads=None),
+    },
+    "qwen3": {
+        "biased": dict(SMALL, attention_bias=True),
+        "head_dim": dict(SMALL, head_dim=24),
+        "sliding": dict(SMALL, sliding_window=32, use_sliding_window=False, max_window_layers=2),
     },
 }
 
