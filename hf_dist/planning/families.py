@@ -113,7 +113,7 @@ FAMILIES = {
             _LLAMA_STYLE,
             vocab_size=151936,
             intermediate_size=22016,
-            num_key_value_heads=None,
+            num_key_value_heads=32,  # None given: as many as the heads
             max_position_embeddings=32768,
             sliding_window=None,
             use_sliding_window=False,
@@ -153,7 +153,7 @@ _TYPES = {
     # keys every family takes that change no module and no shape
     "model_type": str, "architectures": list, "transformers_version": str, "torch_dtype": (str, _NONE),
     "dtype": (str, _NONE), "attention_dropout": float, "initializer_range": float, "rms_norm_eps": float,
-    "rope_theta": float, "use_cache": bool, "bos_token_id": (int, list, _NONE), "eos_token_id": (int, list, _NONE),
+    "rope_theta": float, "use_cache": bool, "bos_token_id": (int, _NONE), "eos_token_id": (int, list, _NONE),
     "pad_token_id": (int, _NONE), "rope_scaling": (dict, _NONE), "rope_parameters": (dict, _NONE),
 }  # fmt: skip
 _ANY_FAMILY = ("model_type", "architectures", "transformers_version", "torch_dtype", "dtype", "attention_dropout",
@@ -180,8 +180,8 @@ def describe(data: dict, name: str | None = None) -> tuple[ConfigFields, Counts]
     view = ConfigFields(**fields, source=dict(data))
     view.num_key_value_heads = view.num_key_value_heads or view.num_attention_heads
     view.dtype = data.get("dtype", data.get("torch_dtype"))
-    if view.num_attention_heads % view.num_key_value_heads:
-        return None  # refused by check_dimensions in the words it uses for every config
+    if view.num_attention_heads % view.num_key_value_heads or view.hidden_size % view.num_attention_heads:
+        return None  # refused by check_dimensions, or by transformers 5.24's LlamaConfig even with a head_dim
     if getattr(view, "head_dim", None) is None:
         view.head_dim = view.hidden_size // view.num_attention_heads
     return view, _counts(view, family)
@@ -202,14 +202,13 @@ def _modelled(data: dict, family: Family) -> bool:
 
 
 def _typed(value: Any, types_: Any) -> bool:
-    """``value`` is one of ``types_`` (:data:`_SIZE`: a positive int; float: any real number; never a bool unless
-    bool is asked for)."""
+    """``value`` is one of ``types_`` (:data:`_SIZE`: a positive int; never a bool unless bool is asked for)."""
     for kind in types_ if isinstance(types_, tuple) else (types_,):
         if kind == _SIZE:
             if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
                 return True
-        elif kind is float:
-            if isinstance(value, Real) and not isinstance(value, bool):
+        elif kind is float:  # transformers 5.24's validators refuse an int where a float is declared
+            if isinstance(value, float):
                 return True
         elif isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
             return True

@@ -89,6 +89,7 @@ def test_a_described_config_is_the_spec_of_its_meta_model(family, fields, tmp_pa
         {"rms_norm_eps": True},
         {"head_dim": 0},
         {"num_attention_heads": 3},  # not a multiple of the KV heads: refused in check_dimensions' words
+        {"hidden_size": 66, "head_dim": 24},  # heads do not divide it: transformers 5.24's LlamaConfig refuses
     ],
 )
 def test_a_config_this_file_does_not_model_is_left_to_the_meta_model(change):
@@ -149,3 +150,40 @@ def test_the_plan_of_a_described_config_is_the_plan_of_its_meta_model(name, requ
         plans.append(json.loads(capsys.readouterr().out))
         monkeypatch.setattr(modelinfo, "describe", lambda data, name=None: None)  # the second plan: the meta model
     assert plans[0] == plans[1]
+
+
+FUZZ = {  # valid and invalid values of every key the families read; sizes small, so each meta model builds fast
+    "hidden_size": [64, 66, 48, 0, 64.0, True], "intermediate_size": [96, 0, None], "num_attention_heads": [4, 3, 8, 2],
+    "num_key_value_heads": [None, 1, 2, 4, 3], "head_dim": [None, 16, 24, 0], "tie_word_embeddings": [True, False, 1],
+    "attention_bias": [True, False, None], "mlp_bias": [True, False], "max_position_embeddings": [128, None],
+    "sliding_window": [None, 16, 0], "use_sliding_window": [True, False], "max_window_layers": [1, 28],
+    "rms_norm_eps": [1e-5, 1, "x"], "rope_theta": [10000.0, 10000, 0.0], "torch_dtype": ["bfloat16", "float32", "auto"],
+    "pretraining_tp": [1, 2], "bos_token_id": [1, None, [1, 2]], "eos_token_id": [2, [2, 3]], "hidden_act": ["silu", "gelu"],
+    "rope_scaling": [None, {"rope_type": "linear", "factor": 2.0}, {"type": "dynamic", "factor": 2}, {"rope_type": "llama3",
+                     "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}],
+}  # fmt: skip
+
+
+def test_random_configs_described_or_not_agree_with_the_meta_model():
+    """Whenever a config is described, the meta model of the same dict gives the same spec, or both refuse it."""
+    import random
+
+    from hf_dist.planning import modelinfo
+
+    rng, described = random.Random(0), 0
+    for _ in range(2000):
+        data = {"model_type": rng.choice(list(FAMILIES)), "num_hidden_layers": 1, "vocab_size": 50, "hidden_size": 32,
+                "intermediate_size": 48, "num_attention_heads": 4, "head_dim": 8}  # fmt: skip
+        data.update({k: rng.choice(v) for k, v in FUZZ.items() if rng.random() < 0.2})
+        if describe(data) is None:
+            continue
+        described += 1
+        outcomes = []
+        for build in (lambda: modelinfo._described_spec(data, "model config"),
+                      lambda: spec_from_config(config_from_dict(data))):  # fmt: skip
+            try:
+                outcomes.append(dataclasses.replace(build(), config=None, name=None))
+            except ValueError:
+                outcomes.append("refused")
+        assert outcomes[0] == outcomes[1], data
+    assert described > 80  # the seed describes about 100 of the 2,000
