@@ -164,6 +164,18 @@ FUZZ = {  # valid and invalid values of every key the families read; sizes small
 }  # fmt: skip
 
 
+def _meta_spec(data: dict):
+    return spec_from_config(config_from_dict(data))
+
+
+def _outcome(build, *args):
+    """The spec ``build`` gives, without the fields that name its source; "refused" for a ValueError."""
+    try:
+        return dataclasses.replace(build(*args), config=None, name=None)
+    except ValueError:
+        return "refused"
+
+
 def test_random_configs_described_or_not_agree_with_the_meta_model():
     """Whenever a config is described, the meta model of the same dict gives the same spec, or both refuse it."""
     import random
@@ -178,12 +190,5 @@ def test_random_configs_described_or_not_agree_with_the_meta_model():
         if describe(data) is None:
             continue
         described += 1
-        outcomes = []
-        for build in (lambda: modelinfo._described_spec(data, "model config"),
-                      lambda: spec_from_config(config_from_dict(data))):  # fmt: skip
-            try:
-                outcomes.append(dataclasses.replace(build(), config=None, name=None))
-            except ValueError:
-                outcomes.append("refused")
-        assert outcomes[0] == outcomes[1], data
+        assert _outcome(modelinfo._described_spec, data, "model config") == _outcome(_meta_spec, data), data
     assert described > 80  # the seed describes about 100 of the 2,000
