@@ -52,7 +52,7 @@ class PeakRSS:
 
 
 def main() -> None:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     import hf_dist
 
@@ -60,6 +60,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     plan = hf_dist.plan(model_dir, gpus=dist.get_world_size())
     report = {"rank": dist.get_rank(), "plan": {**plan.to_dict()["load"], "rank_peak": plan.load.rank_peak}}
+    # the modelling code from_pretrained imports is imported before anything is measured: a Llama plan no longer
+    # builds the model, so its import would otherwise count as the first load's memory
+    with torch.device("meta"):
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     for name, dtype, env in (
         ("checkpoint_dtype", "auto", {}),
         ("fp32", torch.float32, {}),
