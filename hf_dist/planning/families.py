@@ -79,6 +79,10 @@ class Family:
 
 _LLAMA_STYLE = dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                     tie_word_embeddings=False, hidden_act="silu")  # fmt: skip
+# Qwen2's and Qwen3's shared defaults (a null num_key_value_heads means as many as the heads)
+_QWEN_STYLE = dict(_LLAMA_STYLE, vocab_size=151936, intermediate_size=22016, num_key_value_heads=32,
+                   max_position_embeddings=32768, sliding_window=None, use_sliding_window=False,
+                   max_window_layers=28)  # fmt: skip
 FAMILIES = {
     "llama": Family(
         "LlamaForCausalLM",
@@ -109,33 +113,13 @@ FAMILIES = {
     ),
     "qwen2": Family(
         "Qwen2ForCausalLM",
-        dict(
-            _LLAMA_STYLE,
-            vocab_size=151936,
-            intermediate_size=22016,
-            num_key_value_heads=32,  # None given: as many as the heads
-            max_position_embeddings=32768,
-            sliding_window=None,
-            use_sliding_window=False,
-            max_window_layers=28,
-        ),
+        _QWEN_STYLE,
         frozenset({"num_key_value_heads", "sliding_window"}),
         qkv_bias=True,
     ),
     "qwen3": Family(
         "Qwen3ForCausalLM",
-        dict(
-            _LLAMA_STYLE,
-            vocab_size=151936,
-            intermediate_size=22016,
-            num_key_value_heads=32,
-            max_position_embeddings=32768,
-            attention_bias=False,
-            head_dim=128,  # Qwen3's own default, whatever the hidden size
-            sliding_window=None,
-            use_sliding_window=False,
-            max_window_layers=28,
-        ),
+        dict(_QWEN_STYLE, attention_bias=False, head_dim=128),  # Qwen3's own head size, whatever the hidden size
         frozenset({"sliding_window"}),
         qk_norm=True,
     ),
