@@ -6,7 +6,7 @@ The file is ``features-<key>.json`` in ``$HF_DIST_CACHE_DIR`` (default ``$XDG_CA
 itself), its installed version and the modification time of its package file, found without importing it. An
 upgrade, a downgrade or an editable checkout that moves changes the key, so the features are probed again. A file
 that cannot be read, holds other fields or values of the wrong type is ignored and probed over; one that cannot be
-written (a read-only home) only costs the probe next time.
+written (a read-only home, or no home at all) only costs the probe next time.
 """
 
 from __future__ import annotations
@@ -65,11 +65,11 @@ def load_features(cls: type) -> Any | None:
         if any(type(value) is not type(fields[name].default) for name, value in data.items()):
             return None
         return cls(**data)
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, RuntimeError):  # RuntimeError: no home folder to find the store in
         return None
 
 
 def store_features(features: Any) -> None:
     """Keep ``features`` for the installed libraries; a cache that cannot be written is skipped."""
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, RuntimeError):
         atomic_write_json(store_path(), dataclasses.asdict(features), sort_keys=True)

@@ -62,3 +62,14 @@ def test_a_store_that_cannot_be_written_costs_only_the_probe(tmp_path, monkeypat
     monkeypatch.setenv(feature_store.CACHE_ENV, str(blocker / "cache"))  # a folder under a file: never writable
     feature_store.store_features(LibraryFeatures())
     assert feature_store.load_features(LibraryFeatures) is None
+
+
+def test_no_home_folder_costs_only_the_probe(monkeypatch):
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    for key in (feature_store.CACHE_ENV, "XDG_CACHE_HOME"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(feature_store.Path, "home", staticmethod(no_home))
+    feature_store.store_features(LibraryFeatures())
+    assert feature_store.load_features(LibraryFeatures) is None
