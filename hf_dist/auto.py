@@ -12,8 +12,9 @@ activation checkpointing and batch split come from :func:`hf_dist.plan`; the res
 or ``deepspeed``, ``bf16``/``fp16`` by hardware, the planned optimizer as ``optim``, ``per_device_train_batch_size``,
 ``gradient_accumulation_steps``, activation checkpointing in the form the strategy needs, and a generous
 ``ddp_timeout``. Every other keyword is passed to ``TrainingArguments`` as given; user values win where they do not
-contradict the plan. The plan is left where ``hf_dist.callbacks.attach(trainer)`` finds it
-(:mod:`hf_dist.runtime.planned`), which checks the live run against it.
+contradict the plan. The plan itself rides in the kwargs (``fsdp_config["hf_dist_plan"]``, in every layout:
+:mod:`hf_dist.runtime.planned`), where ``hf_dist.callbacks.attach(trainer)`` finds it in ``trainer.args`` and checks
+the live run against it.
 
 One way, one check: the keywords are sorted (:mod:`~hf_dist.configs.request`), planned, rendered
 (:mod:`~hf_dist.configs.training_args`), merged with the user's fields (:mod:`~hf_dist.configs.overrides`), and
@@ -72,7 +73,6 @@ def auto_args(model: Any, request: PlanRequest | None = None, **overrides: Any) 
     from hf_dist.runtime.cpu_fsdp import cpu_ranks
     from hf_dist.runtime.launch import check_one_process_launch
 
-    planned.forget()  # a refused call leaves no plan for attach(trainer) to check against
     check_one_process_launch()  # `accelerate launch --num_processes 2` that started one process
     features = installed_features()
     asked = read_request(overrides, request)  # 1. the keywords sorted: planner, auto_args', TrainingArguments'
@@ -91,8 +91,7 @@ def auto_args(model: Any, request: PlanRequest | None = None, **overrides: Any) 
         engine_on_cpu=_engine_on_cpu(plan, asked),
     )
     _prepare(model, plan, final, asked)  # 7. the model and the live objects
-    planned.remember(plan)  # 8. where attach(trainer) finds it
-    return final
+    return planned.carry(final, plan)  # 8. the plan inside the kwargs: where attach(trainer) finds it
 
 
 def _plan(model: Any, request: Request) -> Any:

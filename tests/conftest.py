@@ -19,12 +19,3 @@ def _restore_environ():
     os.environ.clear()
     os.environ.update(saved)
 
-
-@pytest.fixture(autouse=True)
-def _forget_the_plan():
-    """auto_args leaves its plan where attach(trainer) finds it (hf_dist.runtime.planned): one test's plan must not be
-    checked against another test's Trainer."""
-    yield
-    from hf_dist.runtime.planned import forget
-
-    forget()

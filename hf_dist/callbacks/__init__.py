@@ -116,8 +116,8 @@ def attach(
     ``plan``: the run is checked against it at train start (:class:`~hf_dist.callbacks.plan.PlanCallback`: world size,
     strategy, precision, checkpointing, batch split, tp/cp/sp, FSDP wrap classes, the optimizer that steps, TRL's
     ``max_length``), and a difference stops it before its first step; the memory and throughput callbacks report
-    against its predictions. ``None`` (the default): the plan the last :func:`hf_dist.auto_args` call of this process
-    made (:mod:`hf_dist.runtime.planned`), if any; ``False``: no plan.
+    against its predictions. ``None`` (the default): the plan :func:`hf_dist.auto_args` put into the arguments
+    ``trainer.args`` was built from (:mod:`hf_dist.runtime.planned`), if any; ``False``: no plan.
 
     There they run before the ``report_to`` integrations and the console printer, so the keys they
     add to the logs reach TensorBoard, W&B, etc. They get the ``on_init_end`` event they missed (the
@@ -125,7 +125,7 @@ def attach(
     """
     _guard(trainer)
     if callbacks is None:
-        callbacks = default(_the_plan(plan), resume_from=resume_from, async_save=async_save)
+        callbacks = default(_the_plan(plan, trainer), resume_from=resume_from, async_save=async_save)
     elif async_save:
         raise ValueError(
             "async_save=True chooses the default callbacks; with your own list, add AsyncCheckpointCallback()"
@@ -168,12 +168,12 @@ def _insert(trainer: Any, callbacks: list[TrainerCallback]) -> None:
         callback.on_init_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
 
 
-def _the_plan(plan: Any) -> Any:
-    """``plan`` as given; None: the plan of this process's last ``auto_args`` call (or None); False: None."""
+def _the_plan(plan: Any, trainer: Any) -> Any:
+    """``plan`` as given; None: the plan ``auto_args`` put into ``trainer.args`` (or None); False: None."""
     if plan is False:
         return None
     if plan is None:
-        from hf_dist.runtime.planned import last_plan
+        from hf_dist.runtime.planned import carried_plan
 
-        return last_plan()
+        return carried_plan(trainer.args)
     return plan

@@ -1,4 +1,5 @@
-"""``attach(trainer)`` alone checks the live run against the plan ``auto_args`` made (``hf_dist.runtime.planned``):
+"""``attach(trainer)`` alone checks the live run against the plan ``auto_args`` put into its kwargs
+(``hf_dist.runtime.planned``):
 a real single-process Trainer on a tiny Llama, its arguments built from ``auto_args``' kwargs as a user script builds
 them. What it checks beyond the batch and the engine: the optimizer that really steps, the precision flags and the
 sequence length of arguments that truncate (TRL's ``max_length``)."""
@@ -12,7 +13,7 @@ from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 import hf_dist
 from hf_dist.callbacks import PlanCallback, attach
 from hf_dist.callbacks.plan import PlanMismatchError, running_optimizer
-from hf_dist.runtime.planned import forget, last_plan
+from hf_dist.runtime.planned import carried_plan
 from hf_dist.testing import TokenDataset, tiny_llama_config
 
 PLAN = dict(seq_len=16, global_batch_size=2)  # this CPU machine, one process: DDP, micro-batch 2, fp32
@@ -42,7 +43,7 @@ def test_attach_alone_checks_the_plan_auto_args_made_and_the_planned_optimizer_r
     assert kwargs["optim"] == "sgd"
     trainer = trainer_of(kwargs, tmp_path, model=m)
     check = plan_check(attach(trainer))
-    assert check is not None and check.plan is last_plan() and check.plan.optimizer == "sgd"
+    assert check is not None and check.plan is carried_plan(kwargs) and check.plan.optimizer == "sgd"
     trainer.train()
     assert check.mismatches == [] and trainer.state.global_step == 1
     assert running_optimizer(trainer.optimizer) == "sgd" and type(trainer.optimizer.optimizer) is torch.optim.SGD
@@ -77,7 +78,6 @@ def test_attach_alone_refuses_precision_flags_the_plan_did_not_size(tmp_path):
 
 def test_no_plan_without_auto_args_and_none_with_plan_false(tmp_path, monkeypatch):
     m = model()
-    forget()
     assert plan_check(attach(trainer_of({}, tmp_path, model=m))) is None  # a Trainer built without auto_args
     kwargs = hf_dist.auto_args(m, **PLAN)
     assert plan_check(attach(trainer_of(kwargs, tmp_path, model=m), plan=False)) is None
@@ -86,7 +86,31 @@ def test_no_plan_without_auto_args_and_none_with_plan_false(tmp_path, monkeypatc
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="strategy 'fsdp_full_shard' on 2 CPU ranks"):
         hf_dist.auto_args(m, strategy="fsdp_full_shard", **PLAN)
-    assert last_plan() is None  # a refused call leaves no plan to check against
+
+
+def test_each_trainer_checks_the_plan_its_own_arguments_carry(tmp_path):
+    """Two runs planned in one process: each Trainer is checked against the plan of the kwargs it was built from, not
+    the last one made. The plan survives the copies transformers and TRL make of the arguments, and pickles
+    (``training_args.bin``) as a plain dict that names it, with no hf_dist class in the file."""
+    import copy
+    import pickle
+
+    m = model()
+    sgd, adamw = hf_dist.auto_args(m, optimizer="sgd", **PLAN), hf_dist.auto_args(m, optimizer="adamw", **PLAN)
+    first, second = trainer_of(sgd, tmp_path, model=m), trainer_of(adamw, tmp_path, model=m)
+    assert plan_check(attach(second)).plan.optimizer == "adamw"
+    check = plan_check(attach(first))
+    assert check.plan.optimizer == "sgd"
+    first.train()
+    assert check.mismatches == [] and running_optimizer(first.optimizer) == "sgd"
+    args = first.args
+    assert carried_plan(copy.deepcopy(args)) is carried_plan(copy.copy(args)) is carried_plan(args) is check.plan
+    assert carried_plan(TrainingArguments(**args.to_dict())) is check.plan  # TRL converts arguments this way
+    data = pickle.dumps(args)
+    assert b"hf_dist" not in data.replace(b"hf_dist_plan", b"")
+    stored = pickle.loads(data).fsdp_config["hf_dist_plan"]
+    assert type(stored) is dict and stored["micro_batch_size"] == 2 and carried_plan(pickle.loads(data)) is None
+    assert '"hf_dist_plan": {' in args.to_json_string()  # print(args) and the loggers show the plain dict
 
 
 def test_trl_max_length_is_checked_against_the_planned_seq_len(tmp_path):
@@ -162,10 +186,10 @@ def test_a_users_wrap_classes_are_recorded_in_the_plan_and_attach_checks_against
     users = ["LlamaMLP", "LlamaDecoderLayer"]
     kwargs = hf_dist.auto_args(m, strategy="fsdp_full_shard", wrap_classes=users, engine_on_cpu=True, **PLAN)
     emitted = kwargs["fsdp_config"]["transformer_layer_cls_to_wrap"]
-    assert emitted == users and last_plan().wrap_classes == users
+    assert emitted == users and carried_plan(kwargs).wrap_classes == users
     monkeypatch.setattr(dist, "live_wrap_classes", lambda: sorted(emitted))
     args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[])
-    check = PlanCallback(last_plan(), strict=False)
+    check = PlanCallback(carried_plan(kwargs), strict=False)
     check.on_train_begin(args, TrainerState(is_world_process_zero=False), control=None, model=m)
     assert not [x for x in check.mismatches if x.startswith("FSDP wrap classes")], check.mismatches
     detected = PlanCallback(hf_dist.plan(m, strategy="fsdp_full_shard", **PLAN), strict=False)  # no auto_args

@@ -11,7 +11,7 @@ from hf_dist.auto import auto_args
 from hf_dist.configs.optimizer import OPTIM_NAMES, optimizer_of_optim, trainer_optim
 from hf_dist.planning.features import LibraryFeatures, installed_features
 from hf_dist.planning.memory import OPTIMIZERS
-from hf_dist.runtime.planned import last_plan
+from hf_dist.runtime.planned import carried_plan
 from hf_dist.testing import tiny_llama_config
 
 CFG = tiny_llama_config()
@@ -37,7 +37,7 @@ def test_every_planned_optimizer_has_a_trainer_optim_that_transformers_knows():
 )
 def test_auto_args_sets_optim_to_the_planned_optimizer(tmp_path, optimizer, optim):
     kwargs = auto_args(CFG, strategy="fsdp_full_shard", optimizer=optimizer, **GPU)
-    assert kwargs["optim"] == optim and last_plan().optimizer == optimizer
+    assert kwargs["optim"] == optim and carried_plan(kwargs).optimizer == optimizer
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, **kwargs)
     assert optimizer_of_optim(args.optim) == optimizer
 

@@ -122,14 +122,14 @@ def test_accumulation_without_a_global_batch_is_planned():
     """gradient_accumulation_steps without global_batch_size: the plan is made for that accumulation (FSDP2 keeps
     unsharded gradients across micro-batches), so the run attach(trainer) checks is the planned one; a plan= given
     with another accumulation is refused."""
-    from hf_dist.runtime.planned import last_plan
+    from hf_dist.runtime.planned import carried_plan
 
     single = auto_args(CFG, strategy="fsdp_full_shard", micro_batch_size=1, gpus=4, gpu_memory_gib=80, seq_len=64)
-    one = last_plan()
+    one = carried_plan(single)
     assert single["gradient_accumulation_steps"] == one.gradient_accumulation_steps == 1
     kw = auto_args(CFG, strategy="fsdp_full_shard", micro_batch_size=1, gradient_accumulation_steps=5, gpus=4,
                    gpu_memory_gib=80, seq_len=64)  # fmt: skip
-    five = last_plan()
+    five = carried_plan(kw)
     assert kw["gradient_accumulation_steps"] == five.gradient_accumulation_steps == 5
     assert five.global_batch_size == 1 * 5 * 4 and five.memory.grads > one.memory.grads
     refused = r"gradient_accumulation_steps=3 contradicts the plan, which accumulates 1 step\(s\) of micro-batch 1"
