@@ -18,4 +18,3 @@ def _restore_environ():
     yield
     os.environ.clear()
     os.environ.update(saved)
-
