@@ -4,6 +4,7 @@
     python benchmarks/trace_accuracy.py --only llama-3-8b --out trace.json
     python benchmarks/trace_accuracy.py --skip-models --gpu-only llama-3-8b   # part 2: the H200 LoRA run (~1 min)
     python benchmarks/trace_accuracy.py --moe --skip-gpu   # the mixture-of-experts matrix alone (about 5 minutes)
+    python benchmarks/trace_accuracy.py --moe-planned --skip-gpu   # every layout the planner picks for them
     python benchmarks/trace_accuracy.py --deepspeed-only --skip-gpu   # the ZeRO-1/2/3 rows
     python benchmarks/trace_accuracy.py --deepspeed-only --rescore trace.json   # saved traces, the model as it is now
 
@@ -12,7 +13,9 @@ Part 1: public models' configs (hf_dist.testing.PUBLIC_CONFIGS: Llama 3.2 1B/3B,
 ZeRO-1/2/3 (``--deepspeed-only``: these alone), full and LoRA,
 with and without activation checkpointing, on 8, 64 and 512 ranks, sequences of 2k to 32k tokens and micro-batches
 of 1 to 8; the mixtures of experts (Mixtral 8x7B, Qwen1.5-MoE-A2.7B, DeepSeek-V2-Lite) also run MOE_LAYOUTS: FSDP2
-full-shard on 8 and 64 ranks, 2k to 8k tokens, with and without checkpointing, full and LoRA. Each row traces rank 0 (hf_dist.trace_memory: the real model, fake tensors, a fake process group) and
+full-shard on 8 and 64 ranks, 2k to 8k tokens, with and without checkpointing, full and LoRA; ``--moe-planned``: instead,
+each layout the planner itself picks for them over PICK_GRID (TP, HSDP, ZeRO and offload included, where the
+planner chooses them; a layout the tracer cannot run says why). Each row traces rank 0 (hf_dist.trace_memory: the real model, fake tensors, a fake process group) and
 prints the traced peak of live tensors next to the memory model's ``allocated`` (what
 ``torch.cuda.max_memory_allocated`` reports). Target: within 5 % on every row whose traced device total (traced
 peak + the model's allocator and CUDA-context terms) fits in 80 GiB.
@@ -27,6 +30,7 @@ Out-of-memory runs must trace above what the card reached before it failed.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -75,6 +79,10 @@ MOE_LAYOUTS = [
 # (planning/lora.py _refuse_expert_parameters): its LoRA rows adapt the attention's linears (the recipes' rank, dropout)
 MOE_LORA = {"deepseek-v2-lite": LoraSpec(targets=("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"))}
 
+# the requests whose picks --moe-planned traces: (gpus, nodes) x strategy pinned to FSDP2 or the planner's choice x
+# method x global batch, at 4k tokens with checkpointing on 80 GiB cards
+PICK_GRID = list(itertools.product(((8, 1), (64, 8)), ("fsdp_full_shard", None), ("full", "lora"), (16, 64, 512)))
+
 
 # DeepSpeed ZeRO-1/2/3 as hf_dist configures it (bf16, the Trainer's AdamW), traced through the real engine
 DEEPSPEED_LAYOUTS = [
@@ -109,6 +117,27 @@ def setups(models: list[str], moe_only: bool = False, deepspeed_only: bool = Fal
                 lora=MOE_LORA.get(model) if method == "lora" else None,
             )))  # fmt: skip
     return rows
+
+
+def planned_setups(models: list[str]) -> list[tuple[str, TraceSetup]]:
+    """Each distinct layout the planner picks for ``models`` over PICK_GRID (requests nothing fits are left out)."""
+    from hf_dist.planning.planner import plan
+
+    picked: dict[tuple[str, str], tuple[str, TraceSetup]] = {}
+    for model in models:
+        for (gpus, nodes), strategy, method, batch in PICK_GRID:
+            lora = MOE_LORA.get(model) if method == "lora" else None
+            targets = {"lora_targets": list(lora.targets)} if lora is not None else {}
+            pinned = {"strategy": strategy} if strategy else {}
+            try:
+                chosen = plan(public_config(model), gpus=gpus, nodes=nodes, gpu_memory_gib=CARD_GIB, seq_len=4096,
+                              activation_checkpointing=True, method=method, global_batch_size=batch, **pinned,
+                              **targets)  # fmt: skip
+            except ValueError:  # nothing fits (PlanError)
+                continue
+            setup = TraceSetup.from_plan(chosen)
+            picked.setdefault((model, describe(setup)), (model, setup))
+    return list(picked.values())
 
 
 def model_row(name: str, setup: TraceSetup, limit: float) -> dict:
@@ -156,9 +185,10 @@ def rescore(rows: list[dict], selected: list[tuple[str, TraceSetup]]) -> list[di
 
 
 def describe(s: TraceSetup) -> str:
-    sizes = f" tp{s.tp_size}" if s.tp_size > 1 else ""
-    flags = ("+ckpt" if s.activation_checkpointing else "") + (f" ga{s.gradient_accumulation_steps}" if
-                                                                 s.gradient_accumulation_steps > 1 else "")  # fmt: skip
+    sizes = "".join(f" {n}{v}" for n, v in (("tp", s.tp_size), ("cp", s.cp_size), ("sp", s.sp_size)) if v > 1)
+    sizes += f" offload={s.offload}" if s.offload != "none" else ""
+    flags = ("+ckpt" if s.activation_checkpointing else "") + ("+sync" if s.sync_each_batch else "")
+    flags += f" ga{s.gradient_accumulation_steps}" if s.gradient_accumulation_steps > 1 else ""
     return f"{s.strategy}{sizes} w{s.world_size} {s.method}{flags} seq{s.seq_len} mb{s.micro_batch_size}"
 
 
@@ -213,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", choices=sorted(PUBLIC_CONFIGS), help="models to run (default: all)")
     parser.add_argument("--skip-gpu", action="store_true", help="leave out part 2 (the GPU comparison)")
     parser.add_argument("--moe", action="store_true", help="part 1 for the mixtures of experts' matrix only")
+    parser.add_argument("--moe-planned", action="store_true", help="part 1 for the layouts the planner picks for them")
     parser.add_argument("--deepspeed-only", action="store_true", help="part 1's DeepSpeed ZeRO rows only")
     parser.add_argument("--skip-models", action="store_true", help="leave out part 1 (the memory model vs the tracer)")
     parser.add_argument(
@@ -227,8 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER, flush=True)
     rows, misses = [], 0
     skip_models = args.skip_models or args.gpu_only is not None  # --gpu-only: part 2 alone
-    models = args.only or (list(MOE_MODELS) if args.moe else list(PUBLIC_CONFIGS))
+    models = args.only or (list(MOE_MODELS) if args.moe or args.moe_planned else list(PUBLIC_CONFIGS))
     selected = [] if skip_models else setups(models, moe_only=args.moe, deepspeed_only=args.deepspeed_only)
+    selected = planned_setups(models) if args.moe_planned and not skip_models else selected
     saved = rescore(json.loads(args.rescore.read_text())["model_rows"], selected) if args.rescore else None
     for item in saved if saved is not None else selected:
         rows.append(item if saved is not None else model_row(*item, args.time_limit))

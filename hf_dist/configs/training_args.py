@@ -216,26 +216,46 @@ def parallelism_kwargs(layout: Layout) -> dict[str, Any]:
 
 
 def from_pretrained_kwargs(layout: Layout, features: LibraryFeatures = NEWEST_TESTED_FEATURES) -> dict[str, Any]:
-    """What ``AutoModelForCausalLM.from_pretrained`` needs for the layout: the tensor-parallel plan ``"auto"`` when
-    torch TP shards the model at load (``tp_size > 1`` with DDP or FSDP2: the model's own ``base_model_tp_plan``),
-    as ``distributed_config={"tp_plan": "auto"}`` where ``features`` say transformers takes it there (else the older
-    ``tp_plan="auto"``, which newer versions deprecate with a warning per rank); ``attn_implementation`` that
-    DeepSpeed's Ulysses wraps under sequence parallelism. DeepSpeed AutoTP shards the plain model itself, so it needs
-    nothing at load. ``hf_dist.from_pretrained_kwargs`` is this for the installed versions.
+    """What ``AutoModelForCausalLM.from_pretrained`` needs for the layout: under tensor parallelism with DDP or FSDP2,
+    transformers shards the model as it loads, with the model's own ``base_model_tp_plan``. Where ``features`` say
+    transformers takes a ``DistributedConfig`` for it, that names every size of the layout (``tp_size``, and under
+    FSDP2 ``fsdp_size`` and ``dp_replicate_size``, with FSDP2's mixed-precision policy): transformers then applies
+    FSDP2 itself at load, on the same ``(dp_replicate, fsdp, tp)`` mesh as the Trainer's ``ParallelismConfig``.
+    ``{"tp_plan": "auto"}`` alone would spread TP over every rank (``tp_size`` defaults to ``WORLD_SIZE``), so each
+    data-parallel rank's batch would feed one TP group. Older versions take ``tp_plan="auto"``, TP across every
+    rank, which :func:`hf_dist.planning.features.check_features` allows only without data-parallel ranks.
+    ``attn_implementation``: the attention DeepSpeed's Ulysses wraps under sequence parallelism. DeepSpeed AutoTP
+    shards the plain model itself, so it needs nothing at load. ``hf_dist.from_pretrained_kwargs`` is this for the
+    installed versions.
     """
-    return load_kwargs(layout.tp_size, layout.sp_size, deepspeed=layout.strategy.is_deepspeed, features=features)
+    return load_kwargs(
+        layout.tp_size, layout.sp_size, deepspeed=layout.strategy.is_deepspeed, features=features,
+        fsdp_size=layout.dp_shard_size * layout.cp_size, replicate_size=layout.dp_replicate_size,
+        fsdp_mixed_precision=layout.mixed_precision != "no" and not layout.pure_bf16,
+    )  # fmt: skip
 
 
 def load_kwargs(
-    tp_size: int, sp_size: int, *, deepspeed: bool, features: LibraryFeatures = NEWEST_TESTED_FEATURES
+    tp_size: int,
+    sp_size: int,
+    *,
+    deepspeed: bool,
+    features: LibraryFeatures = NEWEST_TESTED_FEATURES,
+    fsdp_size: int = 1,
+    replicate_size: int = 1,
+    fsdp_mixed_precision: bool = False,
 ) -> dict[str, Any]:
     """:func:`from_pretrained_kwargs` from the sizes alone (what a ``TrainingArguments.parallelism_config`` holds)."""
     out: dict[str, Any] = {}
-    if tp_size > 1 and not deepspeed:
-        # a plain dict: transformers builds its DistributedConfig at load, in the rank, as it did from tp_plan=
-        out.update(
-            {"distributed_config": {"tp_plan": "auto"}} if features.tp_distributed_config else {"tp_plan": "auto"}
-        )
+    if tp_size > 1 and not deepspeed and not features.tp_distributed_config:
+        out["tp_plan"] = "auto"
+    elif tp_size > 1 and not deepspeed:
+        # a plain dict: transformers builds its DistributedConfig at load, in the rank
+        config: dict[str, Any] = {"tp_plan": "auto", "tp_size": tp_size}
+        if fsdp_size * replicate_size > 1:
+            config.update(fsdp_size=fsdp_size, dp_replicate_size=replicate_size)
+            config.update({"fsdp_mixed_precision": True} if fsdp_mixed_precision else {})
+        out["distributed_config"] = config
     if sp_size > 1:
         out["attn_implementation"] = SP_ATTN_IMPLEMENTATION
     return out

@@ -74,6 +74,8 @@ def check_features(layout, features: LibraryFeatures) -> None:
             )
         if features.fsdp_version != 2 and s.is_fsdp:
             raise ValueError(f"{s.name} with tp/cp needs FSDP2 (accelerate >= 1.10); the installed versions run FSDP1")
+    if layout.tp_size > 1 and not s.is_deepspeed:
+        _check_tensor_parallel_load(layout, features)
     if layout.sp_size > 1 and not features.sequence_parallel:
         raise ValueError(
             f"sp_size {layout.sp_size} needs ParallelismConfig(sp_backend='deepspeed') with DeepSpeed Ulysses "
@@ -85,6 +87,26 @@ def check_features(layout, features: LibraryFeatures) -> None:
             f"tp_size {layout.tp_size} with {s.name} needs DeepSpeed AutoTP training "
             "('tensor_parallel': {'autotp_size': N}, deepspeed >= 0.16.4); the installed DeepSpeed lacks it: "
             "upgrade deepspeed, or use fsdp_full_shard for FSDP2 x TP"
+        )
+
+
+def _check_tensor_parallel_load(layout, features: LibraryFeatures) -> None:
+    """TP with DDP or FSDP2 is applied by transformers as it loads the model
+    (:func:`hf_dist.configs.training_args.from_pretrained_kwargs`): with data-parallel ranks it needs the
+    ``DistributedConfig`` that names their sizes, and its FSDP2 reshards every decoder layer after its forward."""
+    s = layout.strategy
+    if layout.dp_size > 1 and not features.tp_distributed_config:
+        raise ValueError(
+            f"tp_size {layout.tp_size} with {layout.dp_size} data-parallel ranks needs transformers >= 5.23, whose "
+            "DistributedConfig(tp_size=..., fsdp_size=...) shards the model over both as it loads; this transformers "
+            "spreads the TP plan over every rank. Upgrade transformers, or use tp_size = world size, or zero1/zero2 "
+            "(DeepSpeed AutoTP)"
+        )
+    if s.gathers_params:
+        raise ValueError(
+            f"tp_size {layout.tp_size} with {s.name}: under FSDP2 x TP transformers applies FSDP2 as it loads the "
+            "model and reshards every decoder layer after its forward, so shard-grad-op's gathered parameters are "
+            "never kept; use fsdp_full_shard (or hsdp across nodes)"
         )
 
 

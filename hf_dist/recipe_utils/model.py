@@ -69,7 +69,8 @@ def resolve_seq_len(requested: int | None, config: Any, *, embedded: bool) -> in
 
 def parallel_load_kwargs(args: Any) -> dict[str, Any]:
     """What ``from_pretrained`` needs for the layout in ``args`` (``TrainingArguments``) with the installed
-    transformers: the tensor-parallel plan when torch TP shards the model at load (:func:`shards_at_load`), the
+    transformers: the tensor-parallel plan and the data-parallel sizes when torch TP shards the model at load
+    (:func:`shards_at_load`; FSDP2 over ``dp_shard x cp``, replicated ``dp_replicate`` times), the
     attention Ulysses wraps under sequence parallelism (:func:`hf_dist.configs.training_args.load_kwargs`; the SP
     handler's when ``args`` has one: the packed recipes' document-aware sdpa)."""
     from hf_dist.configs.training_args import load_kwargs
@@ -78,7 +79,12 @@ def parallel_load_kwargs(args: Any) -> dict[str, Any]:
 
     parallelism = getattr(args, "parallelism_config", None)
     sizes = parallel_sizes(parallelism, deepspeed_config(args))
-    out = load_kwargs(sizes["tp"], sizes["sp"], deepspeed=bool(args.deepspeed), features=installed_features())
+    data = {name: int(getattr(parallelism, f"{name}_size", 1) or 1) for name in ("dp_shard", "dp_replicate", "cp")}
+    out = load_kwargs(
+        sizes["tp"], sizes["sp"], deepspeed=bool(args.deepspeed), features=installed_features(),
+        fsdp_size=data["dp_shard"] * data["cp"], replicate_size=data["dp_replicate"],
+        fsdp_mixed_precision=bool(getattr(args, "bf16", False) or getattr(args, "fp16", False)),  # FSDP2's bf16 policy (pure bf16 runs neither flag)
+    )  # fmt: skip
     handler = getattr(parallelism, "sp_handler", None)
     if sizes["sp"] > 1 and getattr(handler, "sp_attn_implementation", None):  # the attention Ulysses wraps
         out["attn_implementation"] = handler.sp_attn_implementation

@@ -4,10 +4,12 @@ Four runs of tests/distributed/scripts/tensor_parallel_train.py, each once per s
 launch, through scripts/runs.py), from the same saved tiny Llama, on the same 4 samples per optimizer step in dataset order, fp32:
 
 * ``ddp``: 2 ranks x micro-batch 2 (the reference);
-* ``tp``: 2 ranks, ``from_pretrained(distributed_config={"tp_plan": "auto"})`` + ``ParallelismConfig(tp_size=2)``, micro-batch 4
-  shared by the TP group; also saves a Trainer checkpoint and a DCP checkpoint;
-* ``fsdp_tp``: 4 ranks, ``DistributedConfig(tp_size=2, fsdp_size=2)`` + ``ParallelismConfig(dp_shard_size=2,
-  tp_size=2)``, 2 data-parallel ranks x micro-batch 2;
+* ``tp``: 2 ranks, loaded with ``hf_dist.from_pretrained_kwargs(layout)`` + ``ParallelismConfig(tp_size=2)``,
+  micro-batch 4 shared by the TP group; also saves a Trainer checkpoint and a DCP checkpoint;
+* ``fsdp_tp``: 4 ranks, loaded with ``hf_dist.from_pretrained_kwargs(layout)`` (``DistributedConfig`` sizes
+  ``tp_size=2, fsdp_size=2``) + ``ParallelismConfig(dp_shard_size=2, tp_size=2)``, 2 data-parallel ranks x
+  micro-batch 2. Loaded with ``{"tp_plan": "auto"}`` alone, as hf_dist used to say, transformers spread TP over all
+  4 ranks (mesh ``(tp=4)``), and the placements test below fails;
 * ``autotp``: 2 ranks, DeepSpeed AutoTP with ZeRO-2 (``"tensor_parallel": {"autotp_size": 2}``), micro-batch 4.
 
 Why LOSS_RTOL = 1e-5: TP splits each matmul's reduction (o_proj/down_proj, Shard(1)) into two partial sums

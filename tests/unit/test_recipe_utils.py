@@ -292,8 +292,14 @@ def test_model_parallel_flags_reach_the_plan_and_the_loader(monkeypatch):
     args = SimpleNamespace(parallelism_config=ParallelismConfig(tp_size=2), deepspeed=None)
     newer = installed_features().tp_distributed_config  # transformers 5.24's form; below it the older keyword
     assert ru.parallel_load_kwargs(args) == (
-        {"distributed_config": {"tp_plan": "auto"}} if newer else {"tp_plan": "auto"}
+        {"distributed_config": {"tp_plan": "auto", "tp_size": 2}} if newer else {"tp_plan": "auto"}
     )
+    fsdp_tp = SimpleNamespace(
+        parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2), deepspeed=None, bf16=True
+    )
+    assert ru.parallel_load_kwargs(fsdp_tp) == ({"distributed_config": {
+        "tp_plan": "auto", "tp_size": 2, "fsdp_size": 2, "dp_replicate_size": 1, "fsdp_mixed_precision": True}}
+        if newer else {"tp_plan": "auto"})  # fmt: skip
     assert ru.parallel_load_kwargs(SimpleNamespace(parallelism_config=None, deepspeed=None)) == {}
     args = SimpleNamespace(
         parallelism_config=ParallelismConfig(tp_size=2), world_size=2, per_device_train_batch_size=4,

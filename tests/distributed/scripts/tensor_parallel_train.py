@@ -10,10 +10,11 @@ Every layout loads the same saved tiny Llama (``--model-dir``, written once by r
 the same global batch per optimizer step, in dataset order, fp32:
 
 * ``ddp``: 2 ranks, micro-batch 2 each (global 4);
-* ``tp``: 2 ranks, ``from_pretrained(distributed_config={"tp_plan": "auto"})`` + ``ParallelismConfig(tp_size=2)``; both ranks
+* ``tp``: 2 ranks, ``from_pretrained(**hf_dist.from_pretrained_kwargs(layout))`` (``distributed_config={"tp_plan":
+  "auto", "tp_size": 2}``) + ``ParallelismConfig(tp_size=2)``; both ranks
   see the same micro-batch of 4 (the TP group is one data-parallel replica);
-* ``fsdp_tp``: 4 ranks, ``from_pretrained(distributed_config=DistributedConfig(tp_size=2, fsdp_size=2))``
-  (transformers applies TP and FSDP2 at load time) + ``ParallelismConfig(dp_shard_size=2, tp_size=2)``;
+* ``fsdp_tp``: 4 ranks, ``from_pretrained(**hf_dist.from_pretrained_kwargs(layout))`` (``distributed_config`` with
+  ``tp_size=2, fsdp_size=2``: transformers applies TP and FSDP2 at load time) + ``ParallelismConfig(dp_shard_size=2, tp_size=2)``;
   micro-batch 2 per data-parallel rank (global 4);
 * ``autotp``: 2 ranks, DeepSpeed AutoTP (``"tensor_parallel": {"autotp_size": 2}``, ZeRO-2, the config
   ``hf_dist.configs.deepspeed_config`` writes), the plain model sharded by DeepSpeed when the engine starts;
@@ -101,15 +102,16 @@ def load_model(layout: str, folder: Path):
 
         ds = deepspeed_config("zero2", tp_size=2, mixed_precision="no")
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), {"deepspeed": ds}, GLOBAL_BATCH
-    if layout == "tp":
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, distributed_config={"tp_plan": "auto"}, dtype=torch.float32
-        )
-        return model, {"parallelism_config": ParallelismConfig(tp_size=2)}, GLOBAL_BATCH
-    from transformers.distributed.configuration_utils import DistributedConfig
+    import hf_dist
+    from hf_dist.planning.layout import Layout
 
-    config = DistributedConfig(tp_size=2, fsdp_size=2)
-    model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=config, dtype=torch.float32)
+    # what hf_dist tells a user to load with, for the layout the Trainer's ParallelismConfig runs
+    if layout == "tp":
+        load = hf_dist.from_pretrained_kwargs(Layout("ddp", 2, tp_size=2, mixed_precision="no"))
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **load)
+        return model, {"parallelism_config": ParallelismConfig(tp_size=2)}, GLOBAL_BATCH
+    load = hf_dist.from_pretrained_kwargs(Layout("fsdp_full_shard", 4, tp_size=2, mixed_precision="no"))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **load)
     return model, {"parallelism_config": ParallelismConfig(dp_shard_size=2, tp_size=2)}, GLOBAL_BATCH // 2
 
 

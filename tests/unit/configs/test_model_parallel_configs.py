@@ -7,15 +7,42 @@ import pytest
 
 from hf_dist.configs.deepspeed import AIO_DEFAULTS, deepspeed_config
 from hf_dist.configs.training_args import from_pretrained_kwargs, parallelism_kwargs, strategy_args
-from hf_dist.planning.features import LibraryFeatures
+from hf_dist.planning.features import LibraryFeatures, installed_features
 from hf_dist.planning.layout import Layout
+
+# FSDP2 x TP with data-parallel ranks is loaded by transformers >= 5.23's DistributedConfig; older versions refuse it
+# (test_a_tp_layout_the_load_cannot_give_is_refused, and auto_args below)
+NEEDS_TP_LOAD = pytest.mark.skipif(
+    not installed_features().tp_distributed_config,
+    reason="FSDP2 x TP with data-parallel ranks needs transformers 5.23",
+)
+
+
+def test_auto_args_refuses_fsdp2_x_tp_where_transformers_cannot_load_it(plan_with_layout):
+    from hf_dist.auto import auto_args
+    from hf_dist.testing import tiny_llama_config
+
+    if installed_features().tp_distributed_config:
+        pytest.skip("this transformers loads FSDP2 x TP (test_auto_args_builds_the_fsdp_tp_parallelism_config)")
+    p, _ = plan_with_layout("fsdp_full_shard", tp_size=2)
+    with pytest.raises(ValueError, match="tp_size 2 with 2 data-parallel ranks needs transformers >= 5.23"):
+        auto_args(tiny_llama_config(), plan=p)
 
 
 def test_fsdp2_x_tp_emits_parallelism_config_and_tp_plan():
     layout = Layout("fsdp_full_shard", 8, tp_size=2)
     out = strategy_args(layout, wrap_classes=["LlamaDecoderLayer"])
     assert out["fsdp"] and out["parallelism_config"] == {"dp_replicate_size": 1, "dp_shard_size": 4, "tp_size": 2}
-    assert from_pretrained_kwargs(layout) == {"distributed_config": {"tp_plan": "auto"}}
+    # every size named: transformers' tp_size defaults to WORLD_SIZE, and its FSDP2 (applied at load) to none
+    assert from_pretrained_kwargs(layout) == {
+        "distributed_config": {
+            "tp_plan": "auto",
+            "tp_size": 2,
+            "fsdp_size": 4,
+            "dp_replicate_size": 1,
+            "fsdp_mixed_precision": True,
+        }
+    }
     # transformers refuses to checkpoint the optimizer of a model sharded at load: weights only, said up front
     assert out["save_only_model"] is True
     assert "save_only_model" not in strategy_args(Layout("fsdp_full_shard", 8))
@@ -25,7 +52,39 @@ def test_fsdp2_x_tp_emits_parallelism_config_and_tp_plan():
 def test_tp_alone_under_ddp():
     layout = Layout("ddp", 2, tp_size=2)
     assert strategy_args(layout)["parallelism_config"] == {"dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": 2}
-    assert from_pretrained_kwargs(layout) == {"distributed_config": {"tp_plan": "auto"}}
+    assert from_pretrained_kwargs(layout) == {"distributed_config": {"tp_plan": "auto", "tp_size": 2}}
+
+
+def test_the_load_names_the_same_mesh_as_the_trainer():
+    """HSDP x TP on 2 nodes of 8: transformers' (dp_replicate, fsdp, tp) mesh is accelerate's ParallelismConfig; in
+    fp32 or pure bf16 FSDP2 gathers the weights as they are."""
+    layout = Layout("hsdp", 16, nodes=2, tp_size=2)
+    mesh = strategy_args(layout, wrap_classes=["LlamaDecoderLayer"])["parallelism_config"]
+    load = from_pretrained_kwargs(layout)["distributed_config"]
+    assert (load["dp_replicate_size"], load["fsdp_size"], load["tp_size"]) == (
+        mesh["dp_replicate_size"], mesh["dp_shard_size"], mesh["tp_size"]) == (2, 4, 2)  # fmt: skip
+    for precision in (dict(mixed_precision="no"), dict(pure_bf16=True)):
+        assert (
+            "fsdp_mixed_precision"
+            not in from_pretrained_kwargs(Layout("fsdp_full_shard", 8, tp_size=2, **precision))["distributed_config"]
+        )
+
+
+@pytest.mark.parametrize(
+    "layout, features, refused",
+    [
+        (dict(strategy="fsdp_shard_grad_op", tp_size=2), LibraryFeatures(),
+         "fsdp_shard_grad_op: under FSDP2 x TP transformers applies FSDP2 as it loads the model and reshards every"),
+        (dict(strategy="fsdp_full_shard", tp_size=2), LibraryFeatures(tp_distributed_config=False),
+         "tp_size 2 with 4 data-parallel ranks needs transformers >= 5.23"),
+    ],
+)  # fmt: skip
+def test_a_tp_layout_the_load_cannot_give_is_refused(layout, features, refused):
+    from hf_dist.planning.features import check_features
+
+    with pytest.raises(ValueError, match=refused):
+        check_features(Layout(world_size=8, **layout), features)
+    check_features(Layout("ddp", 2, tp_size=2), LibraryFeatures(tp_distributed_config=False))  # TP over every rank
 
 
 def test_tp_load_keywords_follow_the_installed_transformers(monkeypatch, tmp_path):
@@ -51,9 +110,10 @@ def test_tp_load_keywords_follow_the_installed_transformers(monkeypatch, tmp_pat
         pytest.skip("this transformers has no DistributedConfig(tp_plan=...): the tp_plan keyword is its form")
     monkeypatch.setenv("WORLD_SIZE", "1")  # one process: transformers resolves tp_size 1 and loads unsharded
     AutoModelForCausalLM.from_config(tiny_llama_config()).save_pretrained(tmp_path)
+    one_process = {"distributed_config": {"tp_plan": kwargs["distributed_config"]["tp_plan"]}}  # tp_size 2 needs 2
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        AutoModelForCausalLM.from_pretrained(tmp_path, **kwargs)
+        AutoModelForCausalLM.from_pretrained(tmp_path, **one_process)
     assert not [str(w.message) for w in caught if "tp_plan" in str(w.message)]
 
 
@@ -121,6 +181,12 @@ def test_accelerate_builds_the_parallelism_config(layout):
     features = installed_features()
     if layout.sp_size > 1 and not features.sequence_parallel:  # accelerate < 1.12 (make test-min)
         with pytest.raises(ValueError, match=f"sp_size {layout.sp_size} needs .*accelerate >= 1.12"):
+            strategy_args(layout, features=features)
+        return
+    if layout.tp_size > 1 and layout.dp_size > 1 and not features.tp_distributed_config:  # transformers < 5.23
+        with pytest.raises(
+            ValueError, match=f"tp_size 2 with {layout.dp_size} data-parallel ranks needs transformers"
+        ):
             strategy_args(layout, features=features)
         return
     pc = build_parallelism_config(strategy_args(layout, features=features)["parallelism_config"])
@@ -348,6 +414,7 @@ def test_auto_args_builds_the_sp_parallelism_config(plan_with_layout):
     assert pc.data_parallel_size == 2 and kw["deepspeed"]["sequence_parallel_size"] == 2
 
 
+@NEEDS_TP_LOAD
 def test_auto_args_builds_the_fsdp_tp_parallelism_config(plan_with_layout):
     from hf_dist.auto import auto_args
     from hf_dist.testing import tiny_llama_config
@@ -355,7 +422,8 @@ def test_auto_args_builds_the_fsdp_tp_parallelism_config(plan_with_layout):
     p, layout = plan_with_layout("fsdp_full_shard", tp_size=2)
     kw = auto_args(tiny_llama_config(), plan=p)
     assert (kw["parallelism_config"].tp_size, kw["parallelism_config"].dp_shard_size) == (2, 2)
-    assert kw["fsdp"] and from_pretrained_kwargs(layout) == {"distributed_config": {"tp_plan": "auto"}}
+    load = from_pretrained_kwargs(layout)["distributed_config"]
+    assert kw["fsdp"] and (load["tp_size"], load["fsdp_size"]) == (2, 2)
 
 
 def test_auto_args_nvme_offload(plan_with_layout, tmp_path, monkeypatch):

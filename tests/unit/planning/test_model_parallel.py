@@ -244,9 +244,9 @@ def test_plan_layout_reaches_the_configs():
 
     p = plan(LLAMA_8B, gpus=8, gpu_memory_gib=80, tp_size=2, strategy="fsdp_full_shard", features=ALL)
     out = strategy_args(p.layout, wrap_classes=["LlamaDecoderLayer"])
-    assert out["parallelism_config"]["tp_size"] == 2 and from_pretrained_kwargs(p.layout) == {
-        "distributed_config": {"tp_plan": "auto"}
-    }
+    load = from_pretrained_kwargs(p.layout)["distributed_config"]
+    assert out["parallelism_config"]["tp_size"] == load["tp_size"] == 2
+    assert out["parallelism_config"]["dp_shard_size"] == load["fsdp_size"] == 4
     assert p.to_dict()["tp_size"] == 2
 
 
