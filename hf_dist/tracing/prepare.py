@@ -130,24 +130,23 @@ def shard(model: Any, setup: TraceSetup, mesh: Any) -> Any:
 
 
 def distribute_tensor_parallel(model: Any, setup: TraceSetup) -> Any:
-    """What ``from_pretrained(tp_plan="auto")`` does to the meta model before loading weights: transformers'
-    ``prepare_distribute_model`` builds its (fsdp, tp) mesh, ``maybe_distribute_model`` applies the model's TP plan
-    (DTensor placements, input/output hooks) and FSDP2 over the ``fsdp`` dimension, with the mixed-precision
+    """What the run's ``from_pretrained(**from_pretrained_kwargs(layout))`` does to the meta model before loading
+    weights: transformers' ``prepare_distribute_model`` builds its (dp_replicate, fsdp, tp) mesh from the same
+    ``DistributedConfig``, ``maybe_distribute_model`` applies the model's TP plan (DTensor placements, input/output
+    hooks) and FSDP2 over the ``fsdp`` dimension (HSDP: replicated across ``dp_replicate``), with the mixed-precision
     policy the run's FSDP2 has (accelerate's ``MixedPrecisionPolicy``: bf16 gathered weights, fp32 reduce;
     ``fsdp_mixed_precision``). Without it the gathered weights stay fp32 and autocast caches a bf16 copy of every
     layer's weights until the loss (``cached_cast``), which the real run never holds."""
     from transformers.distributed import DistributedConfig
 
+    from hf_dist.configs.training_args import from_pretrained_kwargs
+    from hf_dist.planning.features import installed_features
+
     cls = type(model)
-    fsdp = setup.layout.dp_shard_size if setup.layout.strategy.is_fsdp else 1
-    kwargs = {"tp_size": setup.tp_size, "fsdp_size": fsdp}
-    if fsdp > 1 and native_amp(setup):
-        if "fsdp_mixed_precision" not in {f.name for f in dataclasses.fields(DistributedConfig)}:
-            raise TraceUnsupported(
-                "FSDP2 x TP in mixed precision: this transformers' DistributedConfig has no fsdp_mixed_precision, so "
-                "the trace could not give FSDP2 the run's bf16 policy"
-            )
-        kwargs["fsdp_mixed_precision"] = True
+    kwargs = from_pretrained_kwargs(setup.layout, installed_features()).get("distributed_config") or {}  # the run's
+    missing = sorted(set(kwargs or {"tp_plan"}) - {f.name for f in dataclasses.fields(DistributedConfig)})
+    if missing:
+        raise TraceUnsupported(f"tensor parallelism: this transformers' DistributedConfig lacks {missing}")
     config, _, mesh_manager = cls.prepare_distribute_model(DistributedConfig(**kwargs))
     return cls.maybe_distribute_model(model, config, mesh_manager)
 
