@@ -80,10 +80,10 @@ def parallel_load_kwargs(args: Any) -> dict[str, Any]:
     parallelism = getattr(args, "parallelism_config", None)
     sizes = parallel_sizes(parallelism, deepspeed_config(args))
     data = {name: int(getattr(parallelism, f"{name}_size", 1) or 1) for name in ("dp_shard", "dp_replicate", "cp")}
+    mixed = bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))  # pure bf16 runs neither flag
     out = load_kwargs(
         sizes["tp"], sizes["sp"], deepspeed=bool(args.deepspeed), features=installed_features(),
-        fsdp_size=data["dp_shard"] * data["cp"], replicate_size=data["dp_replicate"],
-        fsdp_mixed_precision=bool(getattr(args, "bf16", False) or getattr(args, "fp16", False)),  # FSDP2's bf16 policy (pure bf16 runs neither flag)
+        fsdp_size=data["dp_shard"] * data["cp"], replicate_size=data["dp_replicate"], fsdp_mixed_precision=mixed,
     )  # fmt: skip
     handler = getattr(parallelism, "sp_handler", None)
     if sizes["sp"] > 1 and getattr(handler, "sp_attn_implementation", None):  # the attention Ulysses wraps
