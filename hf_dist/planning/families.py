@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from numbers import Real
 from typing import Any, NamedTuple
 
+from hf_dist.planning.tensor_split import TensorSplit
+
 
 class Module(NamedTuple):
     """One module of a model as PEFT matches it: its name (``target_modules`` / ``modules_to_save`` keys; relative to
@@ -56,6 +58,7 @@ class Counts(NamedTuple):
     lora_linears: tuple[tuple[str, int, int], ...]  # (name, in, out) of the layer's LoRA-targetable linears
     attention: str  # "sdpa", or "eager" when the model class does not support sdpa (``_supports_sdpa``)
     inventory: Inventory
+    tensor_split: TensorSplit | None = None  # what the model's tensor-parallel plan splits (None: it has none)
 
 
 class ConfigFields(types.SimpleNamespace):
@@ -240,4 +243,7 @@ def _counts(v: Any, family: Family) -> Counts:
     inventory = Inventory("model.layers", layer_modules, outer, "model.embed_tokens", "lm_head", biases)
     total = embedding * (1 if v.tie_word_embeddings else 2) + v.num_hidden_layers * layer + hidden
     linears = tuple((m.name.rsplit(".", 1)[-1], m.in_features, m.out_features) for m in (*attention, *mlp))
-    return Counts(total, layer, embedding, len(norm) + len(per_head), linears, "sdpa", inventory)
+    # each family's plan splits every linear but a row-wise one's bias (o_proj's, down_proj's), and no norm
+    whole = sum(m.params for m in (*norm, *per_head)) + hidden * (o_bias + mlp_bias)
+    return Counts(total, layer, embedding, len(norm) + len(per_head), linears, "sdpa", inventory,
+                  TensorSplit(whole, v.num_hidden_layers * whole, v.num_hidden_layers * layer))  # fmt: skip

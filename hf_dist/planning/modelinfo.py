@@ -27,6 +27,7 @@ from hf_dist.planning.model_source import (
 from hf_dist.planning.moe import MlaShape, MoeLayout, mla_shape, moe_layout
 from hf_dist.planning.precision import is_module
 from hf_dist.planning.remote_code import check_trust_flag
+from hf_dist.planning.tensor_split import TensorSplit, tensor_split
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class ModelSpec:
     logit_softcapping: bool = False  # the LM head applies tanh soft-capping to the logits (Gemma 2)
     attention_softcapping: bool = False  # eager attention soft-caps its scores with tanh (Gemma 2)
     tp_plan: bool = False  # the config has a tensor-parallel plan (``base_model_tp_plan``: from_pretrained(tp_plan=))
+    tp_split: TensorSplit | None = None  # what that plan splits in the layers (None: every linear, as in Llama's)
     # (name, in_features, out_features) of each linear of one decoder layer that LoRA adapts (:data:`LORA_TARGETS`)
     lora_linears: tuple[tuple[str, int, int], ...] = ()
     experts: int = 0  # routed experts per MoE layer (0: a dense feed-forward block)
@@ -93,32 +95,42 @@ class ModelSpec:
     def tensor_parallel_shard(self, tp_size: int, *, vocab_parallel_embedding: bool = True) -> ModelSpec:
         """What one rank of a ``tp_size`` tensor-parallel group holds, as a spec the memory model reads unchanged.
 
-        transformers' Llama-style plan (``base_model_tp_plan``): q/k/v/gate/up column-wise and o/down row-wise, so
-        every linear weight, the heads, KV heads and the MLP width split; ``embed_tokens`` is split by vocabulary
-        rows (``embedding_rowwise``) and ``lm_head`` column-wise with ``gather_output``, so both weights split but
-        the logits come back whole (``vocab_size`` stays). Norms and the residual stream (``hidden_size``) are
-        replicated. ``vocab_parallel_embedding=False``: DeepSpeed AutoTP, which replaces the linears and
-        ``lm_head`` but leaves ``embed_tokens`` whole on every rank (measured on 2 CPU ranks); ``embedding_params``
-        then stays the whole embedding, ``num_params`` counts the head's shard.
+        torch TP splits what the model's plan names (``tp_split``, :mod:`hf_dist.planning.tensor_split`; a Llama's
+        plan: q/k/v/gate/up column-wise and o/down row-wise), so those weights, the heads, KV heads and the MLP
+        width split, while norms, routers and linears the plan misses stay whole on every rank. ``embed_tokens`` is
+        split by vocabulary rows (``embedding_rowwise``) and ``lm_head`` column-wise with its output gathered, so
+        both weights split but the logits come back whole (``vocab_size`` stays); the residual stream
+        (``hidden_size``) is replicated. ``vocab_parallel_embedding=False``: DeepSpeed AutoTP, which replaces every
+        linear and ``lm_head`` but leaves ``embed_tokens`` whole on every rank (measured on 2 CPU ranks);
+        ``embedding_params`` then stays the whole embedding, ``num_params`` counts the head's shard.
         """
         if tp_size == 1:
             return self
         if not self.has_shape:
             raise ValueError("tensor parallelism needs the model's shape; pass a config, folder or model, not a count")
         norms = self.norms_per_layer * self.hidden_size
-        layer = math.ceil((self.layer_params - norms) / tp_size) + norms
+        layers = self.tp_split.layers_params if self.tp_split is not None else self.num_layers * self.layer_params
+        every_linear = TensorSplit(norms, self.num_layers * norms, layers)
+        split = self.tp_split if self.tp_split is not None and vocab_parallel_embedding else every_linear
+        layer = math.ceil((self.layer_params - split.whole_params) / tp_size) + split.whole_params
+        in_layers = math.ceil((split.layers_params - split.whole_in_layers) / tp_size) + split.whole_in_layers
         head_shard = math.ceil(self.embedding_params / tp_size)
         embedding = head_shard if vocab_parallel_embedding else self.embedding_params
-        rest = self.num_params - self.num_layers * self.layer_params - self.embedding_params - self.lm_head_params
+        # outside the layers and the embeddings: the final norm, whole on every rank
+        rest = self.num_params - split.layers_params - self.embedding_params - self.lm_head_params
         head = 0 if self.tie_word_embeddings else head_shard
+        heads = tp_size if split.heads else 1
+        moe = self.moe and replace(self.moe, shared_size=split.split(self.moe.shared_size, tp_size, split.shared),
+                                   dense_size=split.split(self.moe.dense_size, tp_size, split.dense))  # fmt: skip
         return replace(
             self,
-            num_params=rest + self.num_layers * layer + embedding + head,
+            num_params=rest + in_layers + embedding + head,
             layer_params=layer,
             embedding_params=embedding,
-            num_attention_heads=self.num_attention_heads // tp_size,
-            num_key_value_heads=max(self.num_key_value_heads // tp_size, 1),
-            intermediate_size=math.ceil(self.intermediate_size / tp_size),
+            num_attention_heads=self.num_attention_heads // heads,
+            num_key_value_heads=max(self.num_key_value_heads // heads, 1),
+            intermediate_size=split.split(self.intermediate_size, tp_size, split.mlp),
+            moe=moe,
         )
 
 
@@ -234,7 +246,9 @@ def _module_counts(model: Any) -> Counts:
     embed = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
     embedding = embed.weight.numel() if embed is not None and hasattr(embed, "weight") else 0
     attention = "sdpa" if getattr(type(base), "_supports_sdpa", True) else "eager"
-    return Counts(total, layer, embedding, norms, linears, attention, _inventory(base, layers, index))
+    prefix = next((n for n, m in base.named_modules() if m is layers), "") if layers is not None else ""
+    split = tensor_split(layers, prefix, getattr(base, "tp_plan", None), index)
+    return Counts(total, layer, embedding, norms, linears, attention, _inventory(base, layers, index), split)
 
 
 def _inventory(base: Any, layers: Any, index: int = 0) -> Inventory:
@@ -356,6 +370,7 @@ def _spec(config: Any, counts: Counts, *, name: str | None) -> ModelSpec:
         attention_softcapping=bool(getattr(text, "attn_logit_softcapping", None)),
         tp_plan=bool(getattr(text, "base_model_tp_plan", None)),
         lora_linears=counts.lora_linears,
+        tp_split=counts.tensor_split,
         attention=counts.attention,
         experts=int(experts),
         experts_per_token=per_token,
