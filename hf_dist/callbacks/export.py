@@ -12,6 +12,7 @@ from transformers import TrainerCallback
 
 from hf_dist.atomic_io import atomic_dir
 from hf_dist.callbacks.phases import Phase, phase
+from hf_dist.checkpoint.safety.paths import ConfinedFolder
 from hf_dist.planning.layout import Strategy, strategy
 from hf_dist.runtime import dist as _dist
 
@@ -78,7 +79,9 @@ class ExportCallback(TrainerCallback):
     def on_save(self, args, state, control, model=None, processing_class=None, **kwargs):
         if self.on_save_enabled:
             checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            self.export(checkpoint / self.name, state, model, processing_class, checkpoint=checkpoint)
+            self.export(
+                ConfinedFolder(checkpoint).path(self.name), state, model, processing_class, checkpoint=checkpoint
+            )
 
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kwargs):
         checkpoint = ended_with(args, state)  # ZeRO-3 converts it: the best one when the Trainer loaded it back

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+from hf_dist.checkpoint.safety.paths import ConfinedFolder
 from hf_dist.cli.common import add_checkpoint_paths
 
 EPILOG = """examples:
@@ -62,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     out = reshard(args.src, args.dst, workers=args.workers, overwrite=args.overwrite, trust_pickles=args.trust_pickles)
     if layout.family.is_zero:
         done = inspect_checkpoint(out)
-        print(f"wrote {out / str(done.universal_tag)} and {out / 'latest_universal'}")
+        written = ConfinedFolder(Path(out))
+        print(f"wrote {written.path(done.universal_tag)} and {written.path('latest_universal')}")
         print('resume with "checkpoint": {"load_universal": true} in the DeepSpeed config')
     return 0
 

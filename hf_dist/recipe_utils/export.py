@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.callbacks.phases import Phase, phase
+from hf_dist.checkpoint.safety.paths import ConfinedFolder
 from hf_dist.data import generation_prompt
 from hf_dist.recipe_utils.model import outside_zero3
 from hf_dist.runtime.dist import live_strategy
@@ -165,7 +166,7 @@ def _check_adapter_loaded(model: Any, export_dir: Path) -> None:
 
     lora_b = [p for name, p in model.named_parameters() if "lora_B" in name]
     if lora_b and all(float(p.abs().max()) == 0.0 for p in lora_b):
-        with safe_open(str(export_dir / "adapter_model.safetensors"), "pt") as fh:
+        with safe_open(str(ConfinedFolder(export_dir).path("adapter_model.safetensors")), "pt") as fh:
             keys = sorted(fh.keys())[:3]
         raise RuntimeError(
             f"the adapter exported to {export_dir} did not load: every lora_B is zero after from_pretrained. "

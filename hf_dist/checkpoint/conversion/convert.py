@@ -22,7 +22,7 @@ from hf_dist.checkpoint.formats.names import MANIFEST_NAME
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
 from hf_dist.checkpoint.lifecycle.manifest import require_match
 from hf_dist.checkpoint.output.paths import check_output_path
-from hf_dist.checkpoint.safety.paths import check_tree_confined, confined
+from hf_dist.checkpoint.safety.paths import ConfinedFolder, check_tree_confined, confined
 
 TARGETS = ("hf", "dcp")
 # Bytes of source tensors read per batch: bounds resident memory independently of --max-shard-size.
@@ -380,7 +380,7 @@ def _write_hf(info, reader, conversion, out_specs, dst, max_shard_size, tokenize
             progress=bar.update if bar else None,
         )
         if adapter:
-            (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+            ConfinedFolder(tmp).path("adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
             files.append("adapter_config.json")
             files += write_side_files(tmp, side, None, None)
         else:

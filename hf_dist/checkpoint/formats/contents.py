@@ -27,6 +27,7 @@ parallelism) holds ``model.safetensors`` and hf_dist's optimizer DCP ``hf_dist_o
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -51,7 +52,7 @@ from hf_dist.checkpoint.formats.names import (
     ZERO_OPTIM,
 )
 from hf_dist.checkpoint.formats.trainer_state import saved_step
-from hf_dist.checkpoint.safety.paths import PathEscapeError, checked_tag
+from hf_dist.checkpoint.safety.paths import ConfinedFolder, PathEscapeError, checked_tag
 from hf_dist.planning.layout import CheckpointFamily
 
 FORMATS = ("deepspeed", "dcp", "fsdp_full", "hf")  # which reader opens the tensors
@@ -164,7 +165,7 @@ def _with_rank_files(layout: CheckpointContents, is_dir: bool) -> CheckpointCont
     world_size = layout.world_size
     if world_ranks:
         world_size = max(world_ranks) + 1
-    elif family is CheckpointFamily.FULL and (layout.root / "rng_state.pth").is_file():
+    elif family is CheckpointFamily.FULL and ConfinedFolder(layout.root).is_file("rng_state.pth"):
         world_size = 1
     layout = replace(
         layout, family=family, world_size=world_size, stage=3 if family is CheckpointFamily.ZERO3 else layout.stage,
@@ -172,7 +173,8 @@ def _with_rank_files(layout: CheckpointContents, is_dir: bool) -> CheckpointCont
     )  # fmt: skip
     layout = replace(layout, step=_find_step(layout), config_dir=_find_config_dir(layout))
     if is_dir and not layout.is_adapter:
-        layout = replace(layout, is_adapter=any((d / "adapter_config.json").is_file() for d in _nearby_dirs(layout)))
+        adapter = any(ConfinedFolder(d).is_file("adapter_config.json") for d in _nearby_dirs(layout))
+        layout = replace(layout, is_adapter=adapter)
     return layout
 
 
@@ -185,7 +187,8 @@ def _detect_file(path: Path) -> CheckpointContents:
 
 
 def _detect_dir(path: Path, tag: str | None) -> CheckpointContents | None:
-    if (path / DCP_METADATA).is_file():
+    folder = ConfinedFolder(path)
+    if folder.is_file(DCP_METADATA):
         return CheckpointContents("dcp", path, _outer(path), files=sorted(path.glob("*.distcp")))
     if any(path.glob("*_model_states.pt")) or any(path.glob("*_optim_states.pt")):
         if tag is not None and tag != path.name:
@@ -198,26 +201,28 @@ def _detect_dir(path: Path, tag: str | None) -> CheckpointContents | None:
         and not d.name.endswith(UNIVERSAL_SUFFIX)
         and (any(d.glob("*_model_states.pt")) or any(d.glob("*_optim_states.pt")))
     )
-    if tag_dirs or (path / LATEST).is_file():
-        return _deepspeed_layout(path / _choose_tag(path, tag, tag_dirs), path)
-    dcp_dirs = sorted(d for d in path.glob(DCP_DIR_PATTERN) if (d / DCP_METADATA).is_file())
+    if tag_dirs or folder.is_file(LATEST):
+        return _deepspeed_layout(folder.path(_choose_tag(path, tag, tag_dirs)), path)
+    dcp_dirs = sorted(d for d in path.glob(DCP_DIR_PATTERN) if folder.folder(d.name).is_file(DCP_METADATA))
     if dcp_dirs:
         return CheckpointContents("dcp", dcp_dirs[0], path, files=sorted(dcp_dirs[0].glob("*.distcp")))
     for name in FSDP_FULL_NAMES:
-        if (path / name).is_file():
-            return CheckpointContents("fsdp_full", path / name, path, files=[path / name])
+        if folder.is_file(name):
+            return CheckpointContents("fsdp_full", folder.path(name), path, files=[folder.path(name)])
     for name in HF_WEIGHT_NAMES:
-        if (path / name).is_file():
-            return CheckpointContents("hf", path, path, files=[path / name], is_adapter=name.startswith("adapter_"))
+        if folder.is_file(name):
+            adapter = name.startswith("adapter_")
+            return CheckpointContents("hf", path, path, files=[folder.path(name)], is_adapter=adapter)
     return None
 
 
 def _choose_tag(root: Path, tag: str | None, tag_dirs: list[str]) -> str:
-    if tag is None and (root / LATEST).is_file():
+    folder = ConfinedFolder(root)
+    if tag is None and folder.is_file(LATEST):
         tag = latest_tag(root)
-        if tag not in tag_dirs and not (root / tag).is_dir():
+        if tag not in tag_dirs and not folder.is_dir(tag):
             raise FileNotFoundError(
-                f"{root}/latest names tag {tag!r} but {root / tag} is missing or has no *_model_states.pt "
+                f"{root}/latest names tag {tag!r} but {folder.path(tag)} is missing or has no *_model_states.pt "
                 f"(available tags: {tag_dirs or 'none'}); pass --tag with one of them"
             )
         return tag
@@ -300,30 +305,31 @@ def _family(layout: CheckpointContents) -> CheckpointFamily:
 
 
 def _universal_tag(root: Path) -> str | None:
-    latest = root / LATEST_UNIVERSAL
-    if not latest.is_file():
+    folder = ConfinedFolder(root)
+    if not folder.is_file(LATEST_UNIVERSAL):
         return None
-    tag = checked_tag(root, latest.read_text(), LATEST_UNIVERSAL)
-    return tag if (root / tag).is_dir() else None
+    tag = checked_tag(root, folder.read_text(LATEST_UNIVERSAL), LATEST_UNIVERSAL)
+    return tag if folder.is_dir(tag) else None
 
 
 def check_tags_confined(root: Path) -> None:
     """Refuse ``root`` when its DeepSpeed ``latest`` / ``latest_universal`` names anything but a folder inside it."""
+    folder = ConfinedFolder(root)
     for name in (LATEST, LATEST_UNIVERSAL):
-        if (root / name).is_file():
-            checked_tag(root, (root / name).read_text(), name)
+        if folder.is_file(name):
+            checked_tag(root, folder.read_text(name), name)
 
 
 def latest_tag(root: Path) -> str:
     """The tag DeepSpeed's ``latest`` file in ``root`` names, refused unless it is a folder name inside ``root``."""
-    return checked_tag(root, (root / LATEST).read_text(), LATEST)
+    return checked_tag(root, ConfinedFolder(root).read_text(LATEST), LATEST)
 
 
 def _outer(path: Path) -> Path:
     """The Trainer ``checkpoint-N`` folder around an inner checkpoint folder, when there is one."""
-    parent = path.parent
-    if (parent / TRAINER_STATE).is_file() or (parent / "config.json").is_file():
-        return parent
+    parent = ConfinedFolder(path.parent)
+    if parent.is_file(TRAINER_STATE) or parent.is_file("config.json"):
+        return parent.root
     return path
 
 
@@ -334,7 +340,7 @@ def _nearby_dirs(layout: CheckpointContents) -> list[Path]:
 
 def _find_config_dir(layout: CheckpointContents) -> Path | None:
     for directory in _nearby_dirs(layout):
-        if (directory / "config.json").is_file():
+        if ConfinedFolder(directory).is_file("config.json"):
             return directory
     return None
 
@@ -355,7 +361,7 @@ def _unknown_layout_message(path: Path) -> str:
     hint = ""
     nested = sorted(p.name for p in path.iterdir() if p.is_dir() and p.name.startswith("checkpoint-"))
     if nested:
-        hint = f"; this looks like a Trainer output_dir, pass one of its checkpoints, e.g. {path / nested[-1]}"
+        hint = f"; this looks like a Trainer output_dir, pass one of its checkpoints, e.g. {path}{os.sep}{nested[-1]}"
     return (
         f"no supported checkpoint found in {path} (contents: {children[:12]}{' ...' if len(children) > 12 else ''}). "
         "Expected a DeepSpeed checkpoint (latest + global_stepN/), a DCP folder (.metadata), "

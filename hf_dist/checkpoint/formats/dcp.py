@@ -77,7 +77,7 @@ class DCPReader(Reader):
 
     def _path(self, relative: object) -> Path:
         """A data file the metadata names, confined to the folder (the one join of a name read from .metadata)."""
-        return self._data.path(str(relative), named_in=self.folder / DCP_METADATA)
+        return self._data.path(str(relative), named_in=self._data.path(DCP_METADATA))
 
     @staticmethod
     def _world_size(metadata) -> int | None:

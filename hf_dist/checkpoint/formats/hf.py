@@ -163,9 +163,6 @@ class SideFile:
 def side_file(folder: Path, name: str) -> SideFile | None:
     """``folder/name`` when it is there; a link is followed only to a target inside ``folder`` (else
     :class:`~hf_dist.checkpoint.safety.paths.PathEscapeError` naming the link and its target); JSON is checked."""
-    entry = Path(folder) / name
-    if not (entry.is_symlink() or entry.is_file()):
-        return None
     source = ConfinedFolder(Path(folder)).path(name)
     if not source.is_file():
         return None
@@ -184,14 +181,14 @@ def side_files(config_dir: Path | None, tokenizer_dir: Path | None) -> list[Side
 
 def write_side_files(out_dir: Path, files: list[SideFile], config: dict | None, dtype: Any) -> list[str]:
     """config.json (``config`` with its dtype updated, when given) and ``files``; returns the names written."""
-    written = []
+    written, out = [], ConfinedFolder(Path(out_dir))
     if config is not None:
         config = {**config, "dtype": str(dtype).replace("torch.", "")}
         config.pop("torch_dtype", None)
-        (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        out.path("config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         written.append("config.json")
     for file in files:
-        shutil.copy2(file.source, out_dir / file.name)
+        shutil.copy2(file.source, out.path(file.name))
         written.append(file.name)
     return written
 
@@ -200,6 +197,6 @@ def config_dir(model_config: str | Path) -> Path:
     """The folder of ``--model-config`` (a folder or its config.json); FileNotFoundError when it has no config.json."""
     path = Path(model_config)
     path = path.parent if path.name == "config.json" else path
-    if not (path / "config.json").is_file():
+    if not ConfinedFolder(path).is_file("config.json"):
         raise FileNotFoundError(f"--model-config {model_config}: no config.json there; pass the model's config folder")
     return path

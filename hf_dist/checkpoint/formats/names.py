@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from hf_dist.checkpoint.safety.paths import ConfinedFolder
+
 DCP_DIR_PATTERN = "pytorch_model_fsdp_*"
 FSDP_FULL_NAMES = ("pytorch_model_fsdp.bin",)
 HF_WEIGHT_NAMES = (
@@ -101,8 +103,8 @@ def is_checkpoint_dir(path: Path) -> bool:
     """True for a Trainer ``checkpoint-N`` folder itself (by its name, marker or trainer state), not a run's output_dir."""
     return (
         bool(CHECKPOINT_DIR_RE.match(path.name))
-        or (path / MANIFEST_NAME).is_file()
-        or (path / TRAINER_STATE).is_file()
+        or ConfinedFolder(path).is_file(MANIFEST_NAME)
+        or ConfinedFolder(path).is_file(TRAINER_STATE)
     )
 
 
@@ -113,7 +115,8 @@ def is_training_state(name: str) -> bool:
 
 def dcp_folders_without_metadata(folder: Path) -> list[Path]:
     """Every folder under ``folder`` holding ``.distcp`` files but no ``.metadata`` (DCP did not finish it)."""
-    return [sub for sub in sorted({p.parent for p in folder.rglob("*.distcp")}) if not (sub / DCP_METADATA).is_file()]
+    subs = sorted({p.parent for p in folder.rglob("*.distcp")})
+    return [sub for sub in subs if not ConfinedFolder(sub, folder).is_file(DCP_METADATA)]
 
 
 def dcp_shard_name(index: int) -> str:
@@ -128,7 +131,7 @@ def rng_state_name(rank: int, world_size: int) -> str:
 
 def tp_model_file(tag_dir: Path, mp_rank: int) -> Path:
     """The ZeRO-1/2 model-states file of tensor-parallel rank ``mp_rank`` (``TP_MODEL_FILE_RE``) in ``tag_dir``."""
-    return tag_dir / f"mp_rank_{mp_rank:02d}_model_states.pt"
+    return ConfinedFolder(tag_dir).path(f"mp_rank_{mp_rank:02d}_model_states.pt")
 
 
 def optim_file(tag_dir: Path, rank: int, mp_rank: int = 0) -> Path | None:

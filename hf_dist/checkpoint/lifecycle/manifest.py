@@ -25,7 +25,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from hf_dist.atomic_io import atomic_write_json
@@ -39,7 +39,7 @@ from hf_dist.checkpoint.formats.names import (
     WRITING_NAME,
     owner_rank,
 )
-from hf_dist.checkpoint.safety.paths import ConfinedFolder, PathEscapeError, confined, is_inside
+from hf_dist.checkpoint.safety.paths import ConfinedFolder, PathEscapeError, is_inside
 
 MANIFEST_VERSION = 2
 # An hf_dist before the manifest wrote version 1: sizes only, no run, kept readable as "no manifest".
@@ -64,9 +64,9 @@ def hash_file(path: Path) -> str:
 
 def entries(folder: Path, rels: Iterable[str]) -> dict[str, dict[str, Any]]:
     """``{rel: {"size", "sha256"}}`` of files of ``folder``."""
-    out = {}
+    out, files = {}, ConfinedFolder(Path(folder))
     for rel in rels:
-        path = folder / rel
+        path = files.path(rel)
         out[rel] = {"size": path.stat().st_size, "sha256": hash_file(path)}
     return out
 
@@ -91,45 +91,42 @@ def checkpoint_files(folder: Path) -> list[str]:
     ``latest`` names is listed whatever its name (``latest`` naming a hidden or temporary folder is refused by
     :func:`~hf_dist.checkpoint.safety.paths.checked_tag` when it is read)."""
     folder = Path(folder)
-    kept = _latest_named(folder)
+    root, kept = ConfinedFolder(folder), _latest_named(folder)
     out: list[str] = []
     for top, dirs, files in os.walk(folder, followlinks=True):
-        here = Path(top)
-        rel_top = here.relative_to(folder)
+        rel_top = PurePosixPath(Path(top).relative_to(folder).as_posix())  # names listed here, relative to the root
         for name in list(dirs):
-            sub = here / name
-            loops = sub.is_symlink() and is_inside(here, sub)  # a link to a folder around it: walked already
-            if _is_link_out(sub, folder) or loops or _skipped(rel_top / name, kept):
+            sub = _listed(root, rel_top.joinpath(name))
+            loops = sub.is_symlink() and is_inside(top, sub)  # a link to a folder around it: walked already
+            if loops or _skipped(rel_top.joinpath(name), kept):
                 dirs.remove(name)
         for name in files:
-            rel = rel_top / name
-            path = here / name
-            if _is_link_out(path, folder) or not path.is_file() or _skipped(rel, kept):
+            rel = rel_top.joinpath(name)
+            path = _listed(root, rel)
+            if not path.is_file() or _skipped(rel, kept):
                 continue
-            if rel_top == Path(".") and name in (MANIFEST_NAME, WRITING_NAME, OUTPUT_MARKER):
+            if rel_top == PurePosixPath(".") and name in (MANIFEST_NAME, WRITING_NAME, OUTPUT_MARKER):
                 continue
             out.append(rel.as_posix())
     return sorted(out)
 
 
-def _is_link_out(path: Path, folder: Path) -> bool:
-    """False for anything but a link; a link that leaves ``folder`` (or leads nowhere) raises PathEscapeError."""
-    if not path.is_symlink():
-        return False
-    if not path.exists():
+def _listed(root: ConfinedFolder, rel: PurePosixPath) -> Path:
+    """The path of a name listed under ``root``; a link that leaves it, or leads nowhere, raises PathEscapeError."""
+    path = root.path(rel.as_posix())
+    if path.is_symlink() and not path.exists():
         raise PathEscapeError(
             f"refusing to read {path}: it is a broken link (to {os.readlink(path)}); a checkpoint may only name files "
             "inside its own folder. Remove the link or copy its target in"
         )
-    confined(path, folder)
-    return False
+    return path
 
 
 def _latest_named(folder: Path) -> set[str]:
     """The folder name DeepSpeed's ``latest`` names, raw (checked where it is read): listed, never skipped. The file
     is small by construction; more than 4 KiB is no tag."""
-    path = folder / LATEST
     try:
+        path = ConfinedFolder(folder).path(LATEST)
         if not path.is_file() or path.stat().st_size > 4096:
             return set()
         tag = path.read_text(errors="replace").strip()
@@ -162,9 +159,9 @@ def own_files(folder: Path, rank: int, world_size: int) -> list[str]:
 def begin_save(folder: Path, *, step: int, run: str | None, save: str) -> None:
     """Rank 0, before any rank writes a file of this save: the old manifest goes (one unlink: the folder proves
     nothing from now on), then a note names the save under way."""
-    folder = Path(folder)
-    (folder / MANIFEST_NAME).unlink(missing_ok=True)
-    atomic_write_json(folder / WRITING_NAME, {"step": step, "run": run, "save": save, "time": time.time()})
+    files = ConfinedFolder(Path(folder))
+    files.path(MANIFEST_NAME).unlink(missing_ok=True)
+    atomic_write_json(files.path(WRITING_NAME), {"step": step, "run": run, "save": save, "time": time.time()})
 
 
 def write_manifest(
@@ -202,8 +199,9 @@ def write_manifest(
         "time": time.time(),
         "files": listed,
     }
-    atomic_write_json(folder / MANIFEST_NAME, manifest, indent=1, sort_keys=True)
-    (folder / WRITING_NAME).unlink(missing_ok=True)
+    own = ConfinedFolder(folder)
+    atomic_write_json(own.path(MANIFEST_NAME), manifest, indent=1, sort_keys=True)
+    own.path(WRITING_NAME).unlink(missing_ok=True)
     return manifest
 
 
@@ -214,7 +212,7 @@ def extend_manifest(folder: Path, rels: Iterable[str]) -> None:
     if not isinstance(manifest, dict) or manifest.get("version") != MANIFEST_VERSION:
         return
     manifest["files"].update(entries(folder, rels))
-    atomic_write_json(folder / MANIFEST_NAME, manifest, indent=1, sort_keys=True)
+    atomic_write_json(ConfinedFolder(folder).path(MANIFEST_NAME), manifest, indent=1, sort_keys=True)
 
 
 # ---------------------------------------------------------------- reading
@@ -262,7 +260,7 @@ def incomplete_reasons(folder: str | os.PathLike, *, files: Iterable[str] | None
     hash_these = set(on_disk if files is None else files)
     listed = ConfinedFolder(folder)
     for rel, entry in manifest["files"].items():
-        path = listed.path(rel, named_in=folder / MANIFEST_NAME)
+        path = listed.path(rel, named_in=listed.path(MANIFEST_NAME))
         if rel not in on_disk:
             reasons.append(f"{rel} is missing")
         elif path.stat().st_size != entry["size"]:
@@ -281,8 +279,9 @@ def incomplete_reasons(folder: str | os.PathLike, *, files: Iterable[str] | None
 def _derived_reasons(folder: Path) -> list[str]:
     """A universal copy beside the save is checked against its own manifest (one without: an unchecked copy)."""
     reasons = []
+    root = ConfinedFolder(folder)
     for sub in sorted(p for p in folder.iterdir() if p.is_dir() and p.name.endswith(UNIVERSAL_SUFFIX)):
-        if not (sub / MANIFEST_NAME).is_file():
+        if not root.folder(sub.name).is_file(MANIFEST_NAME):
             reasons.append(f"{sub.name}/ has no {MANIFEST_NAME} (a universal copy hf_dist did not make)")
             continue
         reasons += [f"{sub.name}/{reason}" for reason in incomplete_reasons(sub)]
@@ -290,7 +289,7 @@ def _derived_reasons(folder: Path) -> list[str]:
 
 
 def _note_reasons(folder: Path, manifest: dict) -> list[str]:
-    note_path = folder / WRITING_NAME
+    note_path = ConfinedFolder(folder).path(WRITING_NAME)
     if not note_path.is_file():
         return []
     try:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.atomic_io import atomic_write_text
+from hf_dist.checkpoint.safety.paths import ConfinedFolder
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -39,15 +40,15 @@ def base_config(model: Any) -> Any:
 
 def write_model_config(folder: str | Path, model: Any) -> list[str]:
     """Rank 0: ``config.json`` (and the generation config of a model that generates) into ``folder`` when absent."""
-    config, folder, written = base_config(model), Path(folder), []
-    if config is None or not hasattr(config, "to_json_string") or (folder / CONFIG).exists():
+    config, folder, written = base_config(model), ConfinedFolder(Path(folder)), []
+    if config is None or not hasattr(config, "to_json_string") or folder.path(CONFIG).exists():
         return written
-    atomic_write_text(folder / CONFIG, config.to_json_string(use_diff=True))
+    atomic_write_text(folder.path(CONFIG), config.to_json_string(use_diff=True))
     written.append(CONFIG)
     generation = getattr(model, "generation_config", None)
     can_generate = getattr(model, "can_generate", lambda: False)
-    if generation is not None and can_generate() and not (folder / GENERATION_CONFIG).exists():
-        atomic_write_text(folder / GENERATION_CONFIG, generation.to_json_string(use_diff=True))
+    if generation is not None and can_generate() and not folder.path(GENERATION_CONFIG).exists():
+        atomic_write_text(folder.path(GENERATION_CONFIG), generation.to_json_string(use_diff=True))
         written.append(GENERATION_CONFIG)
     return written
 
@@ -60,7 +61,7 @@ def differences(saved: dict, live: dict) -> dict[str, tuple[Any, Any]]:
 def check_same_model(checkpoint: str | Path, model: Any) -> None:
     """Refuse to resume ``checkpoint`` into ``model`` when its ``config.json`` gives another architecture; a
     checkpoint without one (or a model without a config) is not checked."""
-    path, config = Path(checkpoint) / CONFIG, base_config(model)
+    path, config = ConfinedFolder(Path(checkpoint)).path(CONFIG), base_config(model)
     if config is None or not hasattr(config, "to_dict") or not path.is_file():
         return
     try:

@@ -47,14 +47,15 @@ def unproven_reasons(folder: str | Path, world_size: int) -> list[str]:
     """Why ``folder`` (no manifest) cannot be proven complete; empty when every file its family writes is there and
     readable. ``world_size``: the ranks of the live run (full weights do not name the ranks that wrote them)."""
     folder = Path(folder)
-    if (folder / WRITING_NAME).is_file():
+    files = ConfinedFolder(folder)
+    if files.is_file(WRITING_NAME):
         return [f"{WRITING_NAME}: a save was writing into this folder and did not finish"]
     reasons = _trainer_state_reasons(folder) + _size_only_marker_reasons(folder)
     layout = read_contents(folder, strict=False)
     ranks = layout.world_size or 1
     if layout.family is CheckpointFamily.FULL:
         ranks = max(world_size, ranks)
-    if not layout.rank_files.get("rng state") and not (folder / "rng_state.pth").is_file():
+    if not layout.rank_files.get("rng state") and not files.is_file("rng_state.pth"):
         reasons.append("no rng_state*.pth (the Trainer saves every rank's random generators)")
     reasons += [f"{what} is missing" for what in layout.missing_rank_files(ranks)]
     reasons += _family_reasons(folder, layout.family)
@@ -66,25 +67,26 @@ def unproven_reasons(folder: str | Path, world_size: int) -> list[str]:
 
 def _family_reasons(folder: Path, family: CheckpointFamily) -> list[str]:
     """The files a save of ``family`` always writes, absent from ``folder``."""
-    sharded_at_load = (folder / SHARDED_OPTIMIZER_DIR).is_dir()
-    zero = (folder / LATEST).is_file() or family.is_zero
+    files = ConfinedFolder(folder)
+    sharded_at_load = files.is_dir(SHARDED_OPTIMIZER_DIR)
+    zero = files.is_file(LATEST) or family.is_zero
     reasons = []
-    scheduled = any((folder / name).is_file() for name in (*SCHEDULER_FILES, SHARDED_SCHEDULER))
+    scheduled = any(files.is_file(name) for name in (*SCHEDULER_FILES, SHARDED_SCHEDULER))
     if not scheduled and not (zero and _deepspeed_holds_scheduler(folder)):  # DeepSpeed's own scheduler: no file
         reasons.append("scheduler.pt is missing (the LR schedule would restart)")
     if zero:
         reasons += _zero_reasons(folder)
     elif family is CheckpointFamily.DCP:
         for name in ("pytorch_model_fsdp_0", "optimizer_0"):
-            if not (folder / name / DCP_METADATA).is_file():
+            if not files.is_file(f"{name}/{DCP_METADATA}"):
                 reasons.append(f"{name}/{DCP_METADATA} is missing (FSDP's {name.split('_')[0]} state)")
     elif sharded_at_load:
-        if not (folder / SHARDED_OPTIMIZER_DIR / DCP_METADATA).is_file():
+        if not files.is_file(f"{SHARDED_OPTIMIZER_DIR}/{DCP_METADATA}"):
             reasons.append(f"{SHARDED_OPTIMIZER_DIR}/{DCP_METADATA} is missing (the TP optimizer state)")
     else:
-        if not any((folder / name).is_file() for name in HF_WEIGHT_NAMES):
+        if not any(files.is_file(name) for name in HF_WEIGHT_NAMES):
             reasons.append("no model weights (model.safetensors, pytorch_model.bin or an adapter)")
-        if not any((folder / name).is_file() for name in OPTIMIZER_FILES):
+        if not any(files.is_file(name) for name in OPTIMIZER_FILES):
             reasons.append("optimizer.pt is missing (Adam would restart from zero moments)")
     return reasons
 
@@ -105,10 +107,11 @@ def _deepspeed_holds_scheduler(folder: Path) -> bool:
 def _zero_reasons(folder: Path) -> list[str]:
     from hf_dist.checkpoint.formats.contents import latest_tag
 
-    if not (folder / LATEST).is_file():
+    files = ConfinedFolder(folder)
+    if not files.is_file(LATEST):
         return [f"{LATEST} is missing (DeepSpeed names its tag folder there)"]
     tag = latest_tag(folder)
-    if not (folder / tag).is_dir() or not any((folder / tag).glob("*_optim_states.pt")):
+    if not files.is_dir(tag) or not any(files.path(tag).glob("*_optim_states.pt")):
         return [f"{tag}/ is missing or holds no optimizer partitions ({LATEST} names it)"]
     return _swap_file_reasons(folder)
 
@@ -116,7 +119,7 @@ def _zero_reasons(folder: Path) -> list[str]:
 def _swap_file_reasons(folder: Path) -> list[str]:
     """ZeRO-Infinity: every rank's swap files as long as the partitions its optimizer file records."""
     layout = read_contents(folder)
-    if not (layout.path / "offloaded_tensors").is_dir():
+    if not ConfinedFolder(layout.path, layout.root).is_dir("offloaded_tensors"):
         return []
     from hf_dist.checkpoint.formats.deepspeed import DeepSpeedReader
 
@@ -171,7 +174,7 @@ def _size_only_marker_reasons(folder: Path) -> list[str]:
     listed = ConfinedFolder(folder)
     for rel, entry in marker["files"].items():
         size = entry.get("size") if isinstance(entry, dict) else None
-        path = listed.path(rel, named_in=folder / MANIFEST_NAME)
+        path = listed.path(rel, named_in=listed.path(MANIFEST_NAME))
         if not path.is_file():
             reasons.append(f"{rel} is missing")
         elif size is not None and path.stat().st_size != size:

@@ -34,7 +34,7 @@ from hf_dist.checkpoint.formats.contents import CheckpointContents, read_content
 from hf_dist.checkpoint.formats.names import LATEST_UNIVERSAL, UNIVERSAL_SUFFIX, ZERO_OPTIM
 from hf_dist.checkpoint.lifecycle.manifest import require_match, write_manifest
 from hf_dist.checkpoint.lifecycle.resume_checks import check_autotp_matches, check_strategy_matches, gate_checkpoint
-from hf_dist.checkpoint.safety.paths import PathEscapeError
+from hf_dist.checkpoint.safety.paths import ConfinedFolder, PathEscapeError
 
 
 def inspect_checkpoint(checkpoint_dir: str | Path) -> CheckpointContents:
@@ -89,15 +89,15 @@ def to_universal(
             "(FSDP/DCP checkpoints reshard on load as they are)"
         )
     if layout.universal_tag and not overwrite:
-        return layout.root / layout.universal_tag
+        return ConfinedFolder(layout.root).path(layout.universal_tag)
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    final = layout.root / f"{layout.tag}{UNIVERSAL_SUFFIX}"
+    final = ConfinedFolder(layout.root).path(f"{layout.tag}{UNIVERSAL_SUFFIX}")
     check_loadable(layout.root, trust_pickles=trust_pickles)  # an early refusal; the loads below are guarded
     with atomic_dir(final, overwrite=True) as tmp:
         _run_ds_to_universal(layout.path, tmp, workers, layout.root, trust_pickles)
         write_manifest(tmp, hashed={}, world_size=1, step=layout.step)  # the copy's own: read only as written
-    atomic_write_text(layout.root / LATEST_UNIVERSAL, final.name)
+    atomic_write_text(ConfinedFolder(layout.root).path(LATEST_UNIVERSAL), final.name)
     return final
 
 
@@ -169,7 +169,7 @@ def _run_ds_to_universal(src: Path, dst: Path, workers: int, root: Path, trust_p
             _patched(ds_to_universal, "ProcessPoolExecutor", pool),
         ):
             ds_to_universal.main(args)
-        (dst / LATEST_UNIVERSAL).unlink(missing_ok=True)
+        ConfinedFolder(dst).path(LATEST_UNIVERSAL).unlink(missing_ok=True)
     except (UnsafePickleError, PathEscapeError):
         raise
     except Exception as exc:
@@ -229,7 +229,7 @@ def prepare_resume(
     if int(os.environ.get("RANK", "0")) == 0:
         to_universal(layout.root, trust_pickles=trust_pickles)
     else:
-        _wait_for(layout.root / LATEST_UNIVERSAL, timeout_s)
+        _wait_for(ConfinedFolder(layout.root).path(LATEST_UNIVERSAL), timeout_s)
     for config in _deepspeed_config_dicts(training_args, deepspeed_config):
         config.setdefault("checkpoint", {})["load_universal"] = True
     return str(layout.root)

@@ -17,6 +17,7 @@ from typing import Any
 
 from hf_dist.checkpoint.formats.contents import CheckpointContents, read_contents
 from hf_dist.checkpoint.formats.names import LATEST_UNIVERSAL
+from hf_dist.checkpoint.safety.paths import ConfinedFolder
 from hf_dist.planning.layout import strategy, zero_stage_strategy
 
 
@@ -106,7 +107,7 @@ def check_resume_compatible(
         )
     # FSDP's DCP files reshard on load and full checkpoints are replicated: only ZeRO is tied to its world size,
     # until DeepSpeed's universal checkpoint (``latest_universal``, made by `hf-dist reshard`) exists.
-    universal = (Path(checkpoint_dir) / LATEST_UNIVERSAL).is_file()
+    universal = ConfinedFolder(Path(checkpoint_dir)).is_file(LATEST_UNIVERSAL)
     if (
         layout.family.is_zero
         and not universal

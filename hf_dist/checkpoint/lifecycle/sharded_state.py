@@ -33,6 +33,7 @@ import torch
 from hf_dist.atomic_io import atomic_write_json
 from hf_dist.checkpoint.formats.names import DCP_METADATA, rng_state_name
 from hf_dist.checkpoint.formats.names import SHARDED_OPTIMIZER_DIR as OPTIMIZER_DIR
+from hf_dist.checkpoint.safety.paths import ConfinedFolder
 from hf_dist.runtime import dist as _dist
 
 SCHEDULER_FILE = "hf_dist_scheduler.json"
@@ -46,7 +47,7 @@ def has_dtensor_params(model: torch.nn.Module) -> bool:
 
 
 def has_optimizer_state(checkpoint_dir: str | os.PathLike) -> bool:
-    return (Path(checkpoint_dir) / OPTIMIZER_DIR / DCP_METADATA).is_file()
+    return ConfinedFolder(Path(checkpoint_dir)).is_file(f"{OPTIMIZER_DIR}/{DCP_METADATA}")
 
 
 def accept_full_state_dict(model: torch.nn.Module) -> None:
@@ -87,11 +88,12 @@ def save_optimizer_state(
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     scheduler_state = None if lr_scheduler is None else _json_state(lr_scheduler)  # every rank fails alike
-    folder = Path(checkpoint_dir) / OPTIMIZER_DIR
+    own = ConfinedFolder(Path(checkpoint_dir))
+    folder = own.path(OPTIMIZER_DIR)
     state = get_optimizer_state_dict(model, _torch_optimizer(optimizer))
     dcp.save({"optimizer": state}, checkpoint_id=str(folder))
     if scheduler_state is not None and _dist.rank() == 0:
-        atomic_write_json(Path(checkpoint_dir) / SCHEDULER_FILE, scheduler_state)
+        atomic_write_json(own.path(SCHEDULER_FILE), scheduler_state)
     return folder
 
 
@@ -115,7 +117,7 @@ def save_rng_state(checkpoint_dir: str | os.PathLike, world_size: int) -> Path:
     name = rng_state_name(_dist.rank(), world_size)
     buffer = io.BytesIO()
     torch.save(states, buffer)
-    return atomic_write_bytes(Path(checkpoint_dir) / name, buffer.getvalue())
+    return atomic_write_bytes(ConfinedFolder(Path(checkpoint_dir)).path(name), buffer.getvalue())
 
 
 def _json_state(lr_scheduler: Any) -> dict:
@@ -148,12 +150,13 @@ def load_optimizer_state(
 
     from hf_dist.checkpoint.safety.loading import guarded_loads
 
-    folder = Path(checkpoint_dir) / OPTIMIZER_DIR
+    own = ConfinedFolder(Path(checkpoint_dir))
+    folder = own.path(OPTIMIZER_DIR)
     optim = _torch_optimizer(optimizer)
     state = {"optimizer": get_optimizer_state_dict(model, optim)}  # the target layout, state created if lazy
     with guarded_loads(checkpoint_dir, trust_pickles=trust_pickles):
         dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)))
     set_optimizer_state_dict(model, optim, state["optimizer"])
-    scheduler_file = Path(checkpoint_dir) / SCHEDULER_FILE
+    scheduler_file = own.path(SCHEDULER_FILE)
     if lr_scheduler is not None and scheduler_file.is_file():
         lr_scheduler.load_state_dict(json.loads(scheduler_file.read_text()))

@@ -80,7 +80,9 @@ class _MetadataUnpickler(pickle.Unpickler):
 def load_metadata(folder: Path, *, trust_pickles: bool = False, stand_ins: bool = False):
     """The DCP ``Metadata`` of ``folder``; with ``stand_ins`` DCP's classes are inert records with the same fields.
     Every file its storage entries name must resolve inside ``folder``."""
-    metadata = metadata_from_file(Path(folder) / ".metadata", trust_pickles=trust_pickles, stand_ins=stand_ins)
+    metadata = metadata_from_file(
+        ConfinedFolder(Path(folder)).path(".metadata"), trust_pickles=trust_pickles, stand_ins=stand_ins
+    )
     check_storage_confined(metadata, Path(folder))
     return metadata
 
@@ -120,11 +122,12 @@ def check_lengths(data: bytes, path: Path) -> None:
 def check_storage_confined(metadata: Any, folder: Path) -> None:
     """Refuse metadata whose storage entries name a file outside ``folder`` (``../x.distcp``, an absolute path, a
     link leading out): DCP opens ``folder / relative_path`` as written."""
-    data_files = ConfinedFolder(folder)
+    data_files = ConfinedFolder(Path(folder))
+    named_in = data_files.path(".metadata")
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         relative = getattr(info, "relative_path", None)
         if relative is not None:
-            data_files.path(str(relative), named_in=folder / ".metadata")
+            data_files.path(str(relative), named_in=named_in)
 
 
 def byte_payloads(folder: Path) -> list[tuple[str, Path, int, int]]:
@@ -137,7 +140,8 @@ def byte_payloads(folder: Path) -> list[tuple[str, Path, int, int]]:
     for index, info in (getattr(metadata, "storage_data", None) or {}).items():
         plain = not getattr(info, "transform_descriptors", None)
         if type(kinds.get(index.fqn)).__name__ == "BytesStorageMetadataStub" and plain:  # named by _stand_in
-            path = ConfinedFolder(Path(folder)).path(str(info.relative_path), named_in=Path(folder) / ".metadata")
+            data_files = ConfinedFolder(Path(folder))
+            path = data_files.path(str(info.relative_path), named_in=data_files.path(".metadata"))
             payloads.append((index.fqn, path, info.offset, info.length))
     return payloads
 
@@ -149,7 +153,8 @@ def read_reader_metadata(reader: Any, root: Path, *, trust_pickles: bool = False
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     folder = Path(reader.path)
-    path = Path(reader._get_metadata_path(rank)) if hasattr(reader, "_get_metadata_path") else folder / ".metadata"
+    own = ConfinedFolder(folder)
+    path = Path(reader._get_metadata_path(rank)) if hasattr(reader, "_get_metadata_path") else own.path(".metadata")
     confined(path, root)
     metadata = metadata_from_file(confined(path, folder), trust_pickles=trust_pickles)
     check_storage_confined(metadata, folder)

@@ -63,47 +63,66 @@ def check_tree_confined(root: str | os.PathLike) -> None:
 
 def checked_tag(root: str | os.PathLike, text: str, source: str) -> str:
     """The tag a DeepSpeed ``latest`` file (``source``) names: one folder name, resolving inside ``root``."""
-    tag = text.strip()
+    tag, named_in = text.strip(), f"{os.fspath(root)}{os.sep}{source}"
     if not tag or tag in (".", "..") or "/" in tag or "\\" in tag or os.path.isabs(tag):
         raise PathEscapeError(
-            f"refusing to read {Path(root) / source}: it names {tag!r}, which is not a folder name inside the "
+            f"refusing to read {named_in}: it names {tag!r}, which is not a folder name inside the "
             f"checkpoint {root} (DeepSpeed tags look like global_step500). Fix the file or remove it"
         )
     if tag.startswith("."):
         raise PathEscapeError(
-            f"refusing to read {Path(root) / source}: it names {tag!r}, a hidden or temporary folder (a save under way "
+            f"refusing to read {named_in}: it names {tag!r}, a hidden or temporary folder (a save under way "
             "or left by a killed one), never a finished DeepSpeed tag; a checkpoint's manifest does not vouch for it. "
             "Fix the file or use an earlier checkpoint"
         )
-    ConfinedFolder(Path(root)).path(tag, named_in=Path(root) / source)
+    ConfinedFolder(Path(root)).path(tag, named_in=named_in)
     return tag
 
 
 @dataclass(frozen=True)
 class ConfinedFolder:
-    """A folder whose files are reached by name only through :meth:`path`: every name stays inside ``root``."""
+    """A checkpoint or model folder whose files are reached only through it: :meth:`path` (and :meth:`folder`,
+    :meth:`is_file`, :meth:`is_dir`, :meth:`read_text` built on it) keeps every name, listed from the folder, one of
+    hf_dist's own or read from a file, inside ``bound`` (``root`` unless this is a subfolder of another folder
+    object, which stays confined to the outer one: a tag folder may link to a sibling inside the checkpoint)."""
 
     root: Path
+    bound: Path | None = None
 
     def path(self, name: object, *, named_in: str | os.PathLike | None = None) -> Path:
-        """``root / name`` when ``name`` is a relative path below ``root`` that resolves inside it (links followed by
-        the OS); else :class:`PathEscapeError` naming the file that named it, the name and where it leads."""
+        """``root / name`` when ``name`` is a relative path below ``root`` that resolves inside ``bound`` (links
+        followed by the OS); else :class:`PathEscapeError` naming the file that named it, the name and where it
+        leads."""
         where = f"{named_in} names" if named_in is not None else "the name"
+        limit = self.bound or self.root
         if not isinstance(name, str) or not name.strip():
             raise PathEscapeError(
                 f"refusing to read {named_in or self.root}: {where} {name!r} ({type(name).__name__}), not a file "
-                f"name inside {self.root}; fix the file"
+                f"name inside {limit}; fix the file"
             )
         pure = PurePath(name)
         if pure.is_absolute() or ".." in pure.parts or "\\" in name:
             raise PathEscapeError(
-                f"refusing to read {named_in or self.root / name}: {where} {name!r}, which leaves the folder "
-                f"{self.root}; a checkpoint may only name files inside its own folder. Fix the file"
+                f"refusing to read {named_in or Path(self.root, name)}: {where} {name!r}, which leaves the folder "
+                f"{limit}; a checkpoint may only name files inside its own folder. Fix the file"
             )
-        path = Path(self.root) / name
-        if not is_inside(path, self.root):
+        path = Path(self.root, name)
+        if not is_inside(path, limit):
             raise PathEscapeError(
                 f"refusing to read {path}{f' (named in {named_in})' if named_in is not None else ''}: it resolves to "
-                f"{_real(path)}, outside the folder {self.root}; copy the file into the folder or remove the link"
+                f"{_real(path)}, outside the folder {limit}; copy the file into the folder or remove the link"
             )
         return path
+
+    def folder(self, name: object, *, named_in: str | os.PathLike | None = None) -> ConfinedFolder:
+        """The subfolder ``name`` as a folder object, confined to the same outer folder."""
+        return ConfinedFolder(self.path(name, named_in=named_in), self.bound or self.root)
+
+    def is_file(self, name: str) -> bool:
+        return self.path(name).is_file()
+
+    def is_dir(self, name: str) -> bool:
+        return self.path(name).is_dir()
+
+    def read_text(self, name: str) -> str:
+        return self.path(name).read_text()

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.checkpoint.safety.loading import active_root, guarded_loads
+from hf_dist.checkpoint.safety.paths import ConfinedFolder
 
 DEEPSPEED_LOAD = "deepspeed_load_checkpoint"  # transformers.trainer's function that resumes a DeepSpeed engine
 
@@ -66,7 +67,7 @@ def best_checkpoint_problem(best: Any, output_dir: Any) -> str | None:
     in_output_dir = os.path.dirname(real) == os.path.realpath(os.fspath(output_dir)) and os.path.basename(real) == name
     if not re.fullmatch(r"checkpoint-[0-9]+", name) or not in_output_dir:
         return f"it is not a checkpoint-N folder of this run's output_dir {output_dir}"
-    if not (Path(best) / MANIFEST_NAME).is_file():
+    if not ConfinedFolder(Path(best)).is_file(MANIFEST_NAME):
         return f"it has no {MANIFEST_NAME}, so its weights cannot be shown to be the ones this run saved"
     reasons = incomplete_reasons(best)
     if reasons:
@@ -102,7 +103,7 @@ def _verify_once(checkpoint: Path) -> None:
 def _verified_key(checkpoint: Path) -> tuple[str, float]:
     from hf_dist.checkpoint.formats.names import MANIFEST_NAME
 
-    manifest = checkpoint / MANIFEST_NAME
+    manifest = ConfinedFolder(checkpoint).path(MANIFEST_NAME)
     return (str(checkpoint), manifest.stat().st_mtime if manifest.is_file() else 0.0)
 
 

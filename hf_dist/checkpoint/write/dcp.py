@@ -17,6 +17,7 @@ from typing import Any
 
 from hf_dist.checkpoint.formats.names import DCP_METADATA, dcp_shard_name
 from hf_dist.checkpoint.formats.reader import TensorSpec
+from hf_dist.checkpoint.safety.paths import ConfinedFolder
 from hf_dist.checkpoint.write.hf_folder import atomic_output_dir
 
 DEFAULT_PREFIX = "model."
@@ -48,13 +49,13 @@ def write_dcp(
     files: list[str] = []
     total = sum(s.nbytes for s in specs.values())
     with atomic_output_dir(Path(dst), overwrite=overwrite, needed_bytes=total, sources=sources) as tmp:
-        handle, written = None, 0
+        out, handle, written = ConfinedFolder(tmp), None, 0
         for name, tensor in tensors:
             if handle is None or written >= file_size:
                 if handle is not None:
                     handle.close()
                 files.append(dcp_shard_name(len(files)))
-                handle, written = open(tmp / files[-1], "wb"), 0  # noqa: SIM115 - closed below
+                handle, written = open(out.path(files[-1]), "wb"), 0  # noqa: SIM115 - closed below
             fqn = prefix + name
             zeros = torch.Size([0] * tensor.dim())
             offset = handle.tell()
@@ -71,6 +72,6 @@ def write_dcp(
             handle.close()
         if len(state_md) != len(specs):
             raise RuntimeError(f"internal: wrote {len(state_md)} of {len(specs)} tensors")
-        with open(tmp / DCP_METADATA, "wb") as meta:
+        with open(out.path(DCP_METADATA), "wb") as meta:
             pickle.dump(Metadata(state_dict_metadata=state_md, storage_data=storage), meta)
     return [*files, DCP_METADATA]

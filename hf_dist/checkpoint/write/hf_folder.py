@@ -23,6 +23,7 @@ from typing import Any
 
 from hf_dist.atomic_io import atomic_dir
 from hf_dist.checkpoint.formats.reader import TensorSpec
+from hf_dist.checkpoint.safety.paths import ConfinedFolder
 
 SAFETENSORS_DTYPES = {
     "torch.float32": "F32",
@@ -168,7 +169,7 @@ def write_hf_weights(
     files = []
     for filename, names in split.filename_to_tensors.items():
         shard_specs = {name: specs[name] for name in names}
-        writer = SafetensorsStreamWriter(out_dir / filename, shard_specs)
+        writer = SafetensorsStreamWriter(ConfinedFolder(out_dir).path(filename), shard_specs)
         for name, tensor in read_batch(list(names)):
             writer.write(name, tensor)
             if progress is not None:
@@ -180,7 +181,9 @@ def write_hf_weights(
             "metadata": {"total_size": sum(s.nbytes for s in specs.values())},
             "weight_map": split.tensor_to_filename,
         }
-        (out_dir / f"{weights_name}.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        ConfinedFolder(out_dir).path(f"{weights_name}.index.json").write_text(
+            json.dumps(index, indent=2, sort_keys=True) + "\n"
+        )
     return files
 
 

@@ -108,70 +108,140 @@ def test_a_manifest_listing_a_link_that_leads_out_is_refused_before_hashing(tmp_
         auto_resume(ckpt.parent)
 
 
-OWN = "a name of hf_dist's own (a constant or pattern of formats/names.py)"
-TAG = "a DeepSpeed tag: listed from the folder or checked by checked_tag (ConfinedFolder)"
-LISTED = "a name listed from the folder, or one hf_dist writes into its output"
 MATH = "arithmetic, not a path"
-# Every ``a / b`` (b not a literal or an UPPERCASE constant) and os.path.join in hf_dist/checkpoint, reviewed: a new
-# one fails this test until it is listed here with why its name is not read from a file (or it uses ConfinedFolder).
+RUN = "the run's output_dir or the user's own argument: never a checkpoint folder or a name read from a file"
+# Every join in hf_dist/checkpoint (``a / b`` with any b, os.path.join, .joinpath, Path(a, b)): a checkpoint or model
+# folder's files, read or written, are reached only through ConfinedFolder.path (safety/paths.py). What is left is
+# listed here with why it is not a checkpoint path; a new join fails this test until it goes through the folder object
+# or is reviewed here.
 REVIEWED_JOINS = {
     ("formats/deepspeed.py", "math.prod(shape) / world_size"): MATH,
     ("formats/deepspeed.py", "math.prod(shape) / self.world_size"): MATH,
-    ("formats/hf.py", "Path(folder) / name"): "side_file: a constant name, then confined by ConfinedFolder",
-    ("formats/hf.py", "out_dir / file.name"): LISTED,
-    ("formats/names.py", "tag_dir / f'mp_rank_{mp_rank:02d}_model_states.pt'"): OWN,
-    ("formats/contents.py", "path / _choose_tag(path, tag, tag_dirs)"): TAG,
-    ("formats/contents.py", "path / name"): OWN,
-    ("formats/contents.py", "root / tag"): TAG,
-    ("formats/contents.py", "root / name"): OWN,
-    ("formats/contents.py", "path / nested[-1]"): LISTED,
-    ("lifecycle/manifest.py", "folder / rel"): "entries(): names listed from the folder by checkpoint_files",
-    ("lifecycle/manifest.py", "here / name"): "checkpoint_files: listed by os.walk, links confined (_is_link_out)",
-    ("lifecycle/manifest.py", "rel_top / name"): "checkpoint_files: listed by os.walk, links confined (_is_link_out)",
-    ("lifecycle/proof.py", "folder / tag"): TAG,
-    ("lifecycle/proof.py", "folder / name"): OWN,
-    ("lifecycle/reshard.py", "layout.root / f'{layout.tag}{UNIVERSAL_SUFFIX}'"): TAG,
-    ("lifecycle/reshard.py", "layout.root / layout.universal_tag"): TAG,
-    ("lifecycle/reshard.py", "os.path.join(str(dst), '')"): LISTED,  # its own temporary folder, + a separator
-    ("lifecycle/sharded_state.py", "Path(checkpoint_dir) / name"): OWN,
-    ("output/paths.py", "count / scale"): MATH,
-    ("output/paths.py", "raw.parent / (raw.name + '-hf')"): "the user's own argument",
-    ("output/paths.py", "src.parent / (src.name + '-hf')"): "the user's own argument",
-    ("safety/paths.py", "Path(self.root) / name"): "ConfinedFolder.path itself",
-    ("safety/paths.py", "self.root / name"): "ConfinedFolder.path's message",
-    ("safety/paths.py", "Path(folder) / name"): "check_tree_confined: listed by os.walk",
-    ("safety/paths.py", "Path(root) / source"): "checked_tag: the name of the latest file (a constant)",
     ("conversion/transform.py", "alpha / math.sqrt(r)"): MATH,
     ("conversion/transform.py", "alpha / r"): MATH,
-    ("write/dcp.py", "tmp / files[-1]"): LISTED,
-    ("write/hf_folder.py", "out_dir / filename"): LISTED,
-    ("write/hf_folder.py", "out_dir / f'{weights_name}.index.json'"): LISTED,
+    ("conversion/convert.py", "self.total_bytes / 1000000000.0"): MATH,
+    ("lifecycle/async_save.py", "available / GIB"): MATH,
+    ("lifecycle/async_save.py", "need / GIB"): MATH,
+    ("output/paths.py", "count / scale"): MATH,
+    ("safety/paths.py", "Path(self.root, name)"): "ConfinedFolder.path itself",
+    ("safety/paths.py", "Path(folder) / name"): "check_tree_confined: a name listed by os.walk, checked by confined()",
+    ("lifecycle/manifest.py", "rel_top.joinpath(name)"): "a relative name listed by os.walk, made a path by _listed "
+    "(ConfinedFolder.path)",
+    ("lifecycle/reshard.py", "os.path.join(str(dst), '')"): "its own temporary folder, + a separator",
+    ("output/lock.py", "Path(output_dir) / OUTPUT_LOCK"): RUN,
+    ("output/lock.py", "output_dir / OUTPUT_LOCK"): RUN,
+    ("output/runs.py", "Path(output_dir) / RUN_JOURNAL"): RUN,
+    ("output/paths.py", "Path(folder) / OUTPUT_MARKER"): RUN,
+    ("output/paths.py", "raw / 'config.yaml'"): RUN,
+    ("output/paths.py", "raw / OUTPUT_MARKER"): RUN,
+    ("output/paths.py", "src.parent / 'hf-model'"): RUN,
+    ("output/paths.py", "raw.parent / (raw.name + '-hf')"): RUN,
+    ("output/paths.py", "src.parent / (src.name + '-hf')"): RUN,
 }
 
 
+_PATHS = ("Path", "PurePath", "PurePosixPath")
+
+
 def _joins(root: Path) -> set[tuple[str, str]]:
+    """Every ``a / b``, ``os.path.join``, ``.joinpath`` and ``Path(a, b)`` under ``root``, as (file, source)."""
     import ast
 
     found = set()
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            right = node.right if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) else None
-            literal = isinstance(right, ast.Constant) or (isinstance(right, ast.Name) and right.id.isupper())
-            literal = literal or (isinstance(right, ast.JoinedStr) and all(isinstance(v, ast.Constant)
-                                                                         for v in right.values))  # fmt: skip
-            joined = isinstance(node, ast.Call) and ast.unparse(node.func) == "os.path.join"
-            if (right is not None and not literal) or joined:
+            divided = isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)
+            call = ast.unparse(node.func) if isinstance(node, ast.Call) else ""
+            joined = call == "os.path.join" or call.endswith(".joinpath") or (call in _PATHS and len(node.args) > 1)
+            if divided or joined:
                 found.add((path.relative_to(root).as_posix(), ast.unparse(node)))
     return found
 
 
 def test_every_join_in_the_checkpoint_package_is_reviewed():
-    """A name read from a file reaches a path only through ConfinedFolder: any other join is listed above, with why
-    its name is not read from a file. A new join fails here until it is reviewed."""
+    """A checkpoint's files are reached only through ConfinedFolder: any other join is listed above, with why it builds
+    no checkpoint path. A new join fails here until it goes through the folder object or is reviewed."""
     root = Path(__file__).resolve().parents[4] / "hf_dist" / "checkpoint"
     found = _joins(root)
-    assert found - set(REVIEWED_JOINS) == set(), "unreviewed joins: use ConfinedFolder, or review and list them"
+    assert found - set(REVIEWED_JOINS) == set(), "unreviewed joins: use ConfinedFolder.path, or review and list them"
     assert set(REVIEWED_JOINS) - found == set(), "reviewed joins no longer in the code: drop them from the list"
+
+
+OUTPUT = "a file hf_dist writes into a run's output_dir, a temporary folder or a cache of its own: no checkpoint"
+MESSAGE = "a path shown in a message, never opened"
+USER_MODEL = ("the user's model folder: a hub cache snapshot links its files into ../../blobs, so a model folder is "
+              "not confined (a checkpoint's side files are: formats/hf.py side_file)")  # fmt: skip
+# Joins elsewhere in hf_dist that name a file (a string, an f-string or a Path(...) on one side, os.path.join,
+# .joinpath, Path(a, b)): none reaches into a checkpoint but through ConfinedFolder.
+REVIEWED_ELSEWHERE = {
+    ("atomic_io.py", "where / f'.{final.name}.tmp-{os.getpid()}'"): OUTPUT,
+    ("bench.py", "Path(tmp) / 'result.json'"): OUTPUT,
+    ("bench.py", "Path(args.out).parent / 'trainer'"): OUTPUT,
+    ("callbacks/export.py", "Path(args.output_dir) / f'checkpoint-{state.global_step}'"): OUTPUT,
+    ("callbacks/export.py", "Path(args.output_dir) / self.name"): OUTPUT,
+    ("callbacks/profiler.py", "folder / f'rank{rank}.{time.time_ns()}.pt.trace.json'"): OUTPUT,
+    ("callbacks/profiler.py", "os.path.join(args.output_dir, 'profiler')"): OUTPUT,
+    ("callbacks/profiler.py", "folder / f'summary_rank{rank}.json'"): OUTPUT,
+    ("callbacks/resume.py", "Path(args.output_dir) / f'checkpoint-{state.global_step}'"): OUTPUT,
+    ("callbacks/resume.py", "Path(args.output_dir) / f'checkpoint-{step}'"): OUTPUT,
+    ("callbacks/resume.py", "run_dir / f'checkpoint-{step}'"): OUTPUT,
+    ("callbacks/resume.py", "Path(trainer._get_output_dir(trial)) / f'checkpoint-{trainer.state.global_step}'"): OUTPUT,
+    ("callbacks/watchdog.py", "Path(args.output_dir) / 'hang'"): OUTPUT,
+    ("callbacks/watchdog.py", "self._out / str(step)"): OUTPUT,
+    ("callbacks/watchdog.py", "folder / f'rank{rank}.txt'"): OUTPUT,
+    ("configs/accelerate.py", "Path(args.write_shipped) / name"): OUTPUT,
+    ("data/loading.py", "path / 'dataset_info.json'"): "a dataset folder (datasets.load_from_disk reads it)",
+    ("data/loading.py", "path / 'dataset_dict.json'"): "a dataset folder (datasets.load_from_disk reads it)",
+    ("demo.py", "REPO_ROOT / 'recipes' / 'sft.py'"): "the repository's own recipe",
+    ("demo.py", "REPO_ROOT / 'recipes'"): "the repository's own recipe",
+    ("planning/feature_store.py", "Path(os.environ.get('XDG_CACHE_HOME') or Path.home() / '.cache') / 'hf_dist'"):
+        OUTPUT,
+    ("planning/feature_store.py", "cache_dir() / f'features-{digest}.json'"): OUTPUT,
+    ("planning/feature_store.py", "Path.home() / '.cache'"): OUTPUT,
+    ("planning/features.py", "Path(loc) / relative"): "an installed package's own file",
+    ("planning/model_source.py", "os.path.join(path_or_name, 'config.json')"): USER_MODEL,
+    ("planning/remote_code.py", "os.path.join(source, 'config.json')"): MESSAGE,
+    ("planning/remote_code.py", "os.path.join(os.path.abspath(source), module_file)"): MESSAGE,
+    ("recipe_utils/model.py", "Path(args.output_dir) / 'base'"): OUTPUT,
+    ("recipe_utils/run.py", "Path(args.output_dir) / 'results.json'"): OUTPUT,
+    ("recipe_utils/run.py", "Path(trainer.args.output_dir) / ('adapter' if adapter else 'final')"): OUTPUT,
+    ("recipe_utils/run.py", "Path(trainer.args.output_dir) / 'results.json'"): OUTPUT,
+    ("testing.py", "os.path.join(os.path.dirname(torch.__file__), 'lib', 'libc10.so')"): "torch's own library",
+    ("tracing/api.py", "Path(tmp) / 'request.json'"): OUTPUT,
+    ("tracing/api.py", "Path(tmp) / 'result.json'"): OUTPUT,
+}  # fmt: skip
+
+
+def _names_a_file(node) -> bool:
+    import ast
+
+    text = isinstance(node, ast.JoinedStr) or (isinstance(node, ast.Constant) and isinstance(node.value, str))
+    return text or (isinstance(node, ast.Call) and ast.unparse(node.func) in ("Path", "str"))
+
+
+def _file_joins(root: Path) -> set[tuple[str, str]]:
+    """Joins outside the checkpoint package that name a file: arithmetic there (``a / b`` of numbers) is left out."""
+    import ast
+
+    found = set()
+    for path in sorted(root.rglob("*.py")):
+        if "checkpoint" in path.relative_to(root).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            divided = isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)
+            call = ast.unparse(node.func) if isinstance(node, ast.Call) else ""
+            joined = call == "os.path.join" or call.endswith(".joinpath") or (call in _PATHS and len(node.args) > 1)
+            if joined or (divided and (_names_a_file(node.left) or _names_a_file(node.right))):
+                found.add((path.relative_to(root).as_posix(), ast.unparse(node)))
+    return found
+
+
+def test_every_join_naming_a_file_elsewhere_in_hf_dist_is_reviewed():
+    """Outside the checkpoint package, a join that names a file is listed above with the folder it is in: none is a
+    checkpoint's (export's ``checkpoint / name``, reshard's ``latest_universal`` go through ConfinedFolder)."""
+    found = _file_joins(Path(__file__).resolve().parents[4] / "hf_dist")
+    assert found - set(REVIEWED_ELSEWHERE) == set(), "unreviewed joins: use ConfinedFolder.path, or review them"
+    assert set(REVIEWED_ELSEWHERE) - found == set(), "reviewed joins no longer in the code: drop them from the list"
 
 
 @pytest.mark.parametrize(
