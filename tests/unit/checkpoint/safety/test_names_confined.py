@@ -169,7 +169,7 @@ def test_every_join_in_the_checkpoint_package_is_reviewed():
 
 OUTPUT = "a file hf_dist writes into a run's output_dir, a temporary folder or a cache of its own: no checkpoint"
 MESSAGE = "a path shown in a message, never opened"
-USER_MODEL = ("the user's model folder: a hub cache snapshot links its files into ../../blobs, so a model folder is "
+USER_MODEL = ("the model folder the planner reads: a hub cache snapshot links its files into ../../blobs, so it is "
               "not confined (a checkpoint's side files are: formats/hf.py side_file)")  # fmt: skip
 # Joins elsewhere in hf_dist that name a file (a string, an f-string or a Path(...) on one side, os.path.join,
 # .joinpath, Path(a, b)): none reaches into a checkpoint but through ConfinedFolder.
@@ -273,4 +273,33 @@ def test_an_index_of_the_wrong_shape_is_one_line(index, said, tmp_path, tiny_sta
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "Traceback" not in err, err
         assert re.search(rf"{folder / 'model.safetensors.index.json'}:? {said}", err), err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["latest", "trainer_state.json", "config.json"])
+def test_a_name_of_hf_dists_own_that_links_out_is_refused_like_a_name_read_from_a_file(name, tmp_path, capsys):
+    """hf_dist's own names (``latest``, ``trainer_state.json``, ``config.json``) reach a checkpoint's files through
+    the same folder object: the layout reader refuses one that is a link out, naming the link and its target (it
+    used to read ``latest`` through the link, and to take the folder around a DCP folder holding a linked
+    ``config.json`` for the checkpoint), and ``convert`` refuses it in one line, writing nothing."""
+    from hf_dist.checkpoint.formats.contents import read_contents
+
+    ckpt = tmp_path / "run" / "checkpoint-3"
+    inner = ckpt / ("global_step3" if name == "latest" else "pytorch_model_fsdp_0")
+    inner.mkdir(parents=True)
+    if name == "latest":
+        (inner / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"x")
+        (inner / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    else:
+        (inner / ".metadata").write_bytes(b"x")
+        (inner / "__0_0.distcp").write_bytes(b"x")
+    secret = tmp_path / "secret"
+    secret.write_text("global_step3" if name == "latest" else "{}")
+    (ckpt / name).symlink_to(secret)
+    with pytest.raises(PathEscapeError, match=rf"refusing to read {ckpt / name}.*resolves to {secret}"):
+        read_contents(ckpt if name == "latest" else inner)
+    assert main(["convert", str(ckpt), str(tmp_path / "out"), "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "refusing to read" in err, err
+    assert str(ckpt / name) in err and str(secret) in err
     assert not (tmp_path / "out").exists()
