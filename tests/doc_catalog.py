@@ -443,10 +443,10 @@ CATALOG: dict[str, Entry] = {
         ),
     ),
     "python benchmarks/trace_accuracy.py --moe-planned --skip-gpu --out moe_planned.json": CannotRun(
-        "a benchmark: 59 layouts the planner picks for three mixtures of experts, 1646 s on 2 busy cores",
+        "a benchmark: 59 layouts the planner picks for three mixtures of experts, 1477 s on 2 busy cores",
         output=(
             "docs/measurements.md",
-            "| mixtral-8x7b | fsdp_full_shard tp4 w64 full+ckpt seq4096 mb4 | 30.93 | 31.12 |",
+            "| deepseek-v2-lite | fsdp_full_shard tp8 w64 full+ckpt seq4096 mb2 | 13.21 | 13.18 | 0.998 |",
         ),
     ),
     "python benchmarks/trace_accuracy.py --skip-models --gpu-only llama-3-8b": CannotRun(
