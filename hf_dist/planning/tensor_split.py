@@ -28,11 +28,13 @@ _ROWWISE = frozenset(s for s in _SPLITTING if "rowwise" in s and not s.startswit
 
 
 class TensorSplit(NamedTuple):
-    """What a tensor-parallel plan splits in the decoder layers. ``whole_params``: parameters of the largest layer
-    that every rank holds whole; ``whole_in_layers`` and ``layers_params``: those of every layer, and all their
-    parameters (a model's layers differ: DeepSeek's first is dense); ``heads``: the attention projections split by head; ``mlp``: the feed-forward width
-    (a dense model's MLP, an MoE's routed experts); ``shared``: an MoE's shared expert(s); ``dense``: the dense MLP of
-    an MoE's dense layers (DeepSeek's first)."""
+    """What a tensor-parallel plan splits in the decoder layers.
+
+    ``whole_params``: parameters of the largest layer that every rank holds whole. ``whole_in_layers`` and
+    ``layers_params``: those of every layer, and all their parameters (a model's layers differ: DeepSeek's first is
+    dense). Split or not: ``heads``, the attention projections by head; ``mlp``, the feed-forward width (a dense
+    model's MLP, an MoE's routed experts); ``shared``, an MoE's shared expert(s); ``dense``, the MLP of an MoE's
+    dense layers."""
 
     whole_params: int
     whole_in_layers: int
@@ -42,7 +44,8 @@ class TensorSplit(NamedTuple):
     shared: bool = True
     dense: bool = True
 
-    def split(self, size: int, tp_size: int, applies: bool) -> int:
+    @staticmethod
+    def split(size: int, tp_size: int, applies: bool) -> int:
         """``size`` per rank: ceil(size / tp) where the plan splits it, else whole."""
         return math.ceil(size / tp_size) if applies else size
 
