@@ -246,9 +246,9 @@ def _module_counts(model: Any) -> Counts:
     embed = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
     embedding = embed.weight.numel() if embed is not None and hasattr(embed, "weight") else 0
     attention = "sdpa" if getattr(type(base), "_supports_sdpa", True) else "eager"
-    prefix = next((n for n, m in base.named_modules() if m is layers), "") if layers is not None else ""
-    split = tensor_split(layers, prefix, getattr(base, "tp_plan", None), index)
-    return Counts(total, layer, embedding, norms, linears, attention, _inventory(base, layers, index), split)
+    inventory = _inventory(base, layers, index)
+    split = tensor_split(layers, inventory.layer_prefix, getattr(base, "tp_plan", None), index)
+    return Counts(total, layer, embedding, norms, linears, attention, inventory, split)
 
 
 def _inventory(base: Any, layers: Any, index: int = 0) -> Inventory:

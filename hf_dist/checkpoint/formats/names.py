@@ -101,11 +101,8 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, str]]:
 
 def is_checkpoint_dir(path: Path) -> bool:
     """True for a Trainer ``checkpoint-N`` folder itself (by its name, marker or trainer state), not a run's output_dir."""
-    return (
-        bool(CHECKPOINT_DIR_RE.match(path.name))
-        or ConfinedFolder(path).is_file(MANIFEST_NAME)
-        or ConfinedFolder(path).is_file(TRAINER_STATE)
-    )
+    folder = ConfinedFolder(path)
+    return bool(CHECKPOINT_DIR_RE.match(path.name)) or folder.is_file(MANIFEST_NAME) or folder.is_file(TRAINER_STATE)
 
 
 def is_training_state(name: str) -> bool:

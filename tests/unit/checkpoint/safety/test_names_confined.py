@@ -143,19 +143,31 @@ REVIEWED_JOINS = {
 _PATHS = ("Path", "PurePath", "PurePosixPath")
 
 
-def _joins(root: Path) -> set[tuple[str, str]]:
-    """Every ``a / b``, ``os.path.join``, ``.joinpath`` and ``Path(a, b)`` under ``root``, as (file, source)."""
+def _joins(root: Path, *, files_only: bool = False, skip: str | None = None) -> set[tuple[str, str]]:
+    """Every ``a / b``, ``os.path.join``, ``.joinpath`` and ``Path(a, b)`` under ``root`` (but in folder ``skip``), as
+    (file, source). ``files_only``: an ``a / b`` only when one side names a file (arithmetic left out)."""
     import ast
 
     found = set()
     for path in sorted(root.rglob("*.py")):
+        if skip in path.relative_to(root).parts:
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             divided = isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)
+            divided = divided and (not files_only or _names_a_file(node.left) or _names_a_file(node.right))
             call = ast.unparse(node.func) if isinstance(node, ast.Call) else ""
             joined = call == "os.path.join" or call.endswith(".joinpath") or (call in _PATHS and len(node.args) > 1)
             if divided or joined:
                 found.add((path.relative_to(root).as_posix(), ast.unparse(node)))
     return found
+
+
+def _names_a_file(node) -> bool:
+    """A string, an f-string or a ``Path(...)``/``str(...)`` call."""
+    import ast
+
+    text = isinstance(node, ast.JoinedStr) or (isinstance(node, ast.Constant) and isinstance(node.value, str))
+    return text or (isinstance(node, ast.Call) and ast.unparse(node.func) in ("Path", "str"))
 
 
 def test_every_join_in_the_checkpoint_package_is_reviewed():
@@ -212,34 +224,10 @@ REVIEWED_ELSEWHERE = {
 }  # fmt: skip
 
 
-def _names_a_file(node) -> bool:
-    import ast
-
-    text = isinstance(node, ast.JoinedStr) or (isinstance(node, ast.Constant) and isinstance(node.value, str))
-    return text or (isinstance(node, ast.Call) and ast.unparse(node.func) in ("Path", "str"))
-
-
-def _file_joins(root: Path) -> set[tuple[str, str]]:
-    """Joins outside the checkpoint package that name a file: arithmetic there (``a / b`` of numbers) is left out."""
-    import ast
-
-    found = set()
-    for path in sorted(root.rglob("*.py")):
-        if "checkpoint" in path.relative_to(root).parts:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            divided = isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)
-            call = ast.unparse(node.func) if isinstance(node, ast.Call) else ""
-            joined = call == "os.path.join" or call.endswith(".joinpath") or (call in _PATHS and len(node.args) > 1)
-            if joined or (divided and (_names_a_file(node.left) or _names_a_file(node.right))):
-                found.add((path.relative_to(root).as_posix(), ast.unparse(node)))
-    return found
-
-
 def test_every_join_naming_a_file_elsewhere_in_hf_dist_is_reviewed():
     """Outside the checkpoint package, a join that names a file is listed above with the folder it is in: none is a
     checkpoint's (export's ``checkpoint / name``, reshard's ``latest_universal`` go through ConfinedFolder)."""
-    found = _file_joins(Path(__file__).resolve().parents[4] / "hf_dist")
+    found = _joins(Path(__file__).resolve().parents[4] / "hf_dist", files_only=True, skip="checkpoint")
     assert found - set(REVIEWED_ELSEWHERE) == set(), "unreviewed joins: use ConfinedFolder.path, or review them"
     assert set(REVIEWED_ELSEWHERE) - found == set(), "reviewed joins no longer in the code: drop them from the list"
 
