@@ -74,11 +74,7 @@ class CompleteCheckpointCallback(TrainerCallback):
         resumed = Path(args.output_dir) / f"checkpoint-{state.global_step}" if state.global_step else None
         parent = None
         if resumed is not None:
-            try:
-                found = manifest.read_manifest(resumed)
-                parent = found.get("run") if isinstance(found, dict) else None
-            except ValueError:
-                parent = None
+            parent = manifest.load_manifest(resumed).run
         runs.begin_run(args.output_dir, self.run, start_step=state.global_step,
                        resumed_from=resumed.name if resumed is not None else None, parent_run=parent)  # fmt: skip
 

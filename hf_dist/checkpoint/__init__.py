@@ -3,8 +3,9 @@
 - ``formats/``: what a checkpoint folder holds and how to read it. ``formats.contents`` answers which layout a folder
   has and which files it must hold (format, family, world size, tag/step, per-rank files), read from file names by
   :func:`hf_dist.checkpoint.formats.contents.read_contents`: the one model convert, reshard and resume use; every file
-  name and pattern it reads in ``formats.names``. Beside it
-  the reader interface (``reader``), one reader per training format (``deepspeed``, ``autotp``, ``dcp``, ``hf``)
+  name and pattern it reads in ``formats.names``. ``formats.checkpoint_folder.open_checkpoint`` opens a checkpoint
+  once: its folder object, that layout and its manifest (parsed there only), one frozen object every check and reader
+  takes. Beside it the reader interface (``reader``), one reader per training format (``deepspeed``, ``autotp``, ``dcp``, ``hf``)
   and the parameter specs of known model families (``param_specs``).
 - ``write/``: converted weights written as a Hugging Face folder (``hf_folder``) or a DCP folder (``dcp``).
 - ``safety/``: nothing from a checkpoint runs: every unpickle is torch's ``weights_only`` load with one allowlist,

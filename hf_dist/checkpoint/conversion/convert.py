@@ -16,7 +16,8 @@ from typing import Any
 
 from hf_dist.checkpoint.conversion import conversion_plan, transform
 from hf_dist.checkpoint.conversion.gathered import checked_reader, verification_notes
-from hf_dist.checkpoint.formats.contents import CheckpointContents, read_contents
+from hf_dist.checkpoint.formats.checkpoint_folder import CheckpointFolder, open_checkpoint
+from hf_dist.checkpoint.formats.contents import CheckpointContents
 from hf_dist.checkpoint.formats.hf import config_dir, side_file
 from hf_dist.checkpoint.formats.names import MANIFEST_NAME
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
@@ -63,36 +64,41 @@ class ConversionReport:
         return "\n".join(lines)
 
 
-def open_reader(info: CheckpointContents, *, trust_pickles: bool = False) -> tuple[CheckpointContents, Reader]:
-    """The reader of ``info``'s format, once no link in the checkpoint leads outside it (every file a reader opens
-    is then inside: the names come from listing the folder, DeepSpeed's ``latest`` and DCP's metadata are
-    confined where they are read), and ``info`` refined by what the reader found (``Reader.found``)."""
-    reader = _reader(info, trust_pickles)
+def open_reader(
+    checkpoint: CheckpointFolder, *, config: Path | None = None, trust_pickles: bool = False
+) -> tuple[CheckpointContents, Reader]:
+    """The reader of the checkpoint's format, once no link in it leads outside it (every file a reader opens is then
+    inside: the names come from listing the folder, DeepSpeed's ``latest`` and DCP's metadata are confined where they
+    are read) and it matches its manifest, and its layout refined by what the reader found (``Reader.found``;
+    ``config``: the model config folder the user named, in place of the one found beside the checkpoint)."""
+    info = checkpoint.contents if config is None else replace(checkpoint.contents, config_dir=config)
+    if info.path.is_file():
+        confined(info.path, checkpoint.root)
+    else:  # the Trainer checkpoint around the folder holds it (swap files, DeepSpeed tags)
+        check_tree_confined(checkpoint.root)
+        require_match(checkpoint)  # a checkpoint with a manifest is read only as it was written
+    reader = _reader(replace(checkpoint, contents=info), trust_pickles)
     return replace(info, **reader.found), reader
 
 
-def _reader(info: CheckpointContents, trust_pickles: bool) -> Reader:
-    if info.path.is_file():
-        confined(info.path, info.root)
-    else:  # the Trainer checkpoint around the folder holds it (swap files, DeepSpeed tags)
-        check_tree_confined(info.root)
-        require_match(info.root)  # a checkpoint with a manifest is read only as it was written
+def _reader(checkpoint: CheckpointFolder, trust_pickles: bool) -> Reader:
+    info = checkpoint.contents
     if info.format == "deepspeed" and info.tp_size > 1:
         from hf_dist.checkpoint.formats.autotp import AutoTPReader
 
-        return AutoTPReader(info, trust_pickles=trust_pickles)
+        return AutoTPReader(checkpoint, trust_pickles=trust_pickles)
     if info.format == "deepspeed":
         from hf_dist.checkpoint.formats.deepspeed import DeepSpeedReader
 
-        return DeepSpeedReader(info, trust_pickles=trust_pickles)
+        return DeepSpeedReader(checkpoint, trust_pickles=trust_pickles)
     if info.format == "dcp":
         from hf_dist.checkpoint.formats.dcp import DCPReader
 
-        return DCPReader(info, trust_pickles=trust_pickles)
+        return DCPReader(checkpoint, trust_pickles=trust_pickles)
     from hf_dist.checkpoint.formats.hf import HFReader, TorchFileReader
 
     cls = TorchFileReader if info.format == "fsdp_full" else HFReader
-    return cls(info, trust_pickles=trust_pickles)
+    return cls(checkpoint, trust_pickles=trust_pickles)
 
 
 def convert(
@@ -120,12 +126,11 @@ def convert(
     start = time.perf_counter()
     _check_arguments(dtype, to, adapter, merge_adapter)
     dst = check_output_path(dst, sources=[src], overwrite=overwrite)
-    info = read_contents(src, tag=tag)
-    sources = (src, info.path, info.root)
+    checkpoint = open_checkpoint(src, tag=tag)
+    sources = (src, checkpoint.contents.path, checkpoint.root)
     check_output_path(dst, sources=sources, overwrite=overwrite)
-    if model_config is not None:
-        info = replace(info, config_dir=config_dir(model_config))
-    info, reader = open_reader(info, trust_pickles=trust_pickles)
+    config = config_dir(model_config) if model_config is not None else None
+    info, reader = open_reader(checkpoint, config=config, trust_pickles=trust_pickles)
     try:
         specs = reader.specs()
         info = replace(info, num_params=sum(s.numel for s in specs.values()))
@@ -133,8 +138,8 @@ def convert(
             info, specs, adapter=adapter, merge_adapter=merge_adapter, trust_remote_code=trust_remote_code
         )
         out_specs = _output_specs(conversion, reader.train_dtype, dtype)
-        if unverified := _unverified(info):
-            reader = checked_reader(info, reader, _unchanged_sources(conversion), trust_pickles=trust_pickles)
+        if unverified := _unverified(checkpoint):
+            reader = checked_reader(checkpoint, reader, _unchanged_sources(conversion), trust_pickles=trust_pickles)
         if to == "dcp":
             from hf_dist.checkpoint.write.dcp import write_dcp
 
@@ -182,18 +187,12 @@ def _report(
     )
 
 
-def _unverified(info: Any) -> str:
+def _unverified(checkpoint: CheckpointFolder) -> str:
     """What a sharded checkpoint without hf_dist's manifest leaves unproven: each file's length and header are
     checked, but not that the files are the ones the run wrote (the manifest's hashes would show that)."""
-    from hf_dist.checkpoint.lifecycle.manifest import read_manifest
-
-    if info.format not in ("deepspeed", "dcp") or info.path.is_file():
-        return ""
-    try:
-        if read_manifest(info.root) is not None:
-            return ""  # open_reader matched every file to it
-    except ValueError:
-        return ""  # refused by open_reader already
+    info = checkpoint.contents
+    if info.format not in ("deepspeed", "dcp") or info.path.is_file() or checkpoint.manifest.present:
+        return ""  # a manifest: open_reader matched every file to it (or refused it)
     return (
         f"not verified: {info.root} has no {MANIFEST_NAME} (written under hf_dist.callbacks.attach), so nothing shows "
         "its rank files are the ones the run wrote; lengths and headers were checked, but two ranks' files exchanged, "

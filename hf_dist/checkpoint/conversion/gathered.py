@@ -14,11 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.formats.contents import CheckpointContents
+from hf_dist.checkpoint.formats.checkpoint_folder import CheckpointFolder, open_checkpoint
 from hf_dist.checkpoint.formats.hf import HFReader
 from hf_dist.checkpoint.formats.names import CHECKPOINT_DIR_RE, HF_WEIGHT_NAMES
 from hf_dist.checkpoint.formats.reader import Reader
-from hf_dist.checkpoint.safety.paths import ConfinedFolder
 
 _MODEL_WEIGHTS = tuple(n for n in HF_WEIGHT_NAMES if not n.startswith("adapter_"))
 
@@ -27,17 +26,17 @@ class GatheredCopyMismatch(ValueError):
     """A tensor read from the rank files differs from the copy the Trainer gathered at the same save."""
 
 
-def gathered_weights(info: CheckpointContents) -> Path | None:
+def gathered_weights(checkpoint: CheckpointFolder) -> Path | None:
     """The gathered model weights in a Trainer ``checkpoint-N`` folder beside its own tag ``global_stepN`` (one save
     wrote both), when there are some. A DeepSpeed folder of several tags, or weights saved at another step, is not
     compared; nor is AutoTP, whose Trainer save was never compared with its rank files on a real run."""
-    own_folder = CHECKPOINT_DIR_RE.match(info.root.name)
+    info = checkpoint.contents
+    own_folder = CHECKPOINT_DIR_RE.match(checkpoint.root.name)
     if info.format != "deepspeed" or info.tp_size > 1 or own_folder is None:
         return None
     if info.tag != f"global_step{own_folder.group(1)}":
         return None
-    folder = ConfinedFolder(info.root)
-    return next((path for path in map(folder.path, _MODEL_WEIGHTS) if path.is_file()), None)
+    return next((path for path in map(checkpoint.path, _MODEL_WEIGHTS) if path.is_file()), None)
 
 
 class GatheredCheck(Reader):
@@ -51,10 +50,7 @@ class GatheredCheck(Reader):
         super().__init__()
         self.reader, self.weights = reader, weights
         self._specs, self.aliases, self.train_dtype = reader.specs(), reader.aliases, reader.train_dtype
-        folder = weights.parent
-        self.gathered = HFReader(
-            CheckpointContents("hf", folder, folder, files=[weights]), trust_pickles=trust_pickles
-        )
+        self.gathered = HFReader(open_checkpoint(weights), trust_pickles=trust_pickles)
         copies = self.gathered.specs()
         self.names = {source: out for source, out in names.items() if out in copies}
         self.checked: set[str] = set()
@@ -101,11 +97,11 @@ def _mismatch(name: str, value: Any, copy: Any, weights: Path) -> str:
     )
 
 
-def checked_reader(info: CheckpointContents, reader: Reader, names: dict[str, str], *,
+def checked_reader(checkpoint: CheckpointFolder, reader: Reader, names: dict[str, str], *,
                    trust_pickles: bool = False) -> Reader:  # fmt: skip
-    """``reader`` wrapped in a :class:`GatheredCheck` when ``info`` is a ZeRO checkpoint without a manifest that holds
-    gathered weights; ``names`` maps the source of each output tensor written unchanged to its output name."""
-    weights = gathered_weights(info)
+    """``reader`` wrapped in a :class:`GatheredCheck` when the checkpoint is a ZeRO checkpoint without a manifest that
+    holds gathered weights; ``names`` maps the source of each output tensor written unchanged to its output name."""
+    weights = gathered_weights(checkpoint)
     if weights is None:
         return reader
     return GatheredCheck(reader, weights, names, trust_pickles=trust_pickles)

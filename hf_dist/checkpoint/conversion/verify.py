@@ -15,7 +15,8 @@ from typing import Any
 
 from hf_dist.checkpoint.conversion import conversion_plan, transform
 from hf_dist.checkpoint.conversion.convert import BATCH_BYTES, open_reader
-from hf_dist.checkpoint.formats.contents import CheckpointContents, read_contents
+from hf_dist.checkpoint.formats.checkpoint_folder import open_checkpoint
+from hf_dist.checkpoint.formats.contents import CheckpointContents
 from hf_dist.checkpoint.formats.hf import config_dir
 from hf_dist.checkpoint.formats.reader import Reader
 
@@ -81,7 +82,7 @@ class _Side:
     reader: Reader
 
     def __init__(self, path: str | Path, trust_pickles: bool) -> None:
-        self.info, self.reader = open_reader(read_contents(path), trust_pickles=trust_pickles)
+        self.info, self.reader = open_reader(open_checkpoint(path), trust_pickles=trust_pickles)
         self.names: dict[str, str] = {}
 
     def map_names(self, config_dir: Path | None, other: set[str] | None = None, *, trust_remote_code: bool) -> None:

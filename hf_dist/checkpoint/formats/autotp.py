@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from hf_dist.checkpoint.formats.checkpoint_folder import CheckpointFolder
 from hf_dist.checkpoint.formats.contents import CheckpointContents
 from hf_dist.checkpoint.formats.deepspeed import DeepSpeedReader
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
@@ -24,9 +25,10 @@ REPLICATED, ROW_PARALLEL = "tp_replicated_parameter_patterns", "parameter_with_r
 
 
 class AutoTPReader(Reader):
-    def __init__(self, info: CheckpointContents, *, trust_pickles: bool = False) -> None:
+    def __init__(self, checkpoint: CheckpointFolder, *, trust_pickles: bool = False) -> None:
         super().__init__()
-        self.parts = [DeepSpeedReader(info, trust_pickles=trust_pickles, mp_rank=m) for m in range(info.tp_size)]
+        info = checkpoint.contents
+        self.parts = [DeepSpeedReader(checkpoint, trust_pickles=trust_pickles, mp_rank=m) for m in range(info.tp_size)]
         first = self.parts[0]
         if first.stage == 3:
             raise ValueError(

@@ -93,6 +93,7 @@ class CheckpointContents:
     rank_files: dict[str, dict[int, list[Path]]] = field(default_factory=dict)
     num_params: int | None = None
     tp_size: int = 1  # DeepSpeed AutoTP: tensor-parallel ranks (mp_rank_XX files); world_size counts every rank
+    unread: str | None = None  # read_contents(strict=False) of a folder it could not read: why
 
     def __post_init__(self) -> None:
         if self.format is not None and self.format not in FORMATS:
@@ -150,10 +151,10 @@ def read_contents(path: str | Path, *, tag: str | None = None, strict: bool = Tr
                 raise ValueError(_unknown_layout_message(path))
         except PathEscapeError:
             raise  # never "no layout": a path leading out is refused whatever the caller tolerates
-        except (ValueError, FileNotFoundError):
+        except (ValueError, FileNotFoundError) as exc:
             if strict:
                 raise
-            layout = CheckpointContents(None, path, path)
+            layout = CheckpointContents(None, path, path, unread=str(exc))
     return _with_rank_files(layout, path.is_dir())
 
 

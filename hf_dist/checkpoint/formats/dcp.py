@@ -21,19 +21,18 @@ import io
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.formats.contents import CheckpointContents
+from hf_dist.checkpoint.formats.checkpoint_folder import CheckpointFolder
 from hf_dist.checkpoint.formats.names import DCP_METADATA, DCP_SHARD_FILE_RE
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
 from hf_dist.checkpoint.safety.dcp_metadata import load_metadata
 from hf_dist.checkpoint.safety.errors import CorruptCheckpointError
-from hf_dist.checkpoint.safety.paths import ConfinedFolder
 
 
 class DCPReader(Reader):
-    def __init__(self, info: CheckpointContents, *, trust_pickles: bool = False) -> None:
+    def __init__(self, checkpoint: CheckpointFolder, *, trust_pickles: bool = False) -> None:
         super().__init__()
-        self.folder = info.path
-        self._data = ConfinedFolder(info.path)
+        self._data = checkpoint.data
+        self.folder = self._data.root
         self.trust_pickles = trust_pickles
         metadata = load_metadata(self.folder, trust_pickles=trust_pickles, stand_ins=True)
         self._check_files(metadata)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.formats.contents import CheckpointContents
+from hf_dist.checkpoint.formats.checkpoint_folder import CheckpointFolder
 from hf_dist.checkpoint.formats.names import OPTIM_FILE_RE, PIPELINE_LAYER_GLOB, ZERO3_MODEL_FILE_RE, tp_model_file
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
 from hf_dist.checkpoint.safety.loading import safe_load
@@ -55,9 +55,10 @@ class DeepSpeedReader(Reader):
     """The data-parallel ZeRO checkpoint of one tensor-parallel rank ``mp_rank`` (0: the only one without AutoTP;
     :class:`hf_dist.checkpoint.formats.autotp.AutoTPReader` merges the ranks of an AutoTP checkpoint)."""
 
-    def __init__(self, info: CheckpointContents, *, trust_pickles: bool = False, mp_rank: int = 0) -> None:
+    def __init__(self, checkpoint: CheckpointFolder, *, trust_pickles: bool = False, mp_rank: int = 0) -> None:
         super().__init__()
-        self.info = info
+        self.info, self._data = checkpoint.contents, checkpoint.data
+        info = self.info
         self.trust_pickles = trust_pickles
         self.mp_rank = mp_rank
         self._cache: dict[Path, Any] = {}
@@ -244,7 +245,7 @@ class DeepSpeedReader(Reader):
         / ValueError naming it)."""
         import torch
 
-        folder = ConfinedFolder(self.info.path)
+        folder = self._data
         out: list[Path] = []
         for g, tensor in enumerate(groups):
             ds_id = getattr(tensor, "ds_id", None)
@@ -278,7 +279,7 @@ class DeepSpeedReader(Reader):
 
     def _swap_files(self, rank: int, groups: list) -> list[Path | None]:
         """Per flat group of ``rank``: the NVMe swap file holding its fp32 partition, or None when it is stored inline."""
-        folder = ConfinedFolder(self.info.path)
+        folder = self._data
         out: list[Path | None] = []
         for g, tensor in enumerate(groups):
             ds_id = getattr(tensor, "ds_id", None)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hf_dist.checkpoint.formats.checkpoint_folder import CheckpointFolder
 from hf_dist.checkpoint.formats.contents import CheckpointContents
 from hf_dist.checkpoint.formats.reader import Reader, TensorSpec
 from hf_dist.checkpoint.safety.loading import CorruptCheckpointError, safe_load
@@ -31,12 +32,13 @@ MODEL_FILES = ("generation_config.json",)
 class HFReader(Reader):
     """Safetensors (single or sharded, read lazily with ``safe_open``) or ``pytorch_model*.bin``."""
 
-    def __init__(self, info: CheckpointContents, *, trust_pickles: bool = False) -> None:
+    def __init__(self, checkpoint: CheckpointFolder, *, trust_pickles: bool = False) -> None:
         super().__init__()
-        self.folder = info.path
+        self._data = checkpoint.data
+        self.folder = self._data.root
         self.trust_pickles = trust_pickles
         self._file_of: dict[str, Path] = {}
-        for path in self._weight_files(info):
+        for path in self._weight_files(checkpoint.contents):
             for name, spec in self._file_specs(path).items():
                 self._file_of[name] = path
                 self._specs[name] = spec
@@ -46,8 +48,7 @@ class HFReader(Reader):
         given = info.files[0]
         if given.name.endswith(".index.json"):
             weight_map = read_weight_map(given)
-            folder = ConfinedFolder(self.folder)
-            files = sorted({folder.path(f, named_in=given) for f in weight_map.values()})
+            files = sorted({self._data.path(f, named_in=given) for f in weight_map.values()})
             missing = [str(f) for f in files if not f.is_file()]
             if missing:
                 raise FileNotFoundError(f"{given} lists shard files that are missing: {missing}")
@@ -98,9 +99,11 @@ class HFReader(Reader):
 class TorchFileReader(HFReader):
     """An FSDP full state dict (``pytorch_model_fsdp.bin``): one torch pickle, memory-mapped."""
 
-    def __init__(self, info: CheckpointContents, *, trust_pickles: bool = False) -> None:
+    def __init__(self, checkpoint: CheckpointFolder, *, trust_pickles: bool = False) -> None:
         Reader.__init__(self)
-        self.folder = info.path.parent
+        info = checkpoint.contents
+        self._data = checkpoint.data
+        self.folder = self._data.root
         self.trust_pickles = trust_pickles
         self._file_of = {}
         for name, spec in self._file_specs(info.path).items():

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hf_dist.checkpoint.formats.checkpoint_folder import CheckpointFolder, open_checkpoint
 from hf_dist.checkpoint.formats.names import (
     CHECKPOINT_DIR_RE,
     MANIFEST_NAME,
@@ -186,15 +187,14 @@ def _refuse_unproven(output_dir: str | os.PathLike, skipped: list[str]) -> None:
 
 def _not_resumable(path: str, step: int, live_world: int, journal: runs.RunRecord | None) -> list[str]:
     """Why ``path`` cannot be resumed: its manifest's disagreements with the disk, or without one the layout's proof;
-    and whether it belongs to the run that last trained in the folder."""
-    folder = Path(path)
+    and whether it belongs to the run that last trained in the folder. The folder is opened once for all of it."""
+    checkpoint = open_checkpoint(path, strict=False)
     run = None
-    if manifest.has_manifest(folder):
-        reasons = _verified(folder)
-        found = manifest.read_manifest(folder) if not reasons else None
-        run = found.get("run") if isinstance(found, dict) else None
+    if checkpoint.manifest.judged:
+        reasons = _verified(checkpoint)
+        run = checkpoint.manifest.run if not reasons else None
     else:
-        reasons = proof.unproven_reasons(folder, live_world)
+        reasons = proof.unproven_reasons(checkpoint, live_world)
         if not reasons:
             logger.info("auto_resume: %s has no %s (hf_dist's callbacks were not attached); proved complete from "
                         "the files its strategy writes", path, MANIFEST_NAME)  # fmt: skip
@@ -204,16 +204,16 @@ def _not_resumable(path: str, step: int, live_world: int, journal: runs.RunRecor
     return reasons + ([lineage] if lineage else [])
 
 
-def _verified(folder: Path) -> list[str]:
+def _verified(checkpoint: CheckpointFolder) -> list[str]:
     """The manifest's disagreements with the disk; with several ranks launched each hashes its share of the files
     and every rank gets every reason (a collective: every rank checks the same folders in the same order)."""
     from hf_dist.runtime import dist as _dist
 
     if not _dist.is_distributed() or _dist.world_size() < 2:
-        return manifest.incomplete_reasons(folder)
-    mine = manifest.own_files(folder, _dist.rank(), _dist.world_size())
+        return manifest.incomplete_reasons(checkpoint)
+    mine = manifest.own_files(checkpoint.root, _dist.rank(), _dist.world_size())
     merged: list[str] = []
-    for reasons in _dist.gather_objects(manifest.incomplete_reasons(folder, files=mine)):
+    for reasons in _dist.gather_objects(manifest.incomplete_reasons(checkpoint, files=mine)):
         merged += [r for r in reasons or [] if r not in merged]
     return merged
 

@@ -10,7 +10,9 @@ pending-write note naming the save, so a save that dies half way leaves a folder
 :func:`incomplete_reasons` compares a folder with its manifest: a listed file missing, of another size or other
 content, a file not listed, a pending-write note of another save. A folder without a manifest (a plain Trainer
 run, an older hf_dist's size-only marker) is proved from the layout of what its strategy writes
-(:func:`unmarked_reasons`): every file present and readable, or it is skipped with the reason.
+(:func:`hf_dist.checkpoint.lifecycle.proof.unproven_reasons`): every file present and readable, or it is skipped with
+the reason. The file is parsed in one place, when the checkpoint is opened
+(:func:`hf_dist.checkpoint.formats.checkpoint_folder.load_manifest`).
 
 Cost of the content hash: SHA-256 reads every byte once, about 2.3 s per GiB on one core of the 2-core CI machine
 (measured while other jobs ran, docs/fault-tolerance.md); every rank hashes its own files, so a save's hashing
@@ -29,7 +31,14 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from hf_dist.atomic_io import atomic_write_json
-from hf_dist.checkpoint.formats.contents import read_contents
+from hf_dist.checkpoint.formats.checkpoint_folder import (
+    MANIFEST_VERSION,
+    CheckpointFolder,
+    Manifest,
+    as_checkpoint,
+    load_manifest,
+)
+from hf_dist.checkpoint.formats.contents import CheckpointContents, read_contents
 from hf_dist.checkpoint.formats.names import (
     LATEST,
     LATEST_UNIVERSAL,
@@ -40,10 +49,6 @@ from hf_dist.checkpoint.formats.names import (
     owner_rank,
 )
 from hf_dist.checkpoint.safety.paths import ConfinedFolder, PathEscapeError, is_inside
-
-MANIFEST_VERSION = 2
-# An hf_dist before the manifest wrote version 1: sizes only, no run, kept readable as "no manifest".
-SIZE_ONLY_VERSION = 1
 
 
 def new_id() -> str:
@@ -207,59 +212,42 @@ def write_manifest(
 
 def extend_manifest(folder: Path, rels: Iterable[str]) -> None:
     """Rank 0: add files written into a complete checkpoint after its manifest (an export) to that manifest."""
-    folder = Path(folder)
-    manifest = read_manifest(folder)
-    if not isinstance(manifest, dict) or manifest.get("version") != MANIFEST_VERSION:
+    files = ConfinedFolder(Path(folder))
+    manifest = load_manifest(files).data
+    if manifest is None or manifest.get("version") != MANIFEST_VERSION:
         return
-    manifest["files"].update(entries(folder, rels))
-    atomic_write_json(ConfinedFolder(folder).path(MANIFEST_NAME), manifest, indent=1, sort_keys=True)
+    manifest["files"].update(entries(files.root, rels))
+    atomic_write_json(files.path(MANIFEST_NAME), manifest, indent=1, sort_keys=True)
 
 
 # ---------------------------------------------------------------- reading
 
 
-def read_manifest(folder: Path) -> Any:
-    """The parsed manifest of ``folder`` (or an older hf_dist's size-only marker), None when there is none; raises
-    ValueError when it is unreadable or a link out of ``folder``. The one parser of the file."""
-    try:
-        path = ConfinedFolder(Path(folder)).path(MANIFEST_NAME)
-    except PathEscapeError as exc:
-        raise ValueError(f"unreadable {MANIFEST_NAME}: {exc}") from None
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nesting past the parser's depth
-        raise ValueError(f"unreadable {MANIFEST_NAME}: {type(exc).__name__}: {str(exc)[:200]}") from None
+def incomplete_reasons(
+    checkpoint: CheckpointFolder | str | os.PathLike, *, files: Iterable[str] | None = None
+) -> list[str]:
+    """Why the checkpoint (opened, or a folder to open) does not match its manifest; empty when it does (``files``:
+    hash only these, when ranks share the work; everything else is still checked). A folder without a manifest is not
+    complete here."""
+    checkpoint = as_checkpoint(checkpoint)
+    return _disagreements(checkpoint.files, checkpoint.manifest, checkpoint.contents, files) + _derived_reasons(
+        checkpoint.files
+    )
 
 
-def has_manifest(folder: Path) -> bool:
-    """True when ``folder`` holds a manifest of this version (not an older size-only marker)."""
-    try:
-        manifest = read_manifest(folder)
-    except ValueError:
-        return True  # unreadable: judged (and refused) as a manifest
-    return isinstance(manifest, dict) and manifest.get("version") != SIZE_ONLY_VERSION
-
-
-def incomplete_reasons(folder: str | os.PathLike, *, files: Iterable[str] | None = None) -> list[str]:
-    """Why ``folder`` does not match its manifest; empty when it does (``files``: hash only these, when ranks
-    share the work; everything else is still checked). A folder without a manifest is not complete here."""
-    folder = Path(folder)
-    try:
-        manifest = read_manifest(folder)
-    except ValueError as exc:
-        return [str(exc)]
-    if manifest is None:
+def _disagreements(
+    listed: ConfinedFolder, manifest: Manifest, contents: CheckpointContents, files: Iterable[str] | None
+) -> list[str]:
+    """What differs between the folder ``listed`` and its parsed ``manifest``."""
+    if manifest.problem is not None:
+        return [manifest.problem]
+    if manifest.data is None:
         return [f"no {MANIFEST_NAME} (the save did not finish on every rank)"]
-    problem = malformed(manifest)
-    if problem:
-        return [f"malformed {MANIFEST_NAME}: {problem}"]
-    reasons = _note_reasons(folder, manifest)
+    folder, data = listed.root, manifest.data
+    reasons = _note_reasons(listed, data)
     on_disk = set(checkpoint_files(folder))
     hash_these = set(on_disk if files is None else files)
-    listed = ConfinedFolder(folder)
-    for rel, entry in manifest["files"].items():
+    for rel, entry in data["files"].items():
         path = listed.path(rel, named_in=listed.path(MANIFEST_NAME))
         if rel not in on_disk:
             reasons.append(f"{rel} is missing")
@@ -267,29 +255,30 @@ def incomplete_reasons(folder: str | os.PathLike, *, files: Iterable[str] | None
             reasons.append(f"{rel} has {path.stat().st_size} bytes, the manifest says {entry['size']}")
         elif "sha256" in entry and rel in hash_these and hash_file(path) != entry["sha256"]:
             reasons.append(f"{rel} differs from the manifest (SHA-256; same size, other content)")
-    unlisted = sorted(on_disk - set(manifest["files"]))
+    unlisted = sorted(on_disk - set(data["files"]))
     if unlisted:
         reasons.append(f"{', '.join(unlisted[:3])}{' ...' if len(unlisted) > 3 else ''} not in the manifest "
                        "(written after it: another save or another run)")  # fmt: skip
-    reasons += [f"{what} is missing" for what in read_contents(folder, strict=False).missing_rank_files(
-        manifest.get("world_size") or 1)]  # fmt: skip
-    return reasons + _derived_reasons(folder)
+    return reasons + [f"{what} is missing" for what in contents.missing_rank_files(data.get("world_size") or 1)]
 
 
-def _derived_reasons(folder: Path) -> list[str]:
+def _derived_reasons(root: ConfinedFolder) -> list[str]:
     """A universal copy beside the save is checked against its own manifest (one without: an unchecked copy)."""
     reasons = []
-    root = ConfinedFolder(folder)
-    for sub in sorted(p for p in folder.iterdir() if p.is_dir() and p.name.endswith(UNIVERSAL_SUFFIX)):
-        if not root.folder(sub.name).is_file(MANIFEST_NAME):
+    for sub in sorted(p for p in root.root.iterdir() if p.is_dir() and p.name.endswith(UNIVERSAL_SUFFIX)):
+        copy = root.folder(sub.name)
+        found = load_manifest(copy)
+        if not found.present:
             reasons.append(f"{sub.name}/ has no {MANIFEST_NAME} (a universal copy hf_dist did not make)")
             continue
-        reasons += [f"{sub.name}/{reason}" for reason in incomplete_reasons(sub)]
+        contents = read_contents(copy.root, strict=False)
+        reasons += [f"{sub.name}/{reason}" for reason in _disagreements(copy, found, contents, None)]
+        reasons += [f"{sub.name}/{reason}" for reason in _derived_reasons(copy)]
     return reasons
 
 
-def _note_reasons(folder: Path, manifest: dict) -> list[str]:
-    note_path = ConfinedFolder(folder).path(WRITING_NAME)
+def _note_reasons(folder: ConfinedFolder, manifest: dict) -> list[str]:
+    note_path = folder.path(WRITING_NAME)
     if not note_path.is_file():
         return []
     try:
@@ -304,44 +293,25 @@ def _note_reasons(folder: Path, manifest: dict) -> list[str]:
     ]
 
 
-def malformed(manifest: Any) -> str | None:
-    """What is wrong with a parsed manifest's structure, or None."""
-    if not isinstance(manifest, dict):
-        return f"expected a JSON object, got {type(manifest).__name__}"
-    files = manifest.get("files")
-    if not isinstance(files, dict):
-        return f'"files" must be an object of path -> {{"size", "sha256"}}, got {type(files).__name__}'
-    world = manifest.get("world_size", 1)
-    if world is not None and (not isinstance(world, int) or isinstance(world, bool) or world < 1):
-        return f'"world_size" must be a positive integer, got {world!r}'
-    for rel, entry in files.items():
-        size = entry.get("size") if isinstance(entry, dict) else None
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            return f"the entry of {rel} has no integer size ({entry!r})"
-        if Path(rel).is_absolute() or ".." in Path(rel).parts:
-            return f"the entry {rel!r} points outside the checkpoint"
-        if manifest.get("version") == MANIFEST_VERSION and not isinstance(entry.get("sha256"), str):
-            return f"the entry of {rel} has no sha256"
-    return None
-
-
-def require_match(folder: str | os.PathLike) -> None:
+def require_match(checkpoint: CheckpointFolder | str | os.PathLike) -> None:
     """Refuse a checkpoint whose manifest does not match the disk (``convert``, ``verify``, ``reshard`` read only
     what was written); a folder without a manifest passes (its reader checks what it reads)."""
     from hf_dist.checkpoint.safety.errors import CorruptCheckpointError
 
-    folder = Path(folder)
-    if not folder.is_dir() or not has_manifest(folder):
+    if not isinstance(checkpoint, CheckpointFolder) and not Path(checkpoint).is_dir():
         return
-    reasons = incomplete_reasons(folder)
+    checkpoint = as_checkpoint(checkpoint)
+    if not checkpoint.root.is_dir() or not checkpoint.manifest.judged:
+        return
+    reasons = incomplete_reasons(checkpoint)
     if reasons:
         raise CorruptCheckpointError(
-            f"{folder} does not match its {MANIFEST_NAME}: {'; '.join(reasons[:3])}"
+            f"{checkpoint.root} does not match its {MANIFEST_NAME}: {'; '.join(reasons[:3])}"
             f"{' ...' if len(reasons) > 3 else ''}. It changed after it was written, or the copy is partial: re-copy "
             "it, or use an earlier checkpoint"
         )
 
 
-def is_complete(folder: str | os.PathLike) -> bool:
-    """True when ``folder``'s manifest lists exactly what is on disk (sizes and content)."""
-    return not incomplete_reasons(folder)
+def is_complete(checkpoint: CheckpointFolder | str | os.PathLike) -> bool:
+    """True when the checkpoint's manifest lists exactly what is on disk (sizes and content)."""
+    return not incomplete_reasons(checkpoint)

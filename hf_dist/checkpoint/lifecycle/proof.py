@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hf_dist.checkpoint.formats.contents import read_contents
+from hf_dist.checkpoint.formats.checkpoint_folder import CheckpointFolder, as_checkpoint
 from hf_dist.checkpoint.formats.names import (
     DCP_METADATA,
     HF_WEIGHT_NAMES,
@@ -38,44 +38,42 @@ from hf_dist.checkpoint.formats.names import (
     dcp_folders_without_metadata,
 )
 from hf_dist.checkpoint.formats.trainer_state import TrainerStateError, read_trainer_state
-from hf_dist.checkpoint.lifecycle.manifest import read_manifest
-from hf_dist.checkpoint.safety.paths import ConfinedFolder
 from hf_dist.planning.layout import CheckpointFamily
 
 
-def unproven_reasons(folder: str | Path, world_size: int) -> list[str]:
-    """Why ``folder`` (no manifest) cannot be proven complete; empty when every file its family writes is there and
-    readable. ``world_size``: the ranks of the live run (full weights do not name the ranks that wrote them)."""
-    folder = Path(folder)
-    files = ConfinedFolder(folder)
+def unproven_reasons(checkpoint: CheckpointFolder | str | Path, world_size: int) -> list[str]:
+    """Why the checkpoint (opened, or a folder to open; no manifest) cannot be proven complete; empty when every file
+    its family writes is there and readable. ``world_size``: the ranks of the live run (full weights do not name the
+    ranks that wrote them)."""
+    checkpoint = as_checkpoint(checkpoint)
+    folder, files, layout = checkpoint.root, checkpoint.files, checkpoint.contents
     if files.is_file(WRITING_NAME):
         return [f"{WRITING_NAME}: a save was writing into this folder and did not finish"]
-    reasons = _trainer_state_reasons(folder) + _size_only_marker_reasons(folder)
-    layout = read_contents(folder, strict=False)
+    reasons = _trainer_state_reasons(folder) + _size_only_marker_reasons(checkpoint)
     ranks = layout.world_size or 1
     if layout.family is CheckpointFamily.FULL:
         ranks = max(world_size, ranks)
     if not layout.rank_files.get("rng state") and not files.is_file("rng_state.pth"):
         reasons.append("no rng_state*.pth (the Trainer saves every rank's random generators)")
     reasons += [f"{what} is missing" for what in layout.missing_rank_files(ranks)]
-    reasons += _family_reasons(folder, layout.family)
+    reasons += _family_reasons(checkpoint)
     for sub in dcp_folders_without_metadata(folder):
         reasons.append(f"{sub.relative_to(folder)}/.metadata is missing (DCP writes it once every rank finished)")
     reasons += _unreadable_reasons(folder)
     return reasons
 
 
-def _family_reasons(folder: Path, family: CheckpointFamily) -> list[str]:
-    """The files a save of ``family`` always writes, absent from ``folder``."""
-    files = ConfinedFolder(folder)
+def _family_reasons(checkpoint: CheckpointFolder) -> list[str]:
+    """The files a save of the checkpoint's family always writes, absent from its folder."""
+    files, family = checkpoint.files, checkpoint.contents.family
     sharded_at_load = files.is_dir(SHARDED_OPTIMIZER_DIR)
     zero = files.is_file(LATEST) or family.is_zero
     reasons = []
     scheduled = any(files.is_file(name) for name in (*SCHEDULER_FILES, SHARDED_SCHEDULER))
-    if not scheduled and not (zero and _deepspeed_holds_scheduler(folder)):  # DeepSpeed's own scheduler: no file
+    if not scheduled and not (zero and _deepspeed_holds_scheduler(checkpoint)):  # DeepSpeed's own scheduler: no file
         reasons.append("scheduler.pt is missing (the LR schedule would restart)")
     if zero:
-        reasons += _zero_reasons(folder)
+        reasons += _zero_reasons(checkpoint)
     elif family is CheckpointFamily.DCP:
         for name in ("pytorch_model_fsdp_0", "optimizer_0"):
             if not files.is_file(f"{name}/{DCP_METADATA}"):
@@ -91,40 +89,43 @@ def _family_reasons(folder: Path, family: CheckpointFamily) -> list[str]:
     return reasons
 
 
-def _deepspeed_holds_scheduler(folder: Path) -> bool:
+def _deepspeed_holds_scheduler(checkpoint: CheckpointFolder) -> bool:
     """Whether DeepSpeed's own LR scheduler ran and saved its state in the model-states file: under a DeepSpeed
     config with a ``scheduler`` section the Trainer writes no ``scheduler.pt`` (transformers' ``_save_scheduler``).
     False where the files cannot be read: :func:`_zero_reasons` then says what is wrong with them."""
     from hf_dist.checkpoint.formats.deepspeed import DeepSpeedReader
     from hf_dist.checkpoint.safety.errors import CorruptCheckpointError, UnsafePickleError
 
+    if checkpoint.contents.format != "deepspeed":
+        return False
     try:
-        return DeepSpeedReader(read_contents(folder)).holds_scheduler  # the reader releases its files when built
+        return DeepSpeedReader(checkpoint).holds_scheduler  # the reader releases its files when built
     except (FileNotFoundError, ValueError, CorruptCheckpointError, UnsafePickleError):
         return False
 
 
-def _zero_reasons(folder: Path) -> list[str]:
+def _zero_reasons(checkpoint: CheckpointFolder) -> list[str]:
     from hf_dist.checkpoint.formats.contents import latest_tag
 
-    files = ConfinedFolder(folder)
+    files = checkpoint.files
     if not files.is_file(LATEST):
         return [f"{LATEST} is missing (DeepSpeed names its tag folder there)"]
-    tag = latest_tag(folder)
+    tag = latest_tag(checkpoint.root)
     if not files.is_dir(tag) or not any(files.path(tag).glob("*_optim_states.pt")):
         return [f"{tag}/ is missing or holds no optimizer partitions ({LATEST} names it)"]
-    return _swap_file_reasons(folder)
+    if checkpoint.contents.unread is not None:
+        return [checkpoint.contents.unread]
+    return _swap_file_reasons(checkpoint)
 
 
-def _swap_file_reasons(folder: Path) -> list[str]:
+def _swap_file_reasons(checkpoint: CheckpointFolder) -> list[str]:
     """ZeRO-Infinity: every rank's swap files as long as the partitions its optimizer file records."""
-    layout = read_contents(folder)
-    if not ConfinedFolder(layout.path, layout.root).is_dir("offloaded_tensors"):
+    if not checkpoint.data.is_dir("offloaded_tensors"):
         return []
     from hf_dist.checkpoint.formats.deepspeed import DeepSpeedReader
 
     try:
-        reader = DeepSpeedReader(layout)  # reading the partitions' index checks each swap file's length
+        reader = DeepSpeedReader(checkpoint)  # reading the partitions' index checks each swap file's length
         reader.check_swap_files()
         reader.release()
     except (FileNotFoundError, ValueError) as exc:
@@ -162,22 +163,21 @@ def _trainer_state_reasons(folder: Path) -> list[str]:
     return []
 
 
-def _size_only_marker_reasons(folder: Path) -> list[str]:
+def _size_only_marker_reasons(checkpoint: CheckpointFolder) -> list[str]:
     """An older hf_dist's marker (version 1: sizes only): the sizes it lists, checked."""
-    try:
-        marker = read_manifest(folder)
-    except ValueError as exc:
-        return [str(exc)]
-    if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
+    marker = checkpoint.manifest
+    if marker.problem is not None:
+        return [marker.problem]
+    if marker.data is None:
         return []
     reasons = []
-    listed = ConfinedFolder(folder)
-    for rel, entry in marker["files"].items():
-        size = entry.get("size") if isinstance(entry, dict) else None
+    listed = checkpoint.files
+    for rel, entry in marker.data["files"].items():
+        size = entry["size"]
         path = listed.path(rel, named_in=listed.path(MANIFEST_NAME))
         if not path.is_file():
             reasons.append(f"{rel} is missing")
-        elif size is not None and path.stat().st_size != size:
+        elif path.stat().st_size != size:
             reasons.append(f"{rel} has {path.stat().st_size} bytes, the marker says {size}")
     return reasons
 

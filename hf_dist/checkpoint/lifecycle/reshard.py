@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from hf_dist.atomic_io import atomic_dir, atomic_write_text
-from hf_dist.checkpoint.formats.contents import CheckpointContents, read_contents
+from hf_dist.checkpoint.formats.checkpoint_folder import open_checkpoint
+from hf_dist.checkpoint.formats.contents import CheckpointContents
 from hf_dist.checkpoint.formats.names import LATEST_UNIVERSAL, UNIVERSAL_SUFFIX, ZERO_OPTIM
 from hf_dist.checkpoint.lifecycle.manifest import require_match, write_manifest
 from hf_dist.checkpoint.lifecycle.resume_checks import check_autotp_matches, check_strategy_matches, gate_checkpoint
@@ -46,12 +47,13 @@ def inspect_checkpoint(checkpoint_dir: str | Path) -> CheckpointContents:
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint folder {path} does not exist; pass a Trainer checkpoint-N folder")
     try:
-        layout = read_contents(path)
+        checkpoint = open_checkpoint(path)
     except PathEscapeError:
         raise
     except ValueError as exc:
         raise ValueError(f"{path} is not a Trainer checkpoint: {exc}") from None
-    require_match(layout.root)  # a checkpoint with a manifest is resharded only as it was written
+    require_match(checkpoint)  # a checkpoint with a manifest is resharded only as it was written
+    layout = checkpoint.contents
     if layout.family.is_zero and not layout.rank_files[ZERO_OPTIM]:
         raise ValueError(
             f"{layout.path} holds no ZeRO optimizer files (zero_pp_rank_*_optim_states.pt); it was saved without "

@@ -57,6 +57,7 @@ def best_checkpoint_problem(best: Any, output_dir: Any) -> str | None:
     import os
     import re
 
+    from hf_dist.checkpoint.formats.checkpoint_folder import open_checkpoint
     from hf_dist.checkpoint.formats.names import MANIFEST_NAME
     from hf_dist.checkpoint.lifecycle.manifest import incomplete_reasons
 
@@ -67,9 +68,10 @@ def best_checkpoint_problem(best: Any, output_dir: Any) -> str | None:
     in_output_dir = os.path.dirname(real) == os.path.realpath(os.fspath(output_dir)) and os.path.basename(real) == name
     if not re.fullmatch(r"checkpoint-[0-9]+", name) or not in_output_dir:
         return f"it is not a checkpoint-N folder of this run's output_dir {output_dir}"
-    if not ConfinedFolder(Path(best)).is_file(MANIFEST_NAME):
+    checkpoint = open_checkpoint(best, strict=False)
+    if not checkpoint.manifest.present:
         return f"it has no {MANIFEST_NAME}, so its weights cannot be shown to be the ones this run saved"
-    reasons = incomplete_reasons(best)
+    reasons = incomplete_reasons(checkpoint)
     if reasons:
         return f"it does not match its {MANIFEST_NAME} ({'; '.join(reasons[:2])})"
     return None

@@ -165,13 +165,18 @@ def test_contents_are_frozen_and_opening_the_files_refines_a_copy(zero_ckpt):
     import dataclasses
 
     from hf_dist.checkpoint.conversion.convert import open_reader
+    from hf_dist.checkpoint.formats.checkpoint_folder import open_checkpoint
 
     root, _ = zero_ckpt
-    info = read_contents(root)
+    checkpoint = open_checkpoint(root)
+    info = checkpoint.contents
+    assert info == read_contents(root)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        checkpoint.contents = info
     with pytest.raises(dataclasses.FrozenInstanceError):
         info.world_size = 99
     before = dataclasses.asdict(info)
-    refined, reader = open_reader(info)
+    refined, reader = open_reader(checkpoint)
     reader.close()
     assert dataclasses.asdict(info) == before  # the contents read stay what was read
     assert (refined.stage, refined.world_size, refined.train_dtype) == (3, reader.world_size, reader.train_dtype)

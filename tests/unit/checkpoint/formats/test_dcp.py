@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hf_dist.checkpoint.formats.contents import read_contents
+from hf_dist.checkpoint.formats.checkpoint_folder import open_checkpoint
 from hf_dist.checkpoint.formats.dcp import DCPReader
 from hf_dist.checkpoint.safety.dcp_metadata import load_metadata
 from hf_dist.checkpoint.safety.errors import CorruptCheckpointError
@@ -30,7 +30,7 @@ def saved(tmp_path):
 
 def test_direct_read_equals_the_saved_tensors(saved):
     folder, state = saved
-    reader = DCPReader(read_contents(folder))
+    reader = DCPReader(open_checkpoint(folder))
     got = reader.read(list(state))
     reader.release()
     for name, expected in state.items():
@@ -40,7 +40,7 @@ def test_direct_read_equals_the_saved_tensors(saved):
 def test_multi_chunk_tensor_is_reassembled(saved):
     """Split w's single chunk into three row chunks in the metadata the reader indexes, as 3 ranks save it."""
     folder, state = saved
-    reader = DCPReader(read_contents(folder))
+    reader = DCPReader(open_checkpoint(folder))
     ((offsets, storage),) = reader._chunks["w"]
     full = reader._chunk("w", storage).clone()
     rows = [(0, 2), (2, 3), (5, 1)]
@@ -58,9 +58,9 @@ def test_metadata_stand_ins_never_import_torch_distributed(saved):
     folder, _ = saved
     code = (
         "import sys, torch\n"
-        "from hf_dist.checkpoint.formats.contents import read_contents\n"
+        "from hf_dist.checkpoint.formats.checkpoint_folder import open_checkpoint\n"
         "from hf_dist.checkpoint.formats.dcp import DCPReader\n"
-        f"r = DCPReader(read_contents({str(folder)!r}))\n"
+        f"r = DCPReader(open_checkpoint({str(folder)!r}))\n"
         "r.read(list(r.specs()))\n"
         "print('torch.distributed.checkpoint' in sys.modules)\n"
     )
@@ -88,7 +88,7 @@ def test_stand_ins_carry_the_same_fields_as_dcp_classes(saved):
 
 def test_chunks_with_a_transform_go_through_dcp_load(saved, monkeypatch):
     folder, state = saved
-    reader = DCPReader(read_contents(folder))
+    reader = DCPReader(open_checkpoint(folder))
     monkeypatch.setattr(reader, "_chunk", lambda *a: pytest.fail("direct path used for a transformed chunk"))
     for _, storage in reader._chunks["t"]:
         storage.transform_descriptors = ["zstd"]  # as written by FileSystemWriter(_extensions=[ZStandard()])
@@ -101,7 +101,7 @@ def test_chunks_with_a_transform_go_through_dcp_load(saved, monkeypatch):
 
 def test_corrupt_chunk_names_file_and_tensor(saved):
     folder, _ = saved
-    reader = DCPReader(read_contents(folder))
+    reader = DCPReader(open_checkpoint(folder))
     ((_, storage),) = reader._chunks["w"]
     data = folder / storage.relative_path
     raw = bytearray(data.read_bytes())
@@ -113,7 +113,7 @@ def test_corrupt_chunk_names_file_and_tensor(saved):
 
 def test_byte_ranges_locate_row_shards_and_refuse_the_rest(saved):
     folder, state = saved
-    reader = DCPReader(read_contents(folder))
+    reader = DCPReader(open_checkpoint(folder))
     ((path, offset, length),) = reader.byte_ranges("w")
     with open(path, "rb") as handle:
         handle.seek(offset)
@@ -128,7 +128,7 @@ def test_non_tensor_values_are_skipped_and_optimizer_folders_named(tmp_path):
     optimizer state is refused with what to convert instead (it was: AttributeError 'MetadataIndexStub')."""
     w = torch.arange(12.0).reshape(3, 4)
     dcp.save({"model": {"w": w}, "step": 3, "groups": [{"lr": 0.1}]}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
-    reader = DCPReader(read_contents(tmp_path / "ck"))
+    reader = DCPReader(open_checkpoint(tmp_path / "ck"))
     assert list(reader._specs) == ["model.w"] and torch.equal(reader.read(["model.w"])["model.w"], w)
     reader.release()
     optimizer = {"state": {"model.w": {"exp_avg": w, "step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1}]}
@@ -137,4 +137,4 @@ def test_non_tensor_values_are_skipped_and_optimizer_folders_named(tmp_path):
     with pytest.raises(
         ValueError, match=r"holds optimizer state .* checkpoint folder it belongs to \(.*checkpoint-3\)"
     ):
-        DCPReader(read_contents(folder))
+        DCPReader(open_checkpoint(folder))

@@ -16,10 +16,11 @@ import torch
 from safetensors.torch import load_file
 
 from hf_dist.callbacks import attach
+from hf_dist.checkpoint.formats.checkpoint_folder import load_manifest, open_checkpoint
 from hf_dist.checkpoint.formats.names import MANIFEST_NAME, RUN_JOURNAL, WRITING_NAME
 from hf_dist.checkpoint.lifecycle import async_save
 from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
-from hf_dist.checkpoint.lifecycle.manifest import incomplete_reasons, is_complete, read_manifest
+from hf_dist.checkpoint.lifecycle.manifest import incomplete_reasons, is_complete
 from hf_dist.checkpoint.lifecycle.proof import unproven_reasons
 from hf_dist.checkpoint.safety.paths import PathEscapeError
 from hf_dist.cli.main import main
@@ -55,7 +56,7 @@ def test_a_new_save_removes_the_old_manifest_before_its_first_file(make_trainer,
     rewriting checkpoint-4. checkpoint-4 now holds run 2's weights beside run 1's optimizer: never resumed."""
     out = tmp_path / "out"
     _run(make_trainer, out)
-    first = read_manifest(out / "checkpoint-4")
+    first = load_manifest(out / "checkpoint-4").data
     trainer = make_trainer(**{**SAVE, "output_dir": str(out)})
     attach(trainer)
     _killed_during_save_at(trainer, 4)
@@ -100,7 +101,7 @@ def test_a_checkpoint_whose_files_changed_is_refused_naming_the_file(make_traine
 def test_the_manifest_lists_every_file_with_its_hash(make_trainer, tmp_path):
     out = tmp_path / "out"
     trainer = _run(make_trainer, out)
-    manifest = read_manifest(out / "checkpoint-2")
+    manifest = load_manifest(out / "checkpoint-2").data
     files = sorted(p.relative_to(out / "checkpoint-2").as_posix() for p in (out / "checkpoint-2").rglob("*")
                    if p.is_file() and p.name != MANIFEST_NAME)  # fmt: skip
     assert sorted(manifest["files"]) == files and all(len(e["sha256"]) == 64 for e in manifest["files"].values())
@@ -211,25 +212,30 @@ def test_config_force_never_writes_into_a_checkpoint(make_trainer, tmp_path, cap
     assert main(["config", "--strategy", "ddp", "--out", str(out / "checkpoint-4" / "ddp.yaml"), "--force"]) == 1
 
 
-@pytest.mark.parametrize("plant", ["link out", "nested", "not json"])
+@pytest.mark.parametrize("plant", ["link out", "nested", "not json", "size-only, malformed"])
 def test_one_parser_reads_the_manifest_and_a_bad_one_is_one_reason_wherever_it_is_read(tmp_path, plant):
-    """The proof of a checkpoint without a manifest parsed the file itself (issue 38); now read_manifest is the one
-    parser: a manifest linked out of its folder, nested past the parser's depth or not JSON is one reason, both where
-    a manifest is checked and where an older size-only marker is."""
+    """The proof of a checkpoint without a manifest parsed the file itself and skipped the shape check (issue 38);
+    now load_manifest is the one parser, run once when the checkpoint is opened: a manifest linked out of its folder,
+    nested past the parser's depth, not JSON, or an older size-only marker of the wrong shape is one reason, both
+    where a manifest is checked and where the proof reads the marker."""
     ckpt = tmp_path / "checkpoint-2"
     ckpt.mkdir()
     outside = tmp_path / "elsewhere.json"
     outside.write_text(json.dumps({"version": 2, "files": {}}))
     if plant == "link out":
         (ckpt / MANIFEST_NAME).symlink_to(outside)
+    elif plant == "size-only, malformed":
+        (ckpt / MANIFEST_NAME).write_text(json.dumps({"version": 1, "files": {"model.safetensors": {"size": "10"}}}))
     else:
         (ckpt / MANIFEST_NAME).write_text("[" * 100_000 if plant == "nested" else "{not json")
-    with pytest.raises(ValueError, match=f"unreadable {MANIFEST_NAME}: ") as caught:
-        read_manifest(ckpt)
-    assert len(str(caught.value).splitlines()) == 1 and len(str(caught.value)) < 400
-    assert incomplete_reasons(ckpt) == [str(caught.value)]
+    checkpoint = open_checkpoint(ckpt, strict=False)
+    problem = checkpoint.manifest.problem
+    want = "malformed" if plant.endswith("malformed") else "unreadable"
+    assert problem.startswith(f"{want} {MANIFEST_NAME}: ") and checkpoint.manifest.data is None
+    assert len(problem.splitlines()) == 1 and len(problem) < 400
+    assert incomplete_reasons(ckpt) == incomplete_reasons(checkpoint) == [problem]
     if plant == "link out":  # the proof's confinement check of every file refuses the folder outright
         with pytest.raises(PathEscapeError, match="outside the checkpoint"):
             unproven_reasons(ckpt, 1)
     else:
-        assert str(caught.value) in unproven_reasons(ckpt, 1)
+        assert problem in unproven_reasons(ckpt, 1) and problem in unproven_reasons(checkpoint, 1)

@@ -10,8 +10,9 @@ import shutil
 
 import pytest
 
+from hf_dist.checkpoint.formats.checkpoint_folder import load_manifest
 from hf_dist.checkpoint.lifecycle.auto_resume import auto_resume
-from hf_dist.checkpoint.lifecycle.manifest import checkpoint_files, incomplete_reasons, is_complete, read_manifest
+from hf_dist.checkpoint.lifecycle.manifest import checkpoint_files, incomplete_reasons, is_complete
 from hf_dist.checkpoint.lifecycle.reshard import reshard
 from hf_dist.checkpoint.safety.paths import PathEscapeError
 from hf_dist.cli.main import main
@@ -36,7 +37,7 @@ def test_a_tag_folder_linked_to_a_temporary_folder_is_hashed_through_the_link(tm
     (ckpt / "global_step4").rename(ckpt / ".data.tmp")
     (ckpt / "global_step4").symlink_to(".data.tmp", target_is_directory=True)
     seal(ckpt, world_size=2, step=4)
-    listed = set(read_manifest(ckpt)["files"])
+    listed = set(load_manifest(ckpt).data["files"])
     assert f"global_step4/{SHARD}" in listed and not any(f.endswith(".json") for f in listed if "/" in f)
     assert is_complete(ckpt) and auto_resume(tmp_path, announce=False) == str(ckpt)  # control: it is taken
 

@@ -78,7 +78,7 @@ def test_a_moment_name_leading_out_is_refused(tmp_path, tiny_state):
     reasons = " ".join(unproven_reasons(ckpt, 2))
     assert re.search(r"optim_states.pt names '.*\.\./x-0_7.tensor.swp', which leaves", reasons), reasons
     with pytest.raises(PathEscapeError, match="which leaves"):
-        from hf_dist.checkpoint.formats.contents import read_contents
+        from hf_dist.checkpoint.formats.checkpoint_folder import open_checkpoint
         from hf_dist.checkpoint.formats.deepspeed import DeepSpeedReader
 
-        DeepSpeedReader(read_contents(ckpt)).check_swap_files()
+        DeepSpeedReader(open_checkpoint(ckpt)).check_swap_files()
