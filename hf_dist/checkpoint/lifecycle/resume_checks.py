@@ -2,8 +2,8 @@
 
 - :func:`gate_checkpoint`: the checkpoint loads as its resume will load it (early refusal);
 - :func:`check_resume_compatible`: the checkpoint's family (:class:`~hf_dist.planning.layout.CheckpointFamily`, read
-  by :func:`hf_dist.checkpoint.formats.contents.read_contents`) is the one the run's strategy reads, and a ZeRO
-  checkpoint matches the world size or was resharded; :func:`check_strategy_matches` asks it with the strategy of
+  by :func:`hf_dist.checkpoint.formats.checkpoint_folder.open_checkpoint`) is the one the run's strategy reads, and a
+  ZeRO checkpoint matches the world size or was resharded; :func:`check_strategy_matches` asks it with the strategy of
   the run's ``TrainingArguments`` (:func:`strategy_of_args`);
 - :func:`check_autotp_matches`: a DeepSpeed AutoTP checkpoint is resumed on the layout that wrote it.
 """
@@ -15,9 +15,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hf_dist.checkpoint.formats.contents import CheckpointContents, read_contents
+from hf_dist.checkpoint.formats.checkpoint_folder import open_checkpoint
+from hf_dist.checkpoint.formats.contents import CheckpointContents
 from hf_dist.checkpoint.formats.names import LATEST_UNIVERSAL
-from hf_dist.checkpoint.safety.paths import ConfinedFolder
 from hf_dist.planning.layout import strategy, zero_stage_strategy
 
 
@@ -94,7 +94,8 @@ def check_resume_compatible(
 ) -> None:
     """Raise RuntimeError when ``strategy_name`` on ``world_size`` ranks cannot load ``checkpoint_dir``."""
     wanted = strategy(strategy_name).checkpoint
-    layout = read_contents(checkpoint_dir, strict=False)
+    checkpoint = open_checkpoint(checkpoint_dir, strict=False)
+    layout = checkpoint.contents
     if layout.family is not wanted:
         raise RuntimeError(
             f"cannot resume a {strategy_name} run from {checkpoint_dir}:\n"
@@ -107,7 +108,7 @@ def check_resume_compatible(
         )
     # FSDP's DCP files reshard on load and full checkpoints are replicated: only ZeRO is tied to its world size,
     # until DeepSpeed's universal checkpoint (``latest_universal``, made by `hf-dist reshard`) exists.
-    universal = ConfinedFolder(Path(checkpoint_dir)).is_file(LATEST_UNIVERSAL)
+    universal = checkpoint.files.is_file(LATEST_UNIVERSAL)
     if (
         layout.family.is_zero
         and not universal
