@@ -232,6 +232,47 @@ def test_every_join_naming_a_file_elsewhere_in_hf_dist_is_reviewed():
     assert set(REVIEWED_ELSEWHERE) - found == set(), "reviewed joins no longer in the code: drop them from the list"
 
 
+WRITES = "writes a folder of its own (a save under way, a converted output, an export): there is no opened checkpoint"
+DETECTS = "reads the file names that make the layout, before there is an opened checkpoint to hand on"
+# The modules that build a ConfinedFolder themselves. A checkpoint that is read (convert, verify, reshard, auto_resume,
+# the proof, the best-model check, the readers) is opened once by open_checkpoint and the object is handed on.
+BUILDS_A_FOLDER_OBJECT = {
+    "checkpoint/safety/paths.py": "the folder object itself",
+    "checkpoint/formats/checkpoint_folder.py": "open_checkpoint: the one opened checkpoint (files, data, manifest)",
+    "checkpoint/formats/contents.py": DETECTS,
+    "checkpoint/formats/names.py": DETECTS,
+    "checkpoint/formats/trainer_state.py": "the one parser of trainer_state.json, also read while the layout is detected",
+    "checkpoint/formats/hf.py": "side files and --model-config: folders beside the checkpoint, each its own bound",
+    "checkpoint/safety/dcp_metadata.py": "DCP metadata, also read by DCP's own loader during a Trainer resume",
+    "checkpoint/safety/trainer_loads.py": "the Trainer's own loads of a checkpoint it names: no opened checkpoint",
+    "checkpoint/lifecycle/manifest.py": WRITES,
+    "checkpoint/lifecycle/model_config.py": WRITES,
+    "checkpoint/lifecycle/reshard.py": WRITES,
+    "checkpoint/lifecycle/sharded_state.py": WRITES,
+    "checkpoint/conversion/convert.py": WRITES,
+    "checkpoint/write/hf_folder.py": WRITES,
+    "checkpoint/write/dcp.py": WRITES,
+    "callbacks/export.py": WRITES,
+    "cli/reshard.py": WRITES,
+    "recipe_utils/export.py": WRITES,
+}
+
+
+def test_a_checkpoint_that_is_read_is_opened_once_and_handed_on():
+    """Every module that builds a ``ConfinedFolder`` of its own is listed above with why; the readers, the proof, the
+    resume checks and verify take the opened checkpoint instead. A new module building one fails here."""
+    import ast
+
+    root = Path(__file__).resolve().parents[4] / "hf_dist"
+    building = set()
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "ConfinedFolder":
+                building.add(path.relative_to(root).as_posix())
+    assert building - set(BUILDS_A_FOLDER_OBJECT) == set(), "take the opened checkpoint (open_checkpoint) instead"
+    assert set(BUILDS_A_FOLDER_OBJECT) - building == set(), "no longer builds one: drop it from the list"
+
+
 @pytest.mark.parametrize(
     "index, said",
     [
