@@ -11,7 +11,10 @@ config.json written by hand, 8 x 80 GB, global batch 64):
 - ``import torch, transformers``: what importing the two alone costs, which every plan paid before (the meta model
   was counted and the features probed on each run);
 - ``plan, meta model``: the same config with one key ``hf_dist.planning.families`` does not model, so it is counted
-  on the meta device as every config was before.
+  on the meta device as every config was before;
+- ``plan, Gemma 2 9B``: a Gemma 2 config.json (``hf_dist.testing.public_config("gemma-2-9b")``), described by arithmetic
+  since Gemma 2 joined the families (its attention read from transformers' source, not imported); before, it was
+  counted on the meta device like the row above.
 
 Medians of ``--runs`` runs; ratios from the same run. Measured (2 shared cores, torch 2.13, transformers 5.24):
 see docs/measurements.md, "What a plan costs".
@@ -34,6 +37,12 @@ LLAMA_3_8B = {
     "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
     "torch_dtype": "bfloat16", "hidden_act": "silu", "bos_token_id": 128000, "eos_token_id": 128001,
 }  # fmt: skip
+GEMMA_2_9B = {
+    "model_type": "gemma2", "hidden_size": 3584, "intermediate_size": 14336, "num_attention_heads": 16,
+    "num_hidden_layers": 42, "num_key_value_heads": 8, "head_dim": 256, "vocab_size": 256000,
+    "max_position_embeddings": 8192, "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 4096,
+    "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": 256,
+}  # fmt: skip
 REQUEST = ["--gpus", "8", "--gpu-memory", "80", "--global-batch", "64"]
 
 
@@ -51,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        for name, config in (("llama", LLAMA_3_8B), ("meta", {**LLAMA_3_8B, "quantization_config": None})):
+        configs = (("llama", LLAMA_3_8B), ("meta", {**LLAMA_3_8B, "quantization_config": None}), ("gemma", GEMMA_2_9B))
+        for name, config in configs:
             (root / name).mkdir()
             (root / name / "config.json").write_text(json.dumps(config))
         plan = [sys.executable, "-m", "hf_dist", "plan"]
@@ -63,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
                 ("plan", [*plan, str(root / "llama" / "config.json"), *REQUEST]),
                 ("import torch, transformers", [sys.executable, "-c", "import torch, transformers"]),
                 ("plan, meta model", [*plan, str(root / "meta" / "config.json"), *REQUEST]),
+                ("plan, Gemma 2 9B", [*plan, str(root / "gemma" / "config.json"), *REQUEST]),
             ):
                 times.setdefault(label, []).append(_timed(command, env))
     base = statistics.median(times["import torch, transformers"])

@@ -1,7 +1,7 @@
-"""Llama, Mistral, Qwen2 and Qwen3 described from their config.json alone: no transformers, no torch.
+"""Llama, Mistral, Qwen2, Qwen3 and Gemma 2 described from their config.json alone: no transformers, no torch.
 
 Importing transformers' config and modelling classes takes longer than a whole plan (issue 39: ``hf-dist plan`` on a
-local config.json in seconds). For these four families every module the meta model holds follows from the config,
+local config.json in seconds). For these five families every module the meta model holds follows from the config,
 so :func:`describe` counts them by arithmetic into the same :class:`Counts` the meta model gives
 (:func:`hf_dist.planning.modelinfo.spec_from_config`). ``tests/unit/planning/test_families.py`` builds both for each
 family, with and without biases, ties and explicit head sizes, and compares every field on the installed
@@ -15,9 +15,13 @@ None and is built on the meta device, with transformers' own checks, as before.
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
 import types
 from dataclasses import dataclass
 from numbers import Real
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from hf_dist.planning.tensor_split import TensorSplit
@@ -78,6 +82,11 @@ class Family:
     nullable: frozenset[str] = frozenset()  # keys whose value may be null (transformers 5's validators refuse others)
     qkv_bias: bool | None = None  # q/k/v projections carry a bias (None: the config's ``attention_bias``)
     qk_norm: bool = False  # queries and keys are normalised per head (Qwen3's q_norm / k_norm)
+    activation: tuple[str, str] = ("hidden_act", "silu")  # the key naming the MLP's activation, and the one modelled
+    norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")  # a decoder layer's own norms
+    inert: frozenset[str] = frozenset()  # keys hub files of the family carry that its config class does not take
+    # the pretrained class whose ``_supports_sdpa`` changed between tested transformers releases (None: sdpa in all)
+    sdpa_from: str | None = None
 
 
 _LLAMA_STYLE = dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
@@ -126,7 +135,21 @@ FAMILIES = {
         frozenset({"sliding_window"}),
         qk_norm=True,
     ),
-}
+    "gemma2": Family(
+        "Gemma2ForCausalLM",
+        dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+             num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192,
+             tie_word_embeddings=True, attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096,
+             final_logit_softcapping=30.0, attn_logit_softcapping=50.0, use_bidirectional_attention=None),
+        frozenset({"sliding_window", "final_logit_softcapping", "attn_logit_softcapping",
+                   "use_bidirectional_attention"}),
+        activation=("hidden_activation", "gelu_pytorch_tanh"),
+        norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+               "post_feedforward_layernorm"),
+        inert=frozenset({"hidden_act", "cache_implementation", "sliding_window_size"}),
+        sdpa_from="Gemma2PreTrainedModel",  # sdpa cannot soft-cap scores: transformers 5.0 says it can, 5.24 not
+    ),
+}  # fmt: skip
 _NONE = type(None)
 _SIZE = "a positive int"
 # the type transformers takes for each key a family above reads (_SIZE: a positive int); keys outside a family's
@@ -136,7 +159,9 @@ _TYPES = {
     "num_attention_heads": _SIZE, "num_key_value_heads": (_SIZE, _NONE), "head_dim": (_SIZE, _NONE),
     "max_position_embeddings": _SIZE, "tie_word_embeddings": bool, "hidden_act": str, "attention_bias": bool,
     "mlp_bias": bool, "pretraining_tp": _SIZE, "sliding_window": (_SIZE, _NONE), "use_sliding_window": bool,
-    "max_window_layers": _SIZE,
+    "max_window_layers": _SIZE, "hidden_activation": str, "query_pre_attn_scalar": _SIZE,
+    "final_logit_softcapping": (float, _NONE), "attn_logit_softcapping": (float, _NONE),
+    "use_bidirectional_attention": (bool, _NONE), "cache_implementation": str, "sliding_window_size": _SIZE,
     # keys every family takes that change no module and no shape
     "model_type": str, "architectures": list, "transformers_version": str, "torch_dtype": (str, _NONE),
     "dtype": (str, _NONE), "attention_dropout": float, "initializer_range": float, "rms_norm_eps": float,
@@ -171,18 +196,22 @@ def describe(data: dict, name: str | None = None) -> tuple[ConfigFields, Counts]
         return None  # refused by check_dimensions, or by transformers 5.24's LlamaConfig even with a head_dim
     if getattr(view, "head_dim", None) is None:
         view.head_dim = view.hidden_size // view.num_attention_heads
-    return view, _counts(view, family)
+    attention = "sdpa" if family.sdpa_from is None else _installed_sdpa(data["model_type"], family.sdpa_from)
+    if attention is None:
+        return None  # transformers is not installed, or its class does not say plainly: the meta model tells
+    return view, _counts(view, family, attention)
 
 
 def _modelled(data: dict, family: Family) -> bool:
     """Whether every key of ``data`` is one this file models, with a value of the type transformers takes."""
-    known = all(key in family.defaults or key in _ANY_FAMILY for key in data)
+    known = all(key in family.defaults or key in _ANY_FAMILY or key in family.inert for key in data)
+    key, activation = family.activation
     return (
         known
         and all(_typed(value, _TYPES[key]) for key, value in data.items())
         and all(data[key] is not None for key in family.defaults if key in data and key not in family.nullable)
         and data.get("architectures", [family.causal_lm]) == [family.causal_lm]
-        and data.get("hidden_act", "silu") == "silu"
+        and all(data.get(name, activation) == activation for name in {key, "hidden_act"})
         and data.get("dtype", data.get("torch_dtype")) in _DTYPES
         and all(_plain_rope(data.get(key)) for key in ("rope_scaling", "rope_parameters"))
     )
@@ -212,12 +241,37 @@ def _plain_rope(params: dict | None) -> bool:
     return kind in _ROPE_KEYS and set(values) == _ROPE_KEYS[kind] and numbers
 
 
+@functools.cache
+def _installed_sdpa(model_type: str, pretrained: str) -> str | None:
+    """ "sdpa" or "eager": the installed transformers' own ``_supports_sdpa`` of ``pretrained``, read from its modelling
+    file without importing it (PreTrainedModel's default, False, when the class does not set it); None when
+    transformers is absent or the class sets it other than as a literal."""
+    spec = importlib.util.find_spec("transformers")
+    source = Path(spec.origin).parent / "models" / model_type / f"modeling_{model_type}.py" if spec else None
+    if source is None or not source.is_file():
+        return None
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name == pretrained:
+            if [ast.unparse(base) for base in node.bases] != ["PreTrainedModel"]:
+                return None
+            for stmt in node.body:
+                target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else None
+                target = stmt.target if isinstance(stmt, ast.AnnAssign) else target
+                if isinstance(target, ast.Name) and target.id == "_supports_sdpa":
+                    value = stmt.value
+                    if not (isinstance(value, ast.Constant) and isinstance(value.value, bool)):
+                        return None
+                    return "sdpa" if value.value else "eager"
+            return "eager"
+    return None
+
+
 def _linear(name: str, in_features: int, out_features: int, bias: bool) -> Module:
     return Module(name, "linear", in_features * out_features + (out_features if bias else 0), in_features,
                   out_features, bias)  # fmt: skip
 
 
-def _counts(v: Any, family: Family) -> Counts:
+def _counts(v: Any, family: Family, implementation: str) -> Counts:
     """The modules transformers' Llama-style decoder builds from ``v``, counted as the meta model would be."""
     hidden, inner, q_out = v.hidden_size, v.intermediate_size, v.num_attention_heads * v.head_dim
     kv_out = v.num_key_value_heads * v.head_dim
@@ -230,7 +284,7 @@ def _counts(v: Any, family: Family) -> Counts:
     per_head = per_head if family.qk_norm else ()
     mlp = (_linear("mlp.gate_proj", hidden, inner, mlp_bias), _linear("mlp.up_proj", hidden, inner, mlp_bias),
            _linear("mlp.down_proj", inner, hidden, mlp_bias))  # fmt: skip
-    norm = Module("input_layernorm", "other", hidden), Module("post_attention_layernorm", "other", hidden)
+    norm = tuple(Module(name, "other", hidden) for name in family.norms)
     layer_modules = (Module("self_attn", "other", sum(m.params for m in (*attention, *per_head))), *attention, *per_head,
                      Module("mlp", "other", sum(m.params for m in mlp)), *mlp, Module("mlp.act_fn", "other", 0),
                      *norm)  # fmt: skip
@@ -245,5 +299,5 @@ def _counts(v: Any, family: Family) -> Counts:
     linears = tuple((m.name.rsplit(".", 1)[-1], m.in_features, m.out_features) for m in (*attention, *mlp))
     # each family's plan splits every linear but a row-wise one's bias (o_proj's, down_proj's), and no norm
     whole = sum(m.params for m in (*norm, *per_head)) + hidden * (o_bias + mlp_bias)
-    return Counts(total, layer, embedding, len(norm) + len(per_head), linears, "sdpa", inventory,
+    return Counts(total, layer, embedding, len(norm) + len(per_head), linears, implementation, inventory,
                   TensorSplit(whole, v.num_hidden_layers * whole, v.num_hidden_layers * layer))  # fmt: skip

@@ -2,7 +2,7 @@
 
 ``model_spec`` accepts a bare parameter count, a transformers config (or its dict), a built
 ``nn.Module`` (PEFT-wrapped too), a local folder / ``config.json`` path, or a hub name. A Llama,
-Mistral, Qwen2 or Qwen3 config (a dict or a local file) is counted by arithmetic without importing
+Mistral, Qwen2, Qwen3 or Gemma 2 config (a dict or a local file) is counted by arithmetic without importing
 transformers (:mod:`hf_dist.planning.families`); any other comes from instantiating the model on the
 ``meta`` device, which allocates no storage: a Llama-3.1-405B config counts in about half a second.
 """

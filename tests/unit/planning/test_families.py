@@ -1,4 +1,4 @@
-"""Llama, Mistral, Qwen2 and Qwen3 described from config.json alone (hf_dist.planning.families) give exactly the spec the
+"""Llama, Mistral, Qwen2, Qwen3 and Gemma 2 described from config.json alone (hf_dist.planning.families) give exactly the spec the
 meta model gives on the installed transformers; every config the file does not model goes the meta-model way."""
 
 from __future__ import annotations
@@ -44,6 +44,19 @@ ONLY = {  # keys one family's config class takes
         "biased": dict(SMALL, attention_bias=True),
         "head_dim": dict(SMALL, head_dim=24),
         "sliding": dict(SMALL, sliding_window=32, use_sliding_window=False, max_window_layers=2),
+    },
+    "gemma2": {
+        "biased": dict(SMALL, attention_bias=True, head_dim=16),
+        "uncapped": dict(SMALL, final_logit_softcapping=None, attn_logit_softcapping=None, sliding_window=None),
+        "hub-file": dict(
+            SMALL,
+            hidden_act="gelu_pytorch_tanh",
+            hidden_activation="gelu_pytorch_tanh",
+            cache_implementation="hybrid",
+            sliding_window_size=4096,
+            query_pre_attn_scalar=224,
+            use_bidirectional_attention=False,
+        ),
     },
 }
 
@@ -105,8 +118,9 @@ def test_a_null_that_transformers_refuses_is_left_to_the_meta_model():
         assert "invalid mistral config" in str(exc)
 
 
-def test_planning_a_described_config_imports_neither_torch_nor_transformers(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **SMALL}))
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # Gemma 2's attention is read from transformers' source
+def test_planning_a_described_config_imports_neither_torch_nor_transformers(family, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": family, **SMALL}))
     code = (
         "import sys; from hf_dist.planning.modelinfo import model_spec; "
         f"s = model_spec({str(tmp_path)!r}); assert s.num_params > 0; "
@@ -137,6 +151,7 @@ def test_a_described_config_becomes_the_transformers_config_where_one_is_needed(
         ("qwen2.5-7b", ["--gpus", "1", "--gpu-memory", "24", "--method", "lora"]),
         ("llama-3.2-1b", ["--gpus", "2", "--gpu-memory", "24", "--method", "qlora"]),
         ("mistral-7b", ["--gpus", "16", "--nodes", "2", "--gpu-memory", "40", "--global-batch", "32"]),
+        ("gemma-2-9b", ["--gpus", "8", "--gpu-memory", "80", "--global-batch", "64", "--seq-len", "8192"]),
     ],
 )
 def test_the_plan_of_a_described_config_is_the_plan_of_its_meta_model(name, request_, tmp_path, capsys, monkeypatch):
