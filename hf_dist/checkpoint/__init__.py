@@ -5,8 +5,8 @@
   :func:`hf_dist.checkpoint.formats.contents.read_contents`: the one model convert, reshard and resume use; every file
   name and pattern it reads in ``formats.names``. ``formats.checkpoint_folder.open_checkpoint`` opens a checkpoint
   once: its folder object, that layout and its manifest (parsed there only), one frozen object every check and reader
-  takes. Beside it the reader interface (``reader``), one reader per training format (``deepspeed``, ``autotp``, ``dcp``, ``hf``)
-  and the parameter specs of known model families (``param_specs``).
+  takes. Beside it the reader interface (``reader``), one reader per training format (``deepspeed``, ``autotp``,
+  ``dcp``, ``hf``) and the parameter specs of known model families (``param_specs``).
 - ``write/``: converted weights written as a Hugging Face folder (``hf_folder``) or a DCP folder (``dcp``).
 - ``safety/``: nothing from a checkpoint runs: every unpickle is torch's ``weights_only`` load with one allowlist,
   hf_dist's own and the libraries' it drives (``loading``; the Trainer's loads in ``trainer_loads``; DCP's metadata

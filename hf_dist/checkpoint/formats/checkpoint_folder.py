@@ -5,8 +5,7 @@ without a manifest and the best-model check start. It reads the layout (:func:`r
 (:func:`load_manifest`, the one parser of ``hf_dist_complete.json``) once, and every check after it takes the object:
 
 - ``files``: the :class:`~hf_dist.checkpoint.safety.paths.ConfinedFolder` of the checkpoint's root, the way to its
-  files (:meth:`CheckpointFolder.path`; ``data``: the folder holding the tensors, the
-  one the readers are given);
+  files (:meth:`CheckpointFolder.path`; ``data``: the folder holding the tensors, the one the readers are given);
 - ``contents``: the :class:`~hf_dist.checkpoint.formats.contents.CheckpointContents` found there;
 - ``manifest``: a :class:`Manifest`: parsed and well formed, absent, or why it cannot be used (unreadable, a link out,
   malformed), so no caller parses or shape-checks it again.
