@@ -85,8 +85,9 @@ class Family:
     activation: tuple[str, str] = ("hidden_act", "silu")  # the key naming the MLP's activation, and the one modelled
     norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")  # a decoder layer's own norms
     inert: frozenset[str] = frozenset()  # keys hub files of the family carry that its config class does not take
-    # the pretrained class whose ``_supports_sdpa`` changed between tested transformers releases (None: sdpa in all)
-    sdpa_from: str | None = None
+    # (transformers' modelling file, its pretrained class) whose ``_supports_sdpa`` changed between the tested
+    # transformers releases; None: sdpa in all of them
+    sdpa_from: tuple[str, str] | None = None
 
 
 _LLAMA_STYLE = dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
@@ -147,7 +148,8 @@ FAMILIES = {
         norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                "post_feedforward_layernorm"),
         inert=frozenset({"hidden_act", "cache_implementation", "sliding_window_size"}),
-        sdpa_from="Gemma2PreTrainedModel",  # sdpa cannot soft-cap scores: transformers 5.0 says it can, 5.24 not
+        # sdpa cannot soft-cap scores: transformers 5.0 runs Gemma 2 under it, 5.24 only eager
+        sdpa_from=("models/gemma2/modeling_gemma2.py", "Gemma2PreTrainedModel"),
     ),
 }  # fmt: skip
 _NONE = type(None)
@@ -196,7 +198,7 @@ def describe(data: dict, name: str | None = None) -> tuple[ConfigFields, Counts]
         return None  # refused by check_dimensions, or by transformers 5.24's LlamaConfig even with a head_dim
     if getattr(view, "head_dim", None) is None:
         view.head_dim = view.hidden_size // view.num_attention_heads
-    attention = "sdpa" if family.sdpa_from is None else _installed_sdpa(data["model_type"], family.sdpa_from)
+    attention = "sdpa" if family.sdpa_from is None else _installed_sdpa(*family.sdpa_from)
     if attention is None:
         return None  # transformers is not installed, or its class does not say plainly: the meta model tells
     return view, _counts(view, family, attention)
@@ -242,12 +244,12 @@ def _plain_rope(params: dict | None) -> bool:
 
 
 @functools.cache
-def _installed_sdpa(model_type: str, pretrained: str) -> str | None:
-    """ "sdpa" or "eager": the installed transformers' own ``_supports_sdpa`` of ``pretrained``, read from its modelling
-    file without importing it (PreTrainedModel's default, False, when the class does not set it); None when
-    transformers is absent or the class sets it other than as a literal."""
+def _installed_sdpa(module_file: str, pretrained: str) -> str | None:
+    """``"sdpa"`` or ``"eager"``: the installed transformers' own ``_supports_sdpa`` of ``pretrained``, read from its
+    modelling file (``module_file``, relative to the package) without importing it (PreTrainedModel's default, False,
+    when the class does not set it); None when transformers is absent or the class sets it other than as a literal."""
     spec = importlib.util.find_spec("transformers")
-    source = Path(spec.origin).parent / "models" / model_type / f"modeling_{model_type}.py" if spec else None
+    source = Path(spec.origin).parent / module_file if spec else None
     if source is None or not source.is_file():
         return None
     for node in ast.parse(source.read_text()).body:
