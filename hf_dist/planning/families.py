@@ -207,13 +207,13 @@ def describe(data: dict, name: str | None = None) -> tuple[ConfigFields, Counts]
 def _modelled(data: dict, family: Family) -> bool:
     """Whether every key of ``data`` is one this file models, with a value of the type transformers takes."""
     known = all(key in family.defaults or key in _ANY_FAMILY or key in family.inert for key in data)
-    key, activation = family.activation
+    act_key, activation = family.activation
     return (
         known
         and all(_typed(value, _TYPES[key]) for key, value in data.items())
         and all(data[key] is not None for key in family.defaults if key in data and key not in family.nullable)
         and data.get("architectures", [family.causal_lm]) == [family.causal_lm]
-        and all(data.get(name, activation) == activation for name in {key, "hidden_act"})
+        and all(data.get(name, activation) == activation for name in {act_key, "hidden_act"})
         and data.get("dtype", data.get("torch_dtype")) in _DTYPES
         and all(_plain_rope(data.get(key)) for key in ("rope_scaling", "rope_parameters"))
     )
