@@ -136,12 +136,14 @@ def read_contents(path: str | Path, *, tag: str | None = None, strict: bool = Tr
     """The layout at ``path``; raise with what was found and what is accepted.
 
     ``strict=False`` (for the resume bookkeeping, which must answer for any ``checkpoint-N`` folder, even a
-    half-written one) never raises for a folder: one without readable weights gets ``format=None`` and the
-    family its per-rank files imply.
+    half-written one or one not written yet) never raises for a folder: one without readable weights gets
+    ``format=None`` and the family its per-rank files imply; a path that does not exist holds nothing.
     """
     path = Path(path).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"checkpoint path {path} does not exist")
+        if strict:
+            raise FileNotFoundError(f"checkpoint path {path} does not exist")
+        return CheckpointContents(None, path, path, unread=f"checkpoint path {path} does not exist")
     if path.is_file():
         layout = _detect_file(path)
     else:

@@ -230,9 +230,8 @@ def incomplete_reasons(
     hash only these, when ranks share the work; everything else is still checked). A folder without a manifest is not
     complete here."""
     checkpoint = as_checkpoint(checkpoint)
-    return _disagreements(checkpoint.files, checkpoint.manifest, checkpoint.contents, files) + _derived_reasons(
-        checkpoint.files
-    )
+    reasons = _disagreements(checkpoint.files, checkpoint.manifest, checkpoint.contents, files)
+    return reasons if checkpoint.manifest.data is None else reasons + _derived_reasons(checkpoint.files)
 
 
 def _disagreements(
@@ -273,7 +272,8 @@ def _derived_reasons(root: ConfinedFolder) -> list[str]:
             continue
         contents = read_contents(copy.root, strict=False)
         reasons += [f"{sub.name}/{reason}" for reason in _disagreements(copy, found, contents, None)]
-        reasons += [f"{sub.name}/{reason}" for reason in _derived_reasons(copy)]
+        if found.data is not None:
+            reasons += [f"{sub.name}/{reason}" for reason in _derived_reasons(copy)]
     return reasons
 
 

@@ -91,3 +91,18 @@ def test_no_reader_builds_a_folder_object_of_its_own():
             assert not built, f"{cls.name} builds its own ConfinedFolder at {built}; use checkpoint.data"
             init = next(f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
             assert init.args.args[1].arg == "checkpoint", f"{cls.name}.__init__ takes {init.args.args[1].arg}"
+
+
+def test_a_folder_not_written_yet_is_not_complete_and_no_best_model(tmp_path):
+    """The bookkeeping opens folders leniently: ``checkpoint-2`` polled before its save began, or a
+    ``best_model_checkpoint`` that names a folder since deleted, holds nothing; it is never an error."""
+    from hf_dist.checkpoint.lifecycle.manifest import incomplete_reasons, is_complete
+    from hf_dist.checkpoint.safety.trainer_loads import best_checkpoint_problem
+
+    missing = tmp_path / "checkpoint-2"
+    assert not is_complete(missing)
+    assert incomplete_reasons(missing) == ["no hf_dist_complete.json (the save did not finish on every rank)"]
+    assert open_checkpoint(missing, strict=False).contents.unread.endswith("does not exist")
+    assert "has no hf_dist_complete.json" in best_checkpoint_problem(str(missing), tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        open_checkpoint(missing)  # convert, verify and reshard name it
