@@ -142,7 +142,10 @@ def read_contents(path: str | Path, *, tag: str | None = None, strict: bool = Tr
     path = Path(path).expanduser()
     if not path.exists():
         if strict:
-            raise FileNotFoundError(f"checkpoint path {path} does not exist")
+            raise FileNotFoundError(
+                f"checkpoint path {path} does not exist; pass a Trainer checkpoint-N folder, a DeepSpeed or DCP "
+                "checkpoint folder, or a weights file (.safetensors, .bin)"
+            )
         return CheckpointContents(None, path, path, unread=f"checkpoint path {path} does not exist")
     if path.is_file():
         layout = _detect_file(path)
