@@ -5,7 +5,8 @@ Usage: torchrun --nproc_per_node=2 benchmarks/_measure_memory.py STRATEGY OUT.js
 STRATEGY is a registry name, or ``ddp+tp2``: tensor parallelism over both ranks (transformers'
 ``from_pretrained(distributed_config={"tp_plan": "auto"})``, the model's own Llama plan; no data parallelism, so no DDP wrapper), or
 ``fsdp_full_shard+tp2`` on 4 ranks: FSDP2 x TP, both applied by transformers at load
-(``DistributedConfig(tp_size=2, fsdp_size=world // 2)``), the ``(fsdp, tp)`` mesh of the Trainer's runs, or
+(``hf_dist.configs.training_args.load_kwargs``: ``tp_size=2, fsdp_size=world // 2``), the ``(fsdp, tp)`` mesh of the
+Trainer's runs, or
 ``zero2+tp2`` (ZeRO-1/2): DeepSpeed AutoTP over both ranks (``"tensor_parallel": {"autotp_size": 2}``; the plain
 model is sharded when the engine starts), or ``zero1+sp2`` (any ZeRO stage): DeepSpeed Ulysses over both ranks, set up as accelerate does it
 (``UlyssesSPAttentionHF.register_with_transformers`` -> the engine's ``mpu``); each rank feeds its half of every
@@ -36,6 +37,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from hf_dist.configs.training_args import load_kwargs
+from hf_dist.planning.features import installed_features
 from hf_dist.planning.layout import strategy as registry_strategy
 from hf_dist.testing import memory_curve, track_all_threads
 
@@ -110,12 +113,8 @@ def build(spec: str, tp_size: int = 1, fsdp_size: int = 1):
     if dist.get_rank() == 0 and not os.path.exists(os.path.join(folder, "config.json")):
         AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     dist.barrier()
-    if fsdp_size > 1:
-        from transformers.distributed.configuration_utils import DistributedConfig
-
-        sharding = {"distributed_config": DistributedConfig(tp_size=tp_size, fsdp_size=fsdp_size)}
-    else:
-        sharding = {"distributed_config": {"tp_plan": "auto"}}
+    # what hf_dist hands from_pretrained for the layout (fp32 here: no FSDP mixed-precision policy)
+    sharding = load_kwargs(tp_size, 1, deepspeed=False, features=installed_features(), fsdp_size=fsdp_size)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **sharding)
     compact_cpu_shards(model)
     return name, config, model

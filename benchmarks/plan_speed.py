@@ -14,7 +14,9 @@ config.json written by hand, 8 x 80 GB, global batch 64):
   on the meta device as every config was before;
 - ``plan, Gemma 2 9B``: a Gemma 2 config.json (``hf_dist.testing.public_config("gemma-2-9b")``), described by arithmetic
   since Gemma 2 joined the families (its attention read from transformers' source, not imported); before, it was
-  counted on the meta device like the row above.
+  counted on the meta device like the row above;
+- ``plan, Mixtral 8x7B``: Mixtral-8x7B's config.json (``public_config("mixtral-8x7b")``), described by arithmetic since
+  Mixtral joined the families (its tensor-parallel plan read from transformers' source); before, counted on meta.
 
 Medians of ``--runs`` runs; ratios from the same run. Measured (2 shared cores, torch 2.13, transformers 5.24):
 see docs/measurements.md, "What a plan costs".
@@ -43,6 +45,12 @@ GEMMA_2_9B = {
     "max_position_embeddings": 8192, "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 4096,
     "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": 256,
 }  # fmt: skip
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+    "sliding_window": None, "router_aux_loss_coef": 0.02, "torch_dtype": "bfloat16",
+}  # fmt: skip
 REQUEST = ["--gpus", "8", "--gpu-memory", "80", "--global-batch", "64"]
 
 
@@ -60,7 +68,12 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        configs = (("llama", LLAMA_3_8B), ("meta", {**LLAMA_3_8B, "quantization_config": None}), ("gemma", GEMMA_2_9B))
+        configs = (
+            ("llama", LLAMA_3_8B),
+            ("meta", {**LLAMA_3_8B, "quantization_config": None}),
+            ("gemma", GEMMA_2_9B),
+            ("mixtral", MIXTRAL_8X7B),
+        )
         for name, config in configs:
             (root / name).mkdir()
             (root / name / "config.json").write_text(json.dumps(config))
@@ -74,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
                 ("import torch, transformers", [sys.executable, "-c", "import torch, transformers"]),
                 ("plan, meta model", [*plan, str(root / "meta" / "config.json"), *REQUEST]),
                 ("plan, Gemma 2 9B", [*plan, str(root / "gemma" / "config.json"), *REQUEST]),
+                ("plan, Mixtral 8x7B", [*plan, str(root / "mixtral" / "config.json"), *REQUEST]),
             ):
                 times.setdefault(label, []).append(_timed(command, env))
     base = statistics.median(times["import torch, transformers"])

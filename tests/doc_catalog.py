@@ -143,10 +143,10 @@ CATALOG: dict[str, Entry] = {
         output=("docs/measurements.md", "14 min 55 s on 2 busy CPU cores on 2026-11-25"),
     ),
     "python benchmarks/plan_speed.py --runs 5": CannotRun(
-        "a benchmark: 20 fresh processes, about 2 min on 2 cores",
+        "a benchmark: 30 fresh processes, about 2 min on 2 cores",
         output=(
             "docs/measurements.md",
-            "| plan, Gemma 2 9B (same request; counted on the meta model until 2026-11-30) | 0.35 | 0.07 |",
+            "| plan, Mixtral 8x7B (same request; counted on the meta model until 2026-11-30) | 0.46 | 0.10 |",
         ),
     ),
     "hf-dist plan ./llama-3-8b --gpus 8 --gpu-memory 80 --global-batch 64 --seq-len 4096 --verify": CannotRun(

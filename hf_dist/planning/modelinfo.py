@@ -2,7 +2,7 @@
 
 ``model_spec`` accepts a bare parameter count, a transformers config (or its dict), a built
 ``nn.Module`` (PEFT-wrapped too), a local folder / ``config.json`` path, or a hub name. A Llama,
-Mistral, Qwen2, Qwen3 or Gemma 2 config (a dict or a local file) is counted by arithmetic without importing
+Mistral, Qwen2, Qwen3, Gemma 2, Mixtral or Qwen2-MoE config (a dict or a local file) is counted by arithmetic without importing
 transformers (:mod:`hf_dist.planning.families`); any other comes from instantiating the model on the
 ``meta`` device, which allocates no storage: a Llama-3.1-405B config counts in about half a second.
 """
@@ -16,6 +16,7 @@ from typing import Any
 
 from hf_dist.planning.config_checks import check_config_dict, check_dimensions
 from hf_dist.planning.families import FAMILIES, Counts, Inventory, Module, describe
+from hf_dist.planning.lora import DEFAULT_TARGETS
 from hf_dist.planning.model_source import (
     check_causal_lm,
     config_from_dict,
@@ -54,7 +55,7 @@ class ModelSpec:
     attention_softcapping: bool = False  # eager attention soft-caps its scores with tanh (Gemma 2)
     tp_plan: bool = False  # the config has a tensor-parallel plan (``base_model_tp_plan``: from_pretrained(tp_plan=))
     tp_split: TensorSplit | None = None  # what that plan splits in the layers (None: every linear, as in Llama's)
-    # (name, in_features, out_features) of each linear of one decoder layer that LoRA adapts (:data:`LORA_TARGETS`)
+    # (name, in_features, out_features) of each linear of one decoder layer that LoRA adapts (:data:`hf_dist.planning.lora.DEFAULT_TARGETS`)
     lora_linears: tuple[tuple[str, int, int], ...] = ()
     experts: int = 0  # routed experts per MoE layer (0: a dense feed-forward block)
     experts_per_token: int = 0  # experts each token is routed to (top-k)
@@ -132,10 +133,6 @@ class ModelSpec:
             intermediate_size=split.split(self.intermediate_size, tp_size, split.mlp),
             moe=moe,
         )
-
-
-# what LoRA adapts, as the recipes apply it (hf_dist.recipe_utils.LoraArguments): every linear of a Llama-style block
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def model_spec(model: Any, *, trust_remote_code: bool = False) -> ModelSpec:
@@ -309,7 +306,7 @@ def _lora_linears(layer: Any) -> tuple[tuple[str, int, int], ...]:
     for name, module in layer.named_modules():
         short = name.rsplit(".", 1)[-1]
         module = getattr(module, "base_layer", module)
-        if short in LORA_TARGETS and isinstance(module, torch.nn.Linear):
+        if short in DEFAULT_TARGETS and isinstance(module, torch.nn.Linear):
             out.append((short, module.in_features, module.out_features))
     return tuple(out)
 

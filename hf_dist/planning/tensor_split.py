@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 # styles that shard the parameter they name (transformers 5.24 ``distributed/tensor_parallel.py``, 5.0
@@ -71,19 +72,30 @@ def _is_split(name: str, plan: dict[str, str]) -> bool:
 def tensor_split(layers: Any, prefix: str, plan: dict[str, str] | None, index: int) -> TensorSplit | None:
     """What ``plan`` splits in ``layers`` (the model's decoder ``ModuleList`` named ``prefix``; ``index``: its largest
     layer), or None when the model has no plan. A PEFT-wrapped linear counts as the layer it wraps."""
-    if not plan or layers is None or not len(layers):
+    if not plan or layers is None:
+        return None
+    params = []
+    for layer in layers:
+        named = [(n, p.numel()) for n, p in layer.named_parameters()
+                 if not any(marker in n for marker in ("lora_", "modules_to_save"))]  # fmt: skip
+        params.append([(n.replace(".base_layer.", ".").replace(".original_module.", "."), size) for n, size in named])
+    return split_by_plan(params, prefix, plan, index)
+
+
+def split_by_plan(
+    layers: Sequence[Sequence[tuple[str, int]]], prefix: str, plan: dict[str, str] | None, index: int
+) -> TensorSplit | None:
+    """:func:`tensor_split` of layers given as their parameters' (relative name, size), built or counted."""
+    if not plan or not layers:
         return None
     split: dict[str, bool] = {}  # relative parameter name -> split, over every layer (dense and MoE layers differ)
     whole, whole_in_layers, layers_params = 0, 0, 0
     for i, layer in enumerate(layers):
-        for name, param in layer.named_parameters():
-            if any(marker in name for marker in ("lora_", "modules_to_save")):
-                continue
-            name = name.replace(".base_layer.", ".").replace(".original_module.", ".")
+        for name, size in layer:
             split[name] = cut = _is_split(f"{prefix}.{i}.{name}", plan)
-            layers_params += param.numel()
-            whole_in_layers += 0 if cut else param.numel()
-            whole += 0 if cut or i != index else param.numel()
+            layers_params += size
+            whole_in_layers += 0 if cut else size
+            whole += 0 if cut or i != index else size
     dense = _any(split, lambda parts: parts[:2] == ["mlp", "down_proj"], default=True)
     return TensorSplit(
         whole_params=whole,

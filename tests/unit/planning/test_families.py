@@ -1,4 +1,4 @@
-"""Llama, Mistral, Qwen2, Qwen3 and Gemma 2 described from config.json alone (hf_dist.planning.families) give exactly the spec the
+"""Llama, Mistral, Qwen2, Qwen3, Gemma 2, Mixtral and Qwen2-MoE described from config.json alone (hf_dist.planning.families) give exactly the spec the
 meta model gives on the installed transformers; every config the file does not model goes the meta-model way."""
 
 from __future__ import annotations
@@ -56,6 +56,65 @@ ONLY = {  # keys one family's config class takes
             sliding_window_size=4096,
             query_pre_attn_scalar=224,
             use_bidirectional_attention=False,
+        ),
+    },
+    "mixtral": {
+        "experts": dict(
+            SMALL,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            output_router_logits=True,
+            router_aux_loss_coef=0.02,
+            router_jitter_noise=0.01,
+        ),
+        "hub-file": dict(
+            SMALL,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=None,
+            head_dim=None,
+            rope_theta=1000000.0,
+            torch_dtype="bfloat16",
+            hidden_act="silu",
+            output_router_logits=False,
+        ),
+        "head_dim": dict(SMALL, head_dim=24),
+    },
+    "qwen2_moe": {
+        "experts": dict(
+            SMALL,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=True,
+            output_router_logits=True,
+        ),
+        "dense-layers": dict(
+            SMALL,
+            num_experts=4,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+            decoder_sparse_step=2,
+        ),
+        "dense-largest": dict(
+            SMALL, intermediate_size=4096, num_experts=2, moe_intermediate_size=8, mlp_only_layers=[2]
+        ),
+        "unbiased": dict(SMALL, qkv_bias=False, num_experts=4, sliding_window=None, use_sliding_window=False),
+        "hub-file": dict(
+            SMALL,
+            num_experts=4,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            decoder_sparse_step=1,
+            max_window_layers=21,
+            sliding_window=32768,
+            use_sliding_window=False,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            torch_dtype="bfloat16",
+            router_aux_loss_coef=0.001,
         ),
     },
 }
@@ -118,7 +177,8 @@ def test_a_null_that_transformers_refuses_is_left_to_the_meta_model():
         assert "invalid mistral config" in str(exc)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])  # Gemma 2's attention is read from transformers' source
+# Gemma 2's attention and the experts' tensor-parallel plans are read from transformers' source
+@pytest.mark.parametrize("family", ["llama", "gemma2", "mixtral", "qwen2_moe"])
 def test_planning_a_described_config_imports_neither_torch_nor_transformers(family, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": family, **SMALL}))
     code = (
@@ -152,6 +212,27 @@ def test_a_described_config_becomes_the_transformers_config_where_one_is_needed(
         ("llama-3.2-1b", ["--gpus", "2", "--gpu-memory", "24", "--method", "qlora"]),
         ("mistral-7b", ["--gpus", "16", "--nodes", "2", "--gpu-memory", "40", "--global-batch", "32"]),
         ("gemma-2-9b", ["--gpus", "8", "--gpu-memory", "80", "--global-batch", "64", "--seq-len", "8192"]),
+        (
+            "mixtral-8x7b",
+            [
+                "--gpus",
+                "64",
+                "--nodes",
+                "8",
+                "--gpu-memory",
+                "80",
+                "--global-batch",
+                "128",
+                "--seq-len",
+                "4096",
+                "--strategy",
+                "fsdp_full_shard",
+                "--activation-checkpointing",
+                "on",
+            ],
+        ),
+        ("mixtral-8x7b", ["--gpus", "16", "--nodes", "2", "--gpu-memory", "80", "--method", "lora"]),
+        ("qwen1.5-moe-a2.7b", ["--gpus", "8", "--gpu-memory", "40", "--global-batch", "64", "--tp-size", "2"]),
     ],
 )
 def test_the_plan_of_a_described_config_is_the_plan_of_its_meta_model(name, request_, tmp_path, capsys, monkeypatch):
@@ -177,6 +258,12 @@ FUZZ = {  # valid and invalid values of every key the families read; sizes small
     "rope_scaling": [None, {"rope_type": "linear", "factor": 2.0}, {"type": "dynamic", "factor": 2}, {"rope_type": "llama3",
                      "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}],
 }  # fmt: skip
+FUZZ_EXPERTS = {  # keys only the mixtures of experts take
+    "mixtral": {"num_local_experts": [1, 4, 0, 2.0], "num_experts_per_tok": [1, 2, 5], "router_jitter_noise": [0.0, 0]},
+    "qwen2_moe": {"num_experts": [1, 4, 0], "num_experts_per_tok": [1, 2, 5], "moe_intermediate_size": [8, 0],
+                  "shared_expert_intermediate_size": [16, None], "mlp_only_layers": [None, [], [0], [True], "0"],
+                  "decoder_sparse_step": [1, 2, 0], "qkv_bias": [True, False, None], "norm_topk_prob": [True, 1]},
+}  # fmt: skip
 
 
 def _meta_spec(data: dict):
@@ -192,18 +279,25 @@ def _outcome(build, *args):
 
 
 def test_random_configs_described_or_not_agree_with_the_meta_model():
-    """Whenever a config is described, the meta model of the same dict gives the same spec, or both refuse it."""
+    """Whenever a config is described, the meta model of the same dict gives the same spec, or both refuse it.
+    Each key is fuzzed often for a family that takes it and seldom for one that does not (then it is refused)."""
     import random
+    from collections import Counter
 
     from hf_dist.planning import modelinfo
+    from hf_dist.planning.families import _ANY_FAMILY
 
-    rng, described = random.Random(0), 0
+    rng, described = random.Random(0), Counter()
     for _ in range(2000):
-        data = {"model_type": rng.choice(list(FAMILIES)), "num_hidden_layers": 1, "vocab_size": 50, "hidden_size": 32,
-                "intermediate_size": 48, "num_attention_heads": 4, "head_dim": 8}  # fmt: skip
-        data.update({k: rng.choice(v) for k, v in FUZZ.items() if rng.random() < 0.2})
+        model_type = rng.choice(list(FAMILIES))
+        family = FAMILIES[model_type]
+        data = {"model_type": model_type, "num_hidden_layers": 2, "vocab_size": 50, "hidden_size": 32,
+                "intermediate_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+        for key, values in {**FUZZ, **FUZZ_EXPERTS.get(model_type, {})}.items():
+            if rng.random() < (0.2 if key in family.defaults or key in _ANY_FAMILY else 0.01):
+                data[key] = rng.choice(values)
         if describe(data) is None:
             continue
-        described += 1
+        described[model_type] += 1
         assert _outcome(modelinfo._described_spec, data, "model config") == _outcome(_meta_spec, data), data
-    assert described > 80  # the seed describes about 100 of the 2,000
+    assert min(described[f] for f in FAMILIES) >= 30, described  # the seed describes 40 to 100 of each family
