@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from typing import Any
 
 from hf_dist.tracing.allocations import AllocationLog
@@ -25,6 +26,11 @@ from hf_dist.tracing.result import TERM_ORDER, TraceError, TraceResult, TraceTim
 from hf_dist.tracing.setup import TraceSetup, TraceUnsupported, check_traceable
 from hf_dist.tracing.tracker import as_terms, inplace_fused_optimizer_ops, new_tracker, snapshot
 from hf_dist.tracing.zero_shims import UnknownScalarRead
+
+# torch 2.13's FSDP2 warns whenever a wrapped module returns a view (every embedding and TP linear under FSDP2 x TP),
+# in case the model changes it in place. It speaks of the user's model in their own run; in a trace of fake tensors,
+# whose gradients nobody reads, it is noise in `hf-dist plan --verify`'s output.
+FSDP_VIEW_OUTPUT = r"FSDP2-wrapped module \(.*\) returned a view tensor"
 
 # ---------------------------------------------------------------- the fake world
 
@@ -176,7 +182,9 @@ def trace_here(
             fake_world(setup) as mesh,
             liger_applied(setup.use_liger_kernel, config) as apply_liger,
             _engine_process(setup),
+            warnings.catch_warnings(),
         ):
+            warnings.filterwarnings("ignore", message=FSDP_VIEW_OUTPUT, category=UserWarning)
             run = _Run(config, setup, mesh, optimizer, deadline, trust_remote_code, apply_liger)
             run.steps()
     except (TraceError, TraceUnsupported):
