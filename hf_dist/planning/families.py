@@ -1,4 +1,4 @@
-"""Llama, Mistral, Qwen2, Qwen3, Gemma 2, Mixtral and Qwen2-MoE described from config.json alone: no transformers or torch.
+"""Llama, Mistral, Qwen2, Qwen3, Gemma 2, Mixtral and Qwen2-MoE described from config.json: no transformers or torch.
 
 Importing transformers' config and modelling classes takes longer than a whole plan (issue 39: ``hf-dist plan`` on a
 local config.json in seconds). For these seven families every module the meta model holds follows from the config,
@@ -363,7 +363,8 @@ def _routed(v: Any, experts: int, inner: int) -> Block:
     hidden = v.hidden_size
     weights = [("mlp.gate.weight", experts * hidden), ("mlp.experts.gate_up_proj", experts * 2 * inner * hidden),
                ("mlp.experts.down_proj", experts * hidden * inner)]  # fmt: skip
-    modules = (Module("mlp.gate", "other", weights[0][1]), Module("mlp.experts", "other", weights[1][1] + weights[2][1]),
+    router, packed = weights[0][1], weights[1][1] + weights[2][1]
+    modules = (Module("mlp.gate", "other", router), Module("mlp.experts", "other", packed),
                Module("mlp.experts.act_fn", "other", 0))  # fmt: skip
     return modules, weights
 

@@ -1,8 +1,8 @@
 """What the planner needs to know about a model: parameter counts and shape, without allocating weights.
 
 ``model_spec`` accepts a bare parameter count, a transformers config (or its dict), a built
-``nn.Module`` (PEFT-wrapped too), a local folder / ``config.json`` path, or a hub name. A Llama,
-Mistral, Qwen2, Qwen3, Gemma 2, Mixtral or Qwen2-MoE config (a dict or a local file) is counted by arithmetic without importing
+``nn.Module`` (PEFT-wrapped too), a local folder / ``config.json`` path, or a hub name. A Llama, Mistral, Qwen2,
+Qwen3, Gemma 2, Mixtral or Qwen2-MoE config (a dict or a local file) is counted by arithmetic without importing
 transformers (:mod:`hf_dist.planning.families`); any other comes from instantiating the model on the
 ``meta`` device, which allocates no storage: a Llama-3.1-405B config counts in about half a second.
 """
@@ -55,7 +55,8 @@ class ModelSpec:
     attention_softcapping: bool = False  # eager attention soft-caps its scores with tanh (Gemma 2)
     tp_plan: bool = False  # the config has a tensor-parallel plan (``base_model_tp_plan``: from_pretrained(tp_plan=))
     tp_split: TensorSplit | None = None  # what that plan splits in the layers (None: every linear, as in Llama's)
-    # (name, in_features, out_features) of each linear of one decoder layer that LoRA adapts (:data:`hf_dist.planning.lora.DEFAULT_TARGETS`)
+    # (name, in_features, out_features) of each linear of one decoder layer that LoRA adapts
+    # (:data:`hf_dist.planning.lora.DEFAULT_TARGETS`)
     lora_linears: tuple[tuple[str, int, int], ...] = ()
     experts: int = 0  # routed experts per MoE layer (0: a dense feed-forward block)
     experts_per_token: int = 0  # experts each token is routed to (top-k)
