@@ -219,7 +219,8 @@ def describe(data: dict, name: str | None = None) -> tuple[ConfigFields, Counts]
     attention, plan = _attention(family), _tp_plan(data["model_type"], family)
     if attention is None or plan is UNREAD:
         return None  # transformers is not installed, or its class does not say plainly: the meta model tells
-    fields = {**family.defaults, **data, "_name_or_path": name or "", "base_model_tp_plan": plan}
+    # the plan is copied: class_literal's read is cached and shared
+    fields = {**family.defaults, **data, "_name_or_path": name or "", "base_model_tp_plan": dict(plan)}
     view = ConfigFields(**fields, source=dict(data))
     view.num_key_value_heads = view.num_key_value_heads or view.num_attention_heads
     view.dtype = data.get("dtype", data.get("torch_dtype"))
